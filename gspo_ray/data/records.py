@@ -1,0 +1,145 @@
+"""Typed records that cross actor boundaries.
+
+A rollout worker returns `Sample`s (one per completion); the coordinator collects them into `Group`s (one per
+prompt, the buffer's unit), computes advantages, and packs mini-batches into `TrainBatch`es for the trainer.
+Token ids are the lingua franca: nothing is ever re-tokenised after the prompt was encoded once.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class Prompt:
+    """One prompt as token ids, with whatever the reward function needs (e.g. the reference answer)."""
+
+    uid: str  # stable id, unique within a job; groups are keyed by it
+    prompt_ids: list[int]
+    reference: Any = None
+    text: str | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Sample:
+    """One completion of one prompt.
+
+    Per-completion-token lists (`completion_ids`, `logprobs`, `loss_mask`, `versions`) all have the same length.
+    `logprobs[t]` is the inference engine's log-prob of the sampled token `completion_ids[t]`: it is the old policy.
+    `versions[t]` is the policy version that produced token t, stamped when its request was dispatched.
+    """
+
+    prompt_uid: str
+    sample_index: int
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]
+    loss_mask: list[int]
+    versions: list[int]
+    finish_reason: str  # "stop" | "length" | "aborted"
+    reward: float | None = None
+    token_rewards: list[float] | None = None  # optional per-token (process) rewards, same length as completion_ids
+    failed: str | None = None  # reason when the sample could not be scored; failed samples never train
+    reward_info: dict[str, float] = field(default_factory=dict)
+    worker_id: int | None = None
+
+    @property
+    def seq_logprob(self) -> float:
+        """Sum of the engine's log-probs over the completion (equals vLLM's cumulative_logprob)."""
+        return float(sum(self.logprobs))
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.completion_ids)
+
+    def __post_init__(self) -> None:
+        n = len(self.completion_ids)
+        for name in ("logprobs", "loss_mask", "versions"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"Sample.{name} has {len(getattr(self, name))} entries, completion_ids has {n}")
+
+
+@dataclass
+class Group:
+    """All completions of one prompt: the buffer's unit. Advantages are filled in by the coordinator."""
+
+    prompt: Prompt
+    samples: list[Sample]
+    advantages: list[float] | None = None
+    token_advantages: list[list[float]] | None = None
+
+    @property
+    def uid(self) -> str:
+        return self.prompt.uid
+
+    @property
+    def rewards(self) -> list[float]:
+        return [float(s.reward) if s.reward is not None else float("nan") for s in self.samples]
+
+    def version_span(self) -> tuple[int, int]:
+        vs = [v for s in self.samples for v in s.versions] or [0]
+        return min(vs), max(vs)
+
+
+@dataclass
+class TrainBatch:
+    """A padded mini-batch for the trainer; every tensor is aligned to `tokens` positions.
+
+    tokens     [B, L] int64   prompt + completion, right-padded with 0
+    loss_mask  [B, L] float   1 where tokens[b, t] is a completion token that trains
+    old_logp   [B, L] float   engine log-prob of tokens[b, t] (0 where loss_mask is 0)
+    adv        [B, L] float   advantage of tokens[b, t]
+    lengths    [B]    int64   real length of each row
+    """
+
+    tokens: torch.Tensor
+    loss_mask: torch.Tensor
+    old_logp: torch.Tensor
+    adv: torch.Tensor
+    lengths: torch.Tensor
+    ref_logp: torch.Tensor | None = None
+    uids: list[str] = field(default_factory=list)
+
+    @property
+    def num_sequences(self) -> int:
+        return int(self.tokens.shape[0])
+
+    def select(self, rows: list[int] | torch.Tensor) -> "TrainBatch":
+        idx = torch.as_tensor(rows, dtype=torch.long)
+        return TrainBatch(
+            tokens=self.tokens[idx],
+            loss_mask=self.loss_mask[idx],
+            old_logp=self.old_logp[idx],
+            adv=self.adv[idx],
+            lengths=self.lengths[idx],
+            ref_logp=None if self.ref_logp is None else self.ref_logp[idx],
+            uids=[self.uids[i] for i in idx.tolist()] if self.uids else [],
+        )
+
+
+def collate(samples: list[Sample], advantages: list[list[float]], pad_to_multiple: int = 1) -> TrainBatch:
+    """Pack samples (with per-token advantages, one list per sample) into a right-padded TrainBatch."""
+    if len(samples) != len(advantages):
+        raise ValueError(f"{len(samples)} samples but {len(advantages)} advantage rows")
+    lengths = [len(s.prompt_ids) + len(s.completion_ids) for s in samples]
+    L = max(lengths)
+    L = ((L + pad_to_multiple - 1) // pad_to_multiple) * pad_to_multiple
+    B = len(samples)
+    tokens = torch.zeros(B, L, dtype=torch.long)
+    mask = torch.zeros(B, L)
+    old = torch.zeros(B, L)
+    adv = torch.zeros(B, L)
+    for b, (s, a) in enumerate(zip(samples, advantages)):
+        p, c = len(s.prompt_ids), len(s.completion_ids)
+        if len(a) != c:
+            raise ValueError(f"sample {s.prompt_uid}/{s.sample_index}: {len(a)} advantages for {c} tokens")
+        tokens[b, :p] = torch.tensor(s.prompt_ids)
+        tokens[b, p:p + c] = torch.tensor(s.completion_ids)
+        mask[b, p:p + c] = torch.tensor(s.loss_mask, dtype=torch.float)
+        old[b, p:p + c] = torch.tensor(s.logprobs, dtype=torch.float)
+        adv[b, p:p + c] = torch.tensor(a, dtype=torch.float)
+    return TrainBatch(tokens=tokens, loss_mask=mask, old_logp=old, adv=adv,
+                      lengths=torch.tensor(lengths), uids=[f"{s.prompt_uid}/{s.sample_index}" for s in samples])

@@ -1,0 +1,99 @@
+"""Tiny, locally built HF models for the default recipe and the tests (nothing is downloaded, ever).
+
+    gspo-ray models make-tiny --arch qwen3_moe --out runs/models/tiny-moe
+
+A character-level tokenizer is trained with `tokenizers` on the alphabet, wrapped in `PreTrainedTokenizerFast`,
+and a randomly initialised `Qwen3MoeForCausalLM` / `Qwen2ForCausalLM` is saved next to it as safetensors.
+Embeddings are untied on purpose: vLLM's CPU backend keeps a stale packed lm_head after a weight reload when they
+are tied. Same arguments + seed -> byte-identical weights.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+ARCHS = ("qwen3_moe", "qwen2")
+# Enough for the built-in tasks ("copy:4821=" -> "4821", "12+34=" -> "46"); a small vocabulary is what lets a
+# randomly initialised model stumble on right answers often enough for RL to start from scratch.
+DEFAULT_ALPHABET = "0123456789copy:=+-*"
+PAD, EOS, BOS = "<pad>", "<eos>", "<bos>"
+
+
+def build_tokenizer(alphabet: str = DEFAULT_ALPHABET):
+    """A character-level fast tokenizer: one token per character, plus pad/eos/bos."""
+    from tokenizers import Tokenizer, decoders, models, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = sorted(set(alphabet), key=alphabet.index)
+    tok = Tokenizer(models.BPE(unk_token=None))
+    specials = [PAD, EOS, BOS]
+    # vocab_size == alphabet + specials: the trainer learns no merges, so every character is one token.
+    trainer = trainers.BpeTrainer(vocab_size=len(chars) + len(specials), special_tokens=specials,
+                                  initial_alphabet=chars, show_progress=False)
+    tok.train_from_iterator(["".join(chars)], trainer=trainer)
+    tok.decoder = decoders.Fuse()  # join characters without spaces
+    missing = [c for c in chars if tok.token_to_id(c) is None]
+    if missing:
+        raise ValueError(f"alphabet characters {missing!r} did not become tokens")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, eos_token=EOS, bos_token=BOS,
+                                   clean_up_tokenization_spaces=False)
+
+
+def build_config(arch: str, vocab_size: int, hidden: int = 64, layers: int = 2, experts: int = 4, top_k: int = 2,
+                 heads: int = 4, kv_heads: int = 2, max_positions: int = 256, eos_id: int = 1, pad_id: int = 0,
+                 bos_id: int = 2):
+    """HF config of a tiny model; MoE layers everywhere for qwen3_moe (top-k routing, normalised top-k probs)."""
+    common = dict(vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                  num_key_value_heads=kv_heads, max_position_embeddings=max_positions, tie_word_embeddings=False,
+                  rms_norm_eps=1e-6, eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=bos_id,
+                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, torch_dtype="float32")
+    if arch == "qwen3_moe":
+        from transformers import Qwen3MoeConfig
+
+        return Qwen3MoeConfig(**common, head_dim=hidden // heads, intermediate_size=2 * hidden,
+                              moe_intermediate_size=hidden, num_experts=experts, num_experts_per_tok=top_k,
+                              norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                              output_router_logits=False, router_aux_loss_coef=0.0)
+    if arch == "qwen2":
+        from transformers import Qwen2Config
+
+        return Qwen2Config(**common, intermediate_size=2 * hidden)
+    raise ValueError(f"unknown arch {arch!r}; valid: {', '.join(ARCHS)}")
+
+
+def make_tiny_model(arch: str, out: str | Path, seed: int = 0, alphabet: str = DEFAULT_ALPHABET, hidden: int = 64,
+                    layers: int = 2, experts: int = 4, top_k: int = 2, init_std: float = 0.02) -> Path:
+    """Build tokenizer + random model and save both to `out` (HF layout, safetensors). Returns `out`."""
+    from transformers import AutoModelForCausalLM
+
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; valid: {', '.join(ARCHS)}")
+    out = Path(out)
+    tokenizer = build_tokenizer(alphabet)
+    config = build_config(arch, vocab_size=len(tokenizer), hidden=hidden, layers=layers, experts=experts,
+                          top_k=top_k, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id,
+                          bos_id=tokenizer.bos_token_id)
+    config.initializer_range = init_std
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    (out / "tiny_model.json").write_text(json.dumps(
+        {"arch": arch, "seed": seed, "alphabet": alphabet, "hidden": hidden, "layers": layers, "experts": experts,
+         "top_k": top_k, "params": sum(p.numel() for p in model.parameters())}, indent=1))
+    return out
+
+
+def ensure_tiny_model(arch: str, out: str | Path, **kwargs) -> Path:
+    """Build the tiny model at `out` unless an identical one (same arguments) is already there."""
+    out = Path(out)
+    stamp = out / "tiny_model.json"
+    if stamp.exists():
+        have = json.loads(stamp.read_text())
+        want = {"arch": arch, **kwargs}
+        if all(have.get(k) == v for k, v in want.items()) and (out / "model.safetensors").exists():
+            return out
+    return make_tiny_model(arch, out, **kwargs)

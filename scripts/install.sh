@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Build the project venv from the CPU lock: install.sh PYTHON VENV LOCK
+set -euo pipefail
+py=${1:-python3}; venv=${2:-.venv}; lock=${3:-requirements/cpu.lock}
+[ -x "$venv/bin/python" ] || "$py" -m venv "$venv"
+"$venv/bin/python" -m pip install -q --disable-pip-version-check "uv==0.13.9"
+# torch 2.13.0+cpu is not on PyPI; pip's config names where this machine keeps it. uv does not read pip's config.
+links=()
+fl=$("$venv/bin/python" -m pip config get global.find-links 2>/dev/null || true)
+for d in $fl; do links+=(--find-links "$d"); done
+extra=$("$venv/bin/python" -m pip config get global.extra-index-url 2>/dev/null || true)
+for u in $extra; do links+=(--extra-index-url "$u"); done
+"$venv/bin/uv" pip install --python "$venv/bin/python" --no-deps --index-strategy unsafe-best-match \
+    "${links[@]}" -r "$lock"
+"$venv/bin/uv" pip install --python "$venv/bin/python" --no-deps -e .
+"$venv/bin/python" -c "import torch, vllm, megatron.core, ray, transformers; print('stack ok: torch', torch.__version__, 'vllm', vllm.__version__, 'megatron-core', megatron.core.__version__, 'ray', ray.__version__)"
