@@ -1,0 +1,87 @@
+"""The `gspo-ray` command.
+
+    gspo-ray train gspo_ray/recipes/tiny_moe.yaml [key.path=value ...] [--resume]
+    gspo-ray config validate FILE      gspo-ray config show [FILE] [key=value ...]
+    gspo-ray models make-tiny --arch qwen3_moe --out DIR
+    gspo-ray bench
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="GSPO post-training on Ray + vLLM + Megatron-core")
+config_app = typer.Typer(no_args_is_help=True, help="validate and show job configs")
+models_app = typer.Typer(no_args_is_help=True, help="build local models")
+app.add_typer(config_app, name="config")
+app.add_typer(models_app, name="models")
+
+
+def _load(path: Optional[Path], overrides: list[str]):
+    from gspo_ray.config import ConfigError, load_config
+
+    try:
+        return load_config(path, overrides)
+    except ConfigError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2)
+
+
+@config_app.command("validate")
+def config_validate(file: Path, overrides: list[str] = typer.Argument(None, help="key.path=value overrides")):
+    """Check a job file; exit 2 with the offending field named when it is invalid."""
+    cfg = _load(file, overrides or [])
+    typer.echo(f"{file}: ok ({cfg.algorithm.importance_sampling_level}, clip {cfg.algorithm.clip_range()}, "
+               f"{cfg.coordinator.steps} steps, run dir {cfg.run_dir})")
+
+
+@config_app.command("show")
+def config_show(file: Optional[Path] = typer.Argument(None), overrides: list[str] = typer.Argument(None)):
+    """Print the effective config (defaults filled in) as YAML."""
+    from gspo_ray.config import dump_config
+
+    typer.echo(dump_config(_load(file, overrides or [])), nl=False)
+
+
+@models_app.command("make-tiny")
+def models_make_tiny(arch: str = typer.Option("qwen3_moe", help="qwen3_moe | qwen2"),
+                     out: Path = typer.Option(..., help="output directory"),
+                     seed: int = 0, hidden: int = 64, layers: int = 2, experts: int = 4, top_k: int = 2):
+    """Build a tiny random HF model + char-level tokenizer locally (safetensors, untied embeddings)."""
+    from gspo_ray.models.tiny import ARCHS, make_tiny_model
+
+    if arch not in ARCHS:
+        typer.echo(f"error: --arch {arch!r} unknown; valid: {', '.join(ARCHS)}", err=True)
+        raise typer.Exit(2)
+    path = make_tiny_model(arch, out, seed=seed, hidden=hidden, layers=layers, experts=experts, top_k=top_k)
+    typer.echo(f"wrote {arch} model to {path}")
+
+
+@app.command()
+def train(file: Path, overrides: list[str] = typer.Argument(None, help="key.path=value overrides"),
+          resume: bool = typer.Option(False, "--resume", help="continue from the run's last checkpoint")):
+    """Train one job: start or join Ray, build the pools, run the loop."""
+    cfg = _load(file, overrides or [])
+    from gspo_ray.coordinator.job import run_job
+
+    summary = run_job(cfg, resume=resume)
+    typer.echo(summary.describe())
+
+
+@app.command()
+def bench(quick: bool = typer.Option(False, help="fewer steps")):
+    """Per-phase time breakdown of training steps (sync/async, recompute on/off): prints a table."""
+    from gspo_ray.coordinator.bench import run_bench
+
+    run_bench(quick=quick)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,327 @@
+"""Job configuration: one YAML file = one job, validated before any expensive work starts.
+
+    gspo-ray config validate gspo_ray/recipes/tiny_moe.yaml
+    gspo-ray config show gspo_ray/recipes/tiny_moe.yaml algorithm.importance_sampling_level=token
+
+Each component receives its own sub-config (`RolloutConfig`, `TrainerConfig`, ...), never the whole job.
+Defaults follow the GSPO paper (sequence-level ratio, clip 3e-4/4e-4, sequence-mean aggregation).
+"""
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+ImportanceLevel = Literal["token", "sequence", "sequence_token"]
+Aggregation = Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"]
+
+# Clip ranges (eps_low, eps_high) by importance-sampling level: GSPO paper §5.1 for the sequence levels; the
+# paper's GRPO baseline for tokens (0.2/0.27; DAPO's clip-higher uses 0.2/0.28).
+DEFAULT_CLIP = {"sequence": (3e-4, 4e-4), "sequence_token": (3e-4, 4e-4), "token": (0.2, 0.27)}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class TinyModelConfig(_Strict):
+    """A model built locally by `gspo_ray.models.tiny` (no downloads)."""
+
+    arch: Literal["qwen3_moe", "qwen2"] = Field("qwen3_moe", description="HF architecture of the tiny model")
+    seed: int = Field(0, description="initialisation seed")
+    hidden: int = Field(64, gt=0, description="hidden size")
+    layers: int = Field(2, gt=0, description="transformer layers")
+    experts: int = Field(4, ge=1, description="experts per MoE layer (qwen3_moe)")
+    top_k: int = Field(2, ge=1, description="experts per token (qwen3_moe)")
+
+
+class ModelConfig(_Strict):
+    """Which HF checkpoint to train: a directory, or a tiny model built into the run directory."""
+
+    path: Path | None = Field(None, description="HF checkpoint directory (config.json + safetensors + tokenizer)")
+    tiny: TinyModelConfig | None = Field(None, description="build a tiny local model instead of loading `path`")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "ModelConfig":
+        if (self.path is None) == (self.tiny is None):
+            raise ValueError("model: set exactly one of `path` (HF checkpoint dir) or `tiny` (locally built model)")
+        return self
+
+
+class DataConfig(_Strict):
+    """Where prompts come from: a built-in task generator or a JSONL file."""
+
+    source: Literal["builtin", "jsonl"] = Field("builtin", description="prompt source kind")
+    task: Literal["copy", "add"] = Field("copy", description="built-in task (source=builtin)")
+    min_digits: int = Field(3, ge=1, description="shortest operand of the built-in task")
+    max_digits: int = Field(4, ge=1, description="longest operand of the built-in task")
+    path: Path | None = Field(None, description="training JSONL (source=jsonl)")
+    eval_path: Path | None = Field(None, description="held-out JSONL for evaluation (source=jsonl)")
+    prompt_field: str = Field("prompt", description="JSONL field holding the prompt text")
+    reference_field: str = Field("reference", description="JSONL field holding the reference answer")
+    apply_chat_template: bool = Field(False, description="wrap prompts with the tokenizer's chat template")
+    num_eval: int = Field(64, ge=0, description="held-out prompts scored at each evaluation")
+    seed: int = Field(0, description="prompt order / generator seed")
+
+    @model_validator(mode="after")
+    def _check(self) -> "DataConfig":
+        if self.source == "jsonl" and self.path is None:
+            raise ValueError("data.path is required when data.source is 'jsonl'")
+        if self.min_digits > self.max_digits:
+            raise ValueError(f"data.min_digits ({self.min_digits}) > data.max_digits ({self.max_digits})")
+        return self
+
+
+class RewardConfig(_Strict):
+    """A reward function given by import path; see gspo_ray/envs/rewards.py for the signature."""
+
+    fn: str = Field("gspo_ray.envs.rewards:copy_reward", description="dotted import path `module:function`")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="extra keyword arguments for the function")
+    timeout_s: float = Field(5.0, gt=0, description="a call slower than this marks the sample failed")
+    num_threads: int = Field(2, ge=1, description="scoring threads per rollout worker")
+
+
+class RolloutConfig(_Strict):
+    """The rollout pool: vLLM engines in Ray actors that sample groups and return engine log-probs."""
+
+    num_workers: int = Field(1, ge=1, description="rollout actors (one vLLM engine each)")
+    num_cpus_per_worker: float = Field(1, gt=0, description="Ray CPUs reserved per rollout actor")
+    num_gpus_per_worker: float = Field(0, ge=0, description="Ray GPUs per rollout actor (0 on CPU)")
+    resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources / node labels")
+    group_size: int = Field(8, ge=2, description="completions per prompt (n); GRPO/GSPO groups need >= 2")
+    temperature: float = Field(1.0, ge=0, description="sampling temperature (1.0 keeps log-probs on-policy)")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling")
+    top_k: int = Field(-1, description="top-k sampling, -1 = off")
+    max_new_tokens: int = Field(16, ge=1, description="completion token limit")
+    max_model_len: int = Field(256, ge=8, description="prompt + completion limit of the engine")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="engine dtype; bf16 log-probs drift "
+                                                  "far beyond GSPO's 3e-4 clip band on CPU (see mismatch metrics)")
+    kv_cache_gb: float = Field(1, gt=0, description="KV cache size per engine (VLLM_CPU_KVCACHE_SPACE on CPU)")
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="vLLM GPU memory share (GPU only)")
+    enforce_eager: bool = Field(True, description="skip graph capture (fast start)")
+    seed: int = Field(0, description="sampling seed")
+    weight_bucket_mb: float = Field(64, gt=0, description="bucket size of weight pushes")
+    verify_push: bool = Field(True, description="after each push, check engine log-probs on a probe sequence")
+    verify_tol: float = Field(1e-4, gt=0, description="max |logp_engine - logp_trainer| accepted by the probe")
+    reward: RewardConfig = Field(default_factory=RewardConfig, description="reward function")
+
+
+class TrainerConfig(_Strict):
+    """The trainer pool: Megatron-core workers forming one process group (DP x TP, experts over EP)."""
+
+    num_workers: int = Field(1, ge=1, description="trainer actors = world size; DP = num_workers / tp")
+    tp: int = Field(1, ge=1, description="tensor parallel size (sequence parallelism is on when tp > 1)")
+    ep: int = Field(1, ge=1, description="expert parallel size (must divide num_workers and the expert count)")
+    num_cpus_per_worker: float = Field(1, gt=0, description="Ray CPUs per trainer actor")
+    num_gpus_per_worker: float = Field(0, ge=0, description="Ray GPUs per trainer actor")
+    resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources / node labels")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="training dtype")
+    lr: float = Field(1e-6, ge=0, description="peak learning rate")
+    min_lr: float = Field(0.0, ge=0, description="floor of the cosine schedule")
+    lr_warmup_steps: int = Field(0, ge=0, description="linear warm-up steps")
+    lr_schedule: Literal["constant", "cosine"] = Field("constant", description="decay after warm-up")
+    total_steps: int | None = Field(None, description="optimizer steps for the cosine schedule (default: derived)")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    adam_beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1")
+    adam_beta2: float = Field(0.999, ge=0, lt=1, description="AdamW beta2")
+    adam_eps: float = Field(1e-8, gt=0, description="AdamW epsilon")
+    grad_clip: float = Field(1.0, ge=0, description="global grad-norm clip (0 = off)")
+    micro_batch_size: int = Field(64, ge=1, description="sequences per forward/backward (grad accumulation)")
+    use_distributed_optimizer: bool = Field(False, description="shard optimizer state over DP (ZeRO-1)")
+    moe_dispatcher: Literal["alltoall", "allgather"] = Field("alltoall", description="MoE token dispatcher")
+    router_churn_every: int = Field(1, ge=0, description="measure router churn every N steps (0 = never)")
+    export_bucket_mb: float = Field(64, gt=0, description="bucket size when exporting weights to rollout")
+    seed: int = Field(0, description="trainer seed")
+
+    @model_validator(mode="after")
+    def _layout(self) -> "TrainerConfig":
+        if self.num_workers % self.tp:
+            raise ValueError(f"trainer.tp ({self.tp}) must divide trainer.num_workers ({self.num_workers})")
+        if self.num_workers % self.ep:
+            raise ValueError(f"trainer.ep ({self.ep}) must divide trainer.num_workers ({self.num_workers})")
+        return self
+
+    @property
+    def dp(self) -> int:
+        return self.num_workers // self.tp
+
+
+class AdvantageConfig(_Strict):
+    """Group-relative advantages: A_i = (R_i - mean_group R) / (std_group(R, ddof=1) + eps)."""
+
+    scale_by_std: bool = Field(True, description="divide by the group std (False = Dr.GRPO)")
+    eps: float = Field(1e-4, gt=0, description="added to the std")
+    per_token: bool = Field(False, description="per-token advantages (process rewards); needs sequence_token")
+
+
+class AlgorithmConfig(_Strict):
+    """The policy objective. Defaults are GSPO's."""
+
+    importance_sampling_level: ImportanceLevel = Field(
+        "sequence", description="token = GRPO, sequence = GSPO, sequence_token = GSPO-token")
+    eps_low: float | None = Field(None, gt=0, description="lower clip (default by level: 3e-4 seq, 0.2 token)")
+    eps_high: float | None = Field(None, gt=0, description="upper clip (default by level: 4e-4 seq, 0.27 token)")
+    dual_clip_c: float | None = Field(None, gt=1, description="dual-clip bound for negative advantages (off)")
+    aggregation: Aggregation = Field("seq-mean-token-mean", description="how token losses are averaged")
+    norm_len: int | None = Field(None, gt=0, description="constant length for seq-mean-token-sum-norm")
+    beta: float = Field(0.0, ge=0, description="KL coefficient to the reference policy (0 = no reference)")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator")
+    advantage: AdvantageConfig = Field(default_factory=AdvantageConfig, description="advantage estimation")
+
+    @model_validator(mode="after")
+    def _check(self) -> "AlgorithmConfig":
+        level, agg = self.importance_sampling_level, self.aggregation
+        if level == "sequence" and agg == "token-mean":
+            raise ValueError("algorithm.aggregation 'token-mean' weights sequences by length, which breaks GSPO's "
+                             "sequence-level objective (importance_sampling_level='sequence'); "
+                             "use 'seq-mean-token-mean'")
+        if self.advantage.per_token and level == "sequence":
+            raise ValueError("algorithm.advantage.per_token needs importance_sampling_level='sequence_token': "
+                             "'sequence' averages per-token advantages away")
+        if level != "token" and agg == "seq-mean-token-sum-norm":
+            warnings.warn("algorithm.aggregation 'seq-mean-token-sum-norm' with a sequence-level ratio is not the "
+                          "GSPO objective; prefer 'seq-mean-token-mean'", stacklevel=2)
+        lo, hi = self.clip_range()
+        if lo >= 1:
+            raise ValueError(f"algorithm.eps_low must be < 1 (got {lo})")
+        return self
+
+    def clip_range(self) -> tuple[float, float]:
+        """(eps_low, eps_high) with level defaults filled in."""
+        lo, hi = DEFAULT_CLIP[self.importance_sampling_level]
+        return (self.eps_low if self.eps_low is not None else lo, self.eps_high if self.eps_high is not None else hi)
+
+
+class CoordinatorConfig(_Strict):
+    """The loop: rollout -> advantages -> buffered groups -> num_iterations x num_minibatches steps -> push."""
+
+    steps: int = Field(20, ge=1, description="rollout batches (training iterations) to run")
+    prompts_per_step: int = Field(16, ge=1, description="informative groups trained per rollout batch")
+    num_iterations: int = Field(1, ge=1, description="passes over each rollout batch (PPO epochs, mu)")
+    num_minibatches: int = Field(1, ge=1, description="optimizer steps per pass")
+    mode: Literal["sync", "async"] = Field("sync", description="sync: on-policy; async: rollout overlaps training")
+    max_staleness: int = Field(1, ge=0, description="async: drop samples older than this many policy versions")
+    filter_zero_adv: bool = Field(True, description="drop groups whose rewards are all equal (no signal) and refill")
+    max_refill_rounds: int = Field(4, ge=0, description="extra rollout rounds to refill filtered groups")
+    recompute_old_logprobs: bool = Field(False, description="recompute old log-probs with the trainer instead of "
+                                         "using the engine's (to measure the engine-trainer gap)")
+    eval_every: int = Field(5, ge=0, description="held-out evaluation every N steps (0 = only start and end)")
+    checkpoint_every: int = Field(10, ge=0, description="save a checkpoint every N steps (0 = only at the end)")
+    early_stop_reward: float | None = Field(None, description="stop once held-out mean reward reaches this")
+
+    @model_validator(mode="after")
+    def _check(self) -> "CoordinatorConfig":
+        if self.prompts_per_step % self.num_minibatches:
+            raise ValueError(f"coordinator.num_minibatches ({self.num_minibatches}) must divide "
+                             f"coordinator.prompts_per_step ({self.prompts_per_step}): mini-batches hold whole groups")
+        return self
+
+
+class ClusterConfig(_Strict):
+    """Where the job runs: a local Ray started in-process, or an existing cluster."""
+
+    address: str | None = Field(None, description="Ray address to join (None = start a local instance)")
+    num_cpus: int | None = Field(None, ge=1, description="CPUs of the local instance (default: all)")
+    namespace: str = Field("gspo-ray", description="Ray namespace")
+    runtime_env: dict[str, Any] = Field(default_factory=dict, description="Ray runtime_env for workers")
+
+
+class LoggingConfig(_Strict):
+    """Where results go."""
+
+    out_dir: Path = Field(Path("runs"), description="run directories are created under this")
+    tensorboard: bool = Field(True, description="write TensorBoard event files")
+    plot: bool = Field(True, description="write a PNG of reward / clip fraction / churn / mismatch at the end")
+    progress: bool = Field(True, description="show a live progress bar")
+
+
+class JobConfig(_Strict):
+    """One training job."""
+
+    name: str = Field("gspo", description="run name; the run directory is out_dir/name")
+    seed: int = Field(0, description="global seed")
+    model: ModelConfig = Field(default_factory=lambda: ModelConfig(tiny=TinyModelConfig()))
+    data: DataConfig = Field(default_factory=DataConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    coordinator: CoordinatorConfig = Field(default_factory=CoordinatorConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+
+    @model_validator(mode="after")
+    def _cross(self) -> "JobConfig":
+        tiny = self.model.tiny
+        if tiny is not None and tiny.arch == "qwen3_moe":
+            if tiny.top_k > tiny.experts:
+                raise ValueError(f"model.tiny.top_k ({tiny.top_k}) > model.tiny.experts ({tiny.experts})")
+            if tiny.experts % self.trainer.ep:
+                raise ValueError(f"trainer.ep ({self.trainer.ep}) must divide model.tiny.experts ({tiny.experts})")
+        if self.model.path is not None and not (self.model.path / "config.json").exists():
+            raise ValueError(f"model.path: no config.json in {self.model.path}")
+        for name in ("path", "eval_path"):
+            p = getattr(self.data, name)
+            if p is not None and not Path(p).exists():
+                raise ValueError(f"data.{name}: file not found: {p}")
+        if self.rollout.max_new_tokens >= self.rollout.max_model_len:
+            raise ValueError(f"rollout.max_new_tokens ({self.rollout.max_new_tokens}) leaves no room for a prompt "
+                             f"in rollout.max_model_len ({self.rollout.max_model_len})")
+        return self
+
+    @property
+    def run_dir(self) -> Path:
+        return self.logging.out_dir / self.name
+
+
+class ConfigError(ValueError):
+    """A job file that cannot run; the message names the file and the field."""
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `a.b.c=value` overrides (values parsed as YAML scalars: no eval)."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form key.path=value")
+        key, value = item.split("=", 1)
+        node = raw
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r}: {part!r} is not a section")
+        node[parts[-1]] = yaml.safe_load(value)
+    return raw
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> JobConfig:
+    """Read one YAML job file (or defaults when path is None), apply overrides, validate."""
+    raw: dict[str, Any] = {}
+    where = "defaults"
+    if path is not None:
+        path = Path(path)
+        where = str(path)
+        if not path.exists():
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML: {e}") from e
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: top level must be a mapping of sections")
+    raw = apply_overrides(raw, overrides or [])
+    try:
+        return JobConfig.model_validate(raw)
+    except ValidationError as e:
+        lines = []
+        for err in e.errors():
+            loc = ".".join(str(x) for x in err["loc"]) or "(job)"
+            lines.append(f"  {loc}: {err['msg']}")
+        raise ConfigError(f"{where}: invalid config\n" + "\n".join(lines)) from None
+
+
+def dump_config(cfg: JobConfig) -> str:
+    """The effective config as YAML (defaults filled in)."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

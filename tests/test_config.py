@@ -1,0 +1,78 @@
+"""Job config: defaults from the GSPO paper, clear errors naming the field, overrides, the packaged recipe."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gspo_ray.config import ConfigError, JobConfig, dump_config, load_config
+
+RECIPE = Path(__file__).resolve().parents[1] / "gspo_ray" / "recipes" / "tiny_moe.yaml"
+
+
+def test_defaults_are_gspo():
+    cfg = JobConfig()
+    assert cfg.algorithm.importance_sampling_level == "sequence"
+    assert cfg.algorithm.clip_range() == (3e-4, 4e-4)
+    assert cfg.algorithm.aggregation == "seq-mean-token-mean"
+    assert cfg.algorithm.advantage.eps == 1e-4 and cfg.algorithm.advantage.scale_by_std
+
+
+@pytest.mark.parametrize("level,expected", [("token", (0.2, 0.27)), ("sequence_token", (3e-4, 4e-4))])
+def test_clip_defaults_follow_level(level, expected):
+    cfg = load_config(None, [f"algorithm.importance_sampling_level={level}"])
+    assert cfg.algorithm.clip_range() == expected
+    # an explicit value wins over the level default (DAPO clip-higher)
+    cfg = load_config(None, [f"algorithm.importance_sampling_level={level}", "algorithm.eps_high=0.28"])
+    assert cfg.algorithm.clip_range()[1] == 0.28
+
+
+@pytest.mark.parametrize("override,field", [
+    ("algorithm.aggregation=token-mean", "algorithm"),         # length-weighted aggregation with GSPO
+    ("algorithm.eps_low=0", "algorithm.eps_low"),
+    ("algorithm.eps_high=-0.1", "algorithm.eps_high"),
+    ("rollout.group_size=1", "rollout.group_size"),
+    ("trainer.colour=blue", "trainer.colour"),                  # unknown key
+    ("trainer.tp=2", "trainer"),                               # tp does not divide the world
+    ("coordinator.num_minibatches=3", "coordinator"),          # 3 does not divide 16 groups
+    ("algorithm.advantage.per_token=true", "algorithm"),       # per-token advantages need sequence_token
+    ("rollout.max_new_tokens=64", "(job)"),
+])
+def test_bad_input_names_the_field(override, field):
+    with pytest.raises(ConfigError) as e:
+        load_config(RECIPE, [override])
+    msg = str(e.value)
+    assert str(RECIPE) in msg and f"  {field}:" in msg, msg
+
+
+def test_per_token_advantages_allowed_with_sequence_token():
+    cfg = load_config(None, ["algorithm.importance_sampling_level=sequence_token", "algorithm.advantage.per_token=true"])
+    assert cfg.algorithm.advantage.per_token
+
+
+def test_missing_files_are_named(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match=r"data\.path: file not found"):
+        load_config(None, ["data.source=jsonl", f"data.path={tmp_path}/train.jsonl"])
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("rollout: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+
+
+def test_recipe_round_trips_through_show(tmp_path):
+    cfg = load_config(RECIPE)
+    assert cfg.model.tiny.arch == "qwen3_moe" and cfg.model.tiny.experts >= 4 and cfg.model.tiny.top_k == 2
+    again = tmp_path / "effective.yaml"
+    again.write_text(dump_config(cfg))
+    assert load_config(again) == cfg
+
+
+def test_cli_validate_exit_codes():
+    ok = subprocess.run([sys.executable, "-m", "gspo_ray.cli", "config", "validate", str(RECIPE)],
+                        capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+    bad = subprocess.run([sys.executable, "-m", "gspo_ray.cli", "config", "validate", str(RECIPE),
+                          "rollout.group_size=1"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "rollout.group_size" in bad.stderr
