@@ -8,7 +8,6 @@ Defaults follow the GSPO paper (sequence-level ratio, clip 3e-4/4e-4, sequence-m
 """
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 from typing import Any, Literal
 
@@ -174,16 +173,13 @@ class AlgorithmConfig(_Strict):
     @model_validator(mode="after")
     def _check(self) -> "AlgorithmConfig":
         level, agg = self.importance_sampling_level, self.aggregation
-        if level == "sequence" and agg == "token-mean":
-            raise ValueError("algorithm.aggregation 'token-mean' weights sequences by length, which breaks GSPO's "
+        if level == "sequence" and agg != "seq-mean-token-mean":
+            raise ValueError(f"algorithm.aggregation {agg!r} weights completions by length, which breaks GSPO's "
                              "sequence-level objective (importance_sampling_level='sequence'); "
                              "use 'seq-mean-token-mean'")
         if self.advantage.per_token and level == "sequence":
             raise ValueError("algorithm.advantage.per_token needs importance_sampling_level='sequence_token': "
                              "'sequence' averages per-token advantages away")
-        if level != "token" and agg == "seq-mean-token-sum-norm":
-            warnings.warn("algorithm.aggregation 'seq-mean-token-sum-norm' with a sequence-level ratio is not the "
-                          "GSPO objective; prefer 'seq-mean-token-mean'", stacklevel=2)
         lo, hi = self.clip_range()
         if lo >= 1:
             raise ValueError(f"algorithm.eps_low must be < 1 (got {lo})")

@@ -29,6 +29,7 @@ def test_clip_defaults_follow_level(level, expected):
 
 @pytest.mark.parametrize("override,field", [
     ("algorithm.aggregation=token-mean", "algorithm"),         # length-weighted aggregation with GSPO
+    ("algorithm.aggregation=seq-mean-token-sum-norm", "algorithm"),
     ("algorithm.eps_low=0", "algorithm.eps_low"),
     ("algorithm.eps_high=-0.1", "algorithm.eps_high"),
     ("rollout.group_size=1", "rollout.group_size"),

@@ -1,0 +1,100 @@
+"""Group-relative advantages (GRPO/GSPO) for whole completions, and per-token advantages for process rewards.
+
+    from gspo_ray.algo.advantages import compute_group_advantages
+    adv, zero_var = compute_group_advantages(rewards)        # rewards: [G, n] -> adv: [G, n], zero_var: [G]
+
+Formula (DeepSeekMath / ms-swift ``compute_advantages``), per group of n completions of one prompt:
+    A_i = (R_i - mean(R)) / (std(R, ddof=1) + eps),   eps = 1e-4
+With ``scale_by_std=False`` (Dr.GRPO) A_i = R_i - mean(R). A group whose rewards are all equal has A = 0 exactly
+(forced, not left to float rounding of the mean) and is flagged, so the coordinator can drop and refill it.
+A group of a single completion has no relative signal: A = 0 and flagged.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+ADV_EPS = 1e-4
+
+
+def compute_group_advantages(
+    rewards: Tensor, scale_by_std: bool = True, eps: float = ADV_EPS
+) -> tuple[Tensor, Tensor]:
+    """Advantages for G equal-size groups. rewards: [G, n] -> (adv [G, n], zero_var [G] bool)."""
+    if rewards.dim() != 2 or rewards.shape[1] < 2:
+        raise ValueError(f"rewards must be [G, n] with n >= 2, got shape {tuple(rewards.shape)}")
+    zero_var = rewards.amax(dim=1) == rewards.amin(dim=1)
+    mean = rewards.mean(dim=1, keepdim=True)
+    adv = rewards - mean
+    if scale_by_std:
+        # A_i = (R_i - mean(R)) / (std(R, ddof=1) + eps)
+        adv = adv / (rewards.std(dim=1, keepdim=True, correction=1) + eps)
+    adv = torch.where(zero_var[:, None], torch.zeros_like(adv), adv)
+    return adv, zero_var
+
+
+def compute_group_advantages_flat(
+    rewards: Tensor, group_ids: Tensor, scale_by_std: bool = True, eps: float = ADV_EPS
+) -> tuple[Tensor, Tensor]:
+    """Advantages for ragged groups (failed samples removed). rewards: [N] float; group_ids: [N] int (any labels).
+
+    Returns (adv [N], zero_var [N] bool), zero_var being the flag of each sample's group.
+    """
+    if rewards.dim() != 1 or group_ids.shape != rewards.shape:
+        raise ValueError(
+            f"rewards and group_ids must both be [N], got {tuple(rewards.shape)}, {tuple(group_ids.shape)}"
+        )
+    _, gid = torch.unique(group_ids, return_inverse=True)  # labels -> 0..G-1
+    n_groups = int(gid.max()) + 1 if gid.numel() else 0
+    count = torch.bincount(gid, minlength=n_groups).to(rewards.dtype)  # [G]
+    mean = torch.zeros(n_groups, dtype=rewards.dtype, device=rewards.device).index_add_(0, gid, rewards) / count
+    centred = rewards - mean[gid]
+    r_max = torch.full_like(mean, -torch.inf).scatter_reduce(0, gid, rewards, "amax")
+    r_min = torch.full_like(mean, torch.inf).scatter_reduce(0, gid, rewards, "amin")
+    zero_var = ((r_max == r_min) | (count < 2))[gid]
+    adv = centred
+    if scale_by_std:
+        sq = torch.zeros_like(mean).index_add_(0, gid, centred**2)
+        # std(R, ddof=1) = sqrt( sum_i (R_i - mean)^2 / (n_g - 1) ); clamp only avoids 0/0 for singleton groups
+        std = (sq / (count - 1).clamp(min=1)).sqrt()
+        # A_i = (R_i - mean(R)) / (std(R, ddof=1) + eps)
+        adv = centred / (std[gid] + eps)
+    adv = torch.where(zero_var, torch.zeros_like(adv), adv)
+    return adv, zero_var
+
+
+def broadcast_sequence_advantages(adv: Tensor, mask: Tensor) -> Tensor:
+    """One advantage per completion shared by its tokens. adv: [B], mask: [B, T] -> [B, T] (0 on padding)."""
+    return torch.where(mask.bool(), adv[:, None].to(torch.result_type(adv, 0.0)), 0.0)
+
+
+def compute_token_advantages(
+    token_rewards: Tensor,
+    mask: Tensor,
+    group_ids: Tensor,
+    scale_by_std: bool = True,
+    eps: float = ADV_EPS,
+) -> Tensor:
+    """Per-token advantages from per-token (process) rewards, for `sequence_token`.
+
+    token_rewards: [B, T] (reward credited at token t; padding and non-loss tokens ignored); mask: [B, T] bool;
+    group_ids: [B] int (completions of the same prompt share a label). Returns adv: [B, T], 0 on padding.
+
+    Choice: undiscounted reward-to-go, normalised over all loss-masked tokens of the group
+        G_t = sum_{u >= t, m_u} r_u
+        A_t = (G_t - mean_group(G)) / (std_group(G, ddof=1) + eps)
+    where mean/std run over every loss-masked token of every completion in the group. A purely terminal reward
+    (only the last token rewarded) gives G_t = R for all t, i.e. the completion's own reward on every token.
+    Groups whose G values are all equal, or that hold a single token, get A = 0.
+    """
+    mask = mask.bool()
+    r = torch.where(mask, token_rewards, torch.zeros((), dtype=token_rewards.dtype, device=token_rewards.device))
+    # G_t = sum_{u >= t} r_u  (reverse cumulative sum)
+    reward_to_go = r.flip(-1).cumsum(-1).flip(-1)
+    tok_group = group_ids[:, None].expand_as(mask)[mask]
+    adv_flat, _ = compute_group_advantages_flat(reward_to_go[mask], tok_group, scale_by_std, eps)
+    adv = torch.zeros_like(reward_to_go)
+    adv[mask] = adv_flat
+    return adv
+
