@@ -1,0 +1,120 @@
+"""The group buffer: whole prompt groups in, advantages computed, uninformative or stale groups out, mini-batches.
+
+The unit is a group (all completions of one prompt): advantages are relative within a group, so a group is
+admitted, filtered, split into mini-batches and dropped as a whole. Pure bookkeeping, no Ray.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+from gspo_ray.algo.advantages import compute_group_advantages
+from gspo_ray.data.records import Group, TrainBatch, collate
+
+
+@dataclass
+class AdmitStats:
+    """What happened to the groups offered to the buffer in one rollout round."""
+
+    offered: int = 0
+    admitted: int = 0
+    zero_adv: int = 0  # all rewards equal: no learning signal
+    stale: int = 0  # older than max_staleness policy versions
+    failed: int = 0  # fewer than 2 scorable samples
+    failed_samples: int = 0
+    rewards: list[float] = field(default_factory=list)
+
+    def merge(self, other: "AdmitStats") -> None:
+        for k in ("offered", "admitted", "zero_adv", "stale", "failed", "failed_samples"):
+            setattr(self, k, getattr(self, k) + getattr(other, k))
+        self.rewards += other.rewards
+
+
+def group_advantages(group: Group, scale_by_std: bool, eps: float) -> tuple[list[float], bool]:
+    """Advantages of the group's scorable samples (failed ones get none). Returns (advantages, zero_variance)."""
+    rewards = torch.tensor([s.reward for s in group.samples if s.failed is None], dtype=torch.float64)
+    if rewards.numel() < 2:
+        return [], True
+    adv, zero_var = compute_group_advantages(rewards[None, :], scale_by_std=scale_by_std, eps=eps)
+    return adv[0].tolist(), bool(zero_var[0])
+
+
+class GroupBuffer:
+    """Admits scored groups for training; hands out mini-batches of whole groups."""
+
+    def __init__(self, *, scale_by_std: bool = True, adv_eps: float = 1e-4, filter_zero_adv: bool = True,
+                 max_staleness: int | None = None, seed: int = 0):
+        self.scale_by_std = scale_by_std
+        self.adv_eps = adv_eps
+        self.filter_zero_adv = filter_zero_adv
+        self.max_staleness = max_staleness
+        self.groups: list[Group] = []
+        self._rng = random.Random(seed)
+
+    def __len__(self) -> int:
+        return len(self.groups)
+
+    def admit(self, groups: list[Group], current_version: int) -> AdmitStats:
+        """Compute advantages and keep the informative, fresh groups. Failed samples are dropped from their group."""
+        stats = AdmitStats(offered=len(groups))
+        for g in groups:
+            stats.failed_samples += sum(s.failed is not None for s in g.samples)
+            stats.rewards += [s.reward for s in g.samples if s.failed is None]
+            if self.max_staleness is not None and current_version - g.version_span()[0] > self.max_staleness:
+                stats.stale += 1
+                continue
+            adv, zero_var = group_advantages(g, self.scale_by_std, self.adv_eps)
+            if not adv:
+                stats.failed += 1
+                continue
+            if zero_var and self.filter_zero_adv:
+                stats.zero_adv += 1
+                continue
+            g.samples = [s for s in g.samples if s.failed is None]
+            g.advantages = adv
+            self.groups.append(g)
+            stats.admitted += 1
+        return stats
+
+    def take(self, num_groups: int) -> list[Group]:
+        """Remove and return the oldest `num_groups` groups (fewer if the buffer holds fewer)."""
+        out, self.groups = self.groups[:num_groups], self.groups[num_groups:]
+        return out
+
+    def drop_stale(self, current_version: int) -> int:
+        """Drop buffered groups that became too old while waiting; returns how many."""
+        if self.max_staleness is None:
+            return 0
+        keep = [g for g in self.groups if current_version - g.version_span()[0] <= self.max_staleness]
+        dropped = len(self.groups) - len(keep)
+        self.groups = keep
+        return dropped
+
+    def minibatches(self, groups: list[Group], num_minibatches: int, shuffle: bool = True) -> list[TrainBatch]:
+        """Split whole groups into `num_minibatches` padded TrainBatches (group order shuffled per pass)."""
+        order = list(range(len(groups)))
+        if shuffle:
+            self._rng.shuffle(order)
+        per = len(order) // num_minibatches
+        if per == 0:
+            raise ValueError(f"{len(groups)} groups cannot fill {num_minibatches} mini-batches")
+        batches = []
+        for m in range(num_minibatches):
+            idx = order[m * per:(m + 1) * per] if m < num_minibatches - 1 else order[m * per:]
+            batches.append(pack_groups([groups[i] for i in idx]))
+        return batches
+
+
+def pack_groups(groups: list[Group]) -> TrainBatch:
+    """Whole groups -> one TrainBatch; each completion's advantage is shared by its tokens (or per-token ones)."""
+    samples, advs = [], []
+    for g in groups:
+        for i, s in enumerate(g.samples):
+            samples.append(s)
+            if g.token_advantages is not None:
+                advs.append(g.token_advantages[i])
+            else:
+                advs.append([g.advantages[i]] * s.num_tokens)
+    return collate(samples, advs)

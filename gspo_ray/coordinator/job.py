@@ -1,0 +1,182 @@
+"""One training job end to end: validate -> Ray -> pools -> loop (eval, checkpoints, metrics) -> plot -> summary.
+
+    gspo-ray train gspo_ray/recipes/tiny_moe.yaml [--resume]
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gspo_ray.config import JobConfig, dump_config
+from gspo_ray.coordinator.checkpoint import CheckpointManager
+from gspo_ray.coordinator.loop import Coordinator, LoopState
+from gspo_ray.coordinator.tracking import MetricsTracker, plot_metrics
+
+log = logging.getLogger(__name__)
+
+
+class TrainerFailed(RuntimeError):
+    """A trainer worker died; the job stopped with its last checkpoint intact (resume with --resume)."""
+
+
+@dataclass
+class RunSummary:
+    run_dir: Path
+    steps: int
+    eval_history: list[tuple[int, float]] = field(default_factory=list)
+    checkpoint: Path | None = None
+    plot: Path | None = None
+    wall_s: float = 0.0
+    interrupted: bool = False
+
+    def describe(self) -> str:
+        evals = ", ".join(f"step {s}: {r:.3f}" for s, r in self.eval_history)
+        return (f"run dir     {self.run_dir}\n"
+                f"steps       {self.steps} ({self.wall_s:.0f} s){' (interrupted)' if self.interrupted else ''}\n"
+                f"eval reward {evals or 'n/a'}\n"
+                f"metrics     {self.run_dir / 'metrics.jsonl'} (TensorBoard: {self.run_dir / 'tensorboard'})\n"
+                f"checkpoint  {self.checkpoint}\n"
+                f"plot        {self.plot}")
+
+
+def prepare_model(cfg: JobConfig) -> Path:
+    """The HF checkpoint to train: the configured directory, or the tiny model built into the run dir."""
+    if cfg.model.path is not None:
+        return cfg.model.path
+    from gspo_ray.models.tiny import ensure_tiny_model
+
+    t = cfg.model.tiny
+    return ensure_tiny_model(t.arch, cfg.run_dir / "model", seed=t.seed, hidden=t.hidden, layers=t.layers,
+                             experts=t.experts, top_k=t.top_k)
+
+
+def build_prompt_sources(cfg: JobConfig, model_path: Path):
+    """Train and held-out prompt sources, fully validated (tokenised, lengths checked) before any actor starts."""
+    from gspo_ray.data.prompts import PromptSource
+
+    limits = dict(max_new_tokens=cfg.rollout.max_new_tokens, max_model_len=cfg.rollout.max_model_len)
+    train = PromptSource.from_config(cfg.data, str(model_path), split="train", **limits).validate()
+    held_out = PromptSource.from_config(cfg.data, str(model_path), split="eval", **limits)
+    return train, held_out.validate() if held_out is not None else None
+
+
+def init_ray(cfg: JobConfig) -> bool:
+    """Join `cluster.address`, or start a local instance. Returns True when this process started Ray."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    env = {"env_vars": {"RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1", "VLLM_LOGGING_LEVEL": "WARNING",
+                        "TOKENIZERS_PARALLELISM": "false", **cfg.cluster.runtime_env.get("env_vars", {})}}
+    env.update({k: v for k, v in cfg.cluster.runtime_env.items() if k != "env_vars"})
+    address = cfg.cluster.address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, namespace=cfg.cluster.namespace, runtime_env=env, log_to_driver=False)
+        return False
+    ray.init(num_cpus=cfg.cluster.num_cpus, include_dashboard=False, namespace=cfg.cluster.namespace,
+             runtime_env=env, log_to_driver=False)
+    return True
+
+
+def evaluate(rollout, prompts, step: int) -> dict[str, float]:
+    """Greedy completions of the held-out prompts: mean reward and exact-match rate."""
+    groups, m = rollout.generate(prompts.prompts(), 1, temperature=0.0)
+    samples = [g.samples[0] for g in groups]
+    rewards = [s.reward for s in samples if s.failed is None]
+    out = {"eval/reward": sum(rewards) / max(len(rewards), 1), "eval/failed": len(samples) - len(rewards)}
+    exact = [s.reward_info["exact"] for s in samples if "exact" in s.reward_info]
+    if exact:
+        out["eval/exact"] = sum(exact) / len(exact)
+    return out
+
+
+def run_job(cfg: JobConfig, resume: bool = False, rollout_factory=None) -> RunSummary:
+    """Run one job. `rollout_factory(worker_id)` overrides how rollout actors are made (fault tests)."""
+    import ray
+
+    from gspo_ray.coordinator.pools import build_rollout_pool, build_trainer_pool
+
+    t_start = time.perf_counter()
+    run_dir = cfg.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(dump_config(cfg))
+    model_path = prepare_model(cfg)
+    train_prompts, eval_prompts = build_prompt_sources(cfg, model_path)
+    ckpts = CheckpointManager(run_dir)
+    state, latest = LoopState(), ckpts.latest() if resume else None
+    if resume and latest is None:
+        log.warning("--resume: no checkpoint in %s, starting from scratch", ckpts.root)
+    started_ray = init_ray(cfg)
+    trainer = rollout = tracker = None
+    summary = RunSummary(run_dir=run_dir, steps=0)
+    try:
+        trainer = build_trainer_pool(cfg, model_path, run_dir)
+        rollout = build_rollout_pool(cfg, model_path, run_dir, factory=rollout_factory)
+        coord = Coordinator(cfg, rollout, trainer, train_prompts, state)
+        coord.probe_ids = eval_prompts.prompts()[0].prompt_ids + [1] if eval_prompts else None
+        if latest is not None:
+            coord.state, extra = ckpts.load_state(latest)
+            train_prompts.load_state_dict(extra["prompts"])
+            trainer.load(str(latest / "trainer"))
+            coord.sync_weights()  # engines start from the base model: give them the resumed policy
+        summary.steps = coord.state.step
+        tracker = MetricsTracker(run_dir, cfg.coordinator.steps, coord.state.step, cfg.logging.tensorboard,
+                                 cfg.logging.progress)
+        summary.interrupted = _loop(cfg, coord, eval_prompts, tracker, ckpts, summary)
+    finally:
+        if tracker is not None:
+            tracker.close()
+        for pool in (rollout, trainer):
+            if pool is not None:
+                pool.shutdown()
+        if started_ray:
+            ray.shutdown()
+    if cfg.logging.plot and (run_dir / "metrics.jsonl").exists():
+        summary.plot = plot_metrics(run_dir / "metrics.jsonl", run_dir / "training.png")
+    summary.wall_s = time.perf_counter() - t_start
+    return summary
+
+
+def _loop(cfg: JobConfig, coord: Coordinator, eval_prompts, tracker, ckpts, summary: RunSummary) -> bool:
+    """Steps until done; evaluates and checkpoints on schedule. Returns True when interrupted by the user."""
+    from ray.exceptions import RayActorError
+
+    c = cfg.coordinator
+    save = lambda: ckpts.save(coord.state, coord.trainer.save,  # noqa: E731
+                              {"prompts": coord.prompts.state_dict()})
+    if eval_prompts is not None and coord.state.step == 0:
+        m = evaluate(coord.rollout, eval_prompts, 0)
+        summary.eval_history.append((0, m["eval/reward"]))
+        tracker.log(0, m, advance=False)
+    try:
+        while coord.state.step < c.steps:
+            try:
+                metrics = coord.step()
+            except RayActorError as e:
+                if _is_trainer_error(coord, e):
+                    raise TrainerFailed(f"a trainer worker died ({e}); last checkpoint: {ckpts.latest()}") from e
+                raise
+            step = coord.state.step
+            last = step == c.steps
+            if eval_prompts is not None and ((c.eval_every and step % c.eval_every == 0) or last):
+                m = evaluate(coord.rollout, eval_prompts, step)
+                metrics.update(m)
+                summary.eval_history.append((step, m["eval/reward"]))
+            tracker.log(step, metrics)
+            summary.steps = step
+            if (c.checkpoint_every and step % c.checkpoint_every == 0) or last:
+                summary.checkpoint = save()
+            if c.early_stop_reward is not None and metrics.get("eval/reward", -1e9) >= c.early_stop_reward:
+                summary.checkpoint = save()
+                break
+    except KeyboardInterrupt:
+        summary.checkpoint = save()
+        return True
+    return False
+
+
+def _is_trainer_error(coord: Coordinator, err: Exception) -> bool:
+    return getattr(coord.trainer, "owns_error", lambda e: True)(err)

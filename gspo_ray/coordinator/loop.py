@@ -1,0 +1,162 @@
+"""The training loop: generate -> score -> advantages -> buffer -> num_iterations x num_minibatches steps -> push.
+
+It reads like the algorithm; the pools hide Ray. In `async` mode the next rollout batch is dispatched before
+training on the current one (the rollout pool keeps sampling with the previous weights), and samples older than
+`max_staleness` policy versions are dropped at admission and refilled.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+from gspo_ray.config import JobConfig
+from gspo_ray.coordinator.buffer import AdmitStats, GroupBuffer
+from gspo_ray.data.records import Group, Sample, TrainBatch, collate
+
+
+@dataclass
+class LoopState:
+    """What a checkpoint must carry besides the trainer's weights."""
+
+    step: int = 0  # rollout batches completed
+    version: int = 0  # policy version = optimizer steps taken
+    prompts_drawn: int = 0
+    filter_rate: float = 0.0  # running estimate, sizes the over-sampling
+    history: dict[str, float] = field(default_factory=dict)
+
+
+class Coordinator:
+    """Owns one step of the loop. `rollout`, `trainer` are pools; `prompts` a PromptSource."""
+
+    def __init__(self, cfg: JobConfig, rollout, trainer, prompts, state: LoopState):
+        self.cfg, self.rollout, self.trainer, self.prompts, self.state = cfg, rollout, trainer, prompts, state
+        c = cfg.coordinator
+        self.buffer = GroupBuffer(scale_by_std=cfg.algorithm.advantage.scale_by_std,
+                                  adv_eps=cfg.algorithm.advantage.eps, filter_zero_adv=c.filter_zero_adv,
+                                  max_staleness=c.max_staleness if c.mode == "async" else 0, seed=cfg.seed)
+        self._pending = None  # async: the rollout batch in flight
+        self.probe_ids: list[int] | None = None  # set by the job: a fixed sequence for push verification
+
+    # -- one step ---------------------------------------------------------------------------------------------
+    def step(self) -> dict[str, float]:
+        c, t0 = self.cfg.coordinator, time.perf_counter()
+        groups, metrics = self.collect_groups()
+        if c.mode == "async":  # overlap: the next batch samples with the current weights while we train
+            self._pending = self._dispatch(self._num_to_draw(c.prompts_per_step))
+        metrics.update(self.train_on(groups))
+        metrics.update(self.sync_weights())
+        self.state.step += 1
+        metrics["time/step_s"] = time.perf_counter() - t0
+        return metrics
+
+    def collect_groups(self) -> tuple[list[Group], dict[str, float]]:
+        """Fill the buffer with `prompts_per_step` informative groups, refilling what the filter removed."""
+        c, want = self.cfg.coordinator, self.cfg.coordinator.prompts_per_step
+        stats, rmetrics, t0 = AdmitStats(), {}, time.perf_counter()
+        dropped = self.buffer.drop_stale(self.state.version)
+        for round_ in range(c.max_refill_rounds + 1):
+            missing = want - len(self.buffer)
+            if missing <= 0:
+                break
+            pending = self._pending or self._dispatch(self._num_to_draw(missing))
+            self._pending = None
+            groups, m = self.rollout.wait(pending)
+            _accumulate(rmetrics, m)
+            stats.merge(self.buffer.admit(groups, self.state.version))
+        if stats.offered:
+            self.state.filter_rate = 1 - stats.admitted / stats.offered
+        taken = self.buffer.take(want)
+        lo, hi = _version_span(taken)
+        rewards = stats.rewards or [float("nan")]
+        return taken, {
+            **rmetrics,
+            "rollout/reward_mean": sum(rewards) / len(rewards),
+            "rollout/groups_offered": stats.offered, "rollout/groups_trained": len(taken),
+            "rollout/filter_rate_zero_adv": stats.zero_adv / max(stats.offered, 1),
+            "rollout/stale_dropped": stats.stale + dropped, "rollout/failed_samples": stats.failed_samples,
+            "rollout/version_min": lo, "rollout/version_max": hi,
+            "rollout/staleness_max": self.state.version - lo,
+            "time/rollout_s": time.perf_counter() - t0,
+        }
+
+    def train_on(self, groups: list[Group]) -> dict[str, float]:
+        """num_iterations passes x num_minibatches optimizer steps over the same groups."""
+        c, t0 = self.cfg.coordinator, time.perf_counter()
+        if len(groups) < c.num_minibatches:
+            return {"train/skipped": 1.0, "time/train_s": 0.0}
+        if c.recompute_old_logprobs:
+            self._recompute_old_logprobs(groups)
+        metrics, first, steps = {}, {}, 0
+        for it in range(c.num_iterations):
+            for mb_index, batch in enumerate(self.buffer.minibatches(groups, c.num_minibatches)):
+                m = self.trainer.train_step(batch)
+                self.state.version += 1
+                steps += 1
+                if it == 0 and mb_index == 0:  # shows the engine-vs-trainer anchor before any update
+                    first = {f"{k}_first_mb": v for k, v in m.items() if "clip_frac" in k}
+                _accumulate(metrics, m)
+        out = {k: v / steps for k, v in metrics.items()}
+        out.update(first)
+        out.update({"train/optimizer_steps": steps, "train/version": self.state.version,
+                    "time/train_s": time.perf_counter() - t0})
+        return out
+
+    def sync_weights(self) -> dict[str, float]:
+        """Export the trainer's weights and push them into every rollout engine (verified by a probe)."""
+        t0 = time.perf_counter()
+        buckets = self.trainer.export_weights().buckets
+        t1 = time.perf_counter()
+        m = self.rollout.push_weights(self.state.version, buckets, probe=self._probe())
+        m.update({"sync/export_s": t1 - t0, "time/sync_s": time.perf_counter() - t0})
+        return m
+
+    # -- helpers ----------------------------------------------------------------------------------------------
+    def _num_to_draw(self, missing: int) -> int:
+        """Over-sample by the observed filter rate so one round usually suffices (at most 4x)."""
+        keep = max(1 - self.state.filter_rate, 0.25)
+        return max(missing, math.ceil(missing / keep))
+
+    def _dispatch(self, num_prompts: int):
+        prompts = self.prompts.take(num_prompts)
+        self.state.prompts_drawn += len(prompts)
+        return self.rollout.submit(prompts, self.cfg.rollout.group_size, self.state.version)
+
+    def _probe(self):
+        """(token ids, trainer log-probs) of a fixed sequence: each engine checks its own log-probs against it."""
+        if not self.cfg.rollout.verify_push or self.probe_ids is None:
+            return None
+        batch = collate([_probe_sample(self.probe_ids)], [[0.0] * (len(self.probe_ids) - 1)])
+        logp = self.trainer.compute_logprobs(batch)[0, 1:len(self.probe_ids)].tolist()
+        return {"ids": list(self.probe_ids), "logprobs": logp, "tol": self.cfg.rollout.verify_tol}
+
+    def _recompute_old_logprobs(self, groups: list[Group]) -> None:
+        """Replace the engine's log-probs with the trainer's (the `recompute_old_logprobs` switch)."""
+        from gspo_ray.coordinator.buffer import pack_groups
+
+        batch: TrainBatch = pack_groups(groups)
+        logp = self.trainer.compute_logprobs(batch)
+        row = 0
+        for g in groups:
+            for s in g.samples:
+                p = len(s.prompt_ids)
+                s.logprobs = logp[row, p:p + s.num_tokens].tolist()
+                row += 1
+
+
+def _probe_sample(ids: list[int]) -> Sample:
+    """The probe as a one-token prompt whose 'completion' is the rest: trainer log-probs of ids[1:]."""
+    rest = ids[1:]
+    return Sample(prompt_uid="probe", sample_index=0, prompt_ids=ids[:1], completion_ids=rest,
+                  logprobs=[0.0] * len(rest), loss_mask=[1] * len(rest), versions=[0] * len(rest),
+                  finish_reason="stop")
+
+
+def _accumulate(into: dict[str, float], new: dict[str, float]) -> None:
+    for k, v in new.items():
+        into[k] = into.get(k, 0.0) + float(v)
+
+
+def _version_span(groups: list[Group]) -> tuple[int, int]:
+    spans = [g.version_span() for g in groups] or [(0, 0)]
+    return min(s[0] for s in spans), max(s[1] for s in spans)

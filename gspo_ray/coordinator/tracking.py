@@ -1,0 +1,95 @@
+"""Metrics out: JSONL (one line per step), TensorBoard event files, a live progress bar, and the final PNG plot."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+PROGRESS_KEYS = {"eval/reward": "eval", "rollout/reward_mean": "R", "train/clip_frac_seq": "clip",
+                 "train/kl": "kl", "rollout/tokens_per_s": "tok/s"}
+
+
+class MetricsTracker:
+    """Appends each step's metrics to `metrics.jsonl`, mirrors them to TensorBoard, drives the progress bar."""
+
+    def __init__(self, run_dir: Path, total_steps: int, start_step: int = 0, tensorboard: bool = True,
+                 progress: bool = True):
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"), purge_step=start_step or None)
+        self._bar = None
+        if progress:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True)
+
+    def log(self, step: int, metrics: dict[str, float], advance: bool = True) -> None:
+        row = {"step": step, **{k: _clean(v) for k, v in metrics.items()}}
+        with self.path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self._tb is not None:
+            for k, v in row.items():
+                if k != "step" and v is not None:
+                    self._tb.add_scalar(k, v, step)
+        if self._bar is not None:
+            shown = {short: f"{metrics[k]:.3g}" for k, short in PROGRESS_KEYS.items() if k in metrics}
+            self._bar.set_postfix(shown, refresh=False)
+            self._bar.update(1 if advance else 0)
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.flush()
+            self._tb.close()
+        if self._bar is not None:
+            self._bar.close()
+
+
+def _clean(v) -> float | None:
+    v = float(v)
+    return None if math.isnan(v) or math.isinf(v) else v
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """All rows of a metrics.jsonl (a resumed run appends; later rows win for a repeated step)."""
+    rows: dict[int, dict] = {}
+    for line in Path(path).read_text().splitlines():
+        if line.strip():
+            row = json.loads(line)
+            rows[row["step"]] = row
+    return [rows[s] for s in sorted(rows)]
+
+
+PLOT_PANELS = [
+    ("reward", ["rollout/reward_mean", "eval/reward"]),
+    ("clip fraction", ["train/clip_frac_seq", "train/clip_frac_tok"]),
+    ("router churn", ["moe/router_churn"]),
+    ("engine-trainer log-prob mismatch", ["train/mismatch_tok_mean", "train/mismatch_seq_mean"]),
+]
+
+
+def plot_metrics(metrics_path: Path, out_png: Path) -> Path:
+    """Reward, clip fraction, router churn and mismatch over steps, one panel each."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(metrics_path)
+    fig, axes = plt.subplots(len(PLOT_PANELS), 1, figsize=(7, 2.4 * len(PLOT_PANELS)), sharex=True)
+    for ax, (title, keys) in zip(axes, PLOT_PANELS):
+        for key in keys:
+            pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+            if pts:
+                ax.plot(*zip(*pts), marker="." if key.startswith("eval/") else None, label=key)
+        ax.set_title(title, fontsize=9)
+        ax.legend(fontsize=7, loc="best")
+        ax.grid(alpha=0.3)
+    axes[-1].set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=110)
+    plt.close(fig)
+    return out_png
