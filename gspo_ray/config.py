@@ -62,6 +62,7 @@ class DataConfig(_Strict):
     prompt_field: str = Field("prompt", description="JSONL field holding the prompt text")
     reference_field: str = Field("reference", description="JSONL field holding the reference answer")
     apply_chat_template: bool = Field(False, description="wrap prompts with the tokenizer's chat template")
+    num_train: int = Field(10_000, ge=1, description="training prompts of the built-in task (source=builtin)")
     num_eval: int = Field(64, ge=0, description="held-out prompts scored at each evaluation")
     seed: int = Field(0, description="prompt order / generator seed")
 

@@ -14,6 +14,7 @@ from gspo_ray.config import JobConfig, dump_config
 from gspo_ray.coordinator.checkpoint import CheckpointManager
 from gspo_ray.coordinator.loop import Coordinator, LoopState
 from gspo_ray.coordinator.tracking import MetricsTracker, plot_metrics
+from gspo_ray.rollout.scoring import check_reward
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +106,7 @@ def run_job(cfg: JobConfig, resume: bool = False, rollout_factory=None) -> RunSu
     (run_dir / "config.yaml").write_text(dump_config(cfg))
     model_path = prepare_model(cfg)
     train_prompts, eval_prompts = build_prompt_sources(cfg, model_path)
+    check_reward(cfg.rollout.reward.fn, cfg.rollout.reward.kwargs)  # a bad plug-in fails before any actor starts
     ckpts = CheckpointManager(run_dir)
     state, latest = LoopState(), ckpts.latest() if resume else None
     if resume and latest is None:

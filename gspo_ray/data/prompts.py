@@ -1,0 +1,261 @@
+"""Prompt sources: a built-in task generator or a JSONL file, tokenised once, iterated forever in seeded epochs.
+
+    source = PromptSource.from_jsonl("data/train.jsonl", "runs/models/tiny-moe", prompt_field="question",
+                                     reference_field="answer", max_prompt_tokens=512)
+    source.validate()          # reads and tokenises every row now; errors name file:line and the field
+    batch = source.take(16)    # list[Prompt]; uids "train-<row>-e<epoch>", unique within a job
+    held_out = PromptSource.from_task("copy", tokenizer, split="eval", num_eval=64).prompts()
+
+Every problem with the data is found before any actor or engine starts: a missing file (named), a row without
+the configured field (file:line and field), a prompt that is empty or too long for `max_prompt_tokens` or for
+`max_model_len - max_new_tokens` (file:line and its token count). Token ids are made here, once: nothing
+downstream re-tokenises. No special tokens are added, unless the tokenizer's chat template is requested.
+"""
+from __future__ import annotations
+
+import json
+import random
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+from gspo_ray.data.records import Prompt
+from gspo_ray.envs.tasks import build_task_splits
+
+SPLITS = ("train", "eval")
+_MAX_LISTED = 5  # offending rows named in one error message
+
+
+@dataclass(frozen=True)
+class PromptRow:
+    """One prompt before tokenisation: a string, or chat messages when a chat template is applied."""
+
+    prompt: str | list[dict[str, Any]]
+    reference: Any
+    origin: str  # where it came from, for error messages: "data/train.jsonl:12" or "builtin:copy/train#12"
+    fields: dict[str, Any] = field(default_factory=dict)  # the row's other fields, given to the reward as meta
+
+
+def load_tokenizer(tokenizer: Any) -> Any:
+    """An HF tokenizer object as is, or loaded from a model directory / name (local files only)."""
+    if not isinstance(tokenizer, (str, Path)):
+        return tokenizer
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(tokenizer))
+    except Exception as e:
+        raise ValueError(f"cannot load a tokenizer from {str(tokenizer)!r}: {type(e).__name__}: {e}") from e
+
+
+def _check_prompt_value(value: Any, origin: str, prompt_field: str, chat: bool) -> None:
+    if isinstance(value, str):
+        if not value:
+            raise ValueError(f"{origin}: field {prompt_field!r} (data.prompt_field) is an empty string")
+        return
+    is_messages = isinstance(value, list) and value and all(isinstance(m, dict) and "content" in m for m in value)
+    if is_messages and not chat:
+        raise ValueError(f"{origin}: field {prompt_field!r} holds chat messages; set data.apply_chat_template: "
+                         "true to render them with the tokenizer's chat template")
+    if not is_messages:
+        raise ValueError(f"{origin}: field {prompt_field!r} (data.prompt_field) must be a string or a list of "
+                         f"chat messages, got {type(value).__name__}")
+
+
+def read_jsonl_rows(path: str | Path, prompt_field: str = "prompt", reference_field: str | None = "reference",
+                    apply_chat_template: bool = False) -> list[PromptRow]:
+    """Parse and check every row of a JSONL file; errors name the file, the line and the config field."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"prompt file {str(path)!r} does not exist" if not path.exists()
+                                else f"prompt file {str(path)!r} is not a file")
+    rows = []
+    with path.open(encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            origin = f"{path}:{line_no}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{origin}: not valid JSON: {e}") from e
+            if not isinstance(row, dict):
+                raise ValueError(f"{origin}: expected a JSON object per line, got {type(row).__name__}")
+            for name, cfg_key in ((prompt_field, "data.prompt_field"), (reference_field, "data.reference_field")):
+                if name is not None and name not in row:
+                    raise ValueError(f"{origin}: row has no field {name!r} ({cfg_key}); "
+                                     f"its fields: {', '.join(row) or 'none'}")
+            _check_prompt_value(row[prompt_field], origin, prompt_field, apply_chat_template)
+            reference = row.get(reference_field) if reference_field is not None else None
+            extra = {k: v for k, v in row.items() if k not in (prompt_field, reference_field)}
+            rows.append(PromptRow(row[prompt_field], reference, origin, extra))
+    if not rows:
+        raise ValueError(f"prompt file {str(path)!r} has no rows")
+    return rows
+
+
+def task_rows(task: str, split: str, num_train: int = 10_000, num_eval: int = 64, seed: int = 0,
+              min_digits: int = 1, max_digits: int = 4) -> list[PromptRow]:
+    """Rows of a built-in task's train or held-out split (`gspo_ray.envs.tasks`)."""
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; valid: {', '.join(SPLITS)}")
+    train, held_out = build_task_splits(task, num_train, num_eval, seed, min_digits, max_digits)
+    examples = train if split == "train" else held_out
+    return [PromptRow(e.prompt, e.reference, f"builtin:{task}/{split}#{i}") for i, e in enumerate(examples)]
+
+
+class PromptSource:
+    """Tokenised prompts of one split, iterated forever: each epoch is a fresh seeded shuffle (train) or the rows
+    in order (eval). `take(n)` and `iter()` share one cursor; `state_dict()` makes the order resumable."""
+
+    def __init__(self, rows: list[PromptRow], tokenizer: Any, *, split: str = "train", seed: int = 0,
+                 shuffle: bool | None = None, max_prompt_tokens: int | None = None,
+                 max_new_tokens: int | None = None, max_model_len: int | None = None,
+                 apply_chat_template: bool = False, name: str = "prompts"):
+        if not rows:
+            raise ValueError(f"{name}: no prompts")
+        self.rows, self.split, self.seed, self.name = rows, split, seed, name
+        self.shuffle = split == "train" if shuffle is None else shuffle
+        self.tokenizer = load_tokenizer(tokenizer)
+        self.max_prompt_tokens = max_prompt_tokens
+        self.max_new_tokens, self.max_model_len = max_new_tokens, max_model_len  # prompt room = len - new
+        self.apply_chat_template = apply_chat_template
+        self._ids: list[list[int]] | None = None
+        self._texts: list[str] | None = None
+        self._epoch, self._pos = 0, 0
+        self._order: list[int] | None = None
+
+    @classmethod
+    def from_jsonl(cls, path: str | Path, tokenizer: Any, *, prompt_field: str = "prompt",
+                   reference_field: str | None = "reference", split: str = "train", **kwargs: Any) -> PromptSource:
+        rows = read_jsonl_rows(path, prompt_field, reference_field, kwargs.get("apply_chat_template", False))
+        return cls(rows, tokenizer, split=split, name=str(path), **kwargs)
+
+    @classmethod
+    def from_task(cls, task: str, tokenizer: Any, *, split: str = "train", num_train: int = 10_000,
+                  num_eval: int = 64, seed: int = 0, min_digits: int = 1, max_digits: int = 4,
+                  **kwargs: Any) -> PromptSource:
+        rows = task_rows(task, split, num_train, num_eval, seed, min_digits, max_digits)
+        return cls(rows, tokenizer, split=split, seed=seed, name=f"builtin:{task}/{split}", **kwargs)
+
+    @classmethod
+    def from_config(cls, cfg: Any, tokenizer: Any, split: str = "train", **kwargs: Any) -> PromptSource | None:
+        """From a `DataConfig`; None for an eval split that has no data (no eval_path, or num_eval == 0).
+        `kwargs` carries the limits that live in other sub-configs (max_new_tokens, max_model_len, ...)."""
+        num_train = kwargs.pop("num_train", None) or getattr(cfg, "num_train", None) or 10_000
+        common = dict(apply_chat_template=cfg.apply_chat_template, **kwargs)
+        if cfg.source == "builtin":
+            if split == "eval" and not cfg.num_eval:
+                return None
+            return cls.from_task(cfg.task, tokenizer, split=split, num_train=num_train, num_eval=cfg.num_eval,
+                                 seed=cfg.seed, min_digits=cfg.min_digits, max_digits=cfg.max_digits, **common)
+        path = cfg.path if split == "train" else cfg.eval_path
+        if path is None:
+            if split == "train":
+                raise ValueError("data.path is required when data.source is 'jsonl'")
+            return None
+        return cls.from_jsonl(path, tokenizer, prompt_field=cfg.prompt_field,
+                              reference_field=cfg.reference_field, split=split, seed=cfg.seed, **common)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    def validate(self) -> PromptSource:
+        """Tokenise every row (once; cached) and check lengths. Raises naming the rows; returns self."""
+        if self._ids is None:
+            texts = [self._render(r) for r in self.rows]
+            ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+            self._check_lengths(ids)
+            if not self.apply_chat_template:
+                self._check_round_trip(texts, ids)
+            self._texts, self._ids = texts, [list(x) for x in ids]
+        return self
+
+    def _render(self, row: PromptRow) -> str:
+        if not self.apply_chat_template:
+            return row.prompt
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(f"{self.name}: data.apply_chat_template is true but the tokenizer "
+                             f"({getattr(self.tokenizer, 'name_or_path', '?')}) has no chat template")
+        messages = row.prompt if isinstance(row.prompt, list) else [{"role": "user", "content": row.prompt}]
+        # Render to text, then encode without adding specials: the template already writes them out.
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+    def _length_limit(self) -> tuple[int | None, str]:
+        limits = []
+        if self.max_prompt_tokens is not None:
+            limits.append((self.max_prompt_tokens, f"max_prompt_tokens={self.max_prompt_tokens}"))
+        if self.max_model_len is not None and self.max_new_tokens is not None:
+            room = self.max_model_len - self.max_new_tokens
+            limits.append((room, f"rollout.max_model_len={self.max_model_len} - "
+                                 f"rollout.max_new_tokens={self.max_new_tokens} = {room}"))
+        return min(limits) if limits else (None, "")
+
+    def _check_lengths(self, ids: list[list[int]]) -> None:
+        limit, why = self._length_limit()
+        bad = [(r.origin, len(x)) for r, x in zip(self.rows, ids) if not x or (limit is not None and len(x) > limit)]
+        if bad:
+            listed = "; ".join(f"{origin} has {n} tokens" for origin, n in bad[:_MAX_LISTED])
+            more = f" (and {len(bad) - _MAX_LISTED} more)" if len(bad) > _MAX_LISTED else ""
+            rule = f"must have 1..{limit} tokens ({why})" if limit is not None else "must not be empty"
+            raise ValueError(f"{len(bad)} prompt(s) of {self.name} are out of bounds: prompts {rule}: "
+                             f"{listed}{more}")
+
+    def _check_round_trip(self, texts: list[str], ids: list[list[int]]) -> None:
+        """Warn when text is lost in tokenisation (characters outside the vocabulary are silently dropped by
+        tokenizers without an unknown token, e.g. the tiny character-level one)."""
+        for row, text, x in zip(self.rows, texts, ids):
+            back = self.tokenizer.decode(x, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            if back.strip() != text.strip():
+                warnings.warn(f"{row.origin}: prompt {text[:60]!r} tokenises to ids that decode to {back[:60]!r}; "
+                              "characters outside the tokenizer's vocabulary are lost", stacklevel=3)
+                return  # one warning is enough to point at the problem
+
+    def _epoch_order(self) -> list[int]:
+        if self._order is None:
+            order = list(range(len(self.rows)))
+            if self.shuffle:
+                random.Random(f"gspo_ray.prompts:{self.seed}:{self.split}:{self._epoch}").shuffle(order)
+            self._order = order
+        return self._order
+
+    def _make(self, index: int, epoch: int) -> Prompt:
+        row = self.rows[index]
+        return Prompt(uid=f"{self.split}-{index}-e{epoch}", prompt_ids=list(self._ids[index]), reference=row.reference,
+                      text=self._texts[index], meta={"origin": row.origin, "split": self.split, "index": index,
+                                                     "epoch": epoch, "fields": dict(row.fields)})
+
+    def __iter__(self) -> Iterator[Prompt]:
+        """Endless: next prompt of this epoch; after the last one, the next epoch starts (reshuffled)."""
+        self.validate()
+        while True:
+            order = self._epoch_order()
+            if self._pos == len(order):
+                self._epoch, self._pos, self._order = self._epoch + 1, 0, None
+                continue
+            self._pos += 1
+            yield self._make(order[self._pos - 1], self._epoch)
+
+    def take(self, n: int) -> list[Prompt]:
+        """The next n prompts (crossing epoch boundaries as needed)."""
+        it = iter(self)
+        return [next(it) for _ in range(n)]
+
+    def prompts(self) -> list[Prompt]:
+        """Every row once, in row order, as epoch 0 (for held-out evaluation); does not move the cursor."""
+        self.validate()
+        return [self._make(i, 0) for i in range(len(self.rows))]
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self._epoch, "position": self._pos, "num_rows": len(self.rows)}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        if state.get("num_rows", len(self.rows)) != len(self.rows):
+            raise ValueError(f"{self.name}: checkpoint was taken with {state['num_rows']} prompts, "
+                             f"the source now has {len(self.rows)}")
+        self._epoch, self._pos, self._order = int(state["epoch"]), int(state["position"]), None

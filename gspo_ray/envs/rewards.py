@@ -1,0 +1,159 @@
+"""Reward functions, and the protocol every reward plug-in follows.
+
+Select one in the job YAML by import path (any importable module works, not only this one):
+
+    reward:
+      fn: gspo_ray.envs.rewards:cer_reward
+      kwargs: {hotwords: ["金一南"], floor: -1.0}
+
+Protocol
+--------
+    fn(completion: str, reference, *, completion_ids: list[int], finish_reason: str, eos_found: bool,
+       prompt_text: str | None, meta: dict, **kwargs) -> float | dict
+
+- `completion` is the completion decoded **up to (not including) the first end-of-sequence token**, with special
+  tokens kept (a pad or other special token before EOS shows up in the text and is scored as wrong). Cutting at
+  EOS and reporting `eos_found` lets the reward score stopping: a model that is not paid for stopping never
+  stops, and one scored on text with special tokens dropped learns to pad instead of stopping.
+- `reference` is `Prompt.reference` as given by the prompt source (a string for the built-in tasks and JSONL).
+- `completion_ids`: the raw completion token ids (EOS and anything after it included).
+- `finish_reason`: the engine's, "stop" | "length" | "aborted". `eos_found`: an EOS token id is in the ids.
+- `prompt_text`, `meta`: `Prompt.text` and `Prompt.meta` (JSONL rows put their extra fields in `meta["fields"]`).
+- `**kwargs`: the YAML's `reward.kwargs`, passed on every call. The runner passes only the keyword arguments a
+  function declares, so `def fn(completion, reference): ...` is a valid reward; declare `**kwargs` to get all.
+- Return a float, or a dict `{"reward": float, "<name>": float, ...}`: the other entries are logged per sample in
+  `Sample.reward_info` (e.g. `char_acc`, `exact`). A dict may also carry `"token_rewards": list[float]` with one
+  entry per completion token. A non-finite reward marks the sample failed instead of poisoning its group.
+- Functions run in worker threads (several at once): keep them free of shared mutable state. A function that
+  raises or exceeds `reward.timeout_s` fails only its own sample (see `gspo_ray.rollout.scoring`).
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+
+def copy_reward(completion: str, reference: Any, *, eos_found: bool, bonus: float = 1.0,
+                **_: Any) -> dict[str, float]:
+    """Per-character credit over the reference plus its end position, + `bonus` for an exact, stopped answer.
+
+    The slots are the reference's characters and one end-of-sequence slot after them. A slot is right when the
+    completion has the same character there (for the end slot: the completion stopped exactly there). Extra
+    characters beyond the reference add one wrong slot each, so padding never pays. Range [0, 1 + bonus].
+        ref "4821":  "4821"+EOS -> 5/5 + 1 = 2.0;  "4821" no EOS -> 4/5 = 0.8;  "4831"+EOS -> 4/5 = 0.8
+    Serves every task whose answer is a short exact string (copy, arithmetic).
+    """
+    ref = str(reference)
+    hits = sum(1 for a, b in zip(completion, ref) if a == b)
+    stopped_right = eos_found and len(completion) == len(ref)
+    slots = len(ref) + 1 + max(0, len(completion) - len(ref))
+    char_acc = (hits + int(stopped_right)) / slots
+    exact = float(stopped_right and completion == ref)
+    return {"reward": char_acc + bonus * exact, "char_acc": char_acc, "exact": exact, "stopped": float(eos_found)}
+
+
+def exact_match(completion: str, reference: Any, *, eos_found: bool = True, require_eos: bool = True,
+                strip: bool = False, **_: Any) -> float:
+    """1.0 when the completion equals the reference (and stopped, unless `require_eos=False`), else 0.0."""
+    hyp, ref = (completion.strip(), str(reference).strip()) if strip else (completion, str(reference))
+    return float(hyp == ref and (eos_found or not require_eos))
+
+
+def compute_edit_distance(hyp: str, ref: str) -> int:
+    """Levenshtein distance (substitutions + insertions + deletions), plain Python, O(len(hyp) * len(ref))."""
+    # A shared prefix/suffix never costs an edit; trimming it makes near-correct answers (the common case) cheap.
+    start = 0
+    while start < len(hyp) and start < len(ref) and hyp[start] == ref[start]:
+        start += 1
+    end_h, end_r = len(hyp), len(ref)
+    while end_h > start and end_r > start and hyp[end_h - 1] == ref[end_r - 1]:
+        end_h, end_r = end_h - 1, end_r - 1
+    a, b = hyp[start:end_h], ref[start:end_r]
+    if len(a) < len(b):
+        a, b = b, a  # keep the DP row over the shorter string
+    if not b:
+        return len(a)
+    prev = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        cur = [i] + [0] * len(b)
+        for j, cb in enumerate(b, 1):
+            # d[i][j] = min(delete, insert, substitute-or-match)
+            cur[j] = min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (ca != cb))
+        prev = cur
+    return prev[-1]
+
+
+def compute_cer(hyp: str, ref: str) -> float:
+    """Character error rate = edit distance / len(ref) (1 per character for an empty reference). Unbounded above:
+    a runaway hypothesis of 2,000 characters against a 10-character reference has CER ~200."""
+    return compute_edit_distance(hyp, ref) / max(1, len(ref))
+
+
+def compute_tail_repeats(text: str, max_period: int = 32) -> tuple[int, int]:
+    """The repeating unit that ends `text` and covers the most characters: (period, whole repeats).
+
+    "abcxyzxyzxyz" -> (3, 3). The loop of a hallucinating model ("谢谢谢谢…", "the the the …") shows up as a
+    tail made of many copies of one short unit. (0, 0) for empty text.
+    """
+    best_period, best_repeats, best_cover = 0, 0, 0
+    for period in range(1, min(max_period, len(text)) + 1):
+        unit = text[len(text) - period:]
+        repeats, pos = 1, len(text) - 2 * period
+        while pos >= 0 and text[pos:pos + period] == unit:
+            repeats, pos = repeats + 1, pos - period
+        if repeats > 1 and repeats * period > best_cover:
+            best_period, best_repeats, best_cover = period, repeats, repeats * period
+    return best_period, best_repeats
+
+
+def _count_hotwords(hyp: str, ref: str, hotwords: Iterable[str]) -> tuple[int, int]:
+    """(hotwords in the reference that the hypothesis also contains, hotwords in the reference)."""
+    wanted = [w for w in dict.fromkeys(hotwords) if w and w in ref]
+    return sum(1 for w in wanted if w in hyp), len(wanted)
+
+
+def _normalise(text: str, lowercase: bool, remove_whitespace: bool) -> str:
+    text = text.lower() if lowercase else text
+    return "".join(text.split()) if remove_whitespace else text
+
+
+def cer_reward(completion: str, reference: Any, *, finish_reason: str = "stop", eos_found: bool = True,
+               meta: dict | None = None, hotwords: Iterable[str] = (), hotwords_field: str | None = None,
+               hotword_bonus: float = 0.2, hotword_mode: str = "rate", length_penalty: float = 1.0,
+               loop_penalty: float = 1.0, loop_min_repeats: int = 8, loop_max_period: int = 32,
+               floor: float | None = None, lowercase: bool = False, remove_whitespace: bool = False,
+               **_: Any) -> dict[str, float]:
+    """Text reward = accuracy + hotword bonus - hallucination penalty (the three-part ASR reward).
+
+    accuracy  1 - CER (Levenshtein over characters / reference length). It has no lower bound: one completion
+              that loops to the token limit can score -200 and, in a group of 8, squeeze the other 7 advantages
+              to ~+0.354 whatever their quality. `floor` (e.g. -1.0 or 0.0) clips it from below.
+    hotword   for the hotwords that occur in the reference (`hotwords`, plus the list in the prompt row's
+              `meta["fields"][hotwords_field]`): "count" mode pays `hotword_bonus` per one also in the completion;
+              "rate" mode pays `hotword_bonus * found / present` (0 when the reference has none).
+    halluc    -`length_penalty` when the completion hit the token limit without EOS, and -`loop_penalty` when
+              its tail is one unit of <= `loop_max_period` characters repeated >= `loop_min_repeats` times.
+    Usable on any text task; the scores of each part are returned as named components.
+    """
+    if hotword_mode not in ("count", "rate"):
+        raise ValueError(f"cer_reward: hotword_mode must be 'count' or 'rate', got {hotword_mode!r}")
+    hyp = _normalise(completion, lowercase, remove_whitespace)
+    ref = _normalise(str(reference), lowercase, remove_whitespace)
+    cer = compute_cer(hyp, ref)
+    accuracy = 1.0 - cer if floor is None else max(1.0 - cer, floor)
+
+    words = list(hotwords)
+    if hotwords_field and meta:
+        words += list(meta.get("fields", {}).get(hotwords_field) or [])
+    words = [_normalise(w, lowercase, remove_whitespace) for w in words]
+    found, present = _count_hotwords(hyp, ref, words)
+    if hotword_mode == "count":
+        hotword = hotword_bonus * found
+    else:
+        hotword = hotword_bonus * found / present if present else 0.0
+
+    truncated = finish_reason == "length" and not eos_found
+    _, repeats = compute_tail_repeats(hyp, loop_max_period)
+    looping = repeats >= loop_min_repeats
+    halluc = -(length_penalty * truncated + loop_penalty * looping)
+    return {"reward": accuracy + hotword + halluc, "cer": cer, "accuracy": accuracy, "hotword": hotword,
+            "halluc": halluc, "truncated": float(truncated), "loop_repeats": float(repeats)}
