@@ -72,6 +72,33 @@ def train(file: Path, overrides: list[str] = typer.Argument(None, help="key.path
 
 
 @app.command()
+def scale(pool: str = typer.Argument(..., help="rollout (the trainer pool's size changes on --resume)"),
+          num_workers: int = typer.Argument(..., help="new pool size"),
+          job: str = typer.Option(..., help="the job's name (config `name`)"),
+          address: str = typer.Option("auto", help="Ray address of the cluster running the job"),
+          namespace: str = typer.Option("gspo-ray", help="the job's Ray namespace (config cluster.namespace)")):
+    """Resize a running job's rollout pool; applied between steps, new workers get the live weights first."""
+    import ray
+
+    from gspo_ray.coordinator.control import find_control
+
+    if pool != "rollout":
+        typer.echo("error: only the rollout pool scales live; change trainer.num_workers and use --resume", err=True)
+        raise typer.Exit(2)
+    ray.init(address=address, namespace=namespace, log_to_driver=False)
+    try:
+        control = find_control(job, namespace)
+        ray.get(control.scale_rollout.remote(num_workers))
+        typer.echo(f"{job}: rollout pool -> {num_workers} workers at the next step boundary "
+                   f"(now: {ray.get(control.status.remote())})")
+    except ValueError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2)
+    finally:
+        ray.shutdown()
+
+
+@app.command()
 def bench(quick: bool = typer.Option(False, help="fewer steps")):
     """Per-phase time breakdown of training steps (sync/async, recompute on/off): prints a table."""
     from gspo_ray.coordinator.bench import run_bench

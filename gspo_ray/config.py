@@ -233,6 +233,7 @@ class LoggingConfig(_Strict):
     tensorboard: bool = Field(True, description="write TensorBoard event files")
     plot: bool = Field(True, description="write a PNG of reward / clip fraction / churn / mismatch at the end")
     progress: bool = Field(True, description="show a live progress bar")
+    save_rollouts: bool = Field(False, description="write each step's trained samples to rollouts/step_N.jsonl")
 
 
 class JobConfig(_Strict):

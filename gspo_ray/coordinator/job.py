@@ -4,6 +4,7 @@
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -12,9 +13,11 @@ from pathlib import Path
 
 from gspo_ray.config import JobConfig, dump_config
 from gspo_ray.coordinator.checkpoint import CheckpointManager
+from gspo_ray.coordinator.control import start_control
 from gspo_ray.coordinator.loop import Coordinator, LoopState
 from gspo_ray.coordinator.tracking import MetricsTracker, plot_metrics
 from gspo_ray.rollout.scoring import check_reward
+from gspo_ray.rollout.weight_sync import build_probe_ids
 
 log = logging.getLogger(__name__)
 
@@ -94,8 +97,9 @@ def evaluate(rollout, prompts, step: int) -> dict[str, float]:
     return out
 
 
-def run_job(cfg: JobConfig, resume: bool = False, rollout_factory=None) -> RunSummary:
-    """Run one job. `rollout_factory(worker_id)` overrides how rollout actors are made (fault tests)."""
+def run_job(cfg: JobConfig, resume: bool = False, rollout_factory=None, after_step=None) -> RunSummary:
+    """Run one job. `rollout_factory(worker_id)` overrides how rollout actors are made; `after_step(coord, step)`
+    is called after each step's metrics and checkpoint are written (callbacks, fault injection in tests)."""
     import ray
 
     from gspo_ray.coordinator.pools import build_rollout_pool, build_trainer_pool
@@ -118,7 +122,7 @@ def run_job(cfg: JobConfig, resume: bool = False, rollout_factory=None) -> RunSu
         trainer = build_trainer_pool(cfg, model_path, run_dir)
         rollout = build_rollout_pool(cfg, model_path, run_dir, factory=rollout_factory)
         coord = Coordinator(cfg, rollout, trainer, train_prompts, state)
-        coord.probe_ids = eval_prompts.prompts()[0].prompt_ids + [1] if eval_prompts else None
+        coord.probe_ids = build_probe_ids(len(train_prompts.tokenizer), length=32, seed=cfg.seed)
         if latest is not None:
             coord.state, extra = ckpts.load_state(latest)
             train_prompts.load_state_dict(extra["prompts"])
@@ -127,7 +131,8 @@ def run_job(cfg: JobConfig, resume: bool = False, rollout_factory=None) -> RunSu
         summary.steps = coord.state.step
         tracker = MetricsTracker(run_dir, cfg.coordinator.steps, coord.state.step, cfg.logging.tensorboard,
                                  cfg.logging.progress)
-        summary.interrupted = _loop(cfg, coord, eval_prompts, tracker, ckpts, summary)
+        control = start_control(cfg.name, cfg.cluster.namespace)
+        summary.interrupted = _loop(cfg, coord, eval_prompts, tracker, ckpts, summary, control, after_step)
     finally:
         if tracker is not None:
             tracker.close()
@@ -142,7 +147,8 @@ def run_job(cfg: JobConfig, resume: bool = False, rollout_factory=None) -> RunSu
     return summary
 
 
-def _loop(cfg: JobConfig, coord: Coordinator, eval_prompts, tracker, ckpts, summary: RunSummary) -> bool:
+def _loop(cfg: JobConfig, coord: Coordinator, eval_prompts, tracker, ckpts, summary: RunSummary, control,
+          after_step=None) -> bool:
     """Steps until done; evaluates and checkpoints on schedule. Returns True when interrupted by the user."""
     from ray.exceptions import RayActorError
 
@@ -167,10 +173,15 @@ def _loop(cfg: JobConfig, coord: Coordinator, eval_prompts, tracker, ckpts, summ
                 m = evaluate(coord.rollout, eval_prompts, step)
                 metrics.update(m)
                 summary.eval_history.append((step, m["eval/reward"]))
+            _apply_control(coord, control, metrics)
             tracker.log(step, metrics)
+            if cfg.logging.save_rollouts:
+                write_rollouts(cfg.run_dir / "rollouts" / f"step_{step:06d}.jsonl", coord.last_groups)
             summary.steps = step
             if (c.checkpoint_every and step % c.checkpoint_every == 0) or last:
                 summary.checkpoint = save()
+            if after_step is not None:
+                after_step(coord, step)
             if c.early_stop_reward is not None and metrics.get("eval/reward", -1e9) >= c.early_stop_reward:
                 summary.checkpoint = save()
                 break
@@ -178,6 +189,30 @@ def _loop(cfg: JobConfig, coord: Coordinator, eval_prompts, tracker, ckpts, summ
         summary.checkpoint = save()
         return True
     return False
+
+
+def _apply_control(coord: Coordinator, control, metrics: dict) -> None:
+    """Apply requests from `gspo-ray scale ...` between steps and report progress back."""
+    import ray
+
+    requests = ray.get(control.take_requests.remote())
+    if "rollout_workers" in requests:
+        metrics.update(coord.rollout.scale(requests["rollout_workers"]))
+    control.report.remote({"step": coord.state.step, "version": coord.state.version,
+                           "rollout_workers": coord.rollout.num_workers})
+
+
+def write_rollouts(path: Path, groups) -> None:
+    """One JSON line per trained sample: ids, engine log-probs, per-token versions, reward, worker."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for g in groups:
+            for i, s in enumerate(g.samples):
+                f.write(json.dumps({"uid": g.uid, "sample": s.sample_index, "worker": s.worker_id,
+                                    "prompt_ids": s.prompt_ids, "completion_ids": s.completion_ids,
+                                    "logprobs": s.logprobs, "versions": s.versions, "reward": s.reward,
+                                    "advantage": g.advantages[i] if g.advantages else None,
+                                    "finish_reason": s.finish_reason}) + "\n")
 
 
 def _is_trainer_error(coord: Coordinator, err: Exception) -> bool:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from gspo_ray.config import JobConfig
 from gspo_ray.coordinator.buffer import AdmitStats, GroupBuffer
 from gspo_ray.data.records import Group, Sample, TrainBatch, collate
+from gspo_ray.rollout.weight_sync import WeightProbe
 
 
 @dataclass
@@ -37,6 +38,7 @@ class Coordinator:
                                   max_staleness=c.max_staleness if c.mode == "async" else 0, seed=cfg.seed)
         self._pending = None  # async: the rollout batch in flight
         self.probe_ids: list[int] | None = None  # set by the job: a fixed sequence for push verification
+        self.last_groups: list[Group] = []  # the groups of the last step (for rollout dumps)
 
     # -- one step ---------------------------------------------------------------------------------------------
     def step(self) -> dict[str, float]:
@@ -67,10 +69,14 @@ class Coordinator:
         if stats.offered:
             self.state.filter_rate = 1 - stats.admitted / stats.offered
         taken = self.buffer.take(want)
+        self.last_groups = taken
         lo, hi = _version_span(taken)
         rewards = stats.rewards or [float("nan")]
         return taken, {
             **rmetrics,
+            "rollout/tokens_per_s": rmetrics.get("rollout/tokens", 0) / max(rmetrics.get("rollout/gen_s", 0), 1e-9),
+            "rollout/mean_len": rmetrics.get("rollout/tokens", 0) / max(rmetrics.get("rollout/samples", 0), 1),
+            "rollout/workers": self.rollout.num_workers,
             "rollout/reward_mean": sum(rewards) / len(rewards),
             "rollout/groups_offered": stats.offered, "rollout/groups_trained": len(taken),
             "rollout/filter_rate_zero_adv": stats.zero_adv / max(stats.offered, 1),
@@ -128,7 +134,7 @@ class Coordinator:
             return None
         batch = collate([_probe_sample(self.probe_ids)], [[0.0] * (len(self.probe_ids) - 1)])
         logp = self.trainer.compute_logprobs(batch)[0, 1:len(self.probe_ids)].tolist()
-        return {"ids": list(self.probe_ids), "logprobs": logp, "tol": self.cfg.rollout.verify_tol}
+        return WeightProbe(token_ids=list(self.probe_ids), logprobs=logp)
 
     def _recompute_old_logprobs(self, groups: list[Group]) -> None:
         """Replace the engine's log-probs with the trainer's (the `recompute_old_logprobs` switch)."""

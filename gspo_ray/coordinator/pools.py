@@ -16,7 +16,8 @@ def build_trainer_pool(cfg: JobConfig, model_path: Path, run_dir: Path):
 def rollout_actor_options(cfg: JobConfig) -> dict:
     r = cfg.rollout
     return {"num_cpus": r.num_cpus_per_worker, "num_gpus": r.num_gpus_per_worker,
-            "resources": dict(r.resources) or None, "max_restarts": 0, "max_task_retries": 0}
+            "resources": dict(r.resources) or None, "max_restarts": 0, "max_task_retries": 0,
+            "max_concurrency": 2}  # lets pause/ping reach a worker while it generates
 
 
 def build_rollout_pool(cfg: JobConfig, model_path: Path, run_dir: Path, factory=None) -> RolloutPool:
@@ -30,6 +31,6 @@ def build_rollout_pool(cfg: JobConfig, model_path: Path, run_dir: Path, factory=
     def make(worker_id: int):
         if factory is not None:
             return factory(worker_id)
-        return actor_cls.remote(worker_id, str(model_path), cfg.rollout, str(run_dir))
+        return actor_cls.remote(worker_id, str(model_path), cfg.rollout, str(run_dir), reward_runner=cfg.rollout.reward)
 
     return RolloutPool(make, cfg.rollout.num_workers)

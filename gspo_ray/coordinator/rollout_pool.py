@@ -77,9 +77,9 @@ class RolloutPool:
         groups = assemble_groups(pending.prompts, samples, pending.n)
         dt = time.perf_counter() - pending.t0
         tokens = sum(s.num_tokens for s in samples)
-        return groups, {"rollout/gen_s": dt, "rollout/tokens": tokens, "rollout/tokens_per_s": tokens / dt,
-                        "rollout/samples": len(samples), "rollout/workers": self.num_workers,
-                        "rollout/mean_len": tokens / max(len(samples), 1)}
+        # additive quantities only, so several rounds of one step can be summed
+        return groups, {"rollout/gen_s": dt, "rollout/tokens": tokens, "rollout/samples": len(samples),
+                        "rollout/truncated": sum(s.finish_reason == "length" for s in samples)}
 
     def generate(self, prompts: list[Prompt], n: int, **sampling) -> tuple[list[Group], dict[str, float]]:
         return self.wait(self.submit(prompts, n, **sampling))
@@ -90,9 +90,18 @@ class RolloutPool:
         t0 = time.perf_counter()
         ref = buckets if isinstance(buckets, ray.ObjectRef) else ray.put(buckets)
         self.weights = (version, ref, probe)
-        results = ray.get([w.update_weights.remote(version, ref, probe) for w in self.workers.values()])
+        calls = {wid: w.update_weights.remote(version, ref, probe) for wid, w in self.workers.items()}
+        results = []
+        for wid, call in calls.items():
+            try:
+                results.append(ray.get(call))
+            except WORKER_DEATH as e:  # a dead engine misses this push; it is replaced below or on next use
+                log.warning("rollout worker %d died during a weight push (%s)", wid, type(e).__name__)
+                self.workers.pop(wid, None)
+        if not self.workers:
+            self._surviving_worker()  # starts a replacement, which receives these weights first
         out = {"sync/push_s": time.perf_counter() - t0}
-        for key in ("sync/push_mb", "sync/verify_max_diff"):
+        for key in ("sync/push_mb", "sync/verify_max_abs_diff", "sync/verify_s"):
             vals = [r[key] for r in results if key in r]
             if vals:
                 out[key] = max(vals)
@@ -106,18 +115,21 @@ class RolloutPool:
         while self.num_workers < num_workers:
             self._start_worker()
         while self.num_workers > num_workers:
-            wid = max(self.workers)
-            ray.kill(self.workers.pop(wid))
+            self._stop_worker(max(self.workers))
         return {"rollout/workers": self.num_workers}
 
     def shutdown(self) -> None:
-        for w in self.workers.values():
-            try:
-                ray.get(w.shutdown.remote(), timeout=30)
-            except Exception:  # a dead worker has nothing left to shut down
-                pass
-            ray.kill(w)
-        self.workers.clear()
+        for wid in list(self.workers):
+            self._stop_worker(wid)
+
+    def _stop_worker(self, wid: int) -> None:
+        """Let the engine shut down its own processes, then end the actor."""
+        handle = self.workers.pop(wid)
+        try:
+            ray.get(handle.shutdown.remote(), timeout=30)
+        except Exception:  # a dead worker has nothing left to shut down
+            pass
+        ray.kill(handle)
 
     def _start_worker(self) -> int:
         wid = self._next_id
@@ -138,7 +150,7 @@ class RolloutPool:
         return min(self.workers)
 
     def _send(self, pending: PendingRollout, wid: int, chunk: list[Prompt]) -> None:
-        ref = self.workers[wid].generate.remote(chunk, pending.n, **pending.sampling)
+        ref = self.workers[wid].generate.remote(chunk, pending.n, **pending.sampling)  # version: the worker's own
         pending.inflight[ref] = (wid, chunk)
 
 

