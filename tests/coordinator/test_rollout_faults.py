@@ -1,0 +1,57 @@
+"""Rollout faults: a worker that dies mid-batch loses nothing; its prompts are served by the survivor exactly once."""
+import os
+import sys
+
+import pytest
+import ray
+
+from gspo_ray.config import RolloutConfig
+from gspo_ray.coordinator.pools import rollout_actor_options
+from gspo_ray.coordinator.rollout_pool import RolloutPool
+from gspo_ray.data.prompts import PromptSource
+from gspo_ray.models.tiny import make_tiny_model
+from gspo_ray.rollout.worker import RolloutWorker
+
+pytestmark = pytest.mark.slow
+
+
+class DyingRolloutWorker(RolloutWorker):
+    """Worker 1 generates half of its chunk, then its process dies (a node loss, an OOM kill)."""
+
+    def generate(self, prompts, n=None, **kwargs):
+        if self.worker_id == 1:
+            super().generate(prompts[: len(prompts) // 2], n, **kwargs)
+            os._exit(1)
+        return super().generate(prompts, n, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("faults")
+    model = make_tiny_model("qwen3_moe", root / "model", seed=0)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the test class travels to the actors
+    yield root, model
+    ray.shutdown()
+
+
+def test_dead_worker_prompts_are_redispatched_once(setup):
+    root, model = setup
+    cfg = RolloutConfig(num_workers=2, group_size=4, max_new_tokens=6, max_model_len=64)
+    from gspo_ray.config import JobConfig
+
+    opts = rollout_actor_options(JobConfig(rollout=cfg))
+    actor = ray.remote(DyingRolloutWorker).options(**opts)
+    pool = RolloutPool(lambda wid: actor.remote(wid, str(model), cfg, str(root), reward_runner=cfg.reward), 2)
+    try:
+        prompts = PromptSource.from_task("copy", str(model), seed=3).take(12)
+        groups, metrics = pool.generate(prompts, cfg.group_size)
+        # every prompt back exactly once, with its full group (assemble_groups raises on loss or duplication)
+        assert [g.uid for g in groups] == [p.uid for p in prompts]
+        assert all(len(g.samples) == 4 for g in groups)
+        assert pool.num_workers == 1 and pool.redispatched == 6        # worker 1's chunk: prompts 1, 3, 5, ...
+        assert {s.worker_id for g in groups for s in g.samples} == {0}
+        assert all(s.reward is not None for g in groups for s in g.samples)
+        assert metrics["rollout/samples"] == 48
+    finally:
+        pool.shutdown()
