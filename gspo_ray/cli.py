@@ -3,6 +3,8 @@
     gspo-ray train gspo_ray/recipes/tiny_moe.yaml [key.path=value ...] [--resume]
     gspo-ray config validate FILE      gspo-ray config show [FILE] [key=value ...]
     gspo-ray models make-tiny --arch qwen3_moe --out DIR
+    gspo-ray submit FILE --address http://HEAD:8265     gspo-ray status|logs|stop JOB_ID
+    gspo-ray scale rollout N --job NAME
     gspo-ray bench
 """
 from __future__ import annotations
@@ -18,6 +20,15 @@ config_app = typer.Typer(no_args_is_help=True, help="validate and show job confi
 models_app = typer.Typer(no_args_is_help=True, help="build local models")
 app.add_typer(config_app, name="config")
 app.add_typer(models_app, name="models")
+
+
+def _register_job_commands() -> None:
+    from gspo_ray.cli_jobs import jobs_app  # submit, status, logs, stop (Ray Job Submission API)
+
+    app.registered_commands += jobs_app.registered_commands
+
+
+_register_job_commands()
 
 
 def _load(path: Optional[Path], overrides: list[str]):

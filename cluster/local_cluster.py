@@ -1,0 +1,350 @@
+"""A multi-node Ray cluster on one machine, owned by this process: for tests and local job submission.
+
+    python cluster/local_cluster.py --workers 1 --worker-resources '{"rollout_node": 1}'   # Ctrl-C stops it
+
+    from cluster.local_cluster import LocalCluster
+    with LocalCluster(num_worker_nodes=1, worker_resources={"rollout_node": 1}) as c:
+        gspo_ray.jobs.submit("gspo_ray/recipes/tiny_moe.yaml", c.dashboard_url)
+
+Each node is one `ray start ... --block` process started in its own session (process group), with its own
+`--temp-dir` and its own set of free ports, so it never collides with another Ray on the same machine.
+`stop()` signals exactly those process groups and any process that descended from them (the job entrypoints
+Ray starts in their own sessions included). It never runs `ray stop`, which kills every Ray on the machine.
+
+Ray 2.60: `--temp-dir` is honoured per node (a worker node given none falls back to the head's temp dir, read
+from the GCS); the session name is the head's. Ports left unset fall back to fixed defaults (dashboard 8265,
+client server 10001, dashboard agent 52365, workers 10002-19999) or to random ones; all are set here.
+`--node-ip-address=127.0.0.1` is not honoured (Ray resolves loopback to the host's address), so nodes register
+under the host IP while the dashboard binds 127.0.0.1. Token auth is switched off explicitly (see `_node_env`).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+# Ports are drawn below the kernel's ephemeral range (32768-60999 on Linux), so an outgoing connection cannot
+# take one between probing and `ray start` binding it, and above Ray's default worker range (10002-19999).
+PORT_LO, PORT_HI = 20000, 32000
+WORKER_PORTS_PER_NODE = 64
+# AF_UNIX socket paths are limited to 107 bytes; Ray puts them at <temp>/session_<date>_<pid>/sockets/<name>.
+MAX_TEMP_ROOT_LEN = 40
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("0.0.0.0", port))
+        except OSError:
+            return False
+    return True
+
+
+def find_free_ports(n: int, taken: set[int], rng: random.Random) -> list[int]:
+    """`n` distinct free TCP ports in [PORT_LO, PORT_HI) not in `taken` (which is updated)."""
+    out: list[int] = []
+    while len(out) < n:
+        p = rng.randrange(PORT_LO, PORT_HI)
+        if p not in taken and _port_free(p):
+            taken.add(p)
+            out.append(p)
+    return out
+
+
+def find_free_port_block(size: int, taken: set[int], rng: random.Random, tries: int = 200) -> tuple[int, int]:
+    """A contiguous free range [lo, hi] of `size` ports (Ray's --min/--max-worker-port)."""
+    for _ in range(tries):
+        lo = rng.randrange(PORT_LO, PORT_HI - size)
+        block = range(lo, lo + size)
+        if not taken.intersection(block) and all(_port_free(p) for p in block):
+            taken.update(block)
+            return lo, lo + size - 1
+    raise RuntimeError(f"no free block of {size} ports in [{PORT_LO}, {PORT_HI})")
+
+
+def _descendants(roots: list[int]) -> list[int]:
+    """All live descendants of `roots` (walks /proc once)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])  # field 4; the command name may contain spaces
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], list(roots)
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie child of ours still answers kill(0); treat it as gone.
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@dataclass
+class _Node:
+    name: str
+    proc: subprocess.Popen
+    log: Path
+    temp_dir: Path
+    ports: dict[str, int] = field(default_factory=dict)
+
+
+class LocalCluster:
+    """A head (with dashboard) plus `num_worker_nodes` worker nodes, all local processes owned by this object.
+
+    Attributes after `start()`: `address` (GCS, "127.0.0.1:PORT", for `ray.init(address=...)`),
+    `dashboard_url` ("http://127.0.0.1:PORT", for job submission), `nodes` (name, PID, ports, log).
+    """
+
+    def __init__(self, num_worker_nodes: int = 1, head_cpus: int = 1, worker_cpus: int = 1,
+                 head_resources: dict[str, float] | None = None, worker_resources: dict[str, float] | None = None,
+                 base_dir: str | Path | None = None, object_store_mb: int = 256, start_timeout_s: float = 90.0,
+                 seed: int | None = None):
+        self.num_worker_nodes = num_worker_nodes
+        self.head_cpus, self.worker_cpus = head_cpus, worker_cpus
+        self.head_resources = dict(head_resources or {})
+        self.worker_resources = dict(worker_resources or {})
+        self.object_store_mb = object_store_mb
+        self.start_timeout_s = start_timeout_s
+        self._own_base = base_dir is None
+        self.base_dir = Path(base_dir) if base_dir is not None else Path(tempfile.mkdtemp(prefix="gspo-rc-"))
+        self._temp_root = self._pick_temp_root()
+        self._rng = random.Random(seed)
+        self._taken: set[int] = set()
+        self.nodes: list[_Node] = []
+        self.address: str | None = None
+        self.dashboard_url: str | None = None
+
+    def _pick_temp_root(self) -> Path:
+        # pytest's tmp_path is often too long for Ray's unix sockets: fall back to a short dir of our own.
+        if len(str(self.base_dir.resolve())) <= MAX_TEMP_ROOT_LEN:
+            return self.base_dir
+        self._own_temp_root = Path(tempfile.mkdtemp(prefix="gspo-rc-", dir="/tmp"))
+        return self._own_temp_root
+
+    # -- lifecycle ---------------------------------------------------------------------------------------------
+    def __enter__(self) -> "LocalCluster":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self, attempts: int = 3) -> "LocalCluster":
+        """Start the head, wait for its dashboard, then each worker node, waiting until it is alive.
+
+        On a saturated machine a node can die during startup (its raylet gives the dashboard agent ~15-20 s
+        to come up): that node alone is stopped and started again on fresh ports, `attempts` times at most.
+        """
+        try:
+            self._with_retries("head", self._start_head, attempts)
+            for i in range(self.num_worker_nodes):
+                self._with_retries(f"worker{i}", lambda i=i: self._start_worker(i), attempts)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _with_retries(self, name: str, start_node, attempts: int) -> None:
+        started_before = len(self.nodes)
+        for attempt in range(1, attempts + 1):
+            try:
+                return start_node()
+            except (RuntimeError, TimeoutError) as e:
+                if attempt == attempts:
+                    raise
+                log.warning("ray node %s failed to start (attempt %d/%d), retrying: %s", name, attempt, attempts,
+                            str(e).splitlines()[0])
+                while len(self.nodes) > started_before:
+                    self._stop_node(self.nodes.pop())
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        """Terminate the nodes this object started (workers first, then the head), then anything left behind."""
+        # Workers go first: a worker node whose GCS is already gone waits ~20 s before giving up, and its agents
+        # outlive it.
+        while self.nodes:
+            self._stop_node(self.nodes.pop(), timeout_s)
+        if getattr(self, "_own_temp_root", None) is not None:
+            shutil.rmtree(self._own_temp_root, ignore_errors=True)
+        if self._own_base:
+            shutil.rmtree(self.base_dir, ignore_errors=True)
+
+    @staticmethod
+    def _stop_node(node: "_Node", timeout_s: float = 20.0) -> None:
+        """SIGTERM the node's `ray start --block` (it tears its node down in order), SIGKILL what remains."""
+        # Ray starts job entrypoints in new sessions: collect the whole tree before it is orphaned.
+        tree = set(_descendants([node.proc.pid]))
+        node.proc.send_signal(signal.SIGTERM)
+        try:
+            node.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(node.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            node.proc.wait(timeout=10)
+        deadline = time.monotonic() + 5.0
+        while any(_alive(p) for p in tree) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        for pid in tree:
+            if _alive(pid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+    # -- nodes -------------------------------------------------------------------------------------------------
+    def _node_ports(self, head: bool) -> dict[str, int]:
+        names = ["node_manager", "object_manager", "dashboard_agent_listen", "dashboard_agent_grpc",
+                 "runtime_env_agent", "metrics_export"]
+        if head:
+            names += ["gcs", "dashboard", "ray_client_server"]
+        ports = dict(zip(names, find_free_ports(len(names), self._taken, self._rng)))
+        ports["min_worker"], ports["max_worker"] = find_free_port_block(WORKER_PORTS_PER_NODE, self._taken,
+                                                                        self._rng)
+        return ports
+
+    def _ray_start(self, name: str, args: list[str], ports: dict[str, int], cpus: int,
+                   resources: dict[str, float]) -> _Node:
+        temp_dir = self._temp_root / name
+        temp_dir.mkdir(parents=True, exist_ok=True)
+        log_path = self.base_dir / f"{name}.log"
+        port_args = [f"--{k.replace('_', '-')}-port={v}" for k, v in ports.items() if k != "gcs"]
+        cmd = [ray_executable(), "start", *args, f"--temp-dir={temp_dir}", f"--num-cpus={cpus}", "--num-gpus=0",
+               f"--resources={json.dumps(resources)}", f"--object-store-memory={self.object_store_mb << 20}",
+               "--disable-usage-stats", *port_args, "--block"]
+        with open(log_path, "wb") as fh:
+            proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    env=_node_env(), start_new_session=True)
+        node = _Node(name, proc, log_path, temp_dir, ports)
+        self.nodes.append(node)
+        return node
+
+    def _start_head(self) -> None:
+        ports = self._node_ports(head=True)
+        self._ray_start("head", ["--head", f"--port={ports['gcs']}", "--dashboard-host=127.0.0.1",
+                                 "--include-dashboard=true"], ports, self.head_cpus, self.head_resources)
+        self.address = f"127.0.0.1:{ports['gcs']}"
+        self.dashboard_url = f"http://127.0.0.1:{ports['dashboard']}"
+        self._wait(lambda: _http_ok(f"{self.dashboard_url}/api/version"), "the dashboard to answer")
+        self._wait(lambda: len(self.alive_nodes()) >= 1, "the head node to register")
+
+    def _start_worker(self, i: int) -> None:
+        ports = self._node_ports(head=False)
+        self._ray_start(f"worker{i}", [f"--address={self.address}"], ports, self.worker_cpus,
+                        self.worker_resources)
+        self._wait(lambda: len(self.alive_nodes()) >= len(self.nodes), f"worker{i} to register")
+
+    def _wait(self, ready, what: str) -> None:
+        deadline = time.monotonic() + self.start_timeout_s
+        while time.monotonic() < deadline:
+            for node in self.nodes:
+                if node.proc.poll() is not None:
+                    raise RuntimeError(f"ray node {node.name} exited with {node.proc.returncode} while waiting for "
+                                       f"{what}; log {node.log}:\n{_tail(node.log)}")
+            if ready():
+                return
+            time.sleep(0.5)
+        raise TimeoutError(f"timed out after {self.start_timeout_s} s waiting for {what}; logs in {self.base_dir}")
+
+    def alive_nodes(self) -> list[dict]:
+        """Alive nodes as the dashboard's state API reports them (node_id, resources_total, ...)."""
+        try:
+            with urllib.request.urlopen(f"{self.dashboard_url}/api/v0/nodes?limit=1000", timeout=5) as r:
+                body = json.loads(r.read())
+        except (OSError, ValueError):
+            return []
+        return [n for n in body.get("data", {}).get("result", {}).get("result", []) if n.get("state") == "ALIVE"]
+
+    def pids(self) -> list[int]:
+        """PIDs of the node processes and everything below them (live)."""
+        roots = [n.proc.pid for n in self.nodes if n.proc.poll() is None]
+        return roots + _descendants(roots)
+
+
+def ray_executable() -> str:
+    """The `ray` script of this interpreter's environment (not whatever `ray` is first on PATH)."""
+    exe = Path(sys.executable).parent / "ray"
+    if not exe.exists():
+        raise FileNotFoundError(f"no `ray` next to {sys.executable}; install ray[default] in this environment")
+    return str(exe)
+
+
+def _node_env() -> dict[str, str]:
+    env = dict(os.environ)
+    # Job entrypoints inherit the raylet's PATH: put this environment's bin first so `gspo-ray` resolves.
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env.pop("RAY_ADDRESS", None)  # never join someone else's cluster
+    env["RAY_USAGE_STATS_ENABLED"] = "0"
+    # Ray 2.60 drains a node for up to 30 s on SIGTERM (for Serve upgrades); a test cluster should stop at once.
+    env["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"] = "0"
+    # Ray 2.60 turns token auth on for `ray start` whenever ~/.ray/auth_token exists (the first local ray.init()
+    # writes one), so the mode would depend on the machine's history. A loopback test cluster opts out explicitly.
+    env["RAY_AUTH_MODE"] = "disabled"
+    return env
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def _tail(path: Path, n: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return "(no log)"
+
+
+def main() -> None:
+    import argparse
+
+    p = argparse.ArgumentParser(description="Start a local multi-node Ray cluster; Ctrl-C stops it.")
+    p.add_argument("--workers", type=int, default=1, help="worker nodes")
+    p.add_argument("--head-cpus", type=int, default=1)
+    p.add_argument("--worker-cpus", type=int, default=1)
+    p.add_argument("--worker-resources", type=json.loads, default={}, help='JSON, e.g. {"rollout_node": 1}')
+    p.add_argument("--base-dir", default=None, help="logs and temp dirs (default: a new dir under /tmp)")
+    a = p.parse_args()
+    with LocalCluster(a.workers, a.head_cpus, a.worker_cpus, worker_resources=a.worker_resources,
+                      base_dir=a.base_dir) as c:
+        print(f"RAY_ADDRESS={c.dashboard_url}  (gcs {c.address}); logs in {c.base_dir}", flush=True)
+        try:
+            signal.pause()
+        except KeyboardInterrupt:
+            pass
+
+
+if __name__ == "__main__":
+    main()

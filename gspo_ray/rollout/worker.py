@@ -1,0 +1,206 @@
+"""RolloutWorker: one vLLM engine per actor; samples groups, scores them, takes weight pushes.
+
+    Worker = ray.remote(num_cpus=1, max_concurrency=2)(RolloutWorker)   # done where the pool is built
+    w = Worker.remote(0, "runs/models/tiny-moe", cfg.rollout, run_dir="runs/job", reward_runner=cfg.rollout.reward)
+    samples = ray.get(w.generate.remote(prompts))                       # n = cfg.group_size
+    ray.get(w.update_weights.remote(7, bucket_refs, probe))             # -> {"sync/push_s": ..., ...}
+
+Verbs are the coordinator's: `generate`, `continue_samples`, `update_weights`, `verify`, `pause`/`resume`,
+`current_version`, `last_metrics`, `ping`, `shutdown`. Engine work is serialised by a lock; `pause`, `resume`
+and `ping` never take it, so with `max_concurrency >= 2` a pause reaches a running `generate`: its in-flight
+completions return at once as finish_reason "aborted" (tokens, log-probs and versions so far kept), and while
+paused `generate` returns every sample "aborted" with no tokens. Resume them with `continue_samples` (new tokens
+are stamped with the then-current version). See RolloutEngine for what a continuation reproduces.
+
+Rewards are scored off the engine's critical path: a prompt's group goes to the reward runner's thread as soon
+as all its samples ended, while the engine keeps generating the others. Aborted samples are scored once a
+continuation finishes them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+import time
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any, Iterable
+
+from gspo_ray.data.records import Prompt, Sample
+from gspo_ray.rollout.engine import FINISH_ABORTED, RolloutEngine, SamplingSettings
+from gspo_ray.rollout.weight_sync import WeightProbe, push_buckets, verify_probe
+
+
+def _build_reward_runner(reward_runner: Any, model_path: str):
+    """A RewardRunner as is; a RewardConfig -> RewardRunner with the model's tokenizer; None -> no scoring."""
+    if reward_runner is None or hasattr(reward_runner, "score_async"):
+        return reward_runner
+    from gspo_ray.rollout.scoring import RewardRunner
+
+    return RewardRunner.from_config(reward_runner, model_path)
+
+
+def default_cpu_cores(worker_id: int, cfg, cpu_count: int | None = None) -> str | None:
+    """A lone worker keeps every core (None: no pinning); with several, worker i gets cores
+    [i*k, (i+1)*k) mod cpu_count, k = num_cpus_per_worker, so workers sharing a machine do not share cores."""
+    cpu_count = cpu_count or os.cpu_count() or 1
+    if cfg.num_workers <= 1 or cpu_count < 2:
+        return None
+    k = max(1, min(int(cfg.num_cpus_per_worker), cpu_count))
+    first = (worker_id * k) % cpu_count
+    return ",".join(str((first + j) % cpu_count) for j in range(k))
+
+
+class RolloutWorker:
+    """A rollout actor (plain class; wrap with `ray.remote`). Owns one `RolloutEngine`."""
+
+    def __init__(self, worker_id: int, model_path: str | Path, cfg=None, run_dir: str | Path = "runs/rollout",
+                 reward_runner: Any = None, cpu_cores: str | None = None):
+        """cfg: a `RolloutConfig` (defaults if None). cpu_cores: cores to pin the engine to ("0", "2-3"); default
+        (see `default_cpu_cores`): none for a single worker, else its own block of `num_cpus_per_worker` cores.
+        reward_runner: a RewardRunner, a RewardConfig (built here, so it can travel to an actor), or None (samples
+        are not scored)."""
+        from gspo_ray.config import RolloutConfig
+
+        self.worker_id = worker_id
+        self.model_path = str(model_path)
+        self.cfg = cfg if cfg is not None else RolloutConfig()
+        self.sampling = SamplingSettings.from_config(self.cfg)
+        cores = cpu_cores if cpu_cores is not None else default_cpu_cores(worker_id, self.cfg)
+        self.engine = RolloutEngine(model_path, run_dir=Path(run_dir) / f"rollout-{worker_id}", dtype=self.cfg.dtype,
+                                    max_model_len=self.cfg.max_model_len, kv_cache_gb=self.cfg.kv_cache_gb,
+                                    enforce_eager=self.cfg.enforce_eager, seed=self.cfg.seed + worker_id,
+                                    gpu_memory_utilization=self.cfg.gpu_memory_utilization, cpu_cores=cores,
+                                    worker_id=worker_id)
+        self.reward_runner = _build_reward_runner(reward_runner, str(model_path))
+        self._version = 0
+        self._lock = threading.Lock()  # one engine operation at a time
+        self._paused = threading.Event()
+        self._unfinished: dict[str, Prompt] = {}  # prompts of aborted samples, to score them when continued
+        self._metrics: dict[str, float] = {}
+
+    # ---- sampling ------------------------------------------------------------------------------------------
+    def generate(self, prompts: list[Prompt], n: int | None = None, version: int | None = None,
+                 budget: int | None = None, seed: int | None = None,
+                 temperature: float | None = None) -> list[Sample]:
+        """n (default group_size) scored completions per prompt, grouped by prompt, tokens stamped `version`
+        (default: the current one). budget: at most this many new tokens per sample in this call.
+        temperature: overrides the configured one for this call (0 = greedy, for evaluation)."""
+        n = n or self.cfg.group_size
+        sampling = self.sampling if temperature is None else dataclasses.replace(self.sampling,
+                                                                                   temperature=temperature)
+        with self._lock:
+            version = self._version if version is None else version
+            scoring: list[Future] = []
+            start = time.perf_counter()
+            samples = self.engine.generate(
+                prompts, n, sampling, version=version, budget=budget, seed=seed, stop_event=self._paused,
+                on_group_done=lambda p, group: self._score_async(p, group, scoring))
+            gen_s = time.perf_counter() - start
+        for p in prompts:
+            if any(s.prompt_uid == p.uid and s.finish_reason == FINISH_ABORTED for s in samples):
+                self._unfinished[p.uid] = p
+        self._metrics = self._rollout_metrics(samples, gen_s, self._wait_scores(scoring))
+        return samples
+
+    def continue_samples(self, samples: list[Sample], budget: int | None = None, version: int | None = None,
+                         prompts: list[Prompt] | None = None) -> list[Sample]:
+        """Resume "aborted" samples (others pass through); newly finished ones are scored. `prompts` is only
+        needed for samples this worker did not start (their references are unknown here)."""
+        known = {**self._unfinished, **{p.uid: p for p in prompts or []}}
+        with self._lock:
+            version = self._version if version is None else version
+            start = time.perf_counter()
+            out = self.engine.continue_samples(samples, self.sampling, version=version, budget=budget,
+                                               stop_event=self._paused)
+            gen_s = time.perf_counter() - start
+        newly_done = [s for s, before in zip(out, samples)
+                      if before.finish_reason == FINISH_ABORTED and s.finish_reason != FINISH_ABORTED]
+        scoring: list[Future] = []
+        for uid in {s.prompt_uid for s in newly_done}:
+            if uid in known:
+                self._score_async(known[uid], [s for s in newly_done if s.prompt_uid == uid], scoring)
+        still_open = {s.prompt_uid for s in out if s.finish_reason == FINISH_ABORTED}
+        self._unfinished = {uid: p for uid, p in self._unfinished.items() if uid in still_open}
+        self._metrics = self._rollout_metrics(out, gen_s, self._wait_scores(scoring))
+        return out
+
+    def _score_async(self, prompt: Prompt, group: list[Sample], futures: list[Future]) -> None:
+        done = [s for s in group if s.finish_reason != FINISH_ABORTED]
+        if self.reward_runner is not None and done:
+            futures.append(self.reward_runner.score_async(done, {prompt.uid: prompt}))
+
+    @staticmethod
+    def _wait_scores(futures: list[Future]) -> dict[str, float]:
+        """Sum the per-group scoring metrics (seconds and counts add up; abandoned threads: the last count)."""
+        total: dict[str, float] = {}
+        for f in futures:
+            for key, value in f.result().items():
+                total[key] = value if key == "reward/abandoned_threads" else total.get(key, 0.0) + value
+        return total
+
+    def _rollout_metrics(self, samples: list[Sample], gen_s: float, reward: dict[str, float]) -> dict[str, float]:
+        tokens = sum(s.num_tokens for s in samples)
+        return {"rollout/gen_s": gen_s, "rollout/num_tokens": float(tokens),
+                "rollout/tokens_per_s": tokens / gen_s if gen_s > 0 else 0.0,
+                "rollout/num_samples": float(len(samples)),
+                "rollout/num_aborted": float(sum(s.finish_reason == FINISH_ABORTED for s in samples)),
+                "rollout/num_truncated": float(sum(s.finish_reason == "length" for s in samples)), **reward}
+
+    def last_metrics(self) -> dict[str, float]:
+        """Metrics of the last generate/continue call (`rollout/*`, `reward/*`)."""
+        return dict(self._metrics)
+
+    # ---- weights -------------------------------------------------------------------------------------------
+    def update_weights(self, version: int, buckets: Iterable[Any], probe: WeightProbe | None = None
+                       ) -> dict[str, float]:
+        """Push buckets of (HF name, tensor) (or Ray refs to them) into the live engine; become `version`.
+
+        With a probe (and `verify_push`), the engine's teacher-forced log-probs must match the probe's within
+        `verify_tol`, else WeightSyncError. Returns `sync/*` metrics (push seconds and MiB, probe diff).
+        """
+        with self._lock:
+            stats = push_buckets(self.engine, buckets)
+            self._version = version
+            metrics = stats.metrics()
+            if probe is not None and self.cfg.verify_push:
+                start = time.perf_counter()
+                metrics["sync/verify_max_abs_diff"] = verify_probe(self.engine, probe, self.cfg.verify_tol)
+                metrics["sync/verify_s"] = time.perf_counter() - start
+        return metrics
+
+    def verify(self, probe_ids: list[int], reference_logprobs: list[float], tol: float | None = None) -> float:
+        """max |engine - reference| teacher-forced log-prob of probe_ids[1:]; raises above `tol` if given."""
+        with self._lock:
+            return verify_probe(self.engine, WeightProbe(list(probe_ids), list(reference_logprobs)), tol)
+
+    def current_version(self) -> int:
+        return self._version
+
+    # ---- control -------------------------------------------------------------------------------------------
+    def pause(self) -> None:
+        """Stop in-flight generation at the next engine step (partial samples return "aborted"); until
+        `resume`, generate/continue return at once with nothing new. Never waits for the engine."""
+        self._paused.set()
+
+    def resume(self) -> None:
+        self._paused.clear()
+
+    def is_paused(self) -> bool:
+        return self._paused.is_set()
+
+    def ping(self) -> int:
+        return self.worker_id
+
+    def describe(self) -> dict[str, Any]:
+        """Who and where this worker is (for status displays and tests)."""
+        return {"worker_id": self.worker_id, "pid": os.getpid(), "version": self._version,
+                "model_path": self.model_path, "cpu_affinity": sorted(os.sched_getaffinity(0)),
+                "paused": self._paused.is_set()}
+
+    def shutdown(self) -> None:
+        self._paused.set()
+        with self._lock:
+            if self.reward_runner is not None and hasattr(self.reward_runner, "close"):
+                self.reward_runner.close()
+            self.engine.shutdown()

@@ -1,0 +1,214 @@
+"""Deployment files are checked here, without a cluster: KubeRay manifests against the repo's KubeRay schema and
+their pod templates against the Kubernetes Pod schema; cloud-launcher YAMLs against the schema and checks that
+`ray up` itself applies; the entrypoints' job files against gspo-ray's config; the Slurm script with `bash -n`.
+"""
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from gspo_ray.config import load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+KUBERAY = ROOT / "deploy" / "kuberay"
+SCHEMA = json.loads((KUBERAY / "schema" / "ray.io_v1.schema.json").read_text())
+MANIFESTS = ["raycluster.yaml", "rayjob.yaml"]
+LAUNCHERS = ["gpu_aws.yaml", "gpu_gcp.yaml"]
+K8S_VERSION = "1.30"
+POOLS = {"rollout": "rollout_node", "trainer": "trainer_node"}
+
+
+def _load(name: str) -> dict:
+    return yaml.safe_load((KUBERAY / name).read_text())
+
+
+def _cluster_spec(doc: dict) -> dict:
+    return doc["spec"]["rayClusterSpec"] if doc["kind"] == "RayJob" else doc["spec"]
+
+
+def _templates(doc: dict) -> list[tuple[str, dict]]:
+    spec = _cluster_spec(doc)
+    out = [("head", spec["headGroupSpec"]["template"])]
+    out += [(g["groupName"], g["template"]) for g in spec.get("workerGroupSpecs", [])]
+    return out
+
+
+def _start_resources(group: dict) -> dict[str, float]:
+    """rayStartParams.resources as `ray start --resources` receives it after the shell has unquoted it."""
+    raw = group.get("rayStartParams", {}).get("resources")
+    return json.loads(shlex.split(raw)[0]) if raw else {}
+
+
+def _gpus(template: dict) -> int:
+    return sum(int(c.get("resources", {}).get("limits", {}).get("nvidia.com/gpu", 0))
+               for c in template["spec"]["containers"])
+
+
+# -- KubeRay ---------------------------------------------------------------------------------------------------
+def test_schema_is_valid_and_rejects_typos():
+    jsonschema.Draft202012Validator.check_schema(SCHEMA)
+    doc = _load("rayjob.yaml")
+    doc["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["maxReplica"] = 3  # misspelt maxReplicas
+    with pytest.raises(jsonschema.ValidationError, match="maxReplica"):
+        jsonschema.validate(doc, SCHEMA)
+    doc = _load("raycluster.yaml")
+    doc["spec"]["headGroupSpec"]["rayStartParams"]["num-cpus"] = 0  # KubeRay wants strings here
+    with pytest.raises(jsonschema.ValidationError, match="not of type 'string'"):
+        jsonschema.validate(doc, SCHEMA)
+
+
+@pytest.mark.parametrize("name", MANIFESTS)
+def test_manifest_matches_kuberay_schema(name):
+    jsonschema.Draft202012Validator(SCHEMA).validate(_load(name))
+
+
+@pytest.mark.parametrize("name", MANIFESTS)
+def test_pod_templates_are_valid_kubernetes_pods(name):
+    for group, template in _templates(_load(name)):
+        pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": f"gspo-{group}",
+                                                                **template.get("metadata", {})},
+               "spec": template["spec"]}
+        kubernetes_validate.validate(pod, K8S_VERSION, strict=True)
+
+
+def test_pod_validation_catches_a_bad_template():
+    _, template = _templates(_load("raycluster.yaml"))[1]
+    template["spec"]["containers"][0]["resource"] = {}  # misspelt `resources`
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "x"}, "spec": template["spec"]}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(pod, K8S_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("name", MANIFESTS)
+def test_separate_gpu_pools_with_shm_and_autoscaling(name):
+    spec = _cluster_spec(_load(name))
+    assert spec["enableInTreeAutoscaling"] is True
+    groups = {g["groupName"]: g for g in spec["workerGroupSpecs"]}
+    assert set(groups) == set(POOLS)
+    for group_name, resource in POOLS.items():
+        g = groups[group_name]
+        gpus = _gpus(g["template"])
+        assert gpus >= 1, f"{group_name}: no nvidia.com/gpu limit"
+        # One unit of the pool's resource per GPU, and only its own pool's resource.
+        assert _start_resources(g) == {resource: gpus}
+        assert 0 <= g["minReplicas"] <= g["replicas"] <= g["maxReplicas"] and g["maxReplicas"] > g["minReplicas"]
+    for group_name, template in _templates(_load(name)):
+        volumes = {v["name"]: v for v in template["spec"].get("volumes", [])}
+        mounts = {m["mountPath"]: m["name"] for c in template["spec"]["containers"] for m in c["volumeMounts"]}
+        assert volumes[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory", group_name
+        # The run directory must be the same shared volume everywhere (trainer ranks all write checkpoints).
+        assert "persistentVolumeClaim" in volumes[mounts["/mnt/runs"]], group_name
+    assert spec["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"
+
+
+def test_rayjob_entrypoint_is_a_valid_job_that_fits_the_cluster():
+    doc = _load("rayjob.yaml")
+    spec = doc["spec"]
+    argv = shlex.split(spec["entrypoint"])
+    assert argv[:2] == ["gspo-ray", "train"]
+    cfg = load_config(ROOT / argv[2], argv[3:])  # raises ConfigError naming the field if a knob is wrong
+    assert cfg.logging.out_dir.is_absolute()
+    groups = {g["groupName"]: g for g in spec["rayClusterSpec"]["workerGroupSpecs"]}
+    for pool, sub in (("rollout", cfg.rollout), ("trainer", cfg.trainer)):
+        g = groups[pool]
+        assert sub.num_gpus_per_worker > 0
+        assert set(sub.resources) == {POOLS[pool]}
+        # Everything the pool asks for fits in the group at its largest.
+        per_pod = min(_gpus(g["template"]) / sub.num_gpus_per_worker,
+                      _start_resources(g)[POOLS[pool]] / sub.resources[POOLS[pool]])
+        assert sub.num_workers <= int(per_pod) * g["maxReplicas"], pool
+    assert spec["shutdownAfterJobFinishes"] is True and spec["ttlSecondsAfterFinished"] > 0
+    env = yaml.safe_load(spec["runtimeEnvYAML"])
+    assert env["env_vars"]["RAY_OVERRIDE_JOB_RUNTIME_ENV"] == "1"
+
+
+def test_rayversion_matches_installed_ray():
+    import ray
+
+    for name in MANIFESTS:
+        assert _cluster_spec(_load(name))["rayVersion"] == ray.__version__, name
+
+
+# -- cloud launcher --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", LAUNCHERS)
+def test_launcher_yaml_passes_ray_validation(name):
+    import copy
+
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    doc = yaml.safe_load((ROOT / "cluster" / "launcher" / name).read_text())
+    schema_path = Path(__import__("ray.autoscaler", fromlist=["x"]).__file__).parent / "ray-schema.json"
+    jsonschema.validate(doc, json.loads(schema_path.read_text()))
+    validate_config(doc)
+    # What `ray up` does before it talks to the cloud: merge the provider defaults, then validate again.
+    validate_config(prepare_config(copy.deepcopy(doc)))
+
+
+@pytest.mark.parametrize("name", LAUNCHERS)
+def test_launcher_has_separate_gpu_pools(name):
+    doc = yaml.safe_load((ROOT / "cluster" / "launcher" / name).read_text())
+    types = doc["available_node_types"]
+    head = types[doc["head_node_type"]]
+    assert not set(head["resources"]) & set(POOLS.values())
+    for resource in POOLS.values():
+        (pool,) = [t for t in types.values() if resource in t["resources"]]
+        assert pool["resources"]["GPU"] >= 1
+        assert pool["resources"][resource] == pool["resources"]["GPU"]
+        assert not set(pool["resources"]) & (set(POOLS.values()) - {resource})
+        assert pool["min_workers"] < pool["max_workers"]
+    assert sum(t.get("max_workers", 0) for t in types.values()) <= doc["max_workers"]
+
+
+def test_launcher_schema_catches_a_bad_node_type():
+    from ray.autoscaler._private.util import validate_config
+
+    doc = yaml.safe_load((ROOT / "cluster" / "launcher" / "gpu_aws.yaml").read_text())
+    doc["available_node_types"]["rollout_gpu"]["resources"]["rollout_node"] = 0.5  # launcher wants integers
+    with pytest.raises(jsonschema.ValidationError):
+        validate_config(doc)
+
+
+# -- Slurm and the image ---------------------------------------------------------------------------------------
+def test_sbatch_script_parses():
+    script = ROOT / "deploy" / "slurm" / "gspo_ray.sbatch"
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    text = script.read_text()
+    assert not re.search(r"^\s*ray stop", text, re.M), "never `ray stop` on shared nodes"
+    assert re.search(r"^#SBATCH --nodes=", text, re.M)
+
+
+def test_dockerfile_builds_from_cuda_with_the_cuda_extra():
+    text = (ROOT / "deploy" / "docker" / "Dockerfile").read_text()
+    assert re.search(r"^ARG CUDA_IMAGE=nvidia/cuda:\S+-devel-", text, re.M)
+    extra = re.search(r"^ARG EXTRAS=(\S+)", text, re.M).group(1)
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert extra in pyproject["project"]["optional-dependencies"]
+    assert 'pip install --no-build-isolation -e ".[${EXTRAS}]"' in text
+    for src in re.findall(r"^COPY (.+) \S+$", text, re.M):  # every COPY source exists in the build context
+        for part in src.split():
+            assert (ROOT / part).exists(), part
+    assert "wget" in text  # KubeRay's probes need it
+
+
+def test_dockerfile_install_step_reads_the_vllm_pin_from_pyproject(tmp_path):
+    """Run the image's install RUN line with `pip` stubbed: it must ask for the extra's vLLM requirement."""
+    text = (ROOT / "deploy" / "docker" / "Dockerfile").read_text()
+    run = re.search(r"^RUN (VLLM_REQ=.*?no-build-isolation[^\n]*)", text, re.M | re.S).group(1)
+    run = run.replace("\\\n", " ")
+    (tmp_path / "python3").symlink_to(sys.executable)  # the image's python3 is >= 3.11 (tomllib) like this one
+    out = subprocess.run(["sh", "-c", f'pip() {{ echo "PIP $*"; }}; {run}'], cwd=ROOT, capture_output=True,
+                         text=True, env={"EXTRAS": "cuda", "PATH": f"{tmp_path}:/usr/bin:/bin"},
+                         check=True).stdout.splitlines()
+    vllm = [d for d in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["cuda"]
+            if d.startswith("vllm")]
+    assert out == [f"PIP install -e . {vllm[0]}", "PIP install --no-build-isolation -e .[cuda]"]

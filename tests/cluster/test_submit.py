@@ -1,0 +1,229 @@
+"""Job submission against a real local cluster (head + one worker node, started and stopped by its handle), and
+the Slurm script run end to end on this machine with stand-ins for `srun`/`scontrol`.
+
+The first tests need no cluster: a bad job file must fail before anything is contacted.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from gspo_ray import jobs
+from gspo_ray.config import ConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+from cluster.local_cluster import (LocalCluster, _alive, _descendants, find_free_port_block,  # noqa: E402
+                                   find_free_ports)
+
+RECIPE = "gspo_ray/recipes/tiny_moe.yaml"
+UNREACHABLE = "http://127.0.0.1:9"  # discard port: any attempt to submit would fail with a connection error
+VENV_BIN = Path(sys.executable).parent
+
+
+# -- no cluster ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("override, field", [("trainer.tp=3", "trainer.tp"),
+                                             ("rollout.group_size=1", "rollout.group_size"),
+                                             ("coordinator.stepz=2", "coordinator.stepz")])
+def test_bad_job_fails_before_submission(override, field):
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        jobs.submit(ROOT / RECIPE, UNREACHABLE, [override], working_dir=ROOT)
+
+
+def test_runtime_env_clash_is_reported_with_the_field():
+    with pytest.raises(ConfigError, match=r"cluster\.runtime_env\.env_vars\.X"):
+        jobs.submit(ROOT / RECIPE, UNREACHABLE, ["cluster.runtime_env={env_vars: {X: '1'}}"], working_dir=ROOT,
+                    runtime_env={"env_vars": {"X": "2"}})
+
+
+def test_runtime_env_and_entrypoint():
+    env = jobs.build_runtime_env(ROOT, {"env_vars": {"A": "1"}, "excludes": ["data/"], "pip": ["x"]})
+    assert env["working_dir"] == str(ROOT) and env["pip"] == ["x"]
+    assert ".venv" in env["excludes"] and "data/" in env["excludes"]
+    assert env["env_vars"] == {"RAY_OVERRIDE_JOB_RUNTIME_ENV": "1", "A": "1"}
+    cmd = jobs.build_entrypoint(RECIPE, ["rollout.resources={rollout_node: 1}"], resume=True)
+    assert cmd == f"gspo-ray train {RECIPE} 'rollout.resources={{rollout_node: 1}}' --resume"
+    # The config path is given relative to the uploaded working_dir.
+    assert jobs._config_arg(ROOT / RECIPE, ROOT) == RECIPE
+
+
+def test_cli_submit_reports_bad_field(monkeypatch):
+    from typer.testing import CliRunner
+
+    from gspo_ray.cli_jobs import jobs_app
+
+    monkeypatch.chdir(ROOT)
+    res = CliRunner().invoke(jobs_app, ["submit", RECIPE, "trainer.ep=3", "--address", UNREACHABLE])
+    assert res.exit_code == 2 and "trainer.ep" in res.output
+
+
+# -- a local cluster -------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = LocalCluster(num_worker_nodes=1, head_cpus=2, worker_cpus=1, worker_resources={"rollout_node": 1},
+                     base_dir=tmp_path_factory.mktemp("ray"))
+    try:
+        c.start()
+        yield c
+    finally:
+        c.stop()
+
+
+@pytest.mark.slow
+def test_config_validate_job_succeeds(cluster):
+    job = jobs.submit(ROOT / RECIPE, cluster.dashboard_url, working_dir=ROOT, entrypoint="gspo-ray config validate")
+    assert jobs.wait(job, cluster.dashboard_url, timeout_s=300) == "SUCCEEDED"
+    out = "".join(jobs.logs(job, cluster.dashboard_url))
+    assert f"{RECIPE}: ok" in out
+    from typer.testing import CliRunner
+
+    from gspo_ray.cli_jobs import jobs_app
+
+    res = CliRunner().invoke(jobs_app, ["status", job, "--address", cluster.dashboard_url])
+    assert res.exit_code == 0 and f"{job}: SUCCEEDED" in res.output
+    res = CliRunner().invoke(jobs_app, ["logs", job, "--address", cluster.dashboard_url])
+    assert f"{RECIPE}: ok" in res.output
+
+
+@pytest.mark.slow
+def test_job_sees_both_nodes_with_shipped_code(cluster):
+    job = jobs.submit_command("python tests/cluster/_probe_job.py", cluster.dashboard_url, working_dir=ROOT,
+                              runtime_env={"env_vars": {"GSPO_PROBE": "job"}})
+    out = "".join(jobs.logs(job, cluster.dashboard_url, follow=True))
+    assert jobs.wait(job, cluster.dashboard_url, timeout_s=120) == "SUCCEEDED", out
+    probe = json.loads(next(line for line in out.splitlines() if line.startswith("PROBE "))[6:])
+    assert probe["alive"] == 2
+    assert probe["resources"]["CPU"] == 3 and probe["resources"]["rollout_node"] == 1
+    # The entrypoint runs in the environment the cluster was started from.
+    assert probe["gspo_ray_exe"] == str(VENV_BIN / "gspo-ray")
+    task = probe["task"]
+    assert task["node"] != probe["driver_node"]  # rollout_node exists only on the worker node
+    assert task["env"] == "driver"  # the driver's ray.init env_vars win over the job's (no clash error)
+    # The code came with the job, unpacked under the worker node's own --temp-dir.
+    worker_temp = str(cluster.nodes[1].temp_dir.resolve())
+    assert task["gspo_ray"].startswith(worker_temp) and "working_dir_files" in task["gspo_ray"]
+
+
+@pytest.mark.slow
+def test_stop_a_running_job(cluster):
+    job = jobs.submit_command("sleep 600", cluster.dashboard_url, working_dir=ROOT)
+    deadline = time.monotonic() + 60
+    while jobs.status(job, cluster.dashboard_url) != "RUNNING":
+        assert time.monotonic() < deadline
+        time.sleep(0.5)
+    assert jobs.stop(job, cluster.dashboard_url) is True
+    assert jobs.wait(job, cluster.dashboard_url, timeout_s=60) == "STOPPED"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not importlib.util.find_spec("gspo_ray.rollout.worker"),
+                    reason="the rollout worker is not in the tree yet")
+def test_train_job_writes_metrics(cluster, tmp_path):
+    job = jobs.submit(ROOT / RECIPE, cluster.dashboard_url,
+                      ["coordinator.steps=2", "coordinator.eval_every=0", f"logging.out_dir={tmp_path}",
+                       "logging.progress=false"], working_dir=ROOT)
+    try:
+        status = jobs.wait(job, cluster.dashboard_url, timeout_s=300)
+    except TimeoutError as e:
+        jobs.stop(job, cluster.dashboard_url)
+        status = str(e)
+    assert status == "SUCCEEDED", "".join(jobs.logs(job, cluster.dashboard_url))[-4000:]
+    rows = [json.loads(line) for line in (tmp_path / "tiny-moe-gspo" / "metrics.jsonl").read_text().splitlines()]
+    trained = {r["step"] for r in rows if any(k.startswith("train/") for k in r)}
+    assert {1, 2} <= trained
+
+
+@pytest.mark.slow
+def test_cluster_stop_ends_exactly_its_own_processes(cluster):
+    """Runs last against the shared cluster: stop() must leave nothing of it behind and nothing else touched."""
+    bystander = subprocess.Popen(["sleep", "120"])  # not the cluster's: must survive
+    try:
+        job = jobs.submit_command("sleep 600", cluster.dashboard_url, working_dir=ROOT)  # orphaned by stop()
+        deadline = time.monotonic() + 60
+        while jobs.status(job, cluster.dashboard_url) != "RUNNING":
+            assert time.monotonic() < deadline
+            time.sleep(0.5)
+        pids = cluster.pids()
+        assert len(pids) > 10  # head and worker node processes, agents, workers, the job
+        t0 = time.monotonic()
+        cluster.stop()
+        assert time.monotonic() - t0 < 30
+        assert [p for p in pids if _alive(p)] == []
+        assert bystander.poll() is None
+    finally:
+        bystander.kill()
+        bystander.wait()
+
+
+# -- Slurm script on this machine ------------------------------------------------------------------------------
+SHIMS = {
+    # `srun [--opt=value ...] cmd ...` -> run cmd here (the script always writes options as --opt=value).
+    "srun": '#!/bin/bash\nwhile [[ "${1:-}" == -* ]]; do shift; done\nexec "$@"\n',
+    "scontrol": '#!/bin/bash\necho localhost\n',
+}
+
+
+@pytest.mark.slow
+def test_slurm_script_single_node(tmp_path):
+    """One node: head with both pool resources, the entrypoint run as the driver, then the cluster is stopped."""
+    for name, body in SHIMS.items():
+        (tmp_path / name).write_text(body)
+        (tmp_path / name).chmod(0o755)
+    rng, taken = random.Random(), set()
+    gcs, dash, nm, om, agent, agent_grpc, renv, metrics, client = find_free_ports(9, taken, rng)
+    lo, hi = find_free_port_block(64, taken, rng)
+    temp = Path(f"/tmp/gspo-slurm-{os.getpid()}")
+    env = {**os.environ, "PATH": f"{tmp_path}:{VENV_BIN}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "localhost",
+           "SLURM_JOB_ID": "t1", "SLURM_CPUS_PER_TASK": "1", "GPUS_PER_NODE": "0", "RAY_PORT": str(gcs),
+           "RAY_DASHBOARD_PORT": str(dash), "RAY_TMPDIR": str(temp), "RAY_START_TIMEOUT_S": "120",
+           "GSPO_ENTRYPOINT": "gspo-ray config validate",
+           "RAY_HEAD_ARGS": f"--node-manager-port={nm} --object-manager-port={om} --dashboard-agent-listen-port="
+                            f"{agent} --dashboard-agent-grpc-port={agent_grpc} --runtime-env-agent-port={renv} "
+                            f"--metrics-export-port={metrics} --ray-client-server-port={client} "
+                            f"--object-store-memory=134217728 --min-worker-port={lo} --max-worker-port={hi}"}
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.Popen(["bash", str(ROOT / "deploy/slurm/gspo_ray.sbatch"), RECIPE], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        out = "(timed out)"
+    finally:
+        leftovers = set(_descendants([proc.pid]))
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        # A node's last processes exit a moment after its `ray start` returns.
+        deadline = time.monotonic() + 10
+        while (leftovers := {p for p in leftovers | _processes_mentioning(str(temp)) if _alive(p)}) \
+                and time.monotonic() < deadline:
+            time.sleep(0.5)
+        for pid in leftovers:
+            os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(temp, ignore_errors=True)
+    assert proc.returncode == 0, out[-4000:]
+    assert "ray: 1/1 nodes alive" in out and f"{RECIPE}: ok" in out and "stopping the Ray cluster" in out
+    assert not leftovers, f"processes of the script's cluster outlived it: {leftovers}"
+
+
+def _processes_mentioning(text: str) -> set[int]:
+    """PIDs whose command line contains `text` (our unique temp dir: only this test's processes match)."""
+    out = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if text in Path(f"/proc/{entry}/cmdline").read_bytes().decode(errors="replace"):
+                    out.add(int(entry))
+            except OSError:
+                pass
+    return {p for p in out if _alive(p)}
