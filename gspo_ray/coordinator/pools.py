@@ -10,7 +10,11 @@ from gspo_ray.coordinator.rollout_pool import RolloutPool
 def build_trainer_pool(cfg: JobConfig, model_path: Path, run_dir: Path):
     from gspo_ray.trainer.pool import TrainerPool
 
-    return TrainerPool(str(model_path), cfg.trainer, cfg.algorithm, str(run_dir))
+    trainer_cfg = cfg.trainer
+    if trainer_cfg.total_steps is None:  # the LR schedule's horizon: every optimizer step of the job
+        c = cfg.coordinator
+        trainer_cfg = trainer_cfg.model_copy(update={"total_steps": c.steps * c.num_iterations * c.num_minibatches})
+    return TrainerPool(str(model_path), trainer_cfg, cfg.algorithm, str(run_dir))
 
 
 def rollout_actor_options(cfg: JobConfig) -> dict:

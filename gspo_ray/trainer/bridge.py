@@ -1,0 +1,307 @@
+"""HF <-> Megatron weight conversion (qwen2, qwen3, qwen3_moe, llama), sharded by TP and EP.
+
+    load_hf_weights(model, spec, hf_dir) -> None                       # HF safetensors -> this rank's shards
+    export_hf_weights(model, spec, bucket_mb=64) -> Iterator[list[tuple[str, Tensor]]]   # collective
+    hf_state_dict_from_megatron(model, spec) -> dict[str, Tensor]     # collective; the whole HF state dict
+    save_hf_checkpoint(model, spec, out_dir, tokenizer_src_dir=None) -> None   # collective; rank 0 writes
+
+Export is collective: every rank of the world calls it, in the same order, and every rank yields the same full
+(unsharded) tensors with exactly the HF names and shapes of the original checkpoint (per-expert names
+`model.layers.{i}.mlp.experts.{e}.gate_proj.weight`; no lm_head when embeddings are tied), in the model's dtype.
+They are owned copies, never views of parameters the optimizer will change.
+
+Layouts (what `param_map` encodes per Megatron parameter):
+- `linear_qkv` fuses q, k, v per query group: [group 0: q heads of the group, k, v | group 1: ...]; TP splits whole
+  groups (contiguous rows). Qwen2's q/k/v biases are fused the same way.
+- `linear_fc1` (dense and experts) is [gate; up]; TP splits gate and up separately, each rank holding
+  [gate_r; up_r].
+- `linear_proj` / `linear_fc2` split columns (row-parallel); embeddings and output layer split vocabulary rows,
+  padded with zero rows up to a multiple of TP.
+- Experts (expert-TP 1): local expert j on EP rank r is global expert r * num_local_experts + j.
+"""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from torch import Tensor
+
+from gspo_ray.trainer.model import ModelSpec
+
+_LAYER = r"decoder\.layers\.(\d+)\."
+# Megatron parameter name -> (HF names, how they merge, how TP shards the merged tensor). {i}: layer, {e}: expert.
+_RULES: list[tuple[str, tuple[str, ...], str, str]] = [
+    (r"embedding\.word_embeddings\.weight", ("model.embed_tokens.weight",), "copy", "vocab"),
+    (r"output_layer\.weight", ("lm_head.weight",), "copy", "vocab"),
+    (r"decoder\.final_layernorm\.weight", ("model.norm.weight",), "copy", "none"),
+    # TE specs fuse the input norm into linear_qkv (and the dense pre-MLP norm into linear_fc1)
+    (_LAYER + r"(?:input_layernorm\.weight|self_attention\.linear_qkv\.layer_norm_weight)",
+     ("model.layers.{i}.input_layernorm.weight",), "copy", "none"),
+    (_LAYER + r"self_attention\.linear_qkv\.weight", tuple(f"model.layers.{{i}}.self_attn.{p}_proj.weight"
+                                                          for p in "qkv"), "qkv", "col"),
+    (_LAYER + r"self_attention\.linear_qkv\.bias", tuple(f"model.layers.{{i}}.self_attn.{p}_proj.bias"
+                                                        for p in "qkv"), "qkv", "col"),
+    (_LAYER + r"self_attention\.q_layernorm\.weight", ("model.layers.{i}.self_attn.q_norm.weight",), "copy", "none"),
+    (_LAYER + r"self_attention\.k_layernorm\.weight", ("model.layers.{i}.self_attn.k_norm.weight",), "copy", "none"),
+    (_LAYER + r"self_attention\.linear_proj\.weight", ("model.layers.{i}.self_attn.o_proj.weight",), "copy", "row"),
+    (_LAYER + r"(?:pre_mlp_layernorm\.weight|mlp\.linear_fc1\.layer_norm_weight)",
+     ("model.layers.{i}.post_attention_layernorm.weight",), "copy", "none"),
+    (_LAYER + r"mlp\.linear_fc1\.weight", ("model.layers.{i}.mlp.gate_proj.weight",
+                                           "model.layers.{i}.mlp.up_proj.weight"), "gated", "col"),
+    (_LAYER + r"mlp\.linear_fc2\.weight", ("model.layers.{i}.mlp.down_proj.weight",), "copy", "row"),
+    (_LAYER + r"mlp\.router\.weight", ("model.layers.{i}.mlp.gate.weight",), "copy", "none"),
+    (_LAYER + r"mlp\.experts\.local_experts\.(\d+)\.linear_fc1\.weight",
+     ("model.layers.{i}.mlp.experts.{e}.gate_proj.weight", "model.layers.{i}.mlp.experts.{e}.up_proj.weight"),
+     "gated", "none"),
+    (_LAYER + r"mlp\.experts\.local_experts\.(\d+)\.linear_fc2\.weight",
+     ("model.layers.{i}.mlp.experts.{e}.down_proj.weight",), "copy", "none"),
+]
+
+
+@dataclass(frozen=True)
+class ParamMap:
+    """How one Megatron parameter relates to HF tensors. `local_expert` is set for expert params (EP-sharded)."""
+
+    hf_names: tuple[str, ...]
+    merge: str                       # "copy" | "qkv" | "gated"
+    shard: str                       # "none" | "col" (dim 0) | "row" (dim 1) | "vocab" (dim 0, padded)
+    local_expert: int | None = None
+
+    def for_expert(self, global_expert: int) -> tuple[str, ...]:
+        return tuple(n.replace("{e}", str(global_expert)) for n in self.hf_names)
+
+
+def param_map(megatron_name: str) -> ParamMap:
+    """Megatron parameter name -> ParamMap (expert names keep an `{e}` placeholder for the global index)."""
+    for pattern, names, merge, shard in _RULES:
+        m = re.fullmatch(pattern, megatron_name)
+        if m:
+            groups = m.groups()
+            layer = groups[0] if groups else None
+            expert = int(groups[1]) if len(groups) > 1 else None
+            names = tuple(n.replace("{i}", layer) if layer is not None else n for n in names)
+            return ParamMap(names, merge, shard, expert)
+    raise KeyError(f"no HF mapping for Megatron parameter {megatron_name!r}")
+
+
+# ---- pure tensor maths: HF tensors <-> full (TP=1) Megatron tensor <-> TP shards ---------------------------------
+def merge_hf(tensors: list[Tensor], merge: str, spec: ModelSpec) -> Tensor:
+    """HF tensors (in ParamMap order) -> the Megatron tensor as it is at TP=1."""
+    if merge == "copy":
+        return tensors[0]
+    if merge == "gated":
+        return torch.cat(tensors, dim=0)
+    q, k, v = tensors  # [heads*d, ...], [groups*d, ...], [groups*d, ...]
+    groups, rest = spec.num_kv_heads, q.shape[1:]
+    fused = torch.cat([q.reshape(groups, -1, *rest), k.reshape(groups, -1, *rest), v.reshape(groups, -1, *rest)], 1)
+    return fused.reshape(-1, *rest)
+
+
+def split_to_hf(full: Tensor, merge: str, spec: ModelSpec) -> list[Tensor]:
+    """Inverse of merge_hf."""
+    if merge == "copy":
+        return [full]
+    if merge == "gated":
+        return list(full.chunk(2, dim=0))
+    groups, rest, d = spec.num_kv_heads, full.shape[1:], spec.head_dim
+    per_group = full.reshape(groups, -1, *rest)
+    q, k, v = per_group.split([spec.num_heads // groups * d, d, d], dim=1)
+    return [t.reshape(-1, *rest) for t in (q, k, v)]
+
+
+def _slice(t: Tensor, tp: int, rank: int, dim: int) -> Tensor:
+    if t.shape[dim] % tp:
+        raise ValueError(f"cannot split dim {dim} of shape {tuple(t.shape)} evenly over tp={tp}")
+    return t.chunk(tp, dim=dim)[rank]
+
+
+def shard_tp(full: Tensor, pm: ParamMap, spec: ModelSpec, tp: int, rank: int) -> Tensor:
+    """Full Megatron tensor -> the slice TP rank `rank` holds."""
+    if pm.shard == "none" or tp == 1 and pm.shard != "vocab":
+        return full
+    if pm.shard == "vocab":
+        full = torch.nn.functional.pad(full, (0, 0, 0, spec.padded_vocab_size - full.shape[0]))
+        return _slice(full, tp, rank, 0)
+    if pm.merge == "gated":  # [gate; up] -> [gate_r; up_r]
+        return torch.cat([_slice(part, tp, rank, 0) for part in full.chunk(2, dim=0)], dim=0)
+    return _slice(full, tp, rank, 0 if pm.shard == "col" else 1)
+
+
+def unshard_tp(shards: list[Tensor], pm: ParamMap, spec: ModelSpec) -> Tensor:
+    """TP shards (rank order) -> full Megatron tensor (vocabulary padding removed)."""
+    if pm.shard == "none":
+        return shards[0]
+    if pm.shard == "vocab":
+        return torch.cat(shards, dim=0)[: spec.vocab_size]
+    if pm.merge == "gated":
+        halves = [s.chunk(2, dim=0) for s in shards]
+        return torch.cat([torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])], dim=0)
+    return torch.cat(shards, dim=0 if pm.shard == "col" else 1)
+
+
+# ---- reading HF safetensors ----------------------------------------------------------------------------------------
+class HFCheckpoint:
+    """Lazy reader of a HF safetensors checkpoint (single file or sharded with an index).
+
+    Also accepts experts stored fused (`mlp.experts.gate_up_proj` [E, 2F, H], `mlp.experts.down_proj` [E, H, F], the
+    in-memory layout of transformers 5) and serves them under per-expert names.
+    """
+
+    _EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+
+    def __init__(self, hf_dir: str | Path):
+        from safetensors import safe_open
+
+        self.dir = Path(hf_dir)
+        files = sorted(self.dir.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"{self.dir}: no *.safetensors files")
+        self._handles = {f: safe_open(str(f), framework="pt") for f in files}
+        self._where = {k: f for f, h in self._handles.items() for k in h.keys()}
+
+    def keys(self) -> set[str]:
+        return set(self._where)
+
+    def get(self, name: str) -> Tensor:
+        if name in self._where:
+            return self._handles[self._where[name]].get_tensor(name)
+        m = self._EXPERT.fullmatch(name)
+        if m:
+            prefix, e, proj = m.group(1), int(m.group(2)), m.group(3)
+            if proj == "down_proj" and f"{prefix}.down_proj" in self._where:
+                return self.get(f"{prefix}.down_proj")[e]
+            if proj != "down_proj" and f"{prefix}.gate_up_proj" in self._where:
+                return self.get(f"{prefix}.gate_up_proj")[e].chunk(2, dim=0)[proj == "up_proj"]
+        raise KeyError(f"{self.dir}: tensor {name!r} not found in the safetensors files")
+
+
+def _ranks(spec: ModelSpec) -> tuple[int, int]:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_tensor_model_parallel_rank(), ps.get_expert_model_parallel_rank()
+
+
+def _hf_names_of_model(model, spec: ModelSpec) -> set[str]:
+    """Every HF tensor name the whole model (all TP/EP ranks) reads."""
+    names = set()
+    for name, _ in model.named_parameters():
+        pm = param_map(name)
+        if pm.local_expert is None:
+            names.update(pm.hf_names)
+        else:
+            for r in range(spec.ep):
+                names.update(pm.for_expert(r * spec.num_local_experts + pm.local_expert))
+    return names
+
+
+def _check_all_used(ckpt: HFCheckpoint, model, spec: ModelSpec) -> None:
+    """A checkpoint tensor nobody reads means a feature the converter does not know (a bias, a shared expert)."""
+    used = _hf_names_of_model(model, spec)
+    fused_experts = re.compile(r"model\.layers\.\d+\.mlp\.experts\.(gate_up_proj|down_proj)")
+    unused = sorted(n for n in ckpt.keys() - used if not fused_experts.fullmatch(n)
+                    and not (spec.tied_embeddings and n == "lm_head.weight"))
+    if unused:
+        raise ValueError(f"{ckpt.dir}: {len(unused)} tensors have no place in the Megatron model, e.g. {unused[:5]}")
+
+
+def load_hf_weights(model, spec: ModelSpec, hf_dir: str | Path) -> None:
+    """Copy HF safetensors into this rank's TP/EP shards of `model`; every parameter must be covered and every
+    checkpoint tensor used (ValueError otherwise)."""
+    ckpt = HFCheckpoint(hf_dir)
+    _check_all_used(ckpt, model, spec)
+    tp_rank, ep_rank = _ranks(spec)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            pm = param_map(name)
+            hf_names = pm.hf_names
+            if pm.local_expert is not None:
+                hf_names = pm.for_expert(ep_rank * spec.num_local_experts + pm.local_expert)
+            full = merge_hf([ckpt.get(n) for n in hf_names], pm.merge, spec)
+            local = shard_tp(full, pm, spec, spec.tp, tp_rank)
+            if local.shape != param.shape:
+                raise ValueError(f"{name}: HF {hf_names} give shape {tuple(local.shape)} on this rank, "
+                                 f"Megatron expects {tuple(param.shape)}")
+            param.copy_(local.to(param.dtype))
+
+
+# ---- export ----------------------------------------------------------------------------------------------------------
+def _all_gather(t: Tensor, group) -> list[Tensor]:
+    out = [torch.empty_like(t) for _ in range(group.size())]
+    torch.distributed.all_gather(out, t.contiguous(), group=group)
+    return out
+
+
+def _full_hf_tensors(name: str, param: Tensor, spec: ModelSpec) -> list[tuple[str, Tensor]]:
+    """One Megatron parameter -> its HF tensors, gathered over TP (dense) or EP (experts). Collective."""
+    from megatron.core import parallel_state as ps
+
+    pm = param_map(name)
+    t = param.detach()
+    if pm.local_expert is not None:
+        per_rank = _all_gather(t, ps.get_expert_model_parallel_group()) if spec.ep > 1 else [t]
+        out = []
+        for r, full in enumerate(per_rank):
+            names = pm.for_expert(r * spec.num_local_experts + pm.local_expert)
+            out += list(zip(names, split_to_hf(full, pm.merge, spec)))
+        return out
+    if pm.shard != "none" and spec.tp > 1:
+        shards = _all_gather(t, ps.get_tensor_model_parallel_group())
+    else:
+        shards = [t]
+    return list(zip(pm.hf_names, split_to_hf(unshard_tp(shards, pm, spec), pm.merge, spec)))
+
+
+def export_hf_weights(model, spec: ModelSpec, bucket_mb: float = 64) -> Iterator[list[tuple[str, Tensor]]]:
+    """Yield buckets of full HF tensors (<= bucket_mb each, a larger single tensor travels alone). Collective:
+    every rank must iterate it to the end; every rank yields the same tensors. Order: the model's parameter order,
+    experts of one layer grouped by local index."""
+    limit, bucket, size = bucket_mb * 2**20, [], 0
+    for name, param in model.named_parameters():
+        for hf_name, tensor in _full_hf_tensors(name, param, spec):
+            nbytes = tensor.numel() * tensor.element_size()
+            if bucket and size + nbytes > limit:
+                yield bucket
+                bucket, size = [], 0
+            # an owned copy: never a view of a parameter the optimizer will change, nor of a larger gathered tensor
+            bucket.append((hf_name, tensor.clone(memory_format=torch.contiguous_format)))
+            size += nbytes
+    if bucket:
+        yield bucket
+
+
+def hf_state_dict_from_megatron(model, spec: ModelSpec) -> dict[str, Tensor]:
+    """The whole HF state dict (collective; every rank gets it)."""
+    return {name: t for bucket in export_hf_weights(model, spec) for name, t in bucket}
+
+
+# Files of a HF model directory that are weights (everything else is config/tokenizer and gets copied).
+_WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json", "*.pt", "*.pth")
+
+
+def save_hf_checkpoint(model, spec: ModelSpec, out_dir: str | Path, tokenizer_src_dir: str | Path | None = None,
+                       max_shard_size: str = "5GB") -> None:
+    """Write a HF model directory (safetensors + config.json + tokenizer files). Collective; rank 0 writes.
+
+    Non-weight files (config, generation config, tokenizer) are copied from `tokenizer_src_dir` (default: the
+    directory the model was built from); config.json's dtype is set to the exported dtype."""
+    from huggingface_hub import save_torch_state_dict
+
+    state = hf_state_dict_from_megatron(model, spec)
+    if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+        return
+    out, src = Path(out_dir), Path(tokenizer_src_dir or spec.hf_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    skip = {p for pattern in _WEIGHT_FILES for p in src.glob(pattern)}
+    for f in src.iterdir():
+        if f.is_file() and f not in skip:
+            shutil.copy2(f, out / f.name)
+    config = dict(spec.hf_config)
+    dtype = str(next(iter(state.values())).dtype).removeprefix("torch.")
+    config["dtype" if "dtype" in config or "torch_dtype" not in config else "torch_dtype"] = dtype
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    save_torch_state_dict({k: v.cpu() for k, v in state.items()}, out, max_shard_size=max_shard_size)

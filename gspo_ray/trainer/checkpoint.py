@@ -1,0 +1,158 @@
+"""Trainer checkpoints: one `rank_{r}.pt` per rank plus `meta.json`, written last (its presence = complete).
+
+    save_checkpoint(ckpt_dir, rank, payload, meta)        # every rank; rank 0 writes meta.json after a barrier
+    payload = load_rank_payload(ckpt_dir, rank)
+    model_sd = load_model_state(ckpt_dir, layout)         # model only, from any DP size with the same tp/ep
+
+A rank's payload holds `model` (its Megatron state dict shard), `optimizer` (see `optimizer_state`), `scheduler`,
+`version`, `rng` and `layout` (tp/ep/etp/pp ranks). Model shards depend only on the tp rank (dense params) and
+the ep/etp rank (expert params), so `load_model_state` can assemble a rank's model from a checkpoint written with a
+different data-parallel size; optimizer state needs the same layout (resharding it is not implemented).
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from gspo_ray.trainer.optim import sub_optimizers
+
+META = "meta.json"
+EXPERT_KEY = ".experts."  # Megatron names of expert-parallel params contain this
+
+
+def rank_file(ckpt_dir: str | Path, rank: int) -> Path:
+    return Path(ckpt_dir) / f"rank_{rank}.pt"
+
+
+# ---- RNG -----------------------------------------------------------------------------------------------------------
+def capture_rng_state() -> dict:
+    """torch (CPU, and CUDA when present), numpy, python, and Megatron's model-parallel RNG tracker states."""
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    state = {
+        "torch": torch.get_rng_state(),
+        "numpy": np.random.get_state(),
+        "python": random.getstate(),
+        "tracker": {k: v.clone() for k, v in get_cuda_rng_tracker().get_states().items()},
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def restore_rng_state(state: dict) -> None:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    get_cuda_rng_tracker().set_states({k: v.clone() for k, v in state["tracker"].items()})
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+# ---- optimizer -----------------------------------------------------------------------------------------------------
+def optimizer_state(optimizer) -> list[dict]:
+    """Per sub-optimizer: the inner torch optimizer's state (exp_avg, exp_avg_sq, step, hyper-parameters) and the
+    parameters it updates (fp32 main params: copies for bf16, this rank's shards for the distributed optimizer).
+
+    The same layout on load restores it exactly, whatever Megatron optimizer class holds it.
+    """
+    out = []
+    for sub in sub_optimizers(optimizer):
+        inner = sub.optimizer
+        out.append({
+            "inner": inner.state_dict(),
+            "main_params": [p.detach().clone() for g in inner.param_groups for p in g["params"]],
+            "grad_scaler": sub.grad_scaler.state_dict() if getattr(sub, "grad_scaler", None) else None,
+        })
+    return out
+
+
+@torch.no_grad()
+def load_optimizer_state(optimizer, state: list[dict]) -> None:
+    subs = sub_optimizers(optimizer)
+    if len(subs) != len(state):
+        raise ValueError(f"checkpoint has {len(state)} sub-optimizers, this model has {len(subs)}")
+    for i, (sub, saved) in enumerate(zip(subs, state)):
+        inner = sub.optimizer
+        params = [p for g in inner.param_groups for p in g["params"]]
+        if len(params) != len(saved["main_params"]):
+            raise ValueError(f"sub-optimizer {i}: {len(saved['main_params'])} params saved, {len(params)} here")
+        inner.load_state_dict(saved["inner"])
+        for p, v in zip(params, saved["main_params"]):
+            if p.shape != v.shape:
+                raise ValueError(f"sub-optimizer {i}: param of shape {tuple(v.shape)} saved, {tuple(p.shape)} here")
+            p.copy_(v)
+        if saved["grad_scaler"] is not None and getattr(sub, "grad_scaler", None):
+            sub.grad_scaler.load_state_dict(saved["grad_scaler"])
+
+
+# ---- files ---------------------------------------------------------------------------------------------------------
+def save_checkpoint(ckpt_dir: str | Path, rank: int, payload: dict, meta: dict) -> Path:
+    """Write this rank's payload atomically; after all ranks are done, rank 0 writes meta.json. Collective."""
+    ckpt_dir = Path(ckpt_dir)
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    path = rank_file(ckpt_dir, rank)
+    tmp = path.with_suffix(".pt.tmp")
+    torch.save(payload, tmp)
+    os.replace(tmp, path)
+    if dist.is_initialized():
+        dist.barrier()
+    if rank == 0:
+        tmp_meta = ckpt_dir / (META + ".tmp")
+        tmp_meta.write_text(json.dumps(meta, indent=2))
+        os.replace(tmp_meta, ckpt_dir / META)
+    if dist.is_initialized():
+        dist.barrier()  # nobody returns before the checkpoint is complete
+    return ckpt_dir
+
+
+def read_meta(ckpt_dir: str | Path) -> dict:
+    path = Path(ckpt_dir) / META
+    if not path.exists():
+        raise FileNotFoundError(f"{ckpt_dir}: no {META}, not a complete trainer checkpoint")
+    return json.loads(path.read_text())
+
+
+def load_rank_payload(ckpt_dir: str | Path, rank: int) -> dict:
+    path = rank_file(ckpt_dir, rank)
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: missing rank file")
+    # weights_only=False: the payload holds numpy/python RNG states next to tensors (files we wrote ourselves)
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def _find_rank(meta: dict, **want: int) -> int:
+    for r, lay in enumerate(meta["layouts"]):
+        if all(lay[k] == v for k, v in want.items()):
+            return r
+    raise ValueError(f"checkpoint (world size {meta['world_size']}, tp {meta['tp']}, ep {meta['ep']}) has no rank "
+                     f"with {want}")
+
+
+def load_model_state(ckpt_dir: str | Path, layout: dict) -> dict:
+    """This rank's model state dict, assembled from saved ranks with the same tp (dense) and ep/etp (experts).
+
+    Works for a different data-parallel size; raises ValueError when tp or ep differ from the checkpoint's.
+    """
+    meta = read_meta(ckpt_dir)
+    for key in ("tp", "ep"):
+        if meta[key] != layout[key]:
+            raise ValueError(f"checkpoint {ckpt_dir} was written with {key}={meta[key]}, this trainer has "
+                             f"{key}={layout[key]}: model shards cannot be resharded on load")
+    dense_src = _find_rank(meta, tp_rank=layout["tp_rank"], pp_rank=layout["pp_rank"])
+    expert_src = _find_rank(meta, ep_rank=layout["ep_rank"], etp_rank=layout["etp_rank"], pp_rank=layout["pp_rank"])
+    dense = load_rank_payload(ckpt_dir, dense_src)["model"]
+    if expert_src == dense_src:
+        return dense
+    experts = load_rank_payload(ckpt_dir, expert_src)["model"]
+    merged = {k: v for k, v in dense.items() if EXPERT_KEY not in k}
+    merged.update({k: v for k, v in experts.items() if EXPERT_KEY in k})
+    return merged

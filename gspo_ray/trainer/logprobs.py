@@ -1,0 +1,111 @@
+"""Per-token log-probs (and optionally entropies) of a Megatron GPTModel, under any TP/SP/EP/DP layout.
+
+    logp = forward_logprobs(model, tokens, lengths)                         # [B, L]
+    logp, entropy = forward_logprobs(model, tokens, lengths, with_entropy=True)
+
+`logp[b, t] = log p(tokens[b, t] | tokens[b, :t])` for 1 <= t < lengths[b]; 0 at t = 0 and on right padding.
+`entropy[b, t]` is the entropy of the same next-token distribution (the one that scored tokens[b, t]).
+Differentiable; every rank gets the full [B, L] (all TP ranks must pass the same tokens, as Megatron requires).
+Log-softmax is taken over the real vocabulary only: rows Megatron adds to make the vocabulary divisible by TP are
+excluded, so padding never changes the numbers.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def causal_mask(length: int, device) -> Tensor:
+    """[1, 1, L, L] bool, True = masked (Megatron's convention). Right padding needs nothing more: later tokens
+    never influence earlier positions under a causal mask."""
+    return torch.triu(torch.ones(length, length, dtype=torch.bool, device=device), diagonal=1)[None, None]
+
+
+def compute_vocab_parallel_logprobs(logits: Tensor, labels: Tensor, vocab_size: int, group=None,
+                                    with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+    """log_softmax(logits)[labels] (and entropy) when the vocabulary is split over the TP group.
+
+    logits: [..., V_local] this rank's contiguous vocabulary slice (rank r holds rows [r*V_local, (r+1)*V_local));
+    labels: [...] global token ids. `vocab_size` real entries; anything beyond is Megatron's padding and ignored.
+    Returns fp32 logp [...] and entropy [...] (or None), identical on every rank of `group`.
+    """
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region as all_reduce_sum
+
+    rank = torch.distributed.get_rank(group) if group is not None and group.size() > 1 else 0
+    part = logits.shape[-1]
+    start = rank * part
+    if vocab_size <= start:
+        raise ValueError(f"TP rank {rank} holds only padded vocabulary rows (vocab {vocab_size}, {part} per rank)")
+    logits = logits[..., : min(part, vocab_size - start)].float()  # drop padded rows (last rank only)
+    # the max only stabilises exp(); it carries no gradient (logsumexp's value does not depend on it)
+    local_max = logits.detach().max(dim=-1).values
+    if group is not None and group.size() > 1:
+        torch.distributed.all_reduce(local_max, op=torch.distributed.ReduceOp.MAX, group=group)
+    shifted = logits - local_max.unsqueeze(-1)
+    exp = shifted.exp()
+    # log Z = max + log sum_v exp(l_v - max); the sum spans all TP ranks
+    sum_exp = _reduce(exp.sum(dim=-1), group, all_reduce_sum)
+    log_z = sum_exp.log()
+    local_idx = labels - start
+    mine = (local_idx >= 0) & (local_idx < logits.shape[-1])
+    picked = shifted.gather(-1, local_idx.clamp(0, logits.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
+    picked = _reduce(torch.where(mine, picked, torch.zeros_like(picked)), group, all_reduce_sum)
+    logp = picked - log_z
+    if not with_entropy:
+        return logp, None
+    # H = log Z - sum_v p_v (l_v - max)   with p_v = exp(l_v - max) / Z
+    weighted = _reduce((exp * shifted).sum(dim=-1), group, all_reduce_sum)
+    return logp, log_z - weighted / sum_exp
+
+
+def _reduce(x: Tensor, group, all_reduce_sum) -> Tensor:
+    """Sum over the TP group; backward passes the gradient through unchanged (each rank owns its own slice)."""
+    if group is None or group.size() == 1:
+        return x
+    return all_reduce_sum(x, group)
+
+
+def _unwrap(model):
+    """DDP / Float16Module wrappers -> the GPTModel inside."""
+    while not hasattr(model, "vocab_size") and hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def forward_logprobs(model, tokens: Tensor, lengths: Tensor | None = None, *, with_entropy: bool = False,
+                     vocab_size: int | None = None):
+    """tokens: [B, L] long (right padded), lengths: [B] or None (= L) -> logp [B, L] fp32 (, entropy [B, L]).
+
+    `vocab_size` is the real vocabulary (defaults to the one build_model recorded, else the model's own).
+    Under sequence parallelism L is padded to a multiple of TP here and cut back afterwards.
+    """
+    from megatron.core import parallel_state
+
+    inner = _unwrap(model)
+    vocab_size = vocab_size or getattr(inner, "hf_vocab_size", inner.vocab_size)
+    device = next(inner.parameters()).device
+    tokens = tokens.to(device)
+    batch, length = tokens.shape
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    padded = -(-length // tp) * tp if inner.config.sequence_parallel else length
+    if padded != length:
+        tokens = torch.nn.functional.pad(tokens, (0, padded - length), value=0)
+    position_ids = torch.arange(padded, device=device).unsqueeze(0).expand(batch, -1)
+    logits = model(tokens, position_ids, causal_mask(padded, device))  # [B, padded, V/tp]
+    group = parallel_state.get_tensor_model_parallel_group() if tp > 1 else None
+    # position t predicts token t+1
+    logp_next, ent_next = compute_vocab_parallel_logprobs(logits[:, : length - 1], tokens[:, 1:length], vocab_size,
+                                                          group, with_entropy)
+    valid = _valid_mask(batch, length, lengths, device)
+    zero = torch.zeros((), device=device)
+    logp = torch.where(valid, torch.nn.functional.pad(logp_next, (1, 0)), zero)
+    if not with_entropy:
+        return logp
+    return logp, torch.where(valid, torch.nn.functional.pad(ent_next, (1, 0)), zero)
+
+
+def _valid_mask(batch: int, length: int, lengths: Tensor | None, device) -> Tensor:
+    """[B, L] bool: True for 1 <= t < lengths[b] (position 0 has no prediction)."""
+    pos = torch.arange(length, device=device).unsqueeze(0)
+    upper = torch.full((batch, 1), length, device=device) if lengths is None else lengths.to(device).view(-1, 1)
+    return (pos >= 1) & (pos < upper)

@@ -1,0 +1,381 @@
+"""TrainerWorker: one rank of the Megatron trainer (plain class; `pool.py` wraps it with `ray.remote`).
+
+    w = TrainerWorker(rank, world_size, "127.0.0.1", port, model_dir, trainer_cfg, algo_cfg, run_dir)
+    metrics = w.train_step(batch)          # one optimizer step on one mini-batch (collective)
+    logp = w.compute_logprobs(batch)       # [B, L], no grad (collective)
+    export = w.export_weights()            # WeightExport(version, buckets of (HF name, tensor)) on rank 0
+
+Every public method is collective: all ranks call it with the same arguments (the whole mini-batch; each rank
+picks its own rows).
+
+Loss scaling. The objective of a step is `compute_policy_loss` on the whole mini-batch. With aggregation
+seq-mean-token-mean it is `1/N_seq * sum_i mean_t l_it` over the N_seq sequences of the mini-batch (token-mean:
+`1/N_tok * sum_it l_it`). A micro-batch's `compute_policy_loss` divides by its own n_seq (n_tok), so it is scaled
+by `n_seq / N_seq` (`n_tok / N_tok`); the scaled micro-batch losses of all micro-batches and all DP ranks sum to the
+mini-batch loss. Megatron DDP then *averages* grads over DP, so each rank backpropagates `dp * scaled loss`.
+N_seq and N_tok come from the full mini-batch, which every rank holds, so no extra collective is needed.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from gspo_ray.algo import compute_policy_loss
+from gspo_ray.data.records import TrainBatch
+from gspo_ray.trainer import checkpoint as ckpt
+from gspo_ray.trainer.optim import (
+    build_ddp,
+    build_optimizer,
+    build_scheduler,
+    optimizer_step,
+    torch_dtype,
+    zero_grads,
+)
+from gspo_ray.trainer.megatron_cpu_compat import cpu_device_mode
+from gspo_ray.trainer.router_churn import RouterRecorder, comm_device
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class WeightExport:
+    """Full HF-named weights of one policy version, in buckets (rank 0 fills `buckets`; other ranks leave it empty)."""
+
+    version: int
+    buckets: list[list[tuple[str, torch.Tensor]]] = field(default_factory=list)
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for b in self.buckets for _, t in b)
+
+
+def split_rows(batch: TrainBatch, dp_rank: int, dp_size: int) -> TrainBatch:
+    """This DP rank's contiguous share of the rows; the batch is first padded with fully masked rows (copies of
+    row 0 with loss_mask 0) so every rank gets the same number of rows and runs the same number of forwards
+    (MoE all-to-alls are collective)."""
+    b = batch.num_sequences
+    per_rank = math.ceil(b / dp_size)
+    rows = list(range(b)) + [0] * (per_rank * dp_size - b)
+    local = batch.select(rows[dp_rank * per_rank:(dp_rank + 1) * per_rank])
+    pad_from = max(0, min(per_rank, b - dp_rank * per_rank))  # local index where padding rows start
+    if pad_from < per_rank:
+        local.loss_mask[pad_from:] = 0
+        local.adv[pad_from:] = 0
+    return local
+
+
+def micro_batches(batch: TrainBatch, micro_batch_size: int) -> list[TrainBatch]:
+    """Consecutive chunks of `micro_batch_size` rows, each trimmed to its longest row (less padding computed)."""
+    out = []
+    for start in range(0, batch.num_sequences, micro_batch_size):
+        mb = batch.select(list(range(start, min(start + micro_batch_size, batch.num_sequences))))
+        width = max(int(mb.lengths.max()), 1)
+        out.append(TrainBatch(
+            tokens=mb.tokens[:, :width], loss_mask=mb.loss_mask[:, :width], old_logp=mb.old_logp[:, :width],
+            adv=mb.adv[:, :width], lengths=mb.lengths,
+            ref_logp=None if mb.ref_logp is None else mb.ref_logp[:, :width], uids=mb.uids))
+    return out
+
+
+def loss_units(mask: torch.Tensor, aggregation: str) -> float:
+    """What the aggregation averages over: tokens for token-mean, sequences with >= 1 trained token otherwise."""
+    mask = mask.bool()
+    return float(mask.sum()) if aggregation == "token-mean" else float(mask.any(dim=-1).sum())
+
+
+
+class MetricAccumulator:
+    """Combines `compute_policy_loss` metrics of micro-batches and DP ranks into mini-batch values.
+
+    `*_max` / `*_min` reduce by max / min; `train/n_tokens`, `train/n_seqs` and `train/loss` add up; sequence
+    metrics (`*_seq*`, and `train/ratio_mean` at the sequence levels) are means weighted by sequences, the
+    policy-gradient loss by the aggregation's units, everything else by tokens. Micro-batches without a trained
+    token contribute nothing (their min/max would read 0).
+    """
+
+    SUMS = ("train/n_tokens", "train/n_seqs", "train/loss")
+
+    def __init__(self, per_sequence_ratio: bool):
+        self.per_sequence_ratio = per_sequence_ratio
+        self.sums: dict[str, float] = {}
+        self.weights: dict[str, float] = {}
+        self.extrema: dict[str, float] = {}
+
+    def _weight(self, key: str, n_tok: float, n_seq: float, n_units: float) -> float:
+        if key == "train/pg_loss":
+            return n_units
+        if "_seq" in key or (key == "train/ratio_mean" and self.per_sequence_ratio):
+            return n_seq
+        return n_tok
+
+    def add(self, metrics: dict[str, float], n_tok: float, n_seq: float, n_units: float) -> None:
+        if n_tok == 0:
+            return
+        for key, value in metrics.items():
+            if key.endswith("_max"):
+                self.extrema[key] = max(self.extrema.get(key, -math.inf), value)
+            elif key.endswith("_min"):
+                self.extrema[key] = min(self.extrema.get(key, math.inf), value)
+            elif key in self.SUMS:
+                self.sums[key] = self.sums.get(key, 0.0) + value
+            else:
+                w = self._weight(key, n_tok, n_seq, n_units)
+                self.sums[key] = self.sums.get(key, 0.0) + value * w
+                self.weights[key] = self.weights.get(key, 0.0) + w
+
+    def add_sum(self, key: str, value: float) -> None:
+        self.sums[key] = self.sums.get(key, 0.0) + value
+
+    def reduce(self, group=None) -> dict[str, float]:
+        """All-reduce over `group` (the DP group: TP ranks of one DP rank hold the same rows) -> {key: value}."""
+        keys = [sorted(self.sums), sorted(self.extrema)]
+        if dist.is_initialized():
+            everyone = [None] * dist.get_world_size(group)
+            dist.all_gather_object(everyone, keys, group=group)  # ranks whose rows were all padding know no keys
+            keys = [sorted({k for ks in everyone for k in ks[i]}) for i in range(2)]
+        sum_keys, ext_keys = keys
+        sums = torch.tensor([[self.sums.get(k, 0.0), self.weights.get(k, 0.0)] for k in sum_keys],
+                            dtype=torch.float64).reshape(-1, 2)
+        # min folds into max by negation: one MAX all-reduce for both
+        ext = torch.tensor([self.extrema.get(k, -math.inf if k.endswith("_max") else math.inf)
+                            * (1 if k.endswith("_max") else -1) for k in ext_keys], dtype=torch.float64)
+        if dist.is_initialized():
+            sums, ext = sums.to(comm_device(group)), ext.to(comm_device(group))
+            dist.all_reduce(sums, group=group)
+            dist.all_reduce(ext, op=dist.ReduceOp.MAX, group=group)
+            sums, ext = sums.cpu(), ext.cpu()
+        out = {}
+        for k, (s, w) in zip(sum_keys, sums.tolist()):
+            out[k] = s if k in self.SUMS else (s / w if w > 0 else 0.0)
+        for k, v in zip(ext_keys, ext.tolist()):
+            v = v if k.endswith("_max") else -v
+            out[k] = v if math.isfinite(v) else 0.0
+        return out
+
+
+class TrainerWorker:
+    """One rank of the trainer: Megatron GPTModel in DDP, AdamW, LR schedule, optional frozen reference policy."""
+
+    def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, model_path: str | Path,
+                 trainer_cfg, algo_cfg, run_dir: str | Path | None = None):
+        from gspo_ray.trainer.model import build_model
+        from gspo_ray.trainer.parallel import init_distributed
+
+        self.rank, self.world_size = rank, world_size
+        self.cfg, self.algo = trainer_cfg, algo_cfg
+        self.model_path, self.run_dir = Path(model_path), Path(run_dir) if run_dir is not None else None
+        self.eps_low, self.eps_high = algo_cfg.clip_range()
+        init_distributed(rank, world_size, master_addr, master_port, tp=trainer_cfg.tp, ep=trainer_cfg.ep,
+                         seed=trainer_cfg.seed)
+        dtype = torch_dtype(trainer_cfg.dtype)
+        self.gpt, self.spec = build_model(self.model_path, dtype=dtype, moe_dispatcher=trainer_cfg.moe_dispatcher)
+        self.ddp = build_ddp(self.gpt, dtype=trainer_cfg.dtype,
+                             use_distributed_optimizer=trainer_cfg.use_distributed_optimizer)
+        self.optimizer = build_optimizer(self.ddp, trainer_cfg)
+        self.scheduler = build_scheduler(self.optimizer, trainer_cfg)
+        self.ref_model = None
+        if algo_cfg.beta > 0:
+            # frozen copy of the initial weights; no DDP, no optimizer
+            self.ref_model, _ = build_model(self.model_path, dtype=dtype, moe_dispatcher=trainer_cfg.moe_dispatcher)
+            self.ref_model.eval()
+            self.ref_model.requires_grad_(False)
+        self.recorder = RouterRecorder(self.gpt)
+        self._version = 0
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+        self.dp_size = parallel_state.get_data_parallel_world_size()
+        self.dp_group = parallel_state.get_data_parallel_group()
+
+    # ---- queries -------------------------------------------------------------------------------------------------
+    def version(self) -> int:
+        """Policy version: the number of optimizer steps taken."""
+        return self._version
+
+    def layout(self) -> dict:
+        """This rank's place in the TP/EP/DP grid (what its model shard depends on)."""
+        ps = parallel_state
+        return {"rank": self.rank, "tp": self.cfg.tp, "ep": self.cfg.ep, "dp_rank": self.dp_rank,
+                "tp_rank": ps.get_tensor_model_parallel_rank(), "pp_rank": ps.get_pipeline_model_parallel_rank(),
+                "ep_rank": ps.get_expert_model_parallel_rank(), "etp_rank": ps.get_expert_tensor_parallel_rank()}
+
+    # ---- forward helpers -----------------------------------------------------------------------------------------
+    def _logprobs(self, model, mb: TrainBatch, with_entropy: bool = False):
+        """[B, L] log-probs of mb.tokens (and [B, L] entropies, detached, when with_entropy)."""
+        from gspo_ray.trainer.logprobs import forward_logprobs
+
+        if not with_entropy:
+            return forward_logprobs(model, mb.tokens, mb.lengths).float()
+        logp, entropy = forward_logprobs(model, mb.tokens, mb.lengths, with_entropy=True)
+        return logp.float(), entropy.detach().float()
+
+    @torch.no_grad()
+    def compute_logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:
+        """log p(tokens[b, t] | tokens[b, :t]) of the current (or reference) policy: [B, L] float32 on CPU, 0 at
+        t = 0 and past each row's length. Every rank returns the whole batch (gathered over DP)."""
+        model = self.ref_model if reference else self.gpt
+        if model is None:
+            raise ValueError("compute_logprobs(reference=True) needs algorithm.beta > 0 (no reference model)")
+        was_training = model.training
+        model.eval()
+        local = split_rows(batch, self.dp_rank, self.dp_size)
+        width = batch.tokens.shape[1]
+        out = torch.zeros(local.num_sequences, width)
+        start = 0
+        for mb in micro_batches(local, self.cfg.micro_batch_size):
+            lp = self._logprobs(model, mb).cpu()
+            out[start:start + mb.num_sequences, :lp.shape[1]] = lp
+            start += mb.num_sequences
+        model.train(was_training)
+        valid = torch.arange(width)[None, :] < batch.lengths.reshape(-1, 1)
+        if self.dp_size > 1:
+            out = out.to(comm_device(self.dp_group))
+            parts = [torch.empty_like(out) for _ in range(self.dp_size)]
+            dist.all_gather(parts, out, group=self.dp_group)
+            out = torch.cat(parts).cpu()
+        return torch.where(valid, out[:batch.num_sequences], 0.0)
+
+    # ---- training ------------------------------------------------------------------------------------------------
+    def _churn_now(self) -> bool:
+        every = self.cfg.router_churn_every
+        return bool(every) and bool(self.recorder.routers) and self._version % every == 0
+
+    def _micro_step(self, mb: TrainBatch, totals: float, norm_len: float, acc: MetricAccumulator,
+                    churn: bool) -> None:
+        """Forward, loss and backward of one micro-batch; grads accumulate in DDP's buffers."""
+        ref_logp = mb.ref_logp
+        if ref_logp is None and self.ref_model is not None:
+            with torch.no_grad():
+                ref_logp = self._logprobs(self.ref_model, mb)
+        capture = self.recorder.capture(mb.lengths, "before") if churn else contextlib.nullcontext()
+        with capture:
+            logp, entropy = self._logprobs(self.gpt, mb, with_entropy=True)
+        a = self.algo
+        loss, metrics = compute_policy_loss(
+            logp, mb.old_logp.to(logp), mb.adv.to(logp), mb.loss_mask.bool().to(logp.device),
+            a.importance_sampling_level, self.eps_low, self.eps_high, dual_clip_c=a.dual_clip_c,
+            aggregation=a.aggregation, ref_logp=None if ref_logp is None else ref_logp.to(logp),
+            beta=a.beta, kl_estimator=a.kl_estimator, entropy=entropy, norm_len=norm_len)
+        n_units = loss_units(mb.loss_mask, a.aggregation)
+        weight = n_units / totals if totals > 0 else 0.0
+        # DDP averages grads over DP: multiply by dp so the step follows the sum of the ranks' scaled losses
+        (loss * (weight * self.dp_size)).backward()
+        acc.add(metrics, metrics["train/n_tokens"], metrics["train/n_seqs"], n_units)
+        acc.add_sum("train/loss", float(loss.detach()) * weight)
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """One optimizer step on one mini-batch (collective). Returns mini-batch metrics, equal on every rank."""
+        t0 = time.perf_counter()
+        self._check_batch(batch)
+        a = self.algo
+        totals = loss_units(batch.loss_mask, a.aggregation)
+        norm_len = float(a.norm_len if a.norm_len is not None else batch.tokens.shape[1])
+        churn = self._churn_now()
+        mbs = micro_batches(split_rows(batch, self.dp_rank, self.dp_size), self.cfg.micro_batch_size)
+        acc = MetricAccumulator(per_sequence_ratio=a.importance_sampling_level != "token")
+        self.gpt.train()
+        zero_grads(self.ddp, self.optimizer)
+        self.recorder.clear()
+        for mb in mbs:
+            self._micro_step(mb, totals, norm_len, acc, churn)
+        grad_norm, lr, ok = optimizer_step(self.ddp, self.optimizer, self.scheduler)
+        if ok:
+            self._version += 1
+        else:
+            log.warning("optimizer skipped step (non-finite gradients); policy version stays %d", self._version)
+        metrics = acc.reduce(self.dp_group)
+        if churn:
+            metrics |= self._router_churn(mbs)
+        metrics |= {"train/grad_norm": grad_norm, "train/lr": lr, "train/step_ok": float(ok),
+                    "train/policy_version": float(self._version), "train/step_s": time.perf_counter() - t0}
+        return metrics
+
+    @torch.no_grad()
+    def _router_churn(self, mbs: list[TrainBatch]) -> dict[str, float]:
+        """Re-run the step's micro-batches with the new weights and compare top-k choices (see router_churn)."""
+        self.gpt.eval()
+        for mb in mbs:
+            with self.recorder.capture(mb.lengths, "after"):
+                self._logprobs(self.gpt, mb)
+        self.gpt.train()
+        metrics = self.recorder.churn_metrics()  # all ranks: DP rows and SP shards are disjoint token sets
+        self.recorder.clear()
+        return metrics
+
+    def _check_batch(self, batch: TrainBatch) -> None:
+        b, width = batch.tokens.shape
+        for name in ("loss_mask", "old_logp", "adv"):
+            t = getattr(batch, name)
+            if tuple(t.shape) != (b, width):
+                raise ValueError(f"TrainBatch.{name} has shape {tuple(t.shape)}, tokens {(b, width)}")
+        if batch.ref_logp is not None and tuple(batch.ref_logp.shape) != (b, width):
+            raise ValueError(f"TrainBatch.ref_logp has shape {tuple(batch.ref_logp.shape)}, tokens {(b, width)}")
+        if b == 0 or not batch.loss_mask.any():
+            # an Adam step on zero gradients would still move the weights (momentum): refuse instead
+            raise ValueError(f"TrainBatch of {b} rows has no loss-masked token to train on")
+
+    # ---- weights and checkpoints ---------------------------------------------------------------------------------
+    def export_weights(self, bucket_mb: float | None = None) -> WeightExport:
+        """Full HF-named weights (collective: gathers TP/EP shards). Rank 0 gets contiguous CPU copies in buckets."""
+        from gspo_ray.trainer.bridge import export_hf_weights
+
+        bucket_mb = bucket_mb if bucket_mb is not None else self.cfg.export_bucket_mb
+        buckets = []
+        for bucket in export_hf_weights(self.gpt, self.spec, bucket_mb=bucket_mb):
+            if self.rank == 0:
+                # copies: the caller may hold them across later steps, which update the parameters in place
+                buckets.append([(name, t.detach().to("cpu").clone().contiguous()) for name, t in bucket])
+        return WeightExport(version=self._version, buckets=buckets)
+
+    def save(self, ckpt_dir: str | Path) -> str:
+        """Model + optimizer + scheduler + version + RNG states of this rank (collective)."""
+        payload = {
+            "model": self.gpt.state_dict(),
+            "optimizer": ckpt.optimizer_state(self.optimizer),
+            "scheduler": self.scheduler.state_dict(),
+            "version": self._version,
+            "rng": ckpt.capture_rng_state(),
+            "layout": self.layout(),
+        }
+        layouts = [None] * self.world_size
+        dist.all_gather_object(layouts, payload["layout"])
+        meta = {"world_size": self.world_size, "tp": self.cfg.tp, "ep": self.cfg.ep, "dtype": self.cfg.dtype,
+                "version": self._version, "layouts": layouts}
+        return str(ckpt.save_checkpoint(ckpt_dir, self.rank, payload, meta))
+
+    def load(self, ckpt_dir: str | Path, load_optimizer: bool = True) -> int:
+        """Restore a checkpoint written by `save` (collective). Returns the restored policy version.
+
+        The model loads from any data-parallel size with the same tp/ep; optimizer, scheduler and RNG states
+        need the same world size (pass load_optimizer=False to restart them on another layout).
+        """
+        meta = ckpt.read_meta(ckpt_dir)
+        self.gpt.load_state_dict(ckpt.load_model_state(ckpt_dir, self.layout()))
+        same_layout = meta["world_size"] == self.world_size
+        if load_optimizer and not same_layout:
+            raise ValueError(f"checkpoint {ckpt_dir} has world size {meta['world_size']}, this trainer "
+                             f"{self.world_size}: optimizer state cannot be resharded (use load_optimizer=False)")
+        if load_optimizer:
+            payload = ckpt.load_rank_payload(ckpt_dir, self.rank)
+            ckpt.load_optimizer_state(self.optimizer, payload["optimizer"])
+            self.scheduler.num_steps = 0  # config values stay; only the position in the schedule is restored
+            self.scheduler.step(payload["scheduler"]["num_steps"])
+            ckpt.restore_rng_state(payload["rng"])
+        else:
+            with cpu_device_mode():
+                self.optimizer.reload_model_params()  # main (fp32) params follow the loaded model
+        self._version = int(meta["version"])
+        dist.barrier()
+        return self._version
+
+    def shutdown(self) -> None:
+        from gspo_ray.trainer.parallel import destroy_distributed
+
+        self.recorder.remove()
+        destroy_distributed()
