@@ -129,7 +129,7 @@ def load_rank_payload(ckpt_dir: str | Path, rank: int) -> dict:
     return torch.load(path, map_location="cpu", weights_only=False)
 
 
-def _find_rank(meta: dict, **want: int) -> int:
+def find_rank(meta: dict, **want: int) -> int:
     for r, lay in enumerate(meta["layouts"]):
         if all(lay[k] == v for k, v in want.items()):
             return r
@@ -147,8 +147,8 @@ def load_model_state(ckpt_dir: str | Path, layout: dict) -> dict:
         if meta[key] != layout[key]:
             raise ValueError(f"checkpoint {ckpt_dir} was written with {key}={meta[key]}, this trainer has "
                              f"{key}={layout[key]}: model shards cannot be resharded on load")
-    dense_src = _find_rank(meta, tp_rank=layout["tp_rank"], pp_rank=layout["pp_rank"])
-    expert_src = _find_rank(meta, ep_rank=layout["ep_rank"], etp_rank=layout["etp_rank"], pp_rank=layout["pp_rank"])
+    dense_src = find_rank(meta, tp_rank=layout["tp_rank"], pp_rank=layout["pp_rank"])
+    expert_src = find_rank(meta, ep_rank=layout["ep_rank"], etp_rank=layout["etp_rank"], pp_rank=layout["pp_rank"])
     dense = load_rank_payload(ckpt_dir, dense_src)["model"]
     if expert_src == dense_src:
         return dense

@@ -352,17 +352,24 @@ class TrainerWorker:
     def load(self, ckpt_dir: str | Path, load_optimizer: bool = True) -> int:
         """Restore a checkpoint written by `save` (collective). Returns the restored policy version.
 
-        The model loads from any data-parallel size with the same tp/ep; optimizer, scheduler and RNG states
-        need the same world size (pass load_optimizer=False to restart them on another layout).
+        Model, optimizer (unless distributed over DP), scheduler and RNG states load from any data-parallel size
+        with the same tp/ep: each rank reads the saved rank with its own tp/ep coordinates.
         """
         meta = ckpt.read_meta(ckpt_dir)
         self.gpt.load_state_dict(ckpt.load_model_state(ckpt_dir, self.layout()))
-        same_layout = meta["world_size"] == self.world_size
-        if load_optimizer and not same_layout:
-            raise ValueError(f"checkpoint {ckpt_dir} has world size {meta['world_size']}, this trainer "
-                             f"{self.world_size}: optimizer state cannot be resharded (use load_optimizer=False)")
+        source = self.rank
+        if meta["world_size"] != self.world_size:
+            if load_optimizer and self.cfg.use_distributed_optimizer:
+                raise ValueError(f"checkpoint {ckpt_dir} has world size {meta['world_size']}, this trainer "
+                                 f"{self.world_size}: distributed-optimizer state is sharded over DP and cannot be "
+                                 "resharded (use load_optimizer=False)")
+            # a plain optimizer's state follows the model shard, so any saved rank with the same tp/ep coordinates
+            # carries exactly this rank's state: resharding to another DP size is a lookup
+            lay = self.layout()
+            source = ckpt.find_rank(meta, tp_rank=lay["tp_rank"], ep_rank=lay["ep_rank"], etp_rank=lay["etp_rank"],
+                                     pp_rank=lay["pp_rank"])
         if load_optimizer:
-            payload = ckpt.load_rank_payload(ckpt_dir, self.rank)
+            payload = ckpt.load_rank_payload(ckpt_dir, source)
             ckpt.load_optimizer_state(self.optimizer, payload["optimizer"])
             self.scheduler.num_steps = 0  # config values stay; only the position in the schedule is restored
             self.scheduler.step(payload["scheduler"]["num_steps"])
