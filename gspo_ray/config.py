@@ -84,6 +84,32 @@ class RewardConfig(_Strict):
     num_threads: int = Field(2, ge=1, description="scoring threads per rollout worker")
 
 
+class MultiTurnConfig(_Strict):
+    """Multi-turn episodes: the model acts, an environment answers with tokens, until done or a limit.
+
+    The environment is a class given by import path, built once per episode as `cls(tokenizer=..., **kwargs)`;
+    see gspo_ray/envs/multiturn.py for the protocol (reset / step -> StepResult).
+    """
+
+    env: str = Field("gspo_ray.envs.guess:GuessNumberEnv", description="environment class `module:Class`")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="extra keyword arguments for the class")
+    max_turns: int = Field(4, ge=1, description="model turns per episode")
+    max_tokens_per_turn: int = Field(8, ge=1, description="model tokens per turn (a turn also ends at EOS)")
+    max_total_tokens: int = Field(64, ge=1, description="completion tokens per episode, model + environment")
+    step_timeout_s: float = Field(5.0, gt=0, description="an env call slower than this ends its episode "
+                                  "(finish_reason 'env_error')")
+
+
+class PartialRolloutConfig(_Strict):
+    """Partial rollouts: completions generated in budgeted segments, possibly under several policy versions."""
+
+    segment_tokens: int = Field(8, ge=1, description="new tokens per sample per segment (the budget)")
+    stale_policy: Literal["keep", "mask", "drop"] = Field(
+        "mask", description="tokens older than max_staleness: keep = train them, mask = loss_mask 0, "
+        "drop = discard the whole sample")
+    max_staleness: int = Field(1, ge=0, description="policy versions a token may lag behind the current one")
+
+
 class RolloutConfig(_Strict):
     """The rollout pool: vLLM engines in Ray actors that sample groups and return engine log-probs."""
 
@@ -107,6 +133,9 @@ class RolloutConfig(_Strict):
     verify_push: bool = Field(True, description="after each push, check engine log-probs on a probe sequence")
     verify_tol: float = Field(1e-4, gt=0, description="max |logp_engine - logp_trainer| accepted by the probe")
     reward: RewardConfig = Field(default_factory=RewardConfig, description="reward function")
+    multi_turn: MultiTurnConfig | None = Field(None, description="multi-turn episodes (None = single turn)")
+    partial: PartialRolloutConfig | None = Field(None, description="partial rollouts across policy versions "
+                                                  "(None = whole completions)")
 
 
 class TrainerConfig(_Strict):

@@ -97,9 +97,8 @@ class RolloutWorker:
                 prompts, n, sampling, version=version, budget=budget, seed=seed, stop_event=self._paused,
                 on_group_done=lambda p, group: self._score_async(p, group, scoring))
             gen_s = time.perf_counter() - start
-        for p in prompts:
-            if any(s.prompt_uid == p.uid and s.finish_reason == FINISH_ABORTED for s in samples):
-                self._unfinished[p.uid] = p
+            open_uids = {s.prompt_uid for s in samples if s.finish_reason == FINISH_ABORTED}
+            self._unfinished.update({p.uid: p for p in prompts if p.uid in open_uids})
         self._metrics = self._rollout_metrics(samples, gen_s, self._wait_scores(scoring))
         return samples
 
@@ -107,23 +106,52 @@ class RolloutWorker:
                          prompts: list[Prompt] | None = None) -> list[Sample]:
         """Resume "aborted" samples (others pass through); newly finished ones are scored. `prompts` is only
         needed for samples this worker did not start (their references are unknown here)."""
-        known = {**self._unfinished, **{p.uid: p for p in prompts or []}}
         with self._lock:
             version = self._version if version is None else version
             start = time.perf_counter()
             out = self.engine.continue_samples(samples, self.sampling, version=version, budget=budget,
                                                stop_event=self._paused)
             gen_s = time.perf_counter() - start
+            known = {**self._unfinished, **{p.uid: p for p in prompts or []}}
+            still_open = {s.prompt_uid for s in out if s.finish_reason == FINISH_ABORTED}
+            for uid in {s.prompt_uid for s in samples} - still_open:
+                self._unfinished.pop(uid, None)
         newly_done = [s for s, before in zip(out, samples)
                       if before.finish_reason == FINISH_ABORTED and s.finish_reason != FINISH_ABORTED]
         scoring: list[Future] = []
         for uid in {s.prompt_uid for s in newly_done}:
             if uid in known:
                 self._score_async(known[uid], [s for s in newly_done if s.prompt_uid == uid], scoring)
-        still_open = {s.prompt_uid for s in out if s.finish_reason == FINISH_ABORTED}
-        self._unfinished = {uid: p for uid, p in self._unfinished.items() if uid in still_open}
         self._metrics = self._rollout_metrics(out, gen_s, self._wait_scores(scoring))
         return out
+
+    def run_episodes(self, prompts: list[Prompt], n: int | None = None, env_spec: Any = None,
+                     version: int | None = None, seed: int | None = None,
+                     temperature: float | None = None) -> list[Sample]:
+        """n (default group_size) multi-turn episodes per prompt (gspo_ray.rollout.episodes), as Samples ready
+        for the buffer: reward and token_rewards come from the environment (the reward runner is not used);
+        an env failure marks only its episode failed (finish_reason "env_error"). env_spec: a MultiTurnConfig
+        or its dict (default: cfg.multi_turn). A pause interrupts running episodes (finish_reason "interrupted",
+        failed set): unlike single-turn samples they are not resumable."""
+        from gspo_ray.config import MultiTurnConfig
+        from gspo_ray.data.prompts import load_tokenizer
+        from gspo_ray.rollout.episodes import EpisodeRunner
+
+        spec = env_spec if env_spec is not None else self.cfg.multi_turn
+        if spec is None:
+            raise ValueError("rollout.multi_turn is not set: run_episodes needs an environment")
+        spec = MultiTurnConfig.model_validate(spec) if isinstance(spec, dict) else spec
+        sampling = self.sampling if temperature is None else dataclasses.replace(self.sampling,
+                                                                                   temperature=temperature)
+        if getattr(self, "_env_tokenizer", None) is None:  # loaded once, on first use
+            self._env_tokenizer = load_tokenizer(self.model_path)
+        runner = EpisodeRunner.from_config(self.engine, spec, self._env_tokenizer)  # checks the env class
+        with self._lock:
+            version = self._version if version is None else version
+            samples = runner.run(prompts, n or self.cfg.group_size, sampling, version=version, seed=seed,
+                                 stop_event=self._paused)
+        self._metrics = dict(runner.metrics)
+        return samples
 
     def _score_async(self, prompt: Prompt, group: list[Sample], futures: list[Future]) -> None:
         done = [s for s in group if s.finish_reason != FINISH_ABORTED]

