@@ -73,6 +73,8 @@ def test_two_passes_four_minibatches_reuse_one_batch(tmp_path):
         assert r["train/clip_frac_seq_first_mb"] == 0.0
         # ... and after updates on the same batch GSPO's 3e-4 band clips sequences
         assert r["train/clip_frac_seq"] > 0.0
+        # trainer export -> HF names -> live vLLM engine: the engine's log-probs on a probe equal the trainer's
+        assert r["sync/verify_max_abs_diff"] <= 1e-4
 
 
 def test_scale_rollout_pool_live(tmp_path):
