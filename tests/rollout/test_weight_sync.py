@@ -41,7 +41,9 @@ def setup(request, tmp_path_factory):
     base = make_tiny_model(request.param, root / "base", seed=2, hidden=128)
     moved = _perturbed_copy(base, root / "moved")
     cfg = RolloutConfig(max_model_len=128, max_new_tokens=12, group_size=3)
-    worker = RolloutWorker(0, base, cfg, run_dir=root / "run", cpu_cores="0")
+    # run_dir = the session's base temp: the worker's vLLM cache (run_dir/vllm_cache) is shared with the other
+    # rollout tests (cold: a 5-20 s subprocess per architecture)
+    worker = RolloutWorker(0, base, cfg, run_dir=tmp_path_factory.getbasetemp(), cpu_cores="0")
     hf = {name: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
           for name, path in (("base", base), ("moved", moved))}
     yield worker, hf, {"base": base, "moved": moved}
@@ -118,3 +120,20 @@ def test_buckets_respect_size_and_order():
 def test_probe_needs_one_logprob_per_next_token():
     with pytest.raises(ValueError, match="probe"):
         WeightProbe([1, 2, 3], [0.0, 0.0, 0.0])
+
+
+@pytest.mark.parametrize("setup", ["qwen3_moe"], indirect=True)
+def test_bad_push_is_loud_and_a_complete_push_repairs(setup):
+    worker, hf, paths = setup
+    weights = list(read_checkpoint_weights(paths["base"]))
+    version = worker.current_version()
+    # A layer that receives only some of its tensors would be re-processed with the rest undefined.
+    with pytest.raises(WeightSyncError, match="incomplete weight push"):
+        worker.update_weights(9, [weights[:-3]])
+    with pytest.raises(WeightSyncError, match="complete weight push"):
+        worker.generate([Prompt(uid="x", prompt_ids=[2, 3])])
+    with pytest.raises(WeightSyncError, match="reload failed"):
+        worker.update_weights(9, [weights[:4] + [("model.layers.0.no_such.weight", torch.zeros(2))]])
+    assert worker.current_version() == version  # a failed push never bumps it
+    _push(worker, paths["base"], 10, probe=_probe(hf["base"]))
+    assert worker.generate([Prompt(uid="x", prompt_ids=[2, 3])], n=1)[0].versions[0] == 10
