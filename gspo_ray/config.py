@@ -17,6 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 ImportanceLevel = Literal["token", "sequence", "sequence_token"]
 Aggregation = Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"]
 
+GUESS_ENV = "gspo_ray.envs.guess:GuessNumberEnv"  # the environment of the built-in guess task
+
 # Clip ranges (eps_low, eps_high) by importance-sampling level: GSPO paper §5.1 for the sequence levels; the
 # paper's GRPO baseline for tokens (0.2/0.27; DAPO's clip-higher uses 0.2/0.28).
 DEFAULT_CLIP = {"sequence": (3e-4, 4e-4), "sequence_token": (3e-4, 4e-4), "token": (0.2, 0.27)}
@@ -54,9 +56,12 @@ class DataConfig(_Strict):
     """Where prompts come from: a built-in task generator or a JSONL file."""
 
     source: Literal["builtin", "jsonl"] = Field("builtin", description="prompt source kind")
-    task: Literal["copy", "add"] = Field("copy", description="built-in task (source=builtin)")
+    task: Literal["copy", "add", "guess"] = Field("copy", description="built-in task (source=builtin); guess is "
+                                                  "multi-turn and needs rollout.multi_turn")
     min_digits: int = Field(3, ge=1, description="shortest operand of the built-in task")
     max_digits: int = Field(4, ge=1, description="longest operand of the built-in task")
+    guess_low: int = Field(0, ge=0, description="smallest secret of the guess task")
+    guess_high: int = Field(9, ge=0, description="largest secret of the guess task")
     path: Path | None = Field(None, description="training JSONL (source=jsonl)")
     eval_path: Path | None = Field(None, description="held-out JSONL for evaluation (source=jsonl)")
     prompt_field: str = Field("prompt", description="JSONL field holding the prompt text")
@@ -72,6 +77,8 @@ class DataConfig(_Strict):
             raise ValueError("data.path is required when data.source is 'jsonl'")
         if self.min_digits > self.max_digits:
             raise ValueError(f"data.min_digits ({self.min_digits}) > data.max_digits ({self.max_digits})")
+        if self.guess_low > self.guess_high:
+            raise ValueError(f"data.guess_low ({self.guess_low}) > data.guess_high ({self.guess_high})")
         return self
 
 
@@ -296,6 +303,21 @@ class JobConfig(_Strict):
         if self.rollout.max_new_tokens >= self.rollout.max_model_len:
             raise ValueError(f"rollout.max_new_tokens ({self.rollout.max_new_tokens}) leaves no room for a prompt "
                              f"in rollout.max_model_len ({self.rollout.max_model_len})")
+        return self
+
+    @model_validator(mode="after")
+    def _guess_task(self) -> "JobConfig":
+        """The built-in guess task only makes sense against the guessing game, over the same range."""
+        data, mt = self.data, self.rollout.multi_turn
+        if data.source != "builtin" or data.task != "guess":
+            return self
+        if mt is None:
+            raise ValueError(f"data.task 'guess' is multi-turn: set rollout.multi_turn (env {GUESS_ENV!r})")
+        if mt.env == GUESS_ENV:
+            low, high = mt.kwargs.get("low", 0), mt.kwargs.get("high", 9)  # the env's defaults
+            if (low, high) != (data.guess_low, data.guess_high):
+                raise ValueError(f"data.guess_low/guess_high ({data.guess_low}-{data.guess_high}) must match "
+                                 f"rollout.multi_turn.kwargs low/high ({low}-{high})")
         return self
 
     @property

@@ -2,6 +2,10 @@
 
 The unit is a group (all completions of one prompt): advantages are relative within a group, so a group is
 admitted, filtered, split into mini-batches and dropped as a whole. Pure bookkeeping, no Ray.
+
+With `per_token=True` (`algorithm.advantage.per_token`, multi-turn episodes with per-turn rewards) each admitted
+group also gets per-token advantages (reward-to-go over its episodes' `token_rewards`, 0 on env tokens), which
+`pack_groups` then uses; the zero-variance filter still looks at the sequence rewards.
 """
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ import torch
 
 from gspo_ray.algo.advantages import compute_group_advantages
 from gspo_ray.data.records import Group, TrainBatch, collate
+from gspo_ray.rollout.episodes import compute_episode_token_advantages
 
 
 @dataclass
@@ -45,8 +50,10 @@ class GroupBuffer:
     """Admits scored groups for training; hands out mini-batches of whole groups."""
 
     def __init__(self, *, scale_by_std: bool = True, adv_eps: float = 1e-4, filter_zero_adv: bool = True,
-                 max_staleness: int | None = None, seed: int = 0):
+                 max_staleness: int | None = None, seed: int = 0, per_token: bool = False):
+        """per_token: also compute per-token advantages from the samples' `token_rewards` (needs them set)."""
         self.scale_by_std = scale_by_std
+        self.per_token = per_token
         self.adv_eps = adv_eps
         self.filter_zero_adv = filter_zero_adv
         self.max_staleness = max_staleness
@@ -73,10 +80,19 @@ class GroupBuffer:
                 stats.zero_adv += 1
                 continue
             g.samples = [s for s in g.samples if s.failed is None]
-            g.advantages = adv
+            g.advantages = adv  # per completion; also what rollout dumps show
+            if self.per_token:
+                g.token_advantages = self._token_advantages(g)
             self.groups.append(g)
             stats.admitted += 1
         return stats
+
+    def _token_advantages(self, g: Group) -> list[list[float]]:
+        missing = [f"{s.prompt_uid}/{s.sample_index}" for s in g.samples if s.token_rewards is None]
+        if missing:
+            raise ValueError(f"algorithm.advantage.per_token is set but samples {missing[:3]} carry no token_rewards: "
+                             "use rollout.multi_turn episodes or a reward function that returns 'token_rewards'")
+        return compute_episode_token_advantages(g.samples, self.scale_by_std, self.adv_eps)
 
     def take(self, num_groups: int) -> list[Group]:
         """Remove and return the oldest `num_groups` groups (fewer if the buffer holds fewer)."""

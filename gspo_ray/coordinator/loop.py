@@ -35,7 +35,8 @@ class Coordinator:
         c = cfg.coordinator
         self.buffer = GroupBuffer(scale_by_std=cfg.algorithm.advantage.scale_by_std,
                                   adv_eps=cfg.algorithm.advantage.eps, filter_zero_adv=c.filter_zero_adv,
-                                  max_staleness=c.max_staleness if c.mode == "async" else 0, seed=cfg.seed)
+                                  max_staleness=c.max_staleness if c.mode == "async" else 0, seed=cfg.seed,
+                                  per_token=cfg.algorithm.advantage.per_token)
         self._pending = None  # async: the rollout batch in flight
         self.probe_ids: list[int] | None = None  # set by the job: a fixed sequence for push verification
         self.last_groups: list[Group] = []  # the groups of the last step (for rollout dumps)

@@ -37,4 +37,4 @@ def build_rollout_pool(cfg: JobConfig, model_path: Path, run_dir: Path, factory=
             return factory(worker_id)
         return actor_cls.remote(worker_id, str(model_path), cfg.rollout, str(run_dir), reward_runner=cfg.rollout.reward)
 
-    return RolloutPool(make, cfg.rollout.num_workers)
+    return RolloutPool(make, cfg.rollout.num_workers, multi_turn=cfg.rollout.multi_turn is not None)

@@ -3,6 +3,10 @@
 Prompts are split into per-worker chunks. If a worker dies mid-batch, its chunk goes back to the queue and is
 served by a surviving (or freshly started) worker; every prompt comes back exactly once with `n` samples, which
 `wait` asserts. New workers receive the current weights before they serve anything.
+
+With `multi_turn=True` (the job sets `rollout.multi_turn`) chunks run as multi-turn episodes
+(`RolloutWorker.run_episodes`: one Sample per episode, env tokens loss-masked) instead of single completions;
+dispatch, re-dispatch and sampling overrides (`temperature=0.0` for greedy eval) are the same.
 """
 from __future__ import annotations
 
@@ -34,8 +38,10 @@ class PendingRollout:
 class RolloutPool:
     """`make_worker(worker_id) -> actor handle` builds one RolloutWorker actor (resources decided by the caller)."""
 
-    def __init__(self, make_worker: Callable[[int], Any], num_workers: int, max_restarts: int = 3):
+    def __init__(self, make_worker: Callable[[int], Any], num_workers: int, max_restarts: int = 3,
+                 multi_turn: bool = False):
         self.make_worker = make_worker
+        self.multi_turn = multi_turn  # chunks go to `run_episodes` (the workers' rollout.multi_turn env)
         self.workers: dict[int, Any] = {}
         self._next_id = 0
         self.restarts_left = max_restarts
@@ -75,11 +81,7 @@ class RolloutPool:
                 self.redispatched += len(chunk)
                 self._send(pending, self._surviving_worker(), chunk)
         groups = assemble_groups(pending.prompts, samples, pending.n)
-        dt = time.perf_counter() - pending.t0
-        tokens = sum(s.num_tokens for s in samples)
-        # additive quantities only, so several rounds of one step can be summed
-        return groups, {"rollout/gen_s": dt, "rollout/tokens": tokens, "rollout/samples": len(samples),
-                        "rollout/truncated": sum(s.finish_reason == "length" for s in samples)}
+        return groups, rollout_metrics(samples, time.perf_counter() - pending.t0, self.multi_turn)
 
     def generate(self, prompts: list[Prompt], n: int, **sampling) -> tuple[list[Group], dict[str, float]]:
         return self.wait(self.submit(prompts, n, **sampling))
@@ -150,8 +152,26 @@ class RolloutPool:
         return min(self.workers)
 
     def _send(self, pending: PendingRollout, wid: int, chunk: list[Prompt]) -> None:
-        ref = self.workers[wid].generate.remote(chunk, pending.n, **pending.sampling)  # version: the worker's own
+        worker = self.workers[wid]
+        call = worker.run_episodes if self.multi_turn else worker.generate
+        ref = call.remote(chunk, pending.n, **pending.sampling)  # version: the worker's own
         pending.inflight[ref] = (wid, chunk)
+
+
+def rollout_metrics(samples: list[Sample], seconds: float, multi_turn: bool = False) -> dict[str, float]:
+    """Additive quantities only, so several rounds of one step can be summed. Episodes count model tokens as
+    `rollout/tokens` (what the engine generated) and the environment's separately."""
+    tokens = sum(s.num_tokens for s in samples)
+    out = {"rollout/gen_s": seconds, "rollout/samples": len(samples),
+           "rollout/truncated": sum(s.finish_reason == "length" for s in samples)}
+    if multi_turn:
+        model_tokens = sum(sum(s.loss_mask) for s in samples)
+        out.update({"rollout/tokens": model_tokens, "rollout/env_tokens": tokens - model_tokens,
+                    "rollout/turns": sum(s.reward_info.get("turns", 0.0) for s in samples),
+                    "rollout/env_errors": sum(s.finish_reason == "env_error" for s in samples)})
+    else:
+        out["rollout/tokens"] = tokens
+    return out
 
 
 def assemble_groups(prompts: list[Prompt], samples: list[Sample], n: int) -> list[Group]:

@@ -5,6 +5,7 @@
     source.validate()          # reads and tokenises every row now; errors name file:line and the field
     batch = source.take(16)    # list[Prompt]; uids "train-<row>-e<epoch>", unique within a job
     held_out = PromptSource.from_task("copy", tokenizer, split="eval", num_eval=64).prompts()
+    guesses = PromptSource.from_task("guess", tokenizer, guess_low=0, guess_high=9)   # "0-9:", reference "7"
 
 Every problem with the data is found before any actor or engine starts: a missing file (named), a row without
 the configured field (file:line and field), a prompt that is empty or too long for `max_prompt_tokens` or for
@@ -96,11 +97,13 @@ def read_jsonl_rows(path: str | Path, prompt_field: str = "prompt", reference_fi
 
 
 def task_rows(task: str, split: str, num_train: int = 10_000, num_eval: int = 64, seed: int = 0,
-              min_digits: int = 1, max_digits: int = 4) -> list[PromptRow]:
-    """Rows of a built-in task's train or held-out split (`gspo_ray.envs.tasks`)."""
+              min_digits: int = 1, max_digits: int = 4, *, guess_low: int = 0, guess_high: int = 9
+              ) -> list[PromptRow]:
+    """Rows of a built-in task's train or held-out split (`gspo_ray.envs.tasks`); guess_* only for "guess"."""
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; valid: {', '.join(SPLITS)}")
-    train, held_out = build_task_splits(task, num_train, num_eval, seed, min_digits, max_digits)
+    train, held_out = build_task_splits(task, num_train, num_eval, seed, min_digits, max_digits,
+                                        guess_low=guess_low, guess_high=guess_high)
     examples = train if split == "train" else held_out
     return [PromptRow(e.prompt, e.reference, f"builtin:{task}/{split}#{i}") for i, e in enumerate(examples)]
 
@@ -135,8 +138,9 @@ class PromptSource:
     @classmethod
     def from_task(cls, task: str, tokenizer: Any, *, split: str = "train", num_train: int = 10_000,
                   num_eval: int = 64, seed: int = 0, min_digits: int = 1, max_digits: int = 4,
-                  **kwargs: Any) -> PromptSource:
-        rows = task_rows(task, split, num_train, num_eval, seed, min_digits, max_digits)
+                  guess_low: int = 0, guess_high: int = 9, **kwargs: Any) -> PromptSource:
+        rows = task_rows(task, split, num_train, num_eval, seed, min_digits, max_digits, guess_low=guess_low,
+                         guess_high=guess_high)
         return cls(rows, tokenizer, split=split, seed=seed, name=f"builtin:{task}/{split}", **kwargs)
 
     @classmethod
@@ -149,7 +153,8 @@ class PromptSource:
             if split == "eval" and not cfg.num_eval:
                 return None
             return cls.from_task(cfg.task, tokenizer, split=split, num_train=num_train, num_eval=cfg.num_eval,
-                                 seed=cfg.seed, min_digits=cfg.min_digits, max_digits=cfg.max_digits, **common)
+                                 seed=cfg.seed, min_digits=cfg.min_digits, max_digits=cfg.max_digits,
+                                 guess_low=cfg.guess_low, guess_high=cfg.guess_high, **common)
         path = cfg.path if split == "train" else cfg.eval_path
         if path is None:
             if split == "train":

@@ -5,11 +5,14 @@
 
 copy  "copy:4821=" -> "4821"   (a string of min..max digits, leading zeros allowed)
 add   "12+34="     -> "46"     (two numbers of min..max digits each, no leading zeros)
+guess "0-9:"       -> "7"      (multi-turn, `gspo_ray.envs.guess`: the reference is the secret the env hides)
 
-Both use only characters of the tiny tokenizer's alphabet ("0123456789copy:=+-*", `gspo_ray.models.tiny`).
-Sampling picks a digit count uniformly, then a string uniformly within it, without replacement; so short strings
-are not swamped by long ones (there are 10 one-digit strings but 10,000 four-digit ones). The held-out set is
-drawn first from its own seed stream, so it does not change with `num_train`, and training draws skip it.
+All use only characters of the tiny tokenizer's alphabet ("0123456789copy:=+-*", `gspo_ray.models.tiny`).
+copy/add: sampling picks a digit count uniformly, then a string uniformly within it, without replacement; so short
+strings are not swamped by long ones (there are 10 one-digit strings but 10,000 four-digit ones). The held-out set
+is drawn first from its own seed stream, so it does not change with `num_train`, and training draws skip it.
+guess: every prompt reads the same, so nothing can be held out by text; what must generalise is the search. The
+held-out set covers every secret of [guess_low, guess_high] equally often (see `build_guess_splits`).
 """
 from __future__ import annotations
 
@@ -17,7 +20,8 @@ import random
 from dataclasses import dataclass
 from typing import Callable
 
-TASKS = ("copy", "add")
+DIGIT_TASKS = ("copy", "add")  # single-turn, scored against the reference by a reward function
+TASKS = DIGIT_TASKS + ("guess",)
 # Strata up to this size are drawn from a shuffled index list (exact, exhaustible); larger ones by rejection.
 _PERMUTE_LIMIT = 20_000
 _MAX_REJECTIONS = 1000
@@ -45,7 +49,7 @@ def _num_low(digits: int) -> int:
 
 def _strata(task: str, min_digits: int, max_digits: int) -> list[tuple[int, Callable[[int], TaskExample]]]:
     """(size, index -> example) per digit-count stratum; each map is a bijection from range(size)."""
-    if task not in TASKS:
+    if task not in DIGIT_TASKS:
         raise ValueError(f"unknown task {task!r}; valid: {', '.join(TASKS)}")
     if not 1 <= min_digits <= max_digits:
         raise ValueError(f"need 1 <= min_digits <= max_digits, got min_digits={min_digits}, max_digits={max_digits}")
@@ -63,8 +67,12 @@ def _strata(task: str, min_digits: int, max_digits: int) -> list[tuple[int, Call
     return [(_num_count(da) * _num_count(db), add_at(da, db)) for da in digits for db in digits]
 
 
-def task_space_size(task: str, min_digits: int = 1, max_digits: int = 4) -> int:
-    """Number of distinct prompts the task can produce with this digit range."""
+def task_space_size(task: str, min_digits: int = 1, max_digits: int = 4, *, guess_low: int = 0,
+                    guess_high: int = 9) -> int:
+    """Number of distinct examples the task can produce with this digit range (guess: distinct secrets)."""
+    if task == "guess":
+        _check_guess_range(guess_low, guess_high)
+        return guess_high - guess_low + 1
     return sum(size for size, _ in _strata(task, min_digits, max_digits))
 
 
@@ -118,8 +126,10 @@ def _draw_examples(task: str, n: int, rng: random.Random, min_digits: int, max_d
 
 
 def build_task_splits(task: str, num_train: int, num_eval: int, seed: int = 0, min_digits: int = 1,
-                      max_digits: int = 4) -> tuple[list[TaskExample], list[TaskExample]]:
-    """(train, held-out eval) examples of a built-in task: deterministic in `seed`, disjoint by prompt.
+                      max_digits: int = 4, *, guess_low: int = 0, guess_high: int = 9
+                      ) -> tuple[list[TaskExample], list[TaskExample]]:
+    """(train, held-out eval) examples of a built-in task: deterministic in `seed`, disjoint by prompt (copy, add;
+    guess has one prompt text: see `build_guess_splits`).
 
     The eval set is drawn first from the "eval" seed stream (so it is the same for any num_train), taking at most
     a quarter of each digit count; training examples come from the "train" stream and skip eval prompts. The
@@ -127,6 +137,8 @@ def build_task_splits(task: str, num_train: int, num_eval: int, seed: int = 0, m
     """
     if num_train < 1 or num_eval < 0:
         raise ValueError(f"need num_train >= 1 and num_eval >= 0, got {num_train} and {num_eval}")
+    if task == "guess":
+        return build_guess_splits(num_train, num_eval, seed, guess_low, guess_high)
     held_out = _draw_examples(task, num_eval, random.Random(f"gspo_ray.tasks:{task}:{seed}:eval"),
                               min_digits, max_digits, max_fraction=_EVAL_MAX_FRACTION)
     if len(held_out) < num_eval:
@@ -136,4 +148,33 @@ def build_task_splits(task: str, num_train: int, num_eval: int, seed: int = 0, m
                          f"{len(held_out)} (a quarter of each digit count)")
     train = _draw_examples(task, num_train, random.Random(f"gspo_ray.tasks:{task}:{seed}:train"),
                            min_digits, max_digits, exclude=frozenset(e.prompt for e in held_out))
+    return train, held_out
+
+
+def guess_prompt(low: int, high: int) -> str:
+    """The guessing game's prompt text; the same as `gspo_ray.envs.guess.build_guess_prompts` writes."""
+    return f"{low}-{high}:"
+
+
+def _check_guess_range(low: int, high: int) -> None:
+    if not 0 <= low <= high:
+        raise ValueError(f"guess task: need 0 <= data.guess_low <= data.guess_high, got {low} and {high}")
+
+
+def build_guess_splits(num_train: int, num_eval: int, seed: int = 0, low: int = 0,
+                       high: int = 9) -> tuple[list[TaskExample], list[TaskExample]]:
+    """(train, held-out eval) examples of the guessing game: prompt "<low>-<high>:", reference = the secret.
+
+    Training secrets are uniform draws from the "train" seed stream (repeats are fine: each is one group).
+    The held-out set is balanced, every secret equally often (a `num_eval` that is a multiple of the range size
+    makes the greedy eval an exact average over secrets), in an order from its own "eval" stream; so it does not
+    change with `num_train`.
+    """
+    _check_guess_range(low, high)
+    secrets = list(range(low, high + 1))
+    train_rng = random.Random(f"gspo_ray.tasks:guess:{seed}:train")
+    train = [TaskExample(guess_prompt(low, high), str(train_rng.choice(secrets))) for _ in range(num_train)]
+    eval_rng = random.Random(f"gspo_ray.tasks:guess:{seed}:eval")
+    cycle = eval_rng.sample(secrets, len(secrets))
+    held_out = [TaskExample(guess_prompt(low, high), str(cycle[i % len(cycle)])) for i in range(num_eval)]
     return train, held_out

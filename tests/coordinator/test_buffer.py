@@ -84,3 +84,66 @@ def test_assemble_groups_detects_lost_and_duplicated_samples():
         assemble_groups(prompts, samples[:3], n=2)
     with pytest.raises(RuntimeError, match="lost or duplicated"):
         assemble_groups(prompts, samples + samples[:1], n=2)
+
+
+def _episode(uid, index, turns, failed=False):
+    """An episode: per turn (model tokens, turn reward, env tokens). Each turn's reward sits on its last model
+    token; env tokens are loss-masked."""
+    ids, mask, rewards = [], [], []
+    for n_model, reward, n_env in turns:
+        ids += [9] * n_model + [4] * n_env
+        mask += [1] * n_model + [0] * n_env
+        rewards += [0.0] * (n_model - 1) + [reward] + [0.0] * n_env
+    n = len(ids)
+    return Sample(prompt_uid=uid, sample_index=index, prompt_ids=[5, 6], completion_ids=ids, logprobs=[-0.5] * n,
+                  loss_mask=mask, versions=[0] * n, finish_reason="stop", reward=None if failed else sum(rewards),
+                  token_rewards=None if failed else rewards, failed="env raised" if failed else None)
+
+
+def test_per_token_advantages_are_reward_to_go_and_reach_the_batch():
+    # Two episodes of one prompt (Dr.GRPO scaling, so the numbers stay readable):
+    #   e0: invalid (-0.5) then correct (+1)  -> reward-to-go per model token: 0.5, 0.5 | 1.0, 1.0
+    #   e1: one correct guess (+1)            -> 1.0, 1.0
+    #   a failed third episode has no token rewards and must be dropped before the maths.
+    # Token mean over the group's 6 model tokens = (0.5*2 + 1.0*4) / 6 = 5/6.
+    samples = [_episode("a", 0, [(2, -0.5, 1), (2, 1.0, 1)]), _episode("a", 1, [(2, 1.0, 1)]),
+               _episode("a", 2, [(2, 1.0, 1)], failed=True)]
+    g = Group(prompt=Prompt(uid="a", prompt_ids=[5, 6]), samples=samples)
+    buf = GroupBuffer(per_token=True, scale_by_std=False)
+    stats = buf.admit([g], current_version=0)
+    assert stats.admitted == 1 and stats.failed_samples == 1
+    adv = buf.groups[0].token_advantages
+    assert [len(a) for a in adv] == [6, 3]
+    assert adv[0] == pytest.approx([0.5 - 5 / 6] * 2 + [0.0] + [1 - 5 / 6] * 2 + [0.0])   # env tokens get 0
+    assert adv[1] == pytest.approx([1 - 5 / 6] * 2 + [0.0])
+    assert buf.groups[0].advantages == pytest.approx([-0.25, 0.25])                      # sequence: 0.5 vs 1.0
+    b = pack_groups(buf.groups)
+    assert b.adv[0, 2:8].tolist() == pytest.approx(adv[0]) and b.adv[1, 2:5].tolist() == pytest.approx(adv[1])
+    # Without the flag the same group trains on one advantage per episode.
+    plain = GroupBuffer(scale_by_std=False)
+    plain.admit([Group(prompt=g.prompt, samples=samples[:2])], current_version=0)
+    assert plain.groups[0].token_advantages is None
+    assert pack_groups(plain.groups).adv[0, 2:4].tolist() == pytest.approx([-0.25, -0.25])
+
+
+def test_per_token_keeps_the_zero_variance_filter_on_episode_rewards():
+    # Equal episode rewards (1.0 each) but different turn structure: reward-to-go differs per token, yet the
+    # group carries no episode-level preference and is filtered like any zero-variance group.
+    samples = [_episode("a", 0, [(2, -0.5, 1), (2, 1.5, 1)]), _episode("a", 1, [(2, 1.0, 1)])]
+    buf = GroupBuffer(per_token=True)
+    stats = buf.admit([Group(prompt=Prompt(uid="a", prompt_ids=[5, 6]), samples=samples)], current_version=0)
+    assert (stats.admitted, stats.zero_adv, len(buf)) == (0, 1, 0)
+    # Single-turn samples scored without token rewards cannot train per token: the error names the knob.
+    with pytest.raises(ValueError, match=r"per_token is set but samples \['b/0', 'b/1'\] carry no token_rewards"):
+        GroupBuffer(per_token=True).admit([_group("b", [0.0, 1.0])], current_version=0)
+
+
+def test_rollout_metrics_separate_model_and_env_tokens():
+    from gspo_ray.coordinator.rollout_pool import rollout_metrics
+
+    samples = [_episode("a", 0, [(2, -0.5, 1), (2, 1.0, 1)]), _episode("a", 1, [(2, 1.0, 1)])]
+    for s, turns in zip(samples, (2, 1)):
+        s.reward_info["turns"] = float(turns)
+    m = rollout_metrics(samples, 2.0, multi_turn=True)
+    assert (m["rollout/tokens"], m["rollout/env_tokens"], m["rollout/turns"]) == (6, 3, 3.0)
+    assert rollout_metrics(samples, 2.0)["rollout/tokens"] == 9                       # single turn: all tokens

@@ -149,3 +149,40 @@ def test_from_config(tmp_path, tok):
     cfg = DataConfig(source="jsonl", path=path, prompt_field="q", reference_field="a")
     assert PromptSource.from_config(cfg, tok).take(1)[0].reference == "2"
     assert PromptSource.from_config(cfg, tok, split="eval") is None          # no eval_path
+
+
+def test_guess_task_from_config(tok):
+    from gspo_ray.config import JobConfig, MultiTurnConfig, RolloutConfig
+
+    cfg = DataConfig(task="guess", guess_low=0, guess_high=9, num_eval=20, seed=2)
+    train = PromptSource.from_config(cfg, tok, num_train=100, max_model_len=32, max_new_tokens=16)
+    held_out = PromptSource.from_config(cfg, tok, split="eval")
+    p = train.take(1)[0]
+    assert p.text == "0-9:" and p.prompt_ids == [tok.convert_tokens_to_ids(c) for c in "0-9:"]
+    assert 0 <= int(p.reference) <= 9 and train.name == "builtin:guess/train"
+    refs = [q.reference for q in held_out.prompts()]
+    assert sorted(refs) == sorted([str(s) for s in range(10)] * 2)                # every secret twice
+    assert len({q.uid for q in train.take(150)}) == 150                       # uids stay unique across epochs
+    with pytest.raises(ValueError, match="guess_low \\(5\\) > data.guess_high \\(2\\)"):
+        DataConfig(task="guess", guess_low=5, guess_high=2)
+    # The job must run the guessing game, over the same range.
+    with pytest.raises(ValueError, match="data.task 'guess' is multi-turn: set rollout.multi_turn"):
+        JobConfig(data=cfg)
+    wrong = RolloutConfig(multi_turn=MultiTurnConfig(kwargs={"low": 0, "high": 99}))
+    with pytest.raises(ValueError, match=r"guess_low/guess_high \(0-9\) must match .* low/high \(0-99\)"):
+        JobConfig(data=cfg, rollout=wrong)
+    assert JobConfig(data=cfg, rollout=RolloutConfig(multi_turn=MultiTurnConfig())).data.task == "guess"
+
+
+def test_guess_recipe_loads_and_its_prompts_fit(tok):
+    from pathlib import Path
+
+    from gspo_ray.config import load_config
+
+    recipe = Path(__file__).resolve().parents[2] / "gspo_ray" / "recipes" / "guess_moe.yaml"
+    cfg = load_config(recipe)
+    assert cfg.data.task == "guess" and cfg.rollout.multi_turn is not None and cfg.algorithm.advantage.per_token
+    limits = dict(max_new_tokens=cfg.rollout.max_new_tokens, max_model_len=cfg.rollout.max_model_len)
+    held_out = PromptSource.from_config(cfg.data, tok, split="eval", **limits).validate()
+    assert len(held_out) == cfg.data.num_eval
+    assert PromptSource.from_config(cfg.data, tok, **limits).take(1)[0].text == "0-9:"

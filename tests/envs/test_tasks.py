@@ -1,13 +1,14 @@
-"""Built-in task generators: exact strings, determinism, a held-out set disjoint from training."""
+"""Built-in task generators: exact strings, determinism, a held-out set disjoint from training (copy/add) or
+balanced over every secret (guess)."""
 from collections import Counter
 
 import pytest
 
-from gspo_ray.envs.tasks import TASKS, build_task_splits, task_space_size
+from gspo_ray.envs.tasks import DIGIT_TASKS, TASKS, build_task_splits, task_space_size
 from gspo_ray.models.tiny import DEFAULT_ALPHABET
 
 
-@pytest.mark.parametrize("task", TASKS)
+@pytest.mark.parametrize("task", DIGIT_TASKS)
 def test_examples_are_well_formed(task):
     train, held_out = build_task_splits(task, num_train=500, num_eval=32, seed=0, min_digits=1, max_digits=3)
     assert len(train) == 500 and len(held_out) == 32
@@ -65,9 +66,34 @@ def test_every_length_is_trained_on_and_small_spaces_exhaust():
 
 
 def test_bad_arguments_name_the_field():
-    with pytest.raises(ValueError, match="unknown task 'mul'; valid: copy, add"):
+    with pytest.raises(ValueError, match="unknown task 'mul'; valid: copy, add, guess"):
         build_task_splits("mul", 10, 2)
     with pytest.raises(ValueError, match="min_digits"):
         build_task_splits("copy", 10, 2, min_digits=3, max_digits=2)
     with pytest.raises(ValueError, match="data.num_eval=5 is too many"):
         build_task_splits("copy", 10, 5, min_digits=1, max_digits=1)       # 10 prompts, eval may take 2
+
+
+def test_guess_train_secrets_are_uniform_and_eval_is_balanced():
+    train, held_out = build_task_splits("guess", num_train=2_000, num_eval=25, seed=0, guess_low=3, guess_high=7)
+    assert {e.prompt for e in train + held_out} == {"3-7:"}                   # one prompt; the secret differs
+    assert set(DEFAULT_ALPHABET) >= set("3-7:")
+    counts = Counter(int(e.reference) for e in train)
+    assert set(counts) == {3, 4, 5, 6, 7} and min(counts.values()) > 300      # ~400 each of 2000
+    # Eval: every secret exactly 5 times (25 = 5 x 5), so a greedy eval averages over secrets evenly.
+    assert Counter(e.reference for e in held_out) == {str(s): 5 for s in range(3, 8)}
+    # Its own seed stream: independent of num_train, different per seed, reproducible.
+    assert build_task_splits("guess", 10, 25, seed=0, guess_low=3, guess_high=7)[1] == held_out
+    assert build_task_splits("guess", 2_000, 25, seed=0, guess_low=3, guess_high=7) == (train, held_out)
+    assert build_task_splits("guess", 10, 5, seed=1, guess_low=3, guess_high=7)[1] != held_out[:5]
+    assert task_space_size("guess", guess_low=3, guess_high=7) == 5
+
+
+def test_guess_prompt_matches_the_environment():
+    from gspo_ray.envs.guess import build_guess_prompts
+    from gspo_ray.models.tiny import build_tokenizer
+
+    train, _ = build_task_splits("guess", 1, 0, guess_low=0, guess_high=9)
+    assert train[0].prompt == build_guess_prompts(build_tokenizer(), 1, low=0, high=9)[0].text == "0-9:"
+    with pytest.raises(ValueError, match="guess_low <= data.guess_high, got 5 and 2"):
+        build_task_splits("guess", 10, 2, guess_low=5, guess_high=2)
