@@ -94,6 +94,9 @@ def evaluate(rollout, prompts, step: int) -> dict[str, float]:
     exact = [s.reward_info["exact"] for s in samples if "exact" in s.reward_info]
     if exact:
         out["eval/exact"] = sum(exact) / len(exact)
+    # multi-turn environments report their outcome as env/* (env/solved, env/correct): success rates
+    for key in sorted({k for s in samples for k in s.reward_info if k.startswith("env/") or k == "turns"}):
+        out[f"eval/{key.removeprefix('env/')}"] = sum(s.reward_info.get(key, 0.0) for s in samples) / len(samples)
     return out
 
 
@@ -122,7 +125,8 @@ def run_job(cfg: JobConfig, resume: bool = False, rollout_factory=None, after_st
         trainer = build_trainer_pool(cfg, model_path, run_dir)
         rollout = build_rollout_pool(cfg, model_path, run_dir, factory=rollout_factory)
         coord = Coordinator(cfg, rollout, trainer, train_prompts, state)
-        coord.probe_ids = build_probe_ids(len(train_prompts.tokenizer), length=32, seed=cfg.seed)
+        coord.probe_ids = build_probe_ids(len(train_prompts.tokenizer), length=min(32, cfg.rollout.max_model_len - 1),
+                                          seed=cfg.seed)
         if latest is not None:
             coord.state, extra = ckpts.load_state(latest)
             train_prompts.load_state_dict(extra["prompts"])

@@ -181,7 +181,7 @@ def test_guess_recipe_loads_and_its_prompts_fit(tok):
 
     recipe = Path(__file__).resolve().parents[2] / "gspo_ray" / "recipes" / "guess_moe.yaml"
     cfg = load_config(recipe)
-    assert cfg.data.task == "guess" and cfg.rollout.multi_turn is not None and cfg.algorithm.advantage.per_token
+    assert cfg.data.task == "guess" and cfg.rollout.multi_turn is not None
     limits = dict(max_new_tokens=cfg.rollout.max_new_tokens, max_model_len=cfg.rollout.max_model_len)
     held_out = PromptSource.from_config(cfg.data, tok, split="eval", **limits).validate()
     assert len(held_out) == cfg.data.num_eval
