@@ -167,10 +167,8 @@ def _loop(cfg: JobConfig, coord: Coordinator, eval_prompts, tracker, ckpts, summ
         while coord.state.step < c.steps:
             try:
                 metrics = coord.step()
-            except RayActorError as e:
-                if _is_trainer_error(coord, e):
-                    raise TrainerFailed(f"a trainer worker died ({e}); last checkpoint: {ckpts.latest()}") from e
-                raise
+            except RayActorError as e:  # rollout deaths are absorbed by the pool: this is a trainer rank
+                raise TrainerFailed(f"a trainer worker died ({e}); last checkpoint: {ckpts.latest()}") from e
             step = coord.state.step
             last = step == c.steps
             if eval_prompts is not None and ((c.eval_every and step % c.eval_every == 0) or last):
@@ -219,5 +217,3 @@ def write_rollouts(path: Path, groups) -> None:
                                     "finish_reason": s.finish_reason}) + "\n")
 
 
-def _is_trainer_error(coord: Coordinator, err: Exception) -> bool:
-    return getattr(coord.trainer, "owns_error", lambda e: True)(err)
