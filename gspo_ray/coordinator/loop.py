@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from gspo_ray.config import JobConfig
-from gspo_ray.coordinator.buffer import AdmitStats, GroupBuffer
+from gspo_ray.coordinator.buffer import AdmitStats, GroupBuffer, pack_groups
 from gspo_ray.data.records import Group, Sample, TrainBatch, collate
 from gspo_ray.rollout.weight_sync import WeightProbe
 
@@ -24,7 +24,6 @@ class LoopState:
     version: int = 0  # policy version = optimizer steps taken
     prompts_drawn: int = 0
     filter_rate: float = 0.0  # running estimate, sizes the over-sampling
-    history: dict[str, float] = field(default_factory=dict)
 
 
 class Coordinator:
@@ -139,8 +138,6 @@ class Coordinator:
 
     def _recompute_old_logprobs(self, groups: list[Group]) -> None:
         """Replace the engine's log-probs with the trainer's (the `recompute_old_logprobs` switch)."""
-        from gspo_ray.coordinator.buffer import pack_groups
-
         batch: TrainBatch = pack_groups(groups)
         logp = self.trainer.compute_logprobs(batch)
         row = 0
