@@ -108,9 +108,16 @@ class MultiTurnConfig(_Strict):
 
 
 class PartialRolloutConfig(_Strict):
-    """Partial rollouts: completions generated in budgeted segments, possibly under several policy versions."""
+    """Partial rollouts: completions generated in budgeted segments, possibly under several policy versions.
 
-    segment_tokens: int = Field(8, ge=1, description="new tokens per sample per segment (the budget)")
+    Each rollout round gives every unfinished completion at most `segment_tokens` new tokens; when the batch is
+    full, unfinished ones are carried to the next step and continued under the new weights (re-prefilled from
+    their token ids). A group is scored and gets advantages only once all its completions finished.
+    """
+
+    segment_tokens: int = Field(8, ge=1, description="new tokens per sample per segment (the per-round budget)")
+    max_segments: int = Field(4, ge=2, description="segments a completion may span; its last one runs without a "
+                              "budget (to max_new_tokens), so every completion ends within this many rounds")
     stale_policy: Literal["keep", "mask", "drop"] = Field(
         "mask", description="tokens older than max_staleness: keep = train them, mask = loss_mask 0, "
         "drop = discard the whole sample")
@@ -300,6 +307,18 @@ class JobConfig(_Strict):
             p = getattr(self.data, name)
             if p is not None and not Path(p).exists():
                 raise ValueError(f"data.{name}: file not found: {p}")
+        partial = self.rollout.partial
+        if partial is not None:
+            if self.coordinator.mode != "sync":
+                raise ValueError("rollout.partial needs coordinator.mode 'sync': partial rollouts already carry "
+                                 "unfinished completions across policy versions (use one or the other)")
+            if self.rollout.multi_turn is not None:
+                raise ValueError("rollout.partial cannot be combined with rollout.multi_turn: an episode waits on "
+                                 "its environment and is not resumable from token ids")
+            if partial.segment_tokens >= self.rollout.max_new_tokens:
+                raise ValueError(f"rollout.partial.segment_tokens ({partial.segment_tokens}) must be below "
+                                 f"rollout.max_new_tokens ({self.rollout.max_new_tokens}), else no completion is "
+                                 "ever cut")
         if self.rollout.max_new_tokens >= self.rollout.max_model_len:
             raise ValueError(f"rollout.max_new_tokens ({self.rollout.max_new_tokens}) leaves no room for a prompt "
                              f"in rollout.max_model_len ({self.rollout.max_model_len})")

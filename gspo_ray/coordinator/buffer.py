@@ -6,6 +6,11 @@ admitted, filtered, split into mini-batches and dropped as a whole. Pure bookkee
 With `per_token=True` (`algorithm.advantage.per_token`, multi-turn episodes with per-turn rewards) each admitted
 group also gets per-token advantages (reward-to-go over its episodes' `token_rewards`, 0 on env tokens), which
 `pack_groups` then uses; the zero-variance filter still looks at the sequence rewards.
+
+With a `stale_rule` (partial rollouts: `rollout.partial` stale_policy and max_staleness) each completion is
+passed through `apply_stale_policy` at admission, before advantages: "mask" turns off too-old tokens, "drop"
+removes the completion (the group's advantages are then over the rest). Groups still waiting in the buffer at
+the next step are admitted again under the new version, so the rule always holds for the version that trains.
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ import torch
 from gspo_ray.algo.advantages import compute_group_advantages
 from gspo_ray.data.records import Group, TrainBatch, collate
 from gspo_ray.rollout.episodes import compute_episode_token_advantages
+from gspo_ray.rollout.partial import filter_stale
 
 
 @dataclass
@@ -29,10 +35,13 @@ class AdmitStats:
     stale: int = 0  # older than max_staleness policy versions
     failed: int = 0  # fewer than 2 scorable samples
     failed_samples: int = 0
+    stale_dropped_samples: int = 0  # stale_rule "drop"
+    stale_masked_tokens: int = 0  # stale_rule "mask"
     rewards: list[float] = field(default_factory=list)
 
     def merge(self, other: "AdmitStats") -> None:
-        for k in ("offered", "admitted", "zero_adv", "stale", "failed", "failed_samples"):
+        for k in ("offered", "admitted", "zero_adv", "stale", "failed", "failed_samples", "stale_dropped_samples",
+                  "stale_masked_tokens"):
             setattr(self, k, getattr(self, k) + getattr(other, k))
         self.rewards += other.rewards
 
@@ -50,13 +59,17 @@ class GroupBuffer:
     """Admits scored groups for training; hands out mini-batches of whole groups."""
 
     def __init__(self, *, scale_by_std: bool = True, adv_eps: float = 1e-4, filter_zero_adv: bool = True,
-                 max_staleness: int | None = None, seed: int = 0, per_token: bool = False):
-        """per_token: also compute per-token advantages from the samples' `token_rewards` (needs them set)."""
+                 max_staleness: int | None = None, seed: int = 0, per_token: bool = False,
+                 stale_rule: tuple[str, int] | None = None):
+        """per_token: also compute per-token advantages from the samples' `token_rewards` (needs them set).
+        max_staleness: drop whole groups older than this (async mode). stale_rule: (stale_policy, max_staleness)
+        applied per completion (partial rollouts, see module doc)."""
         self.scale_by_std = scale_by_std
         self.per_token = per_token
         self.adv_eps = adv_eps
         self.filter_zero_adv = filter_zero_adv
         self.max_staleness = max_staleness
+        self.stale_rule = stale_rule
         self.groups: list[Group] = []
         self._rng = random.Random(seed)
 
@@ -72,6 +85,11 @@ class GroupBuffer:
             if self.max_staleness is not None and current_version - g.version_span()[0] > self.max_staleness:
                 stats.stale += 1
                 continue
+            if self.stale_rule is not None:
+                kept, st = filter_stale(g.samples, current_version, *self.stale_rule)
+                stats.stale_dropped_samples += st.dropped_samples
+                stats.stale_masked_tokens += st.masked_tokens
+                g.samples = kept
             adv, zero_var = group_advantages(g, self.scale_by_std, self.adv_eps)
             if not adv:
                 stats.failed += 1
@@ -100,7 +118,11 @@ class GroupBuffer:
         return out
 
     def drop_stale(self, current_version: int) -> int:
-        """Drop buffered groups that became too old while waiting; returns how many."""
+        """Drop buffered groups that became too old while waiting; returns how many. With a stale_rule the
+        waiting groups are admitted again under `current_version` (their rule re-applied, advantages redone)."""
+        if self.stale_rule is not None:
+            waiting, self.groups = self.groups, []
+            return len(waiting) - self.admit(waiting, current_version).admitted
         if self.max_staleness is None:
             return 0
         keep = [g for g in self.groups if current_version - g.version_span()[0] <= self.max_staleness]

@@ -130,6 +130,7 @@ def run_job(cfg: JobConfig, resume: bool = False, rollout_factory=None, after_st
         if latest is not None:
             coord.state, extra = ckpts.load_state(latest)
             train_prompts.load_state_dict(extra["prompts"])
+            coord.load_state_dict(extra.get("coordinator", {}))
             trainer.load(str(latest / "trainer"))
             coord.sync_weights()  # engines start from the base model: give them the resumed policy
         summary.steps = coord.state.step
@@ -158,7 +159,7 @@ def _loop(cfg: JobConfig, coord: Coordinator, eval_prompts, tracker, ckpts, summ
 
     c = cfg.coordinator
     save = lambda: ckpts.save(coord.state, coord.trainer.save,  # noqa: E731
-                              {"prompts": coord.prompts.state_dict()})
+                              {"prompts": coord.prompts.state_dict(), "coordinator": coord.state_dict()})
     if eval_prompts is not None and coord.state.step == 0:
         m = evaluate(coord.rollout, eval_prompts, 0)
         summary.eval_history.append((0, m["eval/reward"]))
@@ -212,7 +213,8 @@ def write_rollouts(path: Path, groups) -> None:
             for i, s in enumerate(g.samples):
                 f.write(json.dumps({"uid": g.uid, "sample": s.sample_index, "worker": s.worker_id,
                                     "prompt_ids": s.prompt_ids, "completion_ids": s.completion_ids,
-                                    "logprobs": s.logprobs, "versions": s.versions, "reward": s.reward,
+                                    "logprobs": s.logprobs, "versions": s.versions, "loss_mask": s.loss_mask,
+                                    "segments": s.segments, "reward": s.reward,
                                     "advantage": g.advantages[i] if g.advantages else None,
                                     "finish_reason": s.finish_reason}) + "\n")
 

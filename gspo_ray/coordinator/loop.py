@@ -3,6 +3,10 @@
 It reads like the algorithm; the pools hide Ray. In `async` mode the next rollout batch is dispatched before
 training on the current one (the rollout pool keeps sampling with the previous weights), and samples older than
 `max_staleness` policy versions are dropped at admission and refilled.
+
+With `rollout.partial`, each rollout round gives completions a token budget; groups with unfinished members
+wait in a `PartialCarry` and are continued in the next round, across steps and so under newer weights, while
+fresh prompts keep the pipeline full. Only finished groups reach the buffer, which applies the staleness rule.
 """
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ from dataclasses import dataclass
 
 from gspo_ray.config import JobConfig
 from gspo_ray.coordinator.buffer import AdmitStats, GroupBuffer, pack_groups
+from gspo_ray.coordinator.partial_carry import PartialCarry, group_from_dict, group_to_dict
 from gspo_ray.data.records import Group, Sample, TrainBatch, collate
 from gspo_ray.rollout.weight_sync import WeightProbe
 
@@ -31,14 +36,17 @@ class Coordinator:
 
     def __init__(self, cfg: JobConfig, rollout, trainer, prompts, state: LoopState):
         self.cfg, self.rollout, self.trainer, self.prompts, self.state = cfg, rollout, trainer, prompts, state
-        c = cfg.coordinator
+        c, partial = cfg.coordinator, cfg.rollout.partial
+        self.partial = PartialCarry(partial) if partial is not None else None
         self.buffer = GroupBuffer(scale_by_std=cfg.algorithm.advantage.scale_by_std,
                                   adv_eps=cfg.algorithm.advantage.eps, filter_zero_adv=c.filter_zero_adv,
-                                  max_staleness=c.max_staleness if c.mode == "async" else 0, seed=cfg.seed,
-                                  per_token=cfg.algorithm.advantage.per_token)
+                                  max_staleness=None if partial else (c.max_staleness if c.mode == "async" else 0),
+                                  seed=cfg.seed, per_token=cfg.algorithm.advantage.per_token,
+                                  stale_rule=(partial.stale_policy, partial.max_staleness) if partial else None)
         self._pending = None  # async: the rollout batch in flight
         self.probe_ids: list[int] | None = None  # set by the job: a fixed sequence for push verification
         self.last_groups: list[Group] = []  # the groups of the last step (for rollout dumps)
+        self.last_version = 0  # the policy version they were admitted (staleness-checked) and trained at
 
     # -- one step ---------------------------------------------------------------------------------------------
     def step(self) -> dict[str, float]:
@@ -61,17 +69,24 @@ class Coordinator:
             missing = want - len(self.buffer)
             if missing <= 0:
                 break
-            pending = self._pending or self._dispatch(self._num_to_draw(missing))
+            if self.partial is not None:
+                pending = self._dispatch_partial(missing, rmetrics)
+            else:
+                pending = self._pending or self._dispatch(self._num_to_draw(missing))
             self._pending = None
             groups, m = self.rollout.wait(pending)
             _accumulate(rmetrics, m)
+            if self.partial is not None:
+                groups = self.partial.absorb(groups)  # only whole finished groups go on
             stats.merge(self.buffer.admit(groups, self.state.version))
         if stats.offered:
             self.state.filter_rate = 1 - stats.admitted / stats.offered
         taken = self.buffer.take(want)
-        self.last_groups = taken
+        self.last_groups, self.last_version = taken, self.state.version
         lo, hi = _version_span(taken)
         rewards = stats.rewards or [float("nan")]
+        for key in [k for k in rmetrics if k.startswith("rollout/env/")]:  # env outcome sums -> per-episode means
+            rmetrics[key] /= max(rmetrics.get("rollout/samples", 0), 1)
         return taken, {
             **rmetrics,
             "rollout/tokens_per_s": rmetrics.get("rollout/tokens", 0) / max(rmetrics.get("rollout/gen_s", 0), 1e-9),
@@ -83,6 +98,7 @@ class Coordinator:
             "rollout/stale_dropped": stats.stale + dropped, "rollout/failed_samples": stats.failed_samples,
             "rollout/version_min": lo, "rollout/version_max": hi,
             "rollout/staleness_max": self.state.version - lo,
+            **(self._partial_metrics(taken, stats) if self.partial is not None else {}),
             "time/rollout_s": time.perf_counter() - t0,
         }
 
@@ -127,6 +143,44 @@ class Coordinator:
         prompts = self.prompts.take(num_prompts)
         self.state.prompts_drawn += len(prompts)
         return self.rollout.submit(prompts, self.cfg.rollout.group_size, self.state.version)
+
+    def _dispatch_partial(self, missing: int, rmetrics: dict[str, float]):
+        """One partial-rollout round: continue every open group, and start fresh prompts at the fill rate
+        (keeps the pipeline full), as long as at most `num_to_draw(prompts_per_step) x max_segments` groups are
+        open at once."""
+        p = self.cfg.rollout.partial
+        carried, stale = self.partial.take_open(self.state.version)
+        _accumulate(rmetrics, {"rollout/stale_dropped_samples": stale.dropped_samples})
+        cap = self._num_to_draw(self.cfg.coordinator.prompts_per_step) * p.max_segments
+        fresh = max(0, min(self._num_to_draw(missing), cap - len(carried)))
+        prompts = self.prompts.take(fresh) if fresh else []
+        self.state.prompts_drawn += len(prompts)
+        return self.rollout.submit(prompts, self.cfg.rollout.group_size, self.state.version,
+                                   budget=p.segment_tokens, carried=carried)
+
+    def _partial_metrics(self, taken: list[Group], stats: AdmitStats) -> dict[str, float]:
+        samples = [s for g in taken for s in g.samples]
+        return {**self.partial.metrics(),
+                "rollout/stale_masked_tokens": stats.stale_masked_tokens,
+                "rollout/stale_dropped_samples_admit": stats.stale_dropped_samples,
+                "rollout/segments_max": max((s.segments for s in samples), default=0),
+                "rollout/segments_mean": sum(s.segments for s in samples) / max(len(samples), 1),
+                "rollout/multi_version_samples": sum(len(set(s.versions)) > 1 for s in samples)}
+
+    # -- checkpoints ------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """What a checkpoint needs besides LoopState and the trainer: unfinished and waiting groups."""
+        if self.partial is None:
+            return {}
+        return {"partial_open": self.partial.state_dict(),
+                "partial_waiting": [group_to_dict(g.prompt, g.samples) for g in self.buffer.groups]}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.partial is None:
+            return
+        self.partial.load_state_dict(state.get("partial_open", []))
+        waiting = [Group(prompt=p, samples=ss) for p, ss in map(group_from_dict, state.get("partial_waiting", []))]
+        self.buffer.admit(waiting, self.state.version)
 
     def _probe(self):
         """(token ids, trainer log-probs) of a fixed sequence: each engine checks its own log-probs against it."""

@@ -45,6 +45,7 @@ class Sample:
     failed: str | None = None  # reason when the sample could not be scored; failed samples never train
     reward_info: dict[str, float] = field(default_factory=dict)
     worker_id: int | None = None
+    segments: int = 1  # engine requests that produced it: > 1 for a partial rollout continued across rounds
 
     @property
     def seq_logprob(self) -> float:

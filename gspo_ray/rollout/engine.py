@@ -347,7 +347,7 @@ class RolloutEngine:
                 completion_ids=s.completion_ids + seg.token_ids, logprobs=s.logprobs + seg.logprobs,
                 loss_mask=s.loss_mask + [1] * len(seg.token_ids), versions=s.versions + [version] * len(seg.token_ids),
                 finish_reason=self._finish(seg, total, sampling.max_new_tokens, len(s.prompt_ids) + total),
-                worker_id=self.worker_id if self.worker_id is not None else s.worker_id)
+                worker_id=self.worker_id if self.worker_id is not None else s.worker_id, segments=s.segments + 1)
 
         if requests:
             self.run(requests, finished, stop_event)

@@ -1,0 +1,97 @@
+"""Partial-rollout bookkeeping on hand-built samples: the carry, the buffer's staleness rule, checkpoints, config."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gspo_ray.config import ConfigError, PartialRolloutConfig, load_config
+from gspo_ray.coordinator.buffer import GroupBuffer
+from gspo_ray.coordinator.partial_carry import PartialCarry, group_from_dict, group_to_dict
+from gspo_ray.data.records import Group, Prompt, Sample
+
+
+def _sample(uid, index, versions, finish="stop", reward=None, segments=1) -> Sample:
+    n = len(versions)
+    return Sample(prompt_uid=uid, sample_index=index, prompt_ids=[2, 3], completion_ids=list(range(4, 4 + n)),
+                  logprobs=[-0.25] * n, loss_mask=[1] * n, versions=list(versions), finish_reason=finish,
+                  reward=reward, segments=segments)
+
+
+def _group(uid, samples) -> Group:
+    return Group(prompt=Prompt(uid=uid, prompt_ids=[2, 3], reference="ab", text="x"), samples=samples)
+
+
+def test_only_whole_finished_groups_leave_the_carry():
+    carry = PartialCarry(PartialRolloutConfig(segment_tokens=2, max_segments=3))
+    done = _group("done", [_sample("done", 0, [0, 0], reward=1.0), _sample("done", 1, [0], reward=0.0)])
+    half = _group("half", [_sample("half", 0, [0, 0], reward=1.0), _sample("half", 1, [0, 0], "aborted")])
+    ready = carry.absorb([done, half])
+    assert [g.uid for g in ready] == ["done"] and list(carry.open) == ["half"]
+    # the finished member waits with its reward; the group goes out whole for its next segment
+    work, _ = carry.take_open(current_version=1)
+    (prompt, samples, budget), = work
+    assert prompt.uid == "half" and [s.finish_reason for s in samples] == ["stop", "aborted"]
+    assert budget == 2 and len(carry) == 0
+
+
+def test_last_segment_runs_without_a_budget():
+    carry = PartialCarry(PartialRolloutConfig(segment_tokens=2, max_segments=3))
+    assert [carry.budget_for(done) for done in (0, 1, 2)] == [2, 2, None]
+    carry.absorb([_group("g", [_sample("g", 0, [0] * 4, "aborted", segments=2),
+                               _sample("g", 1, [0] * 2, "aborted", segments=1)])])
+    (_, _, budget), = carry.take_open(0)[0]
+    assert budget is None  # the group has had 2 of its 3 segments
+
+
+def test_drop_policy_stops_continuing_hopeless_completions():
+    carry = PartialCarry(PartialRolloutConfig(segment_tokens=2, max_segments=4, stale_policy="drop",
+                                              max_staleness=1))
+    old = _sample("g", 0, [3, 3], "aborted")          # version 3: 2 behind version 5, too stale
+    fresh = _sample("g", 1, [4, 4], "aborted", segments=1)
+    other = _sample("g", 2, [5], "stop", reward=1.0)
+    lone = _group("lone", [_sample("lone", 0, [3], "aborted"), _sample("lone", 1, [5], "stop", reward=0.0)])
+    carry.absorb([_group("g", [old, fresh, other]), lone])
+    work, stats = carry.take_open(current_version=5)
+    assert [(p.uid, [s.sample_index for s in ss]) for p, ss, _ in work] == [("g", [1, 2])]
+    assert stats.dropped_samples == 3  # old, and both members of "lone" (one left cannot make a group)
+
+
+def test_buffer_applies_the_stale_rule_at_admission_and_again_while_waiting():
+    buf = GroupBuffer(stale_rule=("mask", 1), filter_zero_adv=False)
+    s0 = _sample("g", 0, [3, 4, 5], reward=1.0)
+    s1 = _sample("g", 1, [5, 5], reward=0.0)
+    stats = buf.admit([_group("g", [s0, s1])], current_version=5)
+    assert stats.stale_masked_tokens == 1 and buf.groups[0].samples[0].loss_mask == [0, 1, 1]
+    adv_before = list(buf.groups[0].advantages)
+    assert buf.drop_stale(current_version=6) == 0  # still waiting at version 6: version 4 is now too old too
+    assert buf.groups[0].samples[0].loss_mask == [0, 0, 1]
+    assert buf.groups[0].advantages == adv_before  # masking never changes the rewards
+
+    drop = GroupBuffer(stale_rule=("drop", 1))
+    stats = drop.admit([_group("g", [_sample("g", 0, [3, 5], reward=1.0), _sample("g", 1, [5], reward=0.0),
+                                     _sample("g", 2, [5], reward=0.5)])], current_version=5)
+    assert stats.stale_dropped_samples == 1 and [s.sample_index for s in drop.groups[0].samples] == [1, 2]
+    a = 0.25 / (0.125 ** 0.5 + 1e-4)  # rewards 0 and 0.5: the two that remain, std ddof=1, eps 1e-4
+    assert drop.groups[0].advantages == pytest.approx([-a, a], abs=1e-9)
+
+
+def test_open_groups_round_trip_through_json():
+    carry = PartialCarry(PartialRolloutConfig(segment_tokens=2))
+    g = _group("g", [_sample("g", 0, [0, 1], "aborted", segments=2), _sample("g", 1, [1], "stop", reward=0.5)])
+    carry.absorb([g])
+    restored = PartialCarry(PartialRolloutConfig(segment_tokens=2))
+    restored.load_state_dict(json.loads(json.dumps(carry.state_dict())))
+    assert restored.open["g"].samples == g.samples and restored.open["g"].prompt == g.prompt
+    assert group_from_dict(group_to_dict(g.prompt, g.samples)) == (g.prompt, g.samples)
+
+
+@pytest.mark.parametrize("override,field", [
+    ("coordinator.mode=async", "coordinator.mode 'sync'"),
+    ("rollout.partial.segment_tokens=16", "segment_tokens (16) must be below rollout.max_new_tokens (16)"),
+    ("rollout.partial.max_segments=1", "rollout.partial.max_segments"),
+])
+def test_config_refuses_partial_rollouts_that_cannot_work(override, field):
+    with pytest.raises(ConfigError, match=field.replace("(", r"\(").replace(")", r"\)")):
+        load_config(None, ["rollout.partial.segment_tokens=4", override])
+    assert load_config(None, ["rollout.partial.segment_tokens=4"]).rollout.partial.max_segments == 4
