@@ -198,6 +198,9 @@ class AdvantageConfig(_Strict):
     scale_by_std: bool = Field(True, description="divide by the group std (False = Dr.GRPO)")
     eps: float = Field(1e-4, gt=0, description="added to the std")
     per_token: bool = Field(False, description="per-token advantages (process rewards); needs sequence_token")
+    token_baseline: Literal["turn", "group"] = Field(
+        "turn", description="per-token advantages: reward-to-go compared with the same turn of the group's other "
+        "episodes (turn), or with every token of the group (group: biased when turns cost something)")
 
 
 class AlgorithmConfig(_Strict):

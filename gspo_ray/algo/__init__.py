@@ -12,6 +12,8 @@ from gspo_ray.algo.advantages import (
     compute_group_advantages,
     compute_group_advantages_flat,
     compute_token_advantages,
+    compute_turn_ids,
+    compute_turn_token_advantages,
 )
 from gspo_ray.algo.aggregation import (
     AGGREGATIONS,
@@ -55,6 +57,8 @@ __all__ = [
     "compute_policy_loss",
     "compute_ratio_metrics",
     "compute_token_advantages",
+    "compute_turn_ids",
+    "compute_turn_token_advantages",
     "compute_token_mean",
     "get_importance_level",
     "get_kl_estimator",

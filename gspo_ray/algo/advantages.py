@@ -98,3 +98,52 @@ def compute_token_advantages(
     adv[mask] = adv_flat
     return adv
 
+
+
+def compute_turn_ids(mask: Tensor) -> Tensor:
+    """Turn index of every loss-masked token: the k-th maximal run of mask-1 tokens in a row is turn k (0-based),
+    which in a multi-turn episode is the model's k-th answer (environment tokens, mask 0, separate them).
+    mask: [B, T] -> [B, T] long, -1 where mask is 0."""
+    mask = mask.bool()
+    prev = torch.nn.functional.pad(mask[:, :-1], (1, 0), value=False)
+    starts = mask & ~prev
+    turn = starts.long().cumsum(-1) - 1
+    return torch.where(mask, turn, torch.full_like(turn, -1))
+
+
+def compute_turn_token_advantages(
+    token_rewards: Tensor,
+    mask: Tensor,
+    group_ids: Tensor,
+    scale_by_std: bool = True,
+    eps: float = ADV_EPS,
+) -> Tensor:
+    """Per-token advantages with a per-turn baseline, for multi-turn episodes with per-turn rewards.
+
+    Same reward-to-go as `compute_token_advantages`, but the baseline is taken per (group, turn): turn k of an
+    episode is compared only with turn k of the other episodes of its group that reached a k-th turn,
+        G_{i,k} = sum_{u >= start of turn k of episode i} r_{i,u}      (constant over the turn's tokens
+                                                                        when rewards land on turn ends)
+        A_{i,k} = (G_{i,k} - mean_j G_{j,k}) / (std_j(G_{j,k}, ddof=1) + eps),  j over the group's episodes
+                                                                                with a turn k
+    Why: with a cost per turn, an early turn's reward-to-go still contains every later cost, so one token-wide
+    baseline ranks every first turn below every last one and pushes good first answers down; per turn, only
+    episodes at the same point of the game are compared. A turn reached by a single episode of its group, or
+    where all are equal, gets A = 0. Each episode-turn counts once, whatever its length.
+    Shapes as in `compute_token_advantages`; returns adv [B, T], 0 off the mask.
+    """
+    mask = mask.bool()
+    r = torch.where(mask, token_rewards, torch.zeros((), dtype=token_rewards.dtype, device=token_rewards.device))
+    reward_to_go = r.flip(-1).cumsum(-1).flip(-1)
+    turn = compute_turn_ids(mask)
+    num_turns = int(turn.max()) + 1 if mask.any() else 0
+    first = mask & (turn != torch.nn.functional.pad(turn[:, :-1], (1, 0), value=-1))  # a turn's first token
+    rows, cols = first.nonzero(as_tuple=True)
+    g_turn = reward_to_go[rows, cols]  # G_{i,k}, one value per episode-turn
+    _, gid = torch.unique(group_ids, return_inverse=True)
+    labels = gid[rows] * max(num_turns, 1) + turn[rows, cols]  # (group, turn)
+    adv_turn, _ = compute_group_advantages_flat(g_turn, labels, scale_by_std, eps)
+    per_turn = torch.zeros(mask.shape[0], max(num_turns, 1), dtype=adv_turn.dtype, device=adv_turn.device)
+    per_turn[rows, turn[rows, cols]] = adv_turn
+    adv = torch.gather(per_turn, 1, turn.clamp(min=0))
+    return torch.where(mask, adv, torch.zeros_like(adv))

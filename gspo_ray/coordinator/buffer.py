@@ -60,7 +60,7 @@ class GroupBuffer:
 
     def __init__(self, *, scale_by_std: bool = True, adv_eps: float = 1e-4, filter_zero_adv: bool = True,
                  max_staleness: int | None = None, seed: int = 0, per_token: bool = False,
-                 stale_rule: tuple[str, int] | None = None):
+                 stale_rule: tuple[str, int] | None = None, token_baseline: str = "turn"):
         """per_token: also compute per-token advantages from the samples' `token_rewards` (needs them set).
         max_staleness: drop whole groups older than this (async mode). stale_rule: (stale_policy, max_staleness)
         applied per completion (partial rollouts, see module doc)."""
@@ -70,6 +70,7 @@ class GroupBuffer:
         self.filter_zero_adv = filter_zero_adv
         self.max_staleness = max_staleness
         self.stale_rule = stale_rule
+        self.token_baseline = token_baseline  # per_token: "turn" or "group" (algorithm.advantage.token_baseline)
         self.groups: list[Group] = []
         self._rng = random.Random(seed)
 
@@ -110,7 +111,7 @@ class GroupBuffer:
         if missing:
             raise ValueError(f"algorithm.advantage.per_token is set but samples {missing[:3]} carry no token_rewards: "
                              "use rollout.multi_turn episodes or a reward function that returns 'token_rewards'")
-        return compute_episode_token_advantages(g.samples, self.scale_by_std, self.adv_eps)
+        return compute_episode_token_advantages(g.samples, self.scale_by_std, self.adv_eps, self.token_baseline)
 
     def take(self, num_groups: int) -> list[Group]:
         """Remove and return the oldest `num_groups` groups (fewer if the buffer holds fewer)."""

@@ -42,6 +42,7 @@ class Coordinator:
                                   adv_eps=cfg.algorithm.advantage.eps, filter_zero_adv=c.filter_zero_adv,
                                   max_staleness=None if partial else (c.max_staleness if c.mode == "async" else 0),
                                   seed=cfg.seed, per_token=cfg.algorithm.advantage.per_token,
+                                  token_baseline=cfg.algorithm.advantage.token_baseline,
                                   stale_rule=(partial.stale_policy, partial.max_staleness) if partial else None)
         self._pending = None  # async: the rollout batch in flight
         self.probe_ids: list[int] | None = None  # set by the job: a fixed sequence for push verification

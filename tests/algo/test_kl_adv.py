@@ -17,6 +17,8 @@ from gspo_ray.algo import (
     compute_policy_loss,
     compute_ratio_metrics,
     compute_token_advantages,
+    compute_turn_ids,
+    compute_turn_token_advantages,
 )
 
 F64 = torch.float64
@@ -141,6 +143,33 @@ def test_token_advantages_process_reward():
     # groups are separate: a second group with equal reward-to-go everywhere gets 0
     adv2 = compute_token_advantages(rewards, mask, torch.tensor([0, 1]))
     assert torch.all(adv2[1] == 0)
+
+
+def test_turn_ids_follow_runs_of_model_tokens():
+    mask = torch.tensor([[1, 1, 0, 1, 0, 1, 1], [0, 1, 0, 0, 1, 0, 0]], dtype=torch.bool)
+    assert compute_turn_ids(mask).tolist() == [[0, 0, -1, 1, -1, 2, 2], [-1, 0, -1, -1, 1, -1, -1]]
+
+
+def test_turn_baseline_compares_the_same_turn_of_a_group_by_hand():
+    # A guessing game, one group of 3 episodes; model turns are 2 tokens (digit, eos), env replies 1 token (mask 0);
+    # a turn's reward lands on its eos: -0.05 a wrong guess, +1 the right one.
+    #   ep0: wrong, right        token rewards [0, -.05, 0, 0, 1]      G turn0 = 0.95, turn1 = 1
+    #   ep1: right               [0, 1]                                 G turn0 = 1
+    #   ep2: wrong, wrong        [0, -.05, 0, 0, -.05, 0]               G turn0 = -0.1, turn1 = -0.05
+    # turn 0 over {0.95, 1, -0.1}: mean 0.61667, std(ddof=1) = 0.62115; A = +0.53655, +0.61703, -1.15358
+    # turn 1 over {1, -0.05}: mean 0.475, std 0.74246; A = +0.70701, -0.70701
+    # The group-wide token baseline would rank ep0's first (good) turn below its second: G 0.95 < 1.
+    r = torch.zeros(3, 6, dtype=F64)
+    r[0, 1], r[0, 4], r[1, 1], r[2, 1], r[2, 4] = -0.05, 1.0, 1.0, -0.05, -0.05
+    mask = torch.tensor([[1, 1, 0, 1, 1, 0], [1, 1, 0, 0, 0, 0], [1, 1, 0, 1, 1, 0]], dtype=torch.bool)
+    adv = compute_turn_token_advantages(r, mask, torch.tensor([4, 4, 4]))
+    a0, a1, a2, b0 = 0.53655, 0.61703, -1.15358, 0.70701
+    want = torch.tensor([[a0, a0, 0, b0, b0, 0], [a1, a1, 0, 0, 0, 0], [a2, a2, 0, -b0, -b0, 0]], dtype=F64)
+    torch.testing.assert_close(adv, want, atol=1e-5, rtol=0)
+    # a turn reached by one episode only has nothing to compare with; separate groups never mix
+    adv = compute_turn_token_advantages(r[:2], mask[:2], torch.tensor([0, 0]))
+    assert torch.all(adv[0, 3:] == 0) and adv[0, 0] < 0 < adv[1, 0]  # 0.95 vs 1 on turn 0
+    assert torch.all(compute_turn_token_advantages(r, mask, torch.tensor([0, 1, 2])) == 0)
 
 
 # ---------------------------------------------------------------- metric helpers

@@ -109,7 +109,7 @@ def test_per_token_advantages_are_reward_to_go_and_reach_the_batch():
     samples = [_episode("a", 0, [(2, -0.5, 1), (2, 1.0, 1)]), _episode("a", 1, [(2, 1.0, 1)]),
                _episode("a", 2, [(2, 1.0, 1)], failed=True)]
     g = Group(prompt=Prompt(uid="a", prompt_ids=[5, 6]), samples=samples)
-    buf = GroupBuffer(per_token=True, scale_by_std=False)
+    buf = GroupBuffer(per_token=True, scale_by_std=False, token_baseline="group")
     stats = buf.admit([g], current_version=0)
     assert stats.admitted == 1 and stats.failed_samples == 1
     adv = buf.groups[0].token_advantages
@@ -119,6 +119,12 @@ def test_per_token_advantages_are_reward_to_go_and_reach_the_batch():
     assert buf.groups[0].advantages == pytest.approx([-0.25, 0.25])                      # sequence: 0.5 vs 1.0
     b = pack_groups(buf.groups)
     assert b.adv[0, 2:8].tolist() == pytest.approx(adv[0]) and b.adv[1, 2:5].tolist() == pytest.approx(adv[1])
+    # The per-turn baseline (the default) compares turn 0 with turn 0: 0.5 vs 1.0 -> -0.25 / +0.25; e0's second
+    # turn has no counterpart in the group (e1 solved at once), so it carries no signal.
+    turn = GroupBuffer(per_token=True, scale_by_std=False)
+    turn.admit([Group(prompt=g.prompt, samples=samples[:2])], current_version=0)
+    assert turn.groups[0].token_advantages == [pytest.approx([-0.25, -0.25, 0, 0, 0, 0]),
+                                               pytest.approx([0.25, 0.25, 0])]
     # Without the flag the same group trains on one advantage per episode.
     plain = GroupBuffer(scale_by_std=False)
     plain.admit([Group(prompt=g.prompt, samples=samples[:2])], current_version=0)
