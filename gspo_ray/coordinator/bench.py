@@ -5,7 +5,7 @@ local Ray instance and reports the mean over steady-state steps (the first steps
 skipped). Phases: rollout (generate + reward, waiting included), train (all optimizer steps of the batch),
 sync (export + push + probe verification). Idle is the part of a step a pool is not working for it:
 rollout idle = step - rollout wait (sync mode; in async mode the next batch samples during training),
-trainer idle = step - train.
+trainer idle = step - train. Then GSPO vs GRPO clip fractions, and whole vs partial rollouts.
 """
 from __future__ import annotations
 
@@ -63,6 +63,30 @@ def bench_clipping(steps: int, out_dir: Path) -> str:
     return "\n".join(lines)
 
 
+def bench_partial(steps: int, out_dir: Path) -> str:
+    """Whole completions vs partial rollouts (8-token segments, at most 3) on the untrained tiny MoE with up to 24
+    new tokens, so lengths vary: per step, what the engine generated, how fast, and what trained."""
+    from gspo_ray.coordinator.job import run_job
+
+    runs = [("whole completions", []),
+            ("partial 8 tok x 3 seg", ["rollout.partial.segment_tokens=8", "rollout.partial.max_segments=3",
+                                       "rollout.partial.stale_policy=mask", "rollout.partial.max_staleness=1"])]
+    lines = [f"{'rollout':<24}{'step_s':>10}{'gen_s':>10}{'gen_tok':>10}{'tok/s':>10}{'groups':>8}"
+             f"{'segments':>10}{'multi_ver':>10}{'masked':>8}"]
+    for label, extra in runs:
+        cfg = load_config(RECIPE, ["rollout.max_new_tokens=24", f"coordinator.steps={steps}", "coordinator.eval_every=0",
+                                   "coordinator.checkpoint_every=0", "data.num_eval=0", "coordinator.filter_zero_adv=false",
+                                   f"logging.out_dir={out_dir}", f"name=partial-{len(extra)}", "logging.progress=false",
+                                   "logging.tensorboard=false", "logging.plot=false", *extra])
+        rows = read_metrics(run_job(cfg).run_dir / "metrics.jsonl")[2:]
+        mean = lambda key: sum(r.get(key) or 0.0 for r in rows) / max(len(rows), 1)  # noqa: E731
+        lines.append(f"{label:<24}{mean('time/step_s'):>10.3f}{mean('rollout/gen_s'):>10.3f}"
+                     f"{mean('rollout/tokens'):>10.0f}{mean('rollout/tokens') / max(mean('rollout/gen_s'), 1e-9):>10.0f}"
+                     f"{mean('rollout/groups_trained'):>8.1f}{mean('rollout/segments_mean') or 1.0:>10.2f}"
+                     f"{mean('rollout/multi_version_samples'):>10.1f}{mean('rollout/stale_masked_tokens'):>8.1f}")
+    return "\n".join(lines)
+
+
 def format_table(results: list[tuple[str, dict[str, float]]]) -> str:
     head = f"{'mode':<22}" + "".join(f"{c:>15}" for c in COLUMNS)
     lines = [head, "-" * len(head)]
@@ -85,6 +109,9 @@ def run_bench(quick: bool = False) -> str:
         table = format_table(results)
         print(f"tiny Qwen3-MoE, 16 prompts x 8 samples per step, mean over steps 3..{steps}\n" + table, flush=True)
         clip = bench_clipping(steps=10 if quick else 30, out_dir=Path(tmp))
+        print("\nGSPO vs GRPO, 2 passes x 2 mini-batches per rollout batch\n" + clip, flush=True)
+        partial = bench_partial(steps=6 if quick else 12, out_dir=Path(tmp))
     ray.shutdown()
-    print("\nGSPO vs GRPO, 2 passes x 2 mini-batches per rollout batch\n" + clip)
-    return table + "\n" + clip
+    print(f"\nwhole vs partial rollouts, up to 24 new tokens, mean over steps 3..{6 if quick else 12} (per step; "
+          "multi_ver = trained samples spanning >= 2 policy versions, masked = tokens masked as stale)\n" + partial)
+    return "\n".join([table, clip, partial])
