@@ -55,3 +55,39 @@ def test_dead_worker_prompts_are_redispatched_once(setup):
         assert metrics["rollout/samples"] == 48
     finally:
         pool.shutdown()
+
+
+class DyingOnContinueWorker(RolloutWorker):
+    """Worker 1 samples normally, but its process dies when asked to continue partial completions."""
+
+    def continue_samples(self, samples, budget=None, version=None, prompts=None):
+        if self.worker_id == 1:
+            os._exit(1)
+        return super().continue_samples(samples, budget=budget, version=version, prompts=prompts)
+
+
+def test_dead_worker_partial_completions_are_continued_elsewhere(setup):
+    root, model = setup
+    cfg = RolloutConfig(num_workers=2, group_size=3, max_new_tokens=8, max_model_len=64)
+    from gspo_ray.config import JobConfig
+
+    actor = ray.remote(DyingOnContinueWorker).options(**rollout_actor_options(JobConfig(rollout=cfg)))
+    pool = RolloutPool(lambda wid: actor.remote(wid, str(model), cfg, str(root / "c"), reward_runner=cfg.reward), 2)
+    try:
+        prompts = PromptSource.from_task("copy", str(model), seed=4).take(6)
+        first, _ = pool.wait(pool.submit(prompts, cfg.group_size, budget=2))  # segment 1: at most 2 tokens each
+        open_groups = [g for g in first if any(s.finish_reason == "aborted" for s in g.samples)]
+        assert len(open_groups) >= 4 and {s.worker_id for g in first for s in g.samples} == {0, 1}
+        carried = [(g.prompt, g.samples, None) for g in open_groups]    # last segment: run to the end
+        done, metrics = pool.wait(pool.submit([], cfg.group_size, carried=carried))
+        assert [g.uid for g in done] == [g.uid for g in open_groups] and pool.num_workers == 1
+        assert pool.redispatched >= 1 and metrics["rollout/continued_groups"] == len(open_groups)
+        for before, after in zip(open_groups, done):
+            for s0, s1 in zip(before.samples, after.samples):
+                assert s1.finish_reason in ("stop", "length") and s1.reward is not None
+                # nothing lost or redone: the first segment's tokens, log-probs and versions are kept as they were
+                assert s1.completion_ids[:s0.num_tokens] == s0.completion_ids
+                assert s1.logprobs[:s0.num_tokens] == s0.logprobs and s1.versions[:s0.num_tokens] == s0.versions
+                assert s1.segments == s0.segments + (s0.finish_reason == "aborted")
+    finally:
+        pool.shutdown()
