@@ -21,14 +21,19 @@ COLUMNS = ["step_s", "rollout_s", "train_s", "sync_s", "rollout_idle_s", "traine
            "push_mb"]
 
 
+def _bench_cfg(out_dir: Path, name: str, steps: int, *overrides: str):
+    """The tiny-MoE recipe for `steps` steps, without eval, checkpoints or extra outputs."""
+    return load_config(RECIPE, [f"coordinator.steps={steps}", "coordinator.eval_every=0",
+                                "coordinator.checkpoint_every=0", "data.num_eval=0", f"logging.out_dir={out_dir}",
+                                f"name={name}", "logging.progress=false", "logging.tensorboard=false",
+                                "logging.plot=false", *overrides])
+
+
 def bench_mode(mode: str, recompute: bool, steps: int, out_dir: Path) -> dict[str, float]:
     from gspo_ray.coordinator.job import run_job
 
-    cfg = load_config(RECIPE, [f"coordinator.mode={mode}", f"coordinator.recompute_old_logprobs={recompute}",
-                               f"coordinator.steps={steps}", "coordinator.eval_every=0", "coordinator.checkpoint_every=0",
-                               "data.num_eval=0", f"logging.out_dir={out_dir}", f"name=bench-{mode}-{recompute}",
-                               "logging.progress=false", "logging.tensorboard=false", "logging.plot=false",
-                               "coordinator.filter_zero_adv=false"])
+    cfg = _bench_cfg(out_dir, f"bench-{mode}-{recompute}", steps, f"coordinator.mode={mode}",
+                     f"coordinator.recompute_old_logprobs={recompute}", "coordinator.filter_zero_adv=false")
     summary = run_job(cfg)
     rows = read_metrics(summary.run_dir / "metrics.jsonl")[2:] or read_metrics(summary.run_dir / "metrics.jsonl")
     mean = lambda key: sum(r.get(key) or 0.0 for r in rows) / len(rows)  # noqa: E731
@@ -47,11 +52,8 @@ def bench_clipping(steps: int, out_dir: Path) -> str:
 
     rows = []
     for level in ("sequence", "token"):
-        cfg = load_config(RECIPE, [f"algorithm.importance_sampling_level={level}", f"coordinator.steps={steps}",
-                                   "coordinator.num_iterations=2", "coordinator.num_minibatches=2",
-                                   "coordinator.eval_every=0", "coordinator.checkpoint_every=0", "data.num_eval=0",
-                                   f"logging.out_dir={out_dir}", f"name=clip-{level}", "logging.progress=false",
-                                   "logging.tensorboard=false", "logging.plot=false"])
+        cfg = _bench_cfg(out_dir, f"clip-{level}", steps, f"algorithm.importance_sampling_level={level}",
+                         "coordinator.num_iterations=2", "coordinator.num_minibatches=2")
         metrics = read_metrics(run_job(cfg).run_dir / "metrics.jsonl")
         mean = lambda key: sum(r.get(key) or 0.0 for r in metrics) / len(metrics)  # noqa: E731
         rows.append((level, cfg.algorithm.clip_range(), mean("train/clip_frac_tok"), mean("train/clip_frac_seq"),
@@ -74,14 +76,13 @@ def bench_partial(steps: int, out_dir: Path) -> str:
     lines = [f"{'rollout':<24}{'step_s':>10}{'gen_s':>10}{'gen_tok':>10}{'tok/s':>10}{'groups':>8}"
              f"{'segments':>10}{'multi_ver':>10}{'masked':>8}"]
     for label, extra in runs:
-        cfg = load_config(RECIPE, ["rollout.max_new_tokens=24", f"coordinator.steps={steps}", "coordinator.eval_every=0",
-                                   "coordinator.checkpoint_every=0", "data.num_eval=0", "coordinator.filter_zero_adv=false",
-                                   f"logging.out_dir={out_dir}", f"name=partial-{len(extra)}", "logging.progress=false",
-                                   "logging.tensorboard=false", "logging.plot=false", *extra])
+        cfg = _bench_cfg(out_dir, f"partial-{len(extra)}", steps, "rollout.max_new_tokens=24",
+                         "coordinator.filter_zero_adv=false", *extra)
         rows = read_metrics(run_job(cfg).run_dir / "metrics.jsonl")[2:]
         mean = lambda key: sum(r.get(key) or 0.0 for r in rows) / max(len(rows), 1)  # noqa: E731
+        tok_s = mean("rollout/tokens") / max(mean("rollout/gen_s"), 1e-9)
         lines.append(f"{label:<24}{mean('time/step_s'):>10.3f}{mean('rollout/gen_s'):>10.3f}"
-                     f"{mean('rollout/tokens'):>10.0f}{mean('rollout/tokens') / max(mean('rollout/gen_s'), 1e-9):>10.0f}"
+                     f"{mean('rollout/tokens'):>10.0f}{tok_s:>10.0f}"
                      f"{mean('rollout/groups_trained'):>8.1f}{mean('rollout/segments_mean') or 1.0:>10.2f}"
                      f"{mean('rollout/multi_version_samples'):>10.1f}{mean('rollout/stale_masked_tokens'):>8.1f}")
     return "\n".join(lines)

@@ -26,6 +26,7 @@ import dataclasses
 import os
 import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Iterable
@@ -33,6 +34,8 @@ from typing import Any, Iterable
 from gspo_ray.data.records import Prompt, Sample
 from gspo_ray.rollout.engine import FINISH_ABORTED, RolloutEngine, SamplingSettings
 from gspo_ray.rollout.weight_sync import WeightProbe, WeightSyncError, push_buckets, verify_probe
+
+MAX_REMEMBERED_PROMPTS = 10_000  # prompts of unfinished samples kept per worker (oldest forgotten first)
 
 
 def _build_reward_runner(reward_runner: Any, model_path: str):
@@ -80,7 +83,9 @@ class RolloutWorker:
         self._version = 0
         self._lock = threading.Lock()  # one engine operation at a time
         self._paused = threading.Event()
-        self._unfinished: dict[str, Prompt] = {}  # prompts of aborted samples, to score them when continued
+        # prompts of aborted samples, to score them when continued here without `prompts`; bounded, because a
+        # pool may continue a group on another worker and this entry is then never claimed
+        self._unfinished: OrderedDict[str, Prompt] = OrderedDict()
         self._metrics: dict[str, float] = {}
         self._broken: str | None = None  # set by a failed weight push, cleared by the next complete one
 
@@ -109,6 +114,8 @@ class RolloutWorker:
             gen_s = time.perf_counter() - start
             open_uids = {s.prompt_uid for s in samples if s.finish_reason == FINISH_ABORTED}
             self._unfinished.update({p.uid: p for p in prompts if p.uid in open_uids})
+            while len(self._unfinished) > MAX_REMEMBERED_PROMPTS:
+                self._unfinished.popitem(last=False)
         self._metrics = self._rollout_metrics(samples, gen_s, self._wait_scores(scoring))
         return samples
 

@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from gspo_ray.config import MultiTurnConfig, PartialRolloutConfig, RolloutConfig
+from gspo_ray.config import PartialRolloutConfig, RolloutConfig
 from gspo_ray.data.prompts import PromptSource, load_tokenizer
 from gspo_ray.data.records import Prompt, Sample
 from gspo_ray.envs.calculator import CalculatorEnv
