@@ -119,9 +119,11 @@ class PartialRolloutConfig(_Strict):
     max_segments: int = Field(4, ge=2, description="segments a completion may span; its last one runs without a "
                               "budget (to max_new_tokens), so every completion ends within this many rounds")
     stale_policy: Literal["keep", "mask", "drop"] = Field(
-        "mask", description="tokens older than max_staleness: keep = train them, mask = loss_mask 0, "
-        "drop = discard the whole sample")
-    max_staleness: int = Field(1, ge=0, description="policy versions a token may lag behind the current one")
+        "keep", description="tokens older than max_staleness: keep = train them (their engine log-prob is the "
+        "policy that sampled them), mask = loss_mask 0, drop = discard the whole sample. Measured: with mask, "
+        "max_staleness 1 and 3 segments, ~46% of the trained tokens are masked")
+    max_staleness: int = Field(1, ge=0, description="policy versions (optimizer steps) a token may lag behind the "
+                               "training policy under mask/drop")
 
 
 class RolloutConfig(_Strict):
