@@ -128,7 +128,7 @@ class Coordinator:
     def sync_weights(self) -> dict[str, float]:
         """Export the trainer's weights and push them into every rollout engine (verified by a probe)."""
         t0 = time.perf_counter()
-        buckets = self.trainer.export_weights().buckets
+        buckets = self.trainer.export_weights(as_refs=True).buckets  # refs: the weights never pass through here
         t1 = time.perf_counter()
         m = self.rollout.push_weights(self.state.version, buckets, probe=self._probe())
         m.update({"sync/export_s": t1 - t0, "time/sync_s": time.perf_counter() - t0})

@@ -125,9 +125,12 @@ class RolloutPool:
 
     # -- weights ----------------------------------------------------------------------------------------------
     def push_weights(self, version: int, buckets, probe=None) -> dict[str, float]:
-        """Push one exported policy into every engine (one object-store copy shared by all workers)."""
+        """Push one exported policy into every engine. `buckets`: a list of bucket refs (each worker fetches one
+        bucket at a time, straight from the trainer's object store), one ref, or tensors (put once here and
+        shared by all workers)."""
         t0 = time.perf_counter()
-        ref = buckets if isinstance(buckets, ray.ObjectRef) else ray.put(buckets)
+        refs_only = isinstance(buckets, list) and buckets and all(isinstance(b, ray.ObjectRef) for b in buckets)
+        ref = buckets if refs_only or isinstance(buckets, ray.ObjectRef) else ray.put(buckets)
         self.weights = (version, ref, probe)
         calls = {wid: w.update_weights.remote(version, ref, probe) for wid, w in self.workers.items()}
         results = []

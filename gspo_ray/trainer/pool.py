@@ -83,8 +83,9 @@ class TrainerPool:
     def compute_logprobs(self, batch: TrainBatch, reference: bool = False):
         return self._rank0("compute_logprobs", ray.put(batch), reference=reference)
 
-    def export_weights(self, bucket_mb: float | None = None) -> WeightExport:
-        return self._rank0("export_weights", bucket_mb)
+    def export_weights(self, bucket_mb: float | None = None, as_refs: bool = False) -> WeightExport:
+        """Rank 0's export; with as_refs its buckets are object refs owned by rank 0 (see TrainerWorker)."""
+        return self._rank0("export_weights", bucket_mb, as_refs=as_refs)
 
     def version(self) -> int:
         return self._rank0("version")

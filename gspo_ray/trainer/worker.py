@@ -23,6 +23,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -47,14 +48,16 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class WeightExport:
-    """Full HF-named weights of one policy version, in buckets (rank 0 fills `buckets`; other ranks leave it empty)."""
+    """Full HF-named weights of one policy version, in buckets (rank 0 fills `buckets`; other ranks leave it empty).
+    A bucket is a list of (HF name, tensor), or a Ray ref to one (`export_weights(as_refs=True)`)."""
 
     version: int
-    buckets: list[list[tuple[str, torch.Tensor]]] = field(default_factory=list)
+    buckets: list[Any] = field(default_factory=list)
 
     @property
     def num_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for b in self.buckets for _, t in b)
+        """Bytes of the buckets held here (refs are not fetched and count 0)."""
+        return sum(t.numel() * t.element_size() for b in self.buckets if isinstance(b, list) for _, t in b)
 
 
 def split_rows(batch: TrainBatch, dp_rank: int, dp_size: int) -> TrainBatch:
@@ -321,8 +324,10 @@ class TrainerWorker:
             raise ValueError(f"TrainBatch of {b} rows has no loss-masked token to train on")
 
     # ---- weights and checkpoints ---------------------------------------------------------------------------------
-    def export_weights(self, bucket_mb: float | None = None) -> WeightExport:
-        """Full HF-named weights (collective: gathers TP/EP shards). Rank 0 gets contiguous CPU copies in buckets."""
+    def export_weights(self, bucket_mb: float | None = None, as_refs: bool = False) -> WeightExport:
+        """Full HF-named weights (collective: gathers TP/EP shards). Rank 0 gets contiguous CPU copies in buckets.
+        as_refs: rank 0 puts each bucket in the object store and returns the refs instead, so the weights go
+        straight from this process to the rollout workers (one bucket at a time), never through the caller."""
         from gspo_ray.trainer.bridge import export_hf_weights
 
         bucket_mb = bucket_mb if bucket_mb is not None else self.cfg.export_bucket_mb
@@ -330,7 +335,13 @@ class TrainerWorker:
         for bucket in export_hf_weights(self.gpt, self.spec, bucket_mb=bucket_mb):
             if self.rank == 0:
                 # copies: the caller may hold them across later steps, which update the parameters in place
-                buckets.append([(name, t.detach().to("cpu").clone().contiguous()) for name, t in bucket])
+                copy = [(name, t.detach().to("cpu").clone().contiguous()) for name, t in bucket]
+                if as_refs:
+                    import ray  # only inside an actor; the class itself stays importable without a cluster
+
+                    buckets.append(ray.put(copy))
+                else:
+                    buckets.append(copy)
         return WeightExport(version=self._version, buckets=buckets)
 
     def save(self, ckpt_dir: str | Path) -> str:

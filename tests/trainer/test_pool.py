@@ -48,6 +48,12 @@ def test_pool_steps_and_exports_hf_weights(pool, tiny_moe_dir, tmp_path):
     # every expert of both EP ranks is exported and trained (experts 2, 3 live on rank 1)
     assert {f"model.layers.0.mlp.experts.{e}.up_proj.weight" for e in range(4)} <= moved
     assert "model.layers.1.mlp.gate.weight" in moved
+    # the same export as object refs (what the coordinator pushes): one ref per bucket, same tensors
+    refs = pool.export_weights(as_refs=True)
+    assert refs.version == 1 and all(isinstance(r, ray.ObjectRef) for r in refs.buckets)
+    fetched = {n: t for r in refs.buckets for n, t in ray.get(r)}
+    assert fetched.keys() == hf.keys()
+    assert all(torch.equal(fetched[n], t) for bucket in after.buckets for n, t in bucket)
 
     # save / load through the pool: the restored policy scores the batch exactly as before
     logp = pool.compute_logprobs(batch)
