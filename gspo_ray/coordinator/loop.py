@@ -10,6 +10,7 @@ fresh prompts keep the pipeline full. Only finished groups reach the buffer, whi
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 from gspo_ray.config import JobConfig
 from gspo_ray.coordinator.buffer import AdmitStats, GroupBuffer, pack_groups
 from gspo_ray.coordinator.partial_carry import PartialCarry, group_from_dict, group_to_dict
-from gspo_ray.data.records import Group, Sample, TrainBatch, collate
+from gspo_ray.data.records import Group, Prompt, Sample, TrainBatch, collate
 from gspo_ray.rollout.weight_sync import WeightProbe
 
 
@@ -45,6 +46,7 @@ class Coordinator:
                                   token_baseline=cfg.algorithm.advantage.token_baseline,
                                   stale_rule=(partial.stale_policy, partial.max_staleness) if partial else None)
         self._pending = None  # async: the rollout batch in flight
+        self._requeued: list = []  # prompts drawn but never trained (in flight at a checkpoint): served first
         self.probe_ids: list[int] | None = None  # set by the job: a fixed sequence for push verification
         self.last_groups: list[Group] = []  # the groups of the last step (for rollout dumps)
         self.last_version = 0  # the policy version they were admitted (staleness-checked) and trained at
@@ -53,8 +55,8 @@ class Coordinator:
     def step(self) -> dict[str, float]:
         c, t0 = self.cfg.coordinator, time.perf_counter()
         groups, metrics = self.collect_groups()
-        if c.mode == "async":  # overlap: the next batch samples with the current weights while we train
-            self._pending = self._dispatch(self._num_to_draw(c.prompts_per_step))
+        if c.mode == "async" and self._pending is None:  # overlap: the next batch samples with the current
+            self._pending = self._dispatch(self._num_to_draw(c.prompts_per_step))  # weights while we train
         metrics.update(self.train_on(groups))
         metrics.update(self.sync_weights())
         self.state.step += 1
@@ -140,9 +142,15 @@ class Coordinator:
         keep = max(1 - self.state.filter_rate, 0.25)
         return max(missing, math.ceil(missing / keep))
 
+    def _take_prompts(self, n: int) -> list:
+        """The next n prompts: requeued ones first, then the source."""
+        out, self._requeued = self._requeued[:n], self._requeued[n:]
+        out += self.prompts.take(n - len(out)) if n > len(out) else []
+        self.state.prompts_drawn += len(out)
+        return out
+
     def _dispatch(self, num_prompts: int):
-        prompts = self.prompts.take(num_prompts)
-        self.state.prompts_drawn += len(prompts)
+        prompts = self._take_prompts(num_prompts)
         return self.rollout.submit(prompts, self.cfg.rollout.group_size, self.state.version)
 
     def _dispatch_partial(self, missing: int, rmetrics: dict[str, float]):
@@ -154,8 +162,7 @@ class Coordinator:
         _accumulate(rmetrics, {"rollout/stale_dropped_samples": stale.dropped_samples})
         cap = self._num_to_draw(self.cfg.coordinator.prompts_per_step) * p.max_segments
         fresh = max(0, min(self._num_to_draw(missing), cap - len(carried)))
-        prompts = self.prompts.take(fresh) if fresh else []
-        self.state.prompts_drawn += len(prompts)
+        prompts = self._take_prompts(fresh) if fresh else []
         return self.rollout.submit(prompts, self.cfg.rollout.group_size, self.state.version,
                                    budget=p.segment_tokens, carried=carried)
 
@@ -170,13 +177,17 @@ class Coordinator:
 
     # -- checkpoints ------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """What a checkpoint needs besides LoopState and the trainer: unfinished and waiting groups."""
-        if self.partial is None:
-            return {}
-        return {"partial_open": self.partial.state_dict(),
-                "partial_waiting": [group_to_dict(g.prompt, g.samples) for g in self.buffer.groups]}
+        """What a checkpoint needs besides LoopState and the trainer: prompts drawn but not trained yet (the
+        async batch in flight), and with partial rollouts the unfinished and the waiting groups."""
+        inflight = self._pending.prompts if self._pending is not None else []
+        out = {"requeued": [dataclasses.asdict(p) for p in self._requeued + inflight]}
+        if self.partial is not None:
+            out["partial_open"] = self.partial.state_dict()
+            out["partial_waiting"] = [group_to_dict(g.prompt, g.samples) for g in self.buffer.groups]
+        return out
 
     def load_state_dict(self, state: dict) -> None:
+        self._requeued = [Prompt(**p) for p in state.get("requeued", [])]
         if self.partial is None:
             return
         self.partial.load_state_dict(state.get("partial_open", []))

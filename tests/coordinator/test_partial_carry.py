@@ -95,3 +95,27 @@ def test_config_refuses_partial_rollouts_that_cannot_work(override, field):
     with pytest.raises(ConfigError, match=field.replace("(", r"\(").replace(")", r"\)")):
         load_config(None, ["rollout.partial.segment_tokens=4", override])
     assert load_config(None, ["rollout.partial.segment_tokens=4"]).rollout.partial.max_segments == 4
+
+
+def test_prompts_in_flight_at_a_checkpoint_are_served_first_after_resume(tmp_path):
+    from gspo_ray.coordinator.loop import Coordinator, LoopState
+    from gspo_ray.coordinator.rollout_pool import PendingRollout
+    from gspo_ray.data.prompts import PromptSource
+    from gspo_ray.models.tiny import build_tokenizer
+
+    build_tokenizer().save_pretrained(tmp_path)
+    cfg = load_config(None, ["coordinator.mode=async"])
+    src = PromptSource.from_task("copy", str(tmp_path), seed=1)
+    coord = Coordinator(cfg, None, None, src, LoopState())  # the bookkeeping only: no pools needed
+    in_flight = src.take(3)
+    coord._pending = PendingRollout(prompts=in_flight, n=2, sampling={})  # async: sampling while we train
+    state, cursor = json.loads(json.dumps(coord.state_dict())), src.state_dict()
+    expected_next = src.take(2)
+
+    resumed_src = PromptSource.from_task("copy", str(tmp_path), seed=1)
+    resumed_src.load_state_dict(cursor)
+    resumed = Coordinator(cfg, None, None, resumed_src, LoopState())
+    resumed.load_state_dict(state)
+    # the 3 prompts that were generating when the checkpoint was taken are not lost, and nothing is repeated
+    assert resumed._take_prompts(5) == in_flight + expected_next
+    assert resumed.state.prompts_drawn == 5
