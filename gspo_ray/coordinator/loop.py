@@ -46,7 +46,7 @@ class Coordinator:
                                   token_baseline=cfg.algorithm.advantage.token_baseline,
                                   stale_rule=(partial.stale_policy, partial.max_staleness) if partial else None)
         self._pending = None  # async: the rollout batch in flight
-        self._requeued: list = []  # prompts drawn but never trained (in flight at a checkpoint): served first
+        self._requeued: list[Prompt] = []  # prompts drawn but never trained (in flight at a checkpoint): served first
         self.probe_ids: list[int] | None = None  # set by the job: a fixed sequence for push verification
         self.last_groups: list[Group] = []  # the groups of the last step (for rollout dumps)
         self.last_version = 0  # the policy version they were admitted (staleness-checked) and trained at
@@ -142,7 +142,7 @@ class Coordinator:
         keep = max(1 - self.state.filter_rate, 0.25)
         return max(missing, math.ceil(missing / keep))
 
-    def _take_prompts(self, n: int) -> list:
+    def _take_prompts(self, n: int) -> list[Prompt]:
         """The next n prompts: requeued ones first, then the source."""
         out, self._requeued = self._requeued[:n], self._requeued[n:]
         out += self.prompts.take(n - len(out)) if n > len(out) else []
@@ -178,21 +178,20 @@ class Coordinator:
     # -- checkpoints ------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """What a checkpoint needs besides LoopState and the trainer: prompts drawn but not trained yet (the
-        async batch in flight), and with partial rollouts the unfinished and the waiting groups."""
+        async batch in flight), scored groups waiting in the buffer, and partial rollouts' unfinished groups."""
         inflight = self._pending.prompts if self._pending is not None else []
-        out = {"requeued": [dataclasses.asdict(p) for p in self._requeued + inflight]}
-        if self.partial is not None:
-            out["partial_open"] = self.partial.state_dict()
-            out["partial_waiting"] = [group_to_dict(g.prompt, g.samples) for g in self.buffer.groups]
-        return out
+        return {"requeued": [dataclasses.asdict(p) for p in self._requeued + inflight],
+                "waiting": [group_to_dict(g.prompt, g.samples) for g in self.buffer.groups],
+                "partial_open": self.partial.state_dict() if self.partial is not None else []}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore `state_dict()`; waiting groups are admitted again under the resumed version (staleness
+        rules and advantages apply as if they had waited in memory)."""
         self._requeued = [Prompt(**p) for p in state.get("requeued", [])]
-        if self.partial is None:
-            return
-        self.partial.load_state_dict(state.get("partial_open", []))
-        waiting = [Group(prompt=p, samples=ss) for p, ss in map(group_from_dict, state.get("partial_waiting", []))]
+        waiting = [Group(prompt=p, samples=ss) for p, ss in map(group_from_dict, state.get("waiting", []))]
         self.buffer.admit(waiting, self.state.version)
+        if self.partial is not None:
+            self.partial.load_state_dict(state.get("partial_open", []))
 
     def _probe(self):
         """(token ids, trainer log-probs) of a fixed sequence: each engine checks its own log-probs against it."""

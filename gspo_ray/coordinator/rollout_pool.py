@@ -114,7 +114,7 @@ class RolloutPool:
                 self._send(pending, self._surviving_worker(), chunk)
         groups = assemble_groups(pending.prompts, samples, pending.n, pending.expected)
         metrics = rollout_metrics(samples, time.perf_counter() - pending.t0, self.multi_turn)
-        if pending.tokens_before:  # count only what this batch generated
+        if pending.num_carried:  # count only what this batch generated
             metrics["rollout/tokens"] -= pending.tokens_before
             metrics["rollout/continued_groups"] = pending.num_carried
         metrics["rollout/unfinished"] = sum(s.finish_reason == "aborted" for s in samples)
@@ -197,10 +197,8 @@ class RolloutPool:
             ref = worker.continue_samples.remote(chunk.carried, budget=chunk.budget, prompts=chunk.prompts)
         elif self.multi_turn:
             ref = worker.run_episodes.remote(chunk.prompts, pending.n, **pending.sampling)
-        elif chunk.budget is not None:
-            ref = worker.generate.remote(chunk.prompts, pending.n, budget=chunk.budget, **pending.sampling)
         else:
-            ref = worker.generate.remote(chunk.prompts, pending.n, **pending.sampling)
+            ref = worker.generate.remote(chunk.prompts, pending.n, budget=chunk.budget, **pending.sampling)
         pending.inflight[ref] = (wid, chunk)
 
 

@@ -97,7 +97,7 @@ def test_config_refuses_partial_rollouts_that_cannot_work(override, field):
     assert load_config(None, ["rollout.partial.segment_tokens=4"]).rollout.partial.max_segments == 4
 
 
-def test_prompts_in_flight_at_a_checkpoint_are_served_first_after_resume(tmp_path):
+def test_prompts_in_flight_and_waiting_groups_survive_a_checkpoint(tmp_path):
     from gspo_ray.coordinator.loop import Coordinator, LoopState
     from gspo_ray.coordinator.rollout_pool import PendingRollout
     from gspo_ray.data.prompts import PromptSource
@@ -109,6 +109,8 @@ def test_prompts_in_flight_at_a_checkpoint_are_served_first_after_resume(tmp_pat
     coord = Coordinator(cfg, None, None, src, LoopState())  # the bookkeeping only: no pools needed
     in_flight = src.take(3)
     coord._pending = PendingRollout(prompts=in_flight, n=2, sampling={})  # async: sampling while we train
+    waiting = _group("w", [_sample("w", 0, [0, 0], reward=1.0), _sample("w", 1, [0], reward=0.0)])
+    assert coord.buffer.admit([waiting], current_version=0).admitted == 1  # scored, not trained yet
     state, cursor = json.loads(json.dumps(coord.state_dict())), src.state_dict()
     expected_next = src.take(2)
 
@@ -119,3 +121,4 @@ def test_prompts_in_flight_at_a_checkpoint_are_served_first_after_resume(tmp_pat
     # the 3 prompts that were generating when the checkpoint was taken are not lost, and nothing is repeated
     assert resumed._take_prompts(5) == in_flight + expected_next
     assert resumed.state.prompts_drawn == 5
+    assert [g.uid for g in resumed.buffer.groups] == ["w"] and resumed.buffer.groups[0].samples == waiting.samples
