@@ -314,9 +314,6 @@ class JobConfig(_Strict):
                 raise ValueError(f"data.{name}: file not found: {p}")
         partial = self.rollout.partial
         if partial is not None:
-            if self.coordinator.mode != "sync":
-                raise ValueError("rollout.partial needs coordinator.mode 'sync': partial rollouts already carry "
-                                 "unfinished completions across policy versions (use one or the other)")
             if self.rollout.multi_turn is not None:
                 raise ValueError("rollout.partial cannot be combined with rollout.multi_turn: an episode waits on "
                                  "its environment and is not resumable from token ids")

@@ -70,9 +70,10 @@ def bench_partial(steps: int, out_dir: Path) -> str:
     new tokens, so lengths vary: per step, what the engine generated, how fast, and what trained."""
     from gspo_ray.coordinator.job import run_job
 
-    runs = [("whole completions", []),
-            ("partial 8 tok x 3 seg", ["rollout.partial.segment_tokens=8", "rollout.partial.max_segments=3",
-                                       "rollout.partial.stale_policy=mask", "rollout.partial.max_staleness=1"])]
+    partial = ["rollout.partial.segment_tokens=8", "rollout.partial.max_segments=3",
+               "rollout.partial.stale_policy=mask", "rollout.partial.max_staleness=1"]
+    runs = [("whole completions", []), ("partial 8 tok x 3 seg", partial),
+            ("partial, async", [*partial, "coordinator.mode=async"])]
     lines = [f"{'rollout':<24}{'step_s':>10}{'gen_s':>10}{'gen_tok':>10}{'tok/s':>10}{'groups':>8}"
              f"{'segments':>10}{'multi_ver':>10}{'masked':>8}"]
     for label, extra in runs:

@@ -56,7 +56,7 @@ class Coordinator:
         c, t0 = self.cfg.coordinator, time.perf_counter()
         groups, metrics = self.collect_groups()
         if c.mode == "async" and self._pending is None:  # overlap: the next batch samples with the current
-            self._pending = self._dispatch(self._num_to_draw(c.prompts_per_step))  # weights while we train
+            self._pending = self._dispatch_round(c.prompts_per_step, metrics)  # weights while we train
         metrics.update(self.train_on(groups))
         metrics.update(self.sync_weights())
         self.state.step += 1
@@ -72,10 +72,7 @@ class Coordinator:
             missing = want - len(self.buffer)
             if missing <= 0:
                 break
-            if self.partial is not None:
-                pending = self._dispatch_partial(missing, rmetrics)
-            else:
-                pending = self._pending or self._dispatch(self._num_to_draw(missing))
+            pending = self._pending or self._dispatch_round(missing, rmetrics)
             self._pending = None
             groups, m = self.rollout.wait(pending)
             _accumulate(rmetrics, m)
@@ -149,8 +146,11 @@ class Coordinator:
         self.state.prompts_drawn += len(out)
         return out
 
-    def _dispatch(self, num_prompts: int):
-        prompts = self._take_prompts(num_prompts)
+    def _dispatch_round(self, missing: int, rmetrics: dict[str, float]):
+        """Start one rollout round meant to yield `missing` more groups (over-sampled by the filter rate)."""
+        if self.partial is not None:
+            return self._dispatch_partial(missing, rmetrics)
+        prompts = self._take_prompts(self._num_to_draw(missing))
         return self.rollout.submit(prompts, self.cfg.rollout.group_size, self.state.version)
 
     def _dispatch_partial(self, missing: int, rmetrics: dict[str, float]):
@@ -179,10 +179,11 @@ class Coordinator:
     def state_dict(self) -> dict:
         """What a checkpoint needs besides LoopState and the trainer: prompts drawn but not trained yet (the
         async batch in flight), scored groups waiting in the buffer, and partial rollouts' unfinished groups."""
-        inflight = self._pending.prompts if self._pending is not None else []
-        return {"requeued": [dataclasses.asdict(p) for p in self._requeued + inflight],
+        fresh, carried = (self._pending.fresh, self._pending.carried) if self._pending is not None else ([], [])
+        return {"requeued": [dataclasses.asdict(p) for p in self._requeued + fresh],
                 "waiting": [group_to_dict(g.prompt, g.samples) for g in self.buffer.groups],
-                "partial_open": self.partial.state_dict() if self.partial is not None else []}
+                "partial_open": ((self.partial.state_dict() if self.partial is not None else [])
+                                 + [group_to_dict(p, samples) for p, samples, _ in carried])}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore `state_dict()`; waiting groups are admitted again under the resumed version (staleness

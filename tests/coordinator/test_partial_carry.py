@@ -87,7 +87,7 @@ def test_open_groups_round_trip_through_json():
 
 
 @pytest.mark.parametrize("override,field", [
-    ("coordinator.mode=async", "coordinator.mode 'sync'"),
+    ("rollout.multi_turn.max_turns=2", "cannot be combined with rollout.multi_turn"),
     ("rollout.partial.segment_tokens=16", "segment_tokens (16) must be below rollout.max_new_tokens (16)"),
     ("rollout.partial.max_segments=1", "rollout.partial.max_segments"),
 ])
@@ -104,11 +104,14 @@ def test_prompts_in_flight_and_waiting_groups_survive_a_checkpoint(tmp_path):
     from gspo_ray.models.tiny import build_tokenizer
 
     build_tokenizer().save_pretrained(tmp_path)
-    cfg = load_config(None, ["coordinator.mode=async"])
+    cfg = load_config(None, ["coordinator.mode=async", "rollout.partial.segment_tokens=4"])
     src = PromptSource.from_task("copy", str(tmp_path), seed=1)
     coord = Coordinator(cfg, None, None, src, LoopState())  # the bookkeeping only: no pools needed
     in_flight = src.take(3)
-    coord._pending = PendingRollout(prompts=in_flight, n=2, sampling={})  # async: sampling while we train
+    half = _group("h", [_sample("h", 0, [0, 0], "aborted", segments=2), _sample("h", 1, [0], reward=0.5)])
+    # async: this round samples while we train; it started 3 prompts and continues one unfinished group
+    coord._pending = PendingRollout(prompts=in_flight + [half.prompt], n=2, sampling={}, fresh=in_flight,
+                                    carried=[(half.prompt, half.samples, 4)])
     waiting = _group("w", [_sample("w", 0, [0, 0], reward=1.0), _sample("w", 1, [0], reward=0.0)])
     assert coord.buffer.admit([waiting], current_version=0).admitted == 1  # scored, not trained yet
     state, cursor = json.loads(json.dumps(coord.state_dict())), src.state_dict()
@@ -122,3 +125,4 @@ def test_prompts_in_flight_and_waiting_groups_survive_a_checkpoint(tmp_path):
     assert resumed._take_prompts(5) == in_flight + expected_next
     assert resumed.state.prompts_drawn == 5
     assert [g.uid for g in resumed.buffer.groups] == ["w"] and resumed.buffer.groups[0].samples == waiting.samples
+    assert list(resumed.partial.open) == ["h"] and resumed.partial.open["h"].samples == half.samples

@@ -2,8 +2,9 @@
 
 Completions get 3 tokens per rollout round and up to 12 in all, one round per step: a completion spans 4
 segments, i.e. 4 steps, continued each step from its token ids under the weights of that step.
-- fixed weights (lr 0, greedy): every multi-segment completion equals one uninterrupted greedy generation of the
-  same engine, token ids exactly and log-probs within 1e-4, although it carries several policy versions;
+- fixed weights (lr 0, greedy, async mode): every multi-segment completion equals one uninterrupted greedy
+  generation of the same engine, token ids exactly and log-probs within 1e-4, although it carries several
+  policy versions;
 - changing weights (lr 1e-3, sampling, stale_policy mask, max_staleness 1): completions carry >= 2 versions and
   exactly the tokens more than one version behind the training version have loss mask 0; the open groups are
   checkpointed and a resumed job continues them.
@@ -41,7 +42,8 @@ def _probe_logprobs(coord):
 
 
 def test_fixed_weights_segments_equal_one_uninterrupted_generation(tmp_path):
-    cfg = _cfg(tmp_path, "coordinator.steps=7", "trainer.lr=0", "rollout.temperature=0",
+    # async mode: each round is dispatched before the previous batch trains, so segments also straddle pushes
+    cfg = _cfg(tmp_path, "coordinator.mode=async", "coordinator.steps=7", "trainer.lr=0", "rollout.temperature=0",
                "coordinator.filter_zero_adv=false", "rollout.partial.stale_policy=keep",
                "coordinator.checkpoint_every=0")
     checked, probes = [], []
