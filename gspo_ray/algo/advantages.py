@@ -69,6 +69,13 @@ def broadcast_sequence_advantages(adv: Tensor, mask: Tensor) -> Tensor:
     return torch.where(mask.bool(), adv[:, None].to(torch.result_type(adv, 0.0)), 0.0)
 
 
+def compute_reward_to_go(token_rewards: Tensor, mask: Tensor) -> Tensor:
+    """G_t = sum_{u >= t, m_u} r_u: undiscounted reward-to-go over loss-masked tokens. [B, T] -> [B, T]."""
+    r = torch.where(mask.bool(), token_rewards,
+                    torch.zeros((), dtype=token_rewards.dtype, device=token_rewards.device))
+    return r.flip(-1).cumsum(-1).flip(-1)  # reverse cumulative sum
+
+
 def compute_token_advantages(
     token_rewards: Tensor,
     mask: Tensor,
@@ -89,9 +96,7 @@ def compute_token_advantages(
     Groups whose G values are all equal, or that hold a single token, get A = 0.
     """
     mask = mask.bool()
-    r = torch.where(mask, token_rewards, torch.zeros((), dtype=token_rewards.dtype, device=token_rewards.device))
-    # G_t = sum_{u >= t} r_u  (reverse cumulative sum)
-    reward_to_go = r.flip(-1).cumsum(-1).flip(-1)
+    reward_to_go = compute_reward_to_go(token_rewards, mask)
     tok_group = group_ids[:, None].expand_as(mask)[mask]
     adv_flat, _ = compute_group_advantages_flat(reward_to_go[mask], tok_group, scale_by_std, eps)
     adv = torch.zeros_like(reward_to_go)
@@ -133,8 +138,7 @@ def compute_turn_token_advantages(
     Shapes as in `compute_token_advantages`; returns adv [B, T], 0 off the mask.
     """
     mask = mask.bool()
-    r = torch.where(mask, token_rewards, torch.zeros((), dtype=token_rewards.dtype, device=token_rewards.device))
-    reward_to_go = r.flip(-1).cumsum(-1).flip(-1)
+    reward_to_go = compute_reward_to_go(token_rewards, mask)
     turn = compute_turn_ids(mask)
     num_turns = int(turn.max()) + 1 if mask.any() else 0
     first = mask & (turn != torch.nn.functional.pad(turn[:, :-1], (1, 0), value=-1))  # a turn's first token
