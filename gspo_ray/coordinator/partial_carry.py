@@ -16,7 +16,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from gspo_ray.data.records import Group, Prompt, Sample
-from gspo_ray.rollout.partial import StaleStats, apply_stale_policy, compute_sample_staleness, group_ready
+from gspo_ray.rollout.partial import StaleStats, filter_stale, group_ready
 
 
 @dataclass
@@ -53,24 +53,16 @@ class PartialCarry:
         for group in self.open.values():
             samples = group.samples
             if self.cfg.stale_policy == "drop":
-                samples = self._drop_hopeless(samples, current_version, stats)
+                samples, st = filter_stale(samples, current_version, "drop", self.cfg.max_staleness)
+                stats.num_samples += st.num_samples
+                stats.dropped_samples += st.dropped_samples
+                stats.max_staleness = max(stats.max_staleness, st.max_staleness)
                 if len(samples) < 2:
                     stats.dropped_samples += len(samples)
                     continue
             work.append((group.prompt, samples, self.budget_for(group.segments)))
         self.open = {}
         return work, stats
-
-    def _drop_hopeless(self, samples: list[Sample], version: int, stats: StaleStats) -> list[Sample]:
-        kept = []
-        for s in samples:
-            stats.num_samples += 1
-            stats.max_staleness = max(stats.max_staleness, compute_sample_staleness(s, version))
-            if apply_stale_policy(s, version, "drop", self.cfg.max_staleness) is None:
-                stats.dropped_samples += 1
-            else:
-                kept.append(s)
-        return kept
 
     def absorb(self, groups: list[Group]) -> list[Group]:
         """Keep groups with unfinished completions; return the finished ones (in the given order)."""

@@ -12,18 +12,8 @@ from gspo_ray.config import load_config
 from gspo_ray.coordinator.job import TrainerFailed, run_job
 from gspo_ray.coordinator.tracking import read_metrics
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("local_ray")]
 RECIPE = "gspo_ray/recipes/tiny_moe.yaml"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def local_ray():
-    # one Ray for the module: run_job joins an initialised Ray instead of starting its own
-    # 3 logical CPUs: trainer + up to two rollout workers (the scaling test) on this 2-core machine
-    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1", "VLLM_LOGGING_LEVEL": "WARNING"}})
-    yield
-    ray.shutdown()
 
 
 def _cfg(tmp_path, *overrides):

@@ -10,22 +10,13 @@ segments, i.e. 4 steps, continued each step from its token ids under the weights
   checkpointed and a resumed job continues them.
 """
 import pytest
-import ray
 
 from gspo_ray.config import load_config
 from gspo_ray.coordinator.job import run_job
 from gspo_ray.coordinator.tracking import read_metrics
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("local_ray")]
 RECIPE = "gspo_ray/recipes/tiny_moe.yaml"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def local_ray():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1", "VLLM_LOGGING_LEVEL": "WARNING"}})
-    yield
-    ray.shutdown()
 
 
 def _cfg(tmp_path, *overrides):
