@@ -76,9 +76,14 @@ def train(file: Path, overrides: list[str] = typer.Argument(None, help="key.path
           resume: bool = typer.Option(False, "--resume", help="continue from the run's last checkpoint")):
     """Train one job: start or join Ray, build the pools, run the loop."""
     cfg = _load(file, overrides or [])
+    from gspo_ray.coordinator.failures import TooManyFailedSamples
     from gspo_ray.coordinator.job import run_job
 
-    summary = run_job(cfg, resume=resume)
+    try:
+        summary = run_job(cfg, resume=resume)
+    except TooManyFailedSamples as e:  # a run that cannot learn: one line and exit 3, not a success
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(3)
     typer.echo(summary.describe())
 
 

@@ -83,12 +83,44 @@ class DataConfig(_Strict):
 
 
 class RewardConfig(_Strict):
-    """A reward function given by import path; see gspo_ray/envs/rewards.py for the signature."""
+    """A reward function given by import path; see gspo_ray/envs/rewards.py for the signature.
+
+    A sample fails when its reward raised, timed out or returned a non-number, when its episode's environment
+    errored, or when the engine aborted it (a pause outside partial rollouts). `on_failure` decides what its
+    group sees; the failed-share limit stops a run that cannot learn instead of letting it end as a success.
+    """
 
     fn: str = Field("gspo_ray.envs.rewards:copy_reward", description="dotted import path `module:function`")
     kwargs: dict[str, Any] = Field(default_factory=dict, description="extra keyword arguments for the function")
-    timeout_s: float = Field(5.0, gt=0, description="a call slower than this marks the sample failed")
-    num_threads: int = Field(2, ge=1, description="scoring threads per rollout worker")
+    timeout_s: float = Field(5.0, gt=0, description="a call slower than this fails its sample; under process "
+                             "isolation the call's process is killed and replaced")
+    num_procs: int = Field(2, ge=1, description="reward calls running at once per rollout worker (processes, or "
+                           "threads under isolation 'thread'): caps the CPU user code takes from the engine")
+    isolation: Literal["process", "thread"] = Field(
+        "process", description="process: each call runs in a child process of the rollout worker (niced), killed "
+        "at its timeout, so a runaway never holds the engine's interpreter; the function must be importable or "
+        "picklable. thread: in the worker's own process (no start-up cost; a timed-out call cannot be stopped "
+        "and keeps its thread)")
+    on_failure: Literal["drop", "score"] = Field(
+        "drop", description="drop: a failed completion leaves its group before the group statistics; score: it "
+        "stays and gets `failure_reward`, so outputs that crash the scorer are pushed down. Default drop, because "
+        "a failure reward must sit on the function's own scale (0 would be the best score of a reward in "
+        "[-1, 0]), which only the user knows; the max_failed_share stop keeps drop's bias bounded. Completions "
+        "the engine aborted are always dropped (not the output's fault)")
+    failure_reward: float | None = Field(None, description="on_failure 'score': the reward of a failed completion "
+                                         "(at or below the function's worst score)")
+    max_failed_share: float = Field(0.2, ge=0, le=1, description="stop the run when more than this share of a "
+                                    "step's samples failed for max_failed_steps steps in a row (a step where every "
+                                    "sample failed stops it at once); 1 = only a wholly failed step stops it")
+    max_failed_steps: int = Field(3, ge=1, description="consecutive steps above max_failed_share before the run "
+                                  "stops (with the first failure reasons)")
+
+    @model_validator(mode="after")
+    def _check(self) -> "RewardConfig":
+        if self.on_failure == "score" and self.failure_reward is None:
+            raise ValueError("rollout.reward.on_failure 'score' needs rollout.reward.failure_reward (a reward at "
+                             "or below the function's worst score)")
+        return self
 
 
 class MultiTurnConfig(_Strict):
@@ -152,6 +184,9 @@ class RolloutConfig(_Strict):
     multi_turn: MultiTurnConfig | None = Field(None, description="multi-turn episodes (None = single turn)")
     partial: PartialRolloutConfig | None = Field(None, description="partial rollouts across policy versions "
                                                   "(None = whole completions)")
+    call_timeout_s: float = Field(1800, gt=0, description="a rollout worker that finishes none of its calls (a "
+                                  "chunk of prompts, a weight push) for this long is treated as wedged: killed, and "
+                                  "its prompts re-dispatched to the others. Size it above your slowest chunk")
 
 
 class TrainerConfig(_Strict):
@@ -180,6 +215,9 @@ class TrainerConfig(_Strict):
     router_churn_every: int = Field(1, ge=0, description="measure router churn every N steps (0 = never)")
     export_bucket_mb: float = Field(64, gt=0, description="bucket size when exporting weights to rollout")
     seed: int = Field(0, description="trainer seed")
+    collective_timeout_s: float = Field(600, gt=0, description="bound on every torch.distributed collective "
+                                        "(Megatron's default, 10 min): a rank stuck longer fails the job, to resume "
+                                        "from the last checkpoint, instead of hanging; raise it for slow saves")
 
     @model_validator(mode="after")
     def _layout(self) -> "TrainerConfig":
@@ -203,6 +241,44 @@ class AdvantageConfig(_Strict):
     token_baseline: Literal["turn", "group"] = Field(
         "turn", description="per-token advantages: reward-to-go compared with the same turn of the group's other "
         "episodes (turn), or with every token of the group (group: biased when turns cost something)")
+    robust: Literal["none", "clip", "rank"] = Field(
+        "none", description="outlier-robust group advantages: none = plain formula; clip = winsorise rewards at the "
+        "group's clip_quantile / 1 - clip_quantile (a lone outlier takes its neighbour's reward); rank = use the "
+        "rewards' ranks within the group (see gspo_ray/algo/robust_advantages.py)")
+    clip_quantile: float = Field(0.1, ge=0, lt=0.5, description="robust=clip: quantile of the low bound (the high "
+                                 "one is 1 - q), rounded inwards to an observed reward")
+
+
+class AutoEpsConfig(_Strict):
+    """`algorithm.eps: auto`: eps_low = k * sigma / sqrt(L), k moved so the sequence clip fraction of reuse
+    mini-batches tracks a target (gspo_ray/algo/auto_eps.py); eps_high = 4/3 eps_low."""
+
+    target_clip_frac: float = Field(0.15, gt=0, lt=1, description="sequence clip fraction to track on reuse "
+                                    "mini-batches; 0.15 = the GSPO paper's measured clipped-token fraction (Fig. 4, "
+                                    "3e-4/4e-4, 4 mini-batches per rollout batch)")
+    min_eps: float = Field(1e-5, gt=0, description="lower bound of eps_low")
+    max_eps: float = Field(0.2, gt=0, description="upper bound of eps_low (0.2 = GRPO's token band)")
+    gain: float = Field(0.5, gt=0, description="feedback step: k *= exp(gain * (clip - target) / target)")
+    max_step: float = Field(2.0, gt=1, description="largest factor k may change by in one update")
+
+    @model_validator(mode="after")
+    def _check(self) -> "AutoEpsConfig":
+        if self.min_eps > self.max_eps:
+            raise ValueError(f"algorithm.auto_eps.min_eps ({self.min_eps}) > max_eps ({self.max_eps})")
+        return self
+
+
+class MismatchCorrectionConfig(_Strict):
+    """Engine-vs-trainer mismatch correction (TIS / MIS / IcePop) when `coordinator.recompute_old_logprobs`:
+    the trainer's recomputed log-probs anchor the ratio and rho = pi_old / pi_engine, truncated or masked,
+    weights each token's policy-gradient term (gspo_ray/algo/mismatch_correction.py)."""
+
+    level: Literal["none", "token", "sequence", "geometric"] = Field(
+        "none", description="rho per token, per completion (product), or per completion (geometric mean); none = off")
+    mode: Literal["truncate", "mask"] = Field("truncate", description="truncate: w = min(rho, upper) (TIS); mask: "
+                                              "w = rho inside [lower, upper], else 0 (MIS / IcePop)")
+    lower: float = Field(0.5, ge=0, lt=1, description="mask: smallest rho kept")
+    upper: float = Field(2.0, gt=1, description="truncate: cap of rho; mask: largest rho kept")
 
 
 class AlgorithmConfig(_Strict):
@@ -218,6 +294,30 @@ class AlgorithmConfig(_Strict):
     beta: float = Field(0.0, ge=0, description="KL coefficient to the reference policy (0 = no reference)")
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator")
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig, description="advantage estimation")
+    eps: Literal["fixed", "auto"] = Field("fixed", description="fixed: eps_low/eps_high as set; auto (sequence "
+                                          "levels): the band follows the measured drift, see auto_eps")
+    auto_eps: AutoEpsConfig = Field(default_factory=AutoEpsConfig, description="settings of eps: auto")
+    dilution_threshold: float = Field(0.2, gt=0, description="|log r_t| above which a token of an unclipped "
+                                      "completion counts as diluted (train/dilution_frac); 0.2 ~ GRPO's token band")
+    dilution_mask: Literal["none", "token", "sequence"] = Field(
+        "none", description="drop diluted tokens (token) or completions holding one (sequence) from the "
+        "policy-gradient term; sequence levels only")
+    mismatch_correction: MismatchCorrectionConfig = Field(
+        default_factory=MismatchCorrectionConfig, description="TIS / MIS correction (needs recompute_old_logprobs)")
+
+    @model_validator(mode="after")
+    def _check_new_options(self) -> "AlgorithmConfig":
+        level = self.importance_sampling_level
+        if self.eps == "auto" and level == "token":
+            raise ValueError("algorithm.eps 'auto' sets the sequence-level band (eps ~ k * sigma / sqrt(L)); with "
+                             "importance_sampling_level 'token' set eps_low/eps_high instead")
+        if self.dilution_mask != "none" and level == "token":
+            raise ValueError("algorithm.dilution_mask needs a sequence level: at 'token' each token is clipped on "
+                             "its own, nothing is diluted")
+        if self.advantage.robust != "none" and self.advantage.per_token:
+            raise ValueError("algorithm.advantage.robust applies to one reward per completion; it cannot be "
+                             "combined with advantage.per_token")
+        return self
 
     @model_validator(mode="after")
     def _check(self) -> "AlgorithmConfig":
@@ -248,7 +348,11 @@ class CoordinatorConfig(_Strict):
     num_iterations: int = Field(1, ge=1, description="passes over each rollout batch (PPO epochs, mu)")
     num_minibatches: int = Field(1, ge=1, description="optimizer steps per pass")
     mode: Literal["sync", "async"] = Field("sync", description="sync: on-policy; async: rollout overlaps training")
-    max_staleness: int = Field(1, ge=0, description="async: drop samples older than this many policy versions")
+    max_staleness: int = Field(1, ge=0, description="async: drop groups sampled by weights more than this many "
+                               "policy updates (train steps, one per rollout batch: num_iterations x "
+                               "num_minibatches optimizer steps each) older than the policy that starts training "
+                               "on them. 1 = one-step off-policy: the batch sampled while the previous one trained "
+                               "is kept; a batch's own passes never count against it")
     filter_zero_adv: bool = Field(True, description="drop groups whose rewards are all equal (no signal) and refill")
     max_refill_rounds: int = Field(4, ge=0, description="extra rollout rounds to refill filtered groups")
     recompute_old_logprobs: bool = Field(False, description="recompute old log-probs with the trainer instead of "
@@ -324,6 +428,18 @@ class JobConfig(_Strict):
         if self.rollout.max_new_tokens >= self.rollout.max_model_len:
             raise ValueError(f"rollout.max_new_tokens ({self.rollout.max_new_tokens}) leaves no room for a prompt "
                              f"in rollout.max_model_len ({self.rollout.max_model_len})")
+        return self
+
+    @model_validator(mode="after")
+    def _algorithm_needs(self) -> "JobConfig":
+        """Algorithm options that need a coordinator setting."""
+        c, a = self.coordinator, self.algorithm
+        if a.mismatch_correction.level != "none" and not c.recompute_old_logprobs:
+            raise ValueError("algorithm.mismatch_correction needs coordinator.recompute_old_logprobs: true (the "
+                             "engine's log-probs are the anchor otherwise, so there is no gap to correct)")
+        if a.eps == "auto" and c.mode == "sync" and c.num_iterations * c.num_minibatches == 1:
+            raise ValueError("algorithm.eps 'auto' measures drift on reuse mini-batches: set "
+                             "coordinator.num_iterations or num_minibatches above 1 (or mode async)")
         return self
 
     @model_validator(mode="after")

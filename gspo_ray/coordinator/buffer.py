@@ -11,6 +11,10 @@ With a `stale_rule` (partial rollouts: `rollout.partial` stale_policy and max_st
 passed through `apply_stale_policy` at admission, before advantages: "mask" turns off too-old tokens, "drop"
 removes the completion (the group's advantages are then over the rest). Groups still waiting in the buffer at
 the next step are admitted again under the new version, so the rule always holds for the version that trains.
+
+Failed samples follow a `FailurePolicy` (`rollout.reward.on_failure`, see coordinator/failures.py): dropped
+before the group statistics, or kept with the failure reward. A sample that reaches the buffer unscored (the
+engine aborted it outside partial rollouts) counts as failed.
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from gspo_ray.algo.advantages import compute_group_advantages
+from gspo_ray.coordinator.failures import FailurePolicy, count_reason, mark_unscored
 from gspo_ray.data.records import Group, TrainBatch, collate
 from gspo_ray.rollout.episodes import compute_episode_token_advantages
 from gspo_ray.rollout.partial import filter_stale
@@ -35,20 +40,26 @@ class AdmitStats:
     stale: int = 0  # older than max_staleness policy versions
     failed: int = 0  # fewer than 2 scorable samples
     failed_samples: int = 0
+    samples: int = 0  # samples offered (the failed share's denominator)
+    failure_reasons: dict[str, int] = field(default_factory=dict)  # reason -> count, first seen first
     stale_dropped_samples: int = 0  # stale_rule "drop"
     stale_masked_tokens: int = 0  # stale_rule "mask"
     rewards: list[float] = field(default_factory=list)
 
     def merge(self, other: "AdmitStats") -> None:
-        for k in ("offered", "admitted", "zero_adv", "stale", "failed", "failed_samples", "stale_dropped_samples",
-                  "stale_masked_tokens"):
+        for k in ("offered", "admitted", "zero_adv", "stale", "failed", "failed_samples", "samples",
+                  "stale_dropped_samples", "stale_masked_tokens"):
             setattr(self, k, getattr(self, k) + getattr(other, k))
         self.rewards += other.rewards
+        for reason, n in other.failure_reasons.items():
+            for _ in range(n):
+                count_reason(self.failure_reasons, reason)
 
 
 def group_advantages(group: Group, scale_by_std: bool, eps: float) -> tuple[list[float], bool]:
-    """Advantages of the group's scorable samples (failed ones get none). Returns (advantages, zero_variance)."""
-    rewards = torch.tensor([s.reward for s in group.samples if s.failed is None], dtype=torch.float64)
+    """Advantages of the group's samples that carry a reward (apply the FailurePolicy first: failed ones have
+    none under "drop"). Returns (advantages, zero_variance)."""
+    rewards = torch.tensor([s.reward for s in group.samples if s.reward is not None], dtype=torch.float64)
     if rewards.numel() < 2:
         return [], True
     adv, zero_var = compute_group_advantages(rewards[None, :], scale_by_std=scale_by_std, eps=eps)
@@ -60,10 +71,12 @@ class GroupBuffer:
 
     def __init__(self, *, scale_by_std: bool = True, adv_eps: float = 1e-4, filter_zero_adv: bool = True,
                  max_staleness: int | None = None, seed: int = 0, per_token: bool = False,
-                 stale_rule: tuple[str, int] | None = None, token_baseline: str = "turn"):
+                 stale_rule: tuple[str, int] | None = None, token_baseline: str = "turn",
+                 failure: FailurePolicy | None = None):
         """per_token: also compute per-token advantages from the samples' `token_rewards` (needs them set).
-        max_staleness: drop whole groups older than this (async mode). stale_rule: (stale_policy, max_staleness)
-        applied per completion (partial rollouts, see module doc)."""
+        max_staleness: drop whole groups older than this many versions (async mode). stale_rule: (stale_policy,
+        max_staleness) applied per completion (partial rollouts, see module doc). failure: what failed samples
+        become (default: dropped)."""
         self.scale_by_std = scale_by_std
         self.per_token = per_token
         self.adv_eps = adv_eps
@@ -71,6 +84,7 @@ class GroupBuffer:
         self.max_staleness = max_staleness
         self.stale_rule = stale_rule
         self.token_baseline = token_baseline  # per_token: "turn" or "group" (algorithm.advantage.token_baseline)
+        self.failure = failure or FailurePolicy()
         self.groups: list[Group] = []
         self._rng = random.Random(seed)
 
@@ -78,10 +92,15 @@ class GroupBuffer:
         return len(self.groups)
 
     def admit(self, groups: list[Group], current_version: int) -> AdmitStats:
-        """Compute advantages and keep the informative, fresh groups. Failed samples are dropped from their group."""
+        """Compute advantages and keep the informative, fresh groups. Failed samples follow the FailurePolicy."""
         stats = AdmitStats(offered=len(groups))
         for g in groups:
-            stats.failed_samples += sum(s.failed is not None for s in g.samples)
+            mark_unscored(g.samples)
+            stats.samples += len(g.samples)
+            for s in g.samples:
+                if s.failed is not None:
+                    stats.failed_samples += 1
+                    count_reason(stats.failure_reasons, s.failed)
             stats.rewards += [s.reward for s in g.samples if s.failed is None]
             if self.max_staleness is not None and current_version - g.version_span()[0] > self.max_staleness:
                 stats.stale += 1
@@ -91,6 +110,7 @@ class GroupBuffer:
                 stats.stale_dropped_samples += st.dropped_samples
                 stats.stale_masked_tokens += st.masked_tokens
                 g.samples = kept
+            g.samples = self.failure.apply(g.samples, per_token=self.per_token)
             adv, zero_var = group_advantages(g, self.scale_by_std, self.adv_eps)
             if not adv:
                 stats.failed += 1
@@ -98,7 +118,6 @@ class GroupBuffer:
             if zero_var and self.filter_zero_adv:
                 stats.zero_adv += 1
                 continue
-            g.samples = [s for s in g.samples if s.failed is None]
             g.advantages = adv  # per completion; also what rollout dumps show
             if self.per_token:
                 g.token_advantages = self._token_advantages(g)

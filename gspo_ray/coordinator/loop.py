@@ -1,8 +1,13 @@
 """The training loop: generate -> score -> advantages -> buffer -> num_iterations x num_minibatches steps -> push.
 
 It reads like the algorithm; the pools hide Ray. In `async` mode the next rollout batch is dispatched before
-training on the current one (the rollout pool keeps sampling with the previous weights), and samples older than
-`max_staleness` policy versions are dropped at admission and refilled.
+training on the current one (the rollout pool keeps sampling with the previous weights), and groups sampled more
+than `max_staleness` policy updates (train steps) before the policy that trains them are dropped at admission and
+refilled. Versions count optimizer steps, so the buffer's bound is max_staleness x num_iterations x
+num_minibatches versions: a batch's own passes never make the batch in flight stale.
+
+A step whose samples failed too often (all of them, or above `rollout.reward.max_failed_share` for
+`max_failed_steps` steps in a row) stops the run with TooManyFailedSamples (coordinator/failures.py).
 
 With `rollout.partial`, each rollout round gives completions a token budget; groups with unfinished members
 wait in a `PartialCarry` and are continued in the next round, across steps and so under newer weights, while
@@ -17,6 +22,7 @@ from dataclasses import dataclass
 
 from gspo_ray.config import JobConfig
 from gspo_ray.coordinator.buffer import AdmitStats, GroupBuffer, pack_groups
+from gspo_ray.coordinator.failures import FailureGuard, FailurePolicy
 from gspo_ray.coordinator.partial_carry import PartialCarry, group_from_dict, group_to_dict
 from gspo_ray.data.records import Group, Prompt, Sample, TrainBatch, collate
 from gspo_ray.rollout.weight_sync import WeightProbe
@@ -37,14 +43,18 @@ class Coordinator:
 
     def __init__(self, cfg: JobConfig, rollout, trainer, prompts, state: LoopState):
         self.cfg, self.rollout, self.trainer, self.prompts, self.state = cfg, rollout, trainer, prompts, state
-        c, partial = cfg.coordinator, cfg.rollout.partial
+        c, partial, reward = cfg.coordinator, cfg.rollout.partial, cfg.rollout.reward
         self.partial = PartialCarry(partial) if partial is not None else None
+        self.versions_per_update = versions_per_update = c.num_iterations * c.num_minibatches  # per rollout batch
         self.buffer = GroupBuffer(scale_by_std=cfg.algorithm.advantage.scale_by_std,
                                   adv_eps=cfg.algorithm.advantage.eps, filter_zero_adv=c.filter_zero_adv,
-                                  max_staleness=None if partial else (c.max_staleness if c.mode == "async" else 0),
+                                  max_staleness=None if partial else (c.max_staleness * versions_per_update
+                                                                      if c.mode == "async" else 0),
+                                  failure=FailurePolicy(reward.on_failure, reward.failure_reward),
                                   seed=cfg.seed, per_token=cfg.algorithm.advantage.per_token,
                                   token_baseline=cfg.algorithm.advantage.token_baseline,
                                   stale_rule=(partial.stale_policy, partial.max_staleness) if partial else None)
+        self.failures = FailureGuard(reward.max_failed_share, reward.max_failed_steps)
         self._pending = None  # async: the rollout batch in flight
         self._requeued: list[Prompt] = []  # prompts drawn but never trained (in flight at a checkpoint): served first
         self.probe_ids: list[int] | None = None  # set by the job: a fixed sequence for push verification
@@ -81,6 +91,7 @@ class Coordinator:
             stats.merge(self.buffer.admit(groups, self.state.version))
         if stats.offered:
             self.state.filter_rate = 1 - stats.admitted / stats.offered
+        self.failures.check(self.state.step + 1, stats.failed_samples, stats.samples, stats.failure_reasons)
         taken = self.buffer.take(want)
         self.last_groups, self.last_version = taken, self.state.version
         lo, hi = _version_span(taken)
@@ -96,8 +107,10 @@ class Coordinator:
             "rollout/groups_offered": stats.offered, "rollout/groups_trained": len(taken),
             "rollout/filter_rate_zero_adv": stats.zero_adv / max(stats.offered, 1),
             "rollout/stale_dropped": stats.stale + dropped, "rollout/failed_samples": stats.failed_samples,
+            "rollout/failed_share": stats.failed_samples / max(stats.samples, 1),
             "rollout/version_min": lo, "rollout/version_max": hi,
-            "rollout/staleness_max": self.state.version - lo,
+            "rollout/staleness_max": self.state.version - lo,  # in versions (optimizer steps)
+            "rollout/staleness_max_updates": (self.state.version - lo) / self.versions_per_update,  # train steps
             **(self._partial_metrics(taken, stats) if self.partial is not None else {}),
             "time/rollout_s": time.perf_counter() - t0,
         }

@@ -185,7 +185,7 @@ class RewardRunner:
     @classmethod
     def from_config(cls, cfg: Any, tokenizer: Any, eos_token_ids: list[int] | None = None) -> RewardRunner:
         """From a `RewardConfig` (fn, kwargs, timeout_s, num_threads)."""
-        return cls(cfg.fn, tokenizer, timeout_s=cfg.timeout_s, num_threads=cfg.num_threads,
+        return cls(cfg.fn, tokenizer, timeout_s=cfg.timeout_s, num_threads=cfg.num_procs,
                    fn_kwargs=dict(cfg.kwargs), eos_token_ids=eos_token_ids)
 
     def decode(self, completion_ids: list[int]) -> tuple[str, bool]:
