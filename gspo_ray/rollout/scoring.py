@@ -1,18 +1,20 @@
-"""RewardRunner: score completions with a user reward function, in worker threads, with a per-call timeout.
+"""RewardRunner: score completions with a user reward function, in killable child processes, with a timeout.
 
-    runner = RewardRunner("gspo_ray.envs.rewards:copy_reward", tokenizer, timeout_s=5.0, num_threads=2)
+    runner = RewardRunner("gspo_ray.envs.rewards:copy_reward", tokenizer, timeout_s=5.0, num_procs=2)
     metrics = runner.score(samples, {p.uid: p for p in prompts})   # fills reward / reward_info / failed
     future = runner.score_async(next_chunk, prompts)                # overlap scoring with generation
 
 Each completion is decoded up to (not including) its first EOS token, special tokens kept, and the function gets
 `eos_found` (protocol: `gspo_ray.envs.rewards`). The user's function never breaks a batch: when it raises, returns
 something that is not a finite number, or runs past `timeout_s`, only that sample gets `failed` (the reason) and
-`reward=None`; failed samples never train.
+`reward=None`; what its group then sees is the coordinator's failure policy (`rollout.reward.on_failure`).
 
-Limitation: a Python thread cannot be killed. A call that overruns is abandoned: its sample is marked failed at
-once and a fresh thread takes its place, so the batch goes on; the stuck thread lives on (daemon, it never
-blocks exit) and exits when its call finally returns. A function that hangs forever leaks one thread per
-timed-out call (counted in `reward/abandoned_threads`): fix the function, or give it its own timeout inside.
+isolation="process" (default, `reward_procs.ProcessCallPool`): calls run in `num_procs` niced child processes;
+one that overruns is killed with its process, which is replaced, so a runaway reward neither keeps running nor
+holds the engine's interpreter. isolation="thread": calls run in this process's threads (no start-up cost, for
+functions that cannot be pickled). A thread cannot be killed: a call that overruns is abandoned (its sample fails
+at once and a fresh thread takes its place); the stuck thread lives on until its call returns, counted in
+`reward/abandoned_threads`.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import numbers
 import queue
 import threading
 import time
+import traceback
 from concurrent.futures import ALL_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -30,6 +33,7 @@ from typing import Any, Callable
 from gspo_ray.data.prompts import load_tokenizer
 from gspo_ray.data.records import Prompt, Sample
 from gspo_ray.plugins import PluginError, resolve_callable
+from gspo_ray.rollout.reward_procs import Outcome, ProcessCallPool
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +102,67 @@ class _ThreadPool:
             self._queue.put(None)
 
 
+class _ThreadBackend:
+    """isolation="thread": the calls in this process's threads; an overdue call is abandoned, not stopped."""
+
+    def __init__(self, fn: Callable, num_threads: int):
+        self.fn, self.pool = fn, _ThreadPool(num_threads)
+
+    def run(self, calls: list[tuple[tuple, dict]], timeout_s: float) -> list[Outcome]:
+        handles = [self.pool.submit(lambda a=a, k=k: self.fn(*a, **k)) for a, k in calls]
+        self._wait(handles, timeout_s)
+        out = []
+        for h in handles:
+            error = None if h.abandoned else h.future.exception()
+            if h.abandoned:
+                out.append(Outcome(timed_out=True))
+            elif error is not None:
+                out.append(Outcome(error_type=type(error).__name__, error=str(error),
+                                   traceback="".join(traceback.format_exception(error))))
+            else:
+                out.append(Outcome(value=h.future.result()))
+        return out
+
+    def _wait(self, calls: list[_Call], timeout_s: float) -> None:
+        """Block until every call finished or was abandoned at its deadline."""
+        pending = [c for c in calls if not c.future.done()]
+        while pending:
+            now = time.monotonic()
+            for c in pending:
+                if c.started is not None and now - c.started >= timeout_s:
+                    self.pool.expire(c)
+            pending = [c for c in pending if not c.future.done()]
+            # A call that starts after this point has its deadline >= now + timeout, so sleeping until the
+            # earliest running deadline (at most one timeout) never misses one.
+            deadlines = [c.started + timeout_s for c in pending if c.started is not None]
+            sleep = min(deadlines, default=now + timeout_s) - now
+            wait([c.future for c in pending], timeout=max(sleep, 0.001), return_when=ALL_COMPLETED)
+
+    def metrics(self) -> dict[str, float]:
+        return {"reward/abandoned_threads": float(self.pool.abandoned_alive)}
+
+    def close(self) -> None:
+        self.pool.shutdown()
+
+
+class _ProcessBackend:
+    """isolation="process": `ProcessCallPool`, whose overdue calls are killed with their process."""
+
+    def __init__(self, fn_or_path: str | Callable, num_procs: int):
+        self.pool = ProcessCallPool(fn_or_path, num_procs)
+        self._killed_before = 0
+
+    def run(self, calls: list[tuple[tuple, dict]], timeout_s: float) -> list[Outcome]:
+        self._killed_before = self.pool.killed
+        return self.pool.run(calls, timeout_s)
+
+    def metrics(self) -> dict[str, float]:  # additive: processes replaced during the last run
+        return {"reward/killed_procs": float(self.pool.killed - self._killed_before)}
+
+    def close(self) -> None:
+        self.pool.close()
+
+
 def build_call_kwargs(fn: Callable, fn_kwargs: dict[str, Any], field_name: str = "reward") -> Callable[[dict], dict]:
     """Check `fn` against the reward protocol once, up front; return a filter that keeps only the context keyword
     arguments `fn` declares (all of them when it takes **kwargs). Errors name `<field_name>.fn` / `.kwargs`."""
@@ -164,10 +229,12 @@ class RewardRunner:
     """Scores `Sample`s in place with one reward function; owns its thread pool (`close()` or `with` ends it)."""
 
     def __init__(self, fn_or_path: str | Callable, tokenizer_path_or_obj: Any, timeout_s: float = 5.0,
-                 num_threads: int = 2, fn_kwargs: dict[str, Any] | None = None,
-                 eos_token_ids: list[int] | None = None):
-        if timeout_s <= 0 or num_threads < 1:
-            raise ValueError(f"need reward.timeout_s > 0 and reward.num_threads >= 1, got {timeout_s}, {num_threads}")
+                 num_procs: int = 2, fn_kwargs: dict[str, Any] | None = None,
+                 eos_token_ids: list[int] | None = None, isolation: str = "process"):
+        if timeout_s <= 0 or num_procs < 1:
+            raise ValueError(f"need reward.timeout_s > 0 and reward.num_procs >= 1, got {timeout_s}, {num_procs}")
+        if isolation not in ("process", "thread"):
+            raise ValueError(f"reward.isolation {isolation!r} unknown; valid: process, thread")
         self.fn = check_reward(fn_or_path, fn_kwargs)
         self.fn_name = fn_or_path if isinstance(fn_or_path, str) else getattr(self.fn, "__qualname__", repr(self.fn))
         self.fn_kwargs = dict(fn_kwargs or {})
@@ -179,14 +246,15 @@ class RewardRunner:
             eos_token_ids = [self.tokenizer.eos_token_id]
         self.eos_token_ids = frozenset(eos_token_ids)
         self.timeout_s = float(timeout_s)
-        self._pool = _ThreadPool(num_threads)
+        self._backend = (_ProcessBackend(fn_or_path, num_procs) if isolation == "process"
+                         else _ThreadBackend(self.fn, num_procs))
         self._driver: ThreadPoolExecutor | None = None  # runs score() for score_async
 
     @classmethod
     def from_config(cls, cfg: Any, tokenizer: Any, eos_token_ids: list[int] | None = None) -> RewardRunner:
-        """From a `RewardConfig` (fn, kwargs, timeout_s, num_threads)."""
-        return cls(cfg.fn, tokenizer, timeout_s=cfg.timeout_s, num_threads=cfg.num_procs,
-                   fn_kwargs=dict(cfg.kwargs), eos_token_ids=eos_token_ids)
+        """From a `RewardConfig` (fn, kwargs, timeout_s, num_procs, isolation)."""
+        return cls(cfg.fn, tokenizer, timeout_s=cfg.timeout_s, num_procs=cfg.num_procs,
+                   fn_kwargs=dict(cfg.kwargs), eos_token_ids=eos_token_ids, isolation=cfg.isolation)
 
     def decode(self, completion_ids: list[int]) -> tuple[str, bool]:
         """(text up to the first EOS with special tokens kept, whether an EOS was found)."""
@@ -195,38 +263,22 @@ class RewardRunner:
         text = self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
         return text, cut is not None
 
-    def _submit(self, sample: Sample, prompt: Prompt) -> _Call:
+    def _call_args(self, sample: Sample, prompt: Prompt) -> tuple[tuple, dict]:
+        """(args, kwargs) of the reward call for one sample: fn(text, reference, **declared context, **kwargs)."""
         text, eos_found = self.decode(sample.completion_ids)
         context = {"completion_ids": list(sample.completion_ids), "finish_reason": sample.finish_reason,
                    "eos_found": eos_found, "prompt_text": prompt.text, "meta": prompt.meta}
-        kwargs = self._call_kwargs(context)
-        return self._pool.submit(lambda: self.fn(text, prompt.reference, **kwargs))
-
-    def _wait(self, calls: list[_Call]) -> int:
-        """Block until every call finished or was abandoned at its deadline; returns the number abandoned."""
-        abandoned = 0
-        pending = [c for c in calls if not c.future.done()]
-        while pending:
-            now = time.monotonic()
-            for c in pending:
-                if c.started is not None and now - c.started >= self.timeout_s and self._pool.expire(c):
-                    abandoned += 1
-            pending = [c for c in pending if not c.future.done()]
-            # A call that starts after this point has its deadline >= now + timeout, so sleeping until the
-            # earliest running deadline (at most one timeout) never misses one.
-            deadlines = [c.started + self.timeout_s for c in pending if c.started is not None]
-            sleep = min(deadlines, default=now + self.timeout_s) - now
-            wait([c.future for c in pending], timeout=max(sleep, 0.001), return_when=ALL_COMPLETED)
-        return abandoned
+        return (text, prompt.reference), self._call_kwargs(context)
 
     def score(self, samples: list[Sample], prompts: dict[str, Prompt]) -> dict[str, float]:
         """Fill `reward`, `reward_info`, `token_rewards` of each sample, or `failed` + `reward=None`.
 
         Samples already marked failed are left alone. Never raises because of the reward function. Returns
-        metrics (`reward/score_s`, `reward/num_failed`, `reward/num_timeouts`, `reward/abandoned_threads`).
+        metrics (`reward/score_s`, `reward/num_failed`, `reward/num_timeouts`, and `reward/killed_procs` or
+        `reward/abandoned_threads` by isolation).
         """
         start = time.monotonic()
-        todo: list[tuple[Sample, _Call]] = []
+        todo: list[tuple[Sample, tuple[tuple, dict]]] = []
         for s in samples:
             if s.failed is not None:
                 continue
@@ -234,28 +286,27 @@ class RewardRunner:
             if prompt is None:
                 s.reward, s.failed = None, f"no prompt with uid {s.prompt_uid!r} to score against"
                 continue
-            todo.append((s, self._submit(s, prompt)))
-        timeouts = self._wait([c for _, c in todo])
+            todo.append((s, self._call_args(s, prompt)))
+        outcomes = self._backend.run([call for _, call in todo], self.timeout_s) if todo else []
         failed = 0
-        for s, call in todo:
-            s.failed = self._apply(s, call)
+        for (s, _), outcome in zip(todo, outcomes):
+            s.failed = self._apply(s, outcome)
             failed += s.failed is not None
-            if s.failed is not None and failed == 1 and not call.abandoned:  # one traceback per batch is enough
-                log.warning("reward function %s failed on %s/%d: %s", self.fn_name, s.prompt_uid, s.sample_index,
-                            s.failed, exc_info=call.future.exception())
+            if s.failed is not None and failed == 1 and outcome.traceback:  # one traceback per batch is enough
+                log.warning("reward function %s failed on %s/%d: %s\n%s", self.fn_name, s.prompt_uid,
+                            s.sample_index, s.failed, outcome.traceback)
         return {"reward/score_s": time.monotonic() - start, "reward/num_failed": float(failed),
-                "reward/num_timeouts": float(timeouts), "reward/abandoned_threads": float(self._pool.abandoned_alive)}
+                "reward/num_timeouts": float(sum(o.timed_out for o in outcomes)), **self._backend.metrics()}
 
-    def _apply(self, s: Sample, call: _Call) -> str | None:
+    def _apply(self, s: Sample, outcome: Outcome) -> str | None:
         """Write the call's outcome into the sample; returns the failure reason or None."""
         s.reward, s.reward_info, s.token_rewards = None, {}, None
-        if call.abandoned:
+        if outcome.timed_out:
             return f"reward timed out after {self.timeout_s:g}s"
-        error = call.future.exception()
-        if error is not None:
-            return f"reward raised {type(error).__name__}: {error}"
+        if outcome.error_type is not None:
+            return f"reward raised {outcome.error_type}: {outcome.error}"
         try:
-            s.reward, s.reward_info, s.token_rewards = to_outcome(call.future.result(), len(s.completion_ids))
+            s.reward, s.reward_info, s.token_rewards = to_outcome(outcome.value, len(s.completion_ids))
         except (TypeError, ValueError) as e:
             return str(e) if str(e).startswith("reward") else f"reward returned a bad value: {e}"
         return None
@@ -267,8 +318,8 @@ class RewardRunner:
         return self._driver.submit(self.score, samples, prompts)
 
     def close(self) -> None:
-        """Stop the worker threads (abandoned ones exit when their call returns)."""
-        self._pool.shutdown()
+        """Stop the reward processes (or threads; abandoned ones exit when their call returns)."""
+        self._backend.close()
         if self._driver is not None:
             self._driver.shutdown(wait=True)
             self._driver = None

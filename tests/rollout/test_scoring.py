@@ -1,5 +1,7 @@
-"""RewardRunner on hand-made samples: decoding up to EOS, failure isolation, timeouts, plug-in resolution."""
+"""RewardRunner on hand-made samples: decoding up to EOS, failure isolation, timeouts, plug-in resolution.
+Calls run in child processes (the default) unless a test needs the thread backend's shared memory."""
 import math
+import os
 import threading
 import time
 
@@ -74,7 +76,7 @@ def test_failing_and_hanging_rewards_fail_only_their_samples(tok):
 
     refs = ["11", "13", "99", "12", "99", "14", "15", "16"]
     samples = [_sample(tok, r, r, idx=i) for i, r in enumerate(refs)]
-    runner = RewardRunner(flaky, tok, timeout_s=HANG_TIMEOUT, num_threads=2)
+    runner = RewardRunner(flaky, tok, timeout_s=HANG_TIMEOUT, num_procs=2, isolation="thread")
     try:
         start = time.monotonic()
         metrics = runner.score(samples, _prompts(*refs))
@@ -97,9 +99,53 @@ def test_failing_and_hanging_rewards_fail_only_their_samples(tok):
         release.set()
         runner.close()
     deadline = time.monotonic() + 5
-    while runner._pool.abandoned_alive and time.monotonic() < deadline:
+    while runner._backend.pool.abandoned_alive and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert runner._pool.abandoned_alive == 0  # released threads exit instead of rejoining the pool
+    assert runner._backend.pool.abandoned_alive == 0  # released threads exit instead of rejoining the pool
+
+
+RUNAWAY = '''
+import os
+
+
+def runaway(completion, reference, *, pid_dir):
+    """Scores exact copies 1.0, except reference '99': records its pid, then spins on the CPU forever."""
+    if reference == "99":
+        with open(os.path.join(pid_dir, f"{os.getpid()}.pid"), "w"):
+            pass
+        while True:
+            pass
+    if reference == "13":
+        raise ValueError("bad reference 13")
+    return float(completion == reference)
+'''
+
+
+def test_runaway_reward_process_is_killed_and_replaced(tok, tmp_path, monkeypatch):
+    (tmp_path / "runaway_reward.py").write_text(RUNAWAY)   # a light module: children start fast
+    monkeypatch.syspath_prepend(str(tmp_path))
+    refs = ["11", "99", "13", "12", "14", "15"]
+    samples = [_sample(tok, r, r, idx=i) for i, r in enumerate(refs)]
+    runner = RewardRunner("runaway_reward:runaway", tok, timeout_s=HANG_TIMEOUT, num_procs=2,
+                          fn_kwargs={"pid_dir": str(tmp_path)})
+    try:
+        runner.score([_sample(tok, "11", "11", idx=i) for i in range(2)], _prompts("11"))  # both children up
+        start = time.monotonic()
+        metrics = runner.score(samples, _prompts(*refs))
+        assert time.monotonic() - start < HANG_TIMEOUT + 4   # the others are served by the other child
+        by_ref = {s.prompt_uid: s for s in samples}
+        assert by_ref["99"].failed == "reward timed out after 1.2s" and by_ref["99"].reward is None
+        assert by_ref["13"].failed == "reward raised ValueError: bad reference 13"
+        assert [s.reward for s in samples if s.prompt_uid not in ("13", "99")] == [1.0] * 4
+        assert metrics["reward/num_timeouts"] == 1 and metrics["reward/killed_procs"] == 1
+        (pid_file,) = tmp_path.glob("*.pid")
+        pid = int(pid_file.stem)
+        assert pid not in runner._backend.pool.pids and not os.path.exists(f"/proc/{pid}")  # killed and reaped
+        more = [_sample(tok, "11", "11", idx=i) for i in range(4)]  # full capacity again for the next batch
+        assert runner.score(more, _prompts("11"))["reward/killed_procs"] == 0
+        assert [s.reward for s in more] == [1.0] * 4
+    finally:
+        runner.close()
 
 
 @pytest.mark.parametrize("value, reason", [
@@ -153,7 +199,7 @@ def test_only_declared_context_is_passed(tok):
     prompts = {"12": Prompt(uid="12", prompt_ids=[], reference="12", text="copy:12=", meta={"fields": {"a": 1}})}
     for fn, kwargs in ((two_args, {}), (picky, {"scale": 3.0}), (everything, {"x": 1})):
         s = _sample(tok, "12", "12", eos=False)
-        with RewardRunner(fn, tok, fn_kwargs=kwargs) as runner:
+        with RewardRunner(fn, tok, fn_kwargs=kwargs, isolation="thread") as runner:  # `seen` is shared memory
             runner.score([s], prompts)
         assert s.failed is None
     assert seen["scale"] == 3.0 and seen["finish_reason"] == "length" and seen["x"] == 1
