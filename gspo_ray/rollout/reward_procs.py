@@ -8,8 +8,8 @@ Why processes: the rollout worker runs its vLLM engine in-process, so a reward i
 interpreter (GIL), and a runaway thread can never be stopped. Each child here is a plain `python -c` started with
 two pipe fds (not multiprocessing's spawn, which re-runs the parent's main module: a Ray worker's or a script's
 top level). It loads the function once (by import path, or unpickled with cloudpickle), lowers its priority
-(nice 10: when the engine and a reward want the same core, the engine wins) and is killed by the kernel if its
-parent dies. Calls stream to it (at most PREFETCH queued per child) and results come back one by one; a call's
+(nice 10: when the engine and a reward want the same core, the engine wins) and exits when its parent is
+gone. Calls stream to it (at most PREFETCH queued per child) and results come back one by one; a call's
 clock starts when it reaches the head of its child's queue. At most `num_procs` calls run at once: the cap on
 the CPU that user code takes from the engine.
 """
@@ -173,16 +173,16 @@ class ProcessCallPool:
 
 # ---- the child side -------------------------------------------------------------------------------------------
 def _die_with_parent(parent_pid: int) -> None:
-    """Ask the kernel to SIGKILL this process when its parent exits (Linux); exit now if it already has."""
-    import ctypes
-    import signal
+    """Exit as soon as the parent is gone, even in the middle of a runaway call: a watchdog thread polls the
+    parent pid (PR_SET_PDEATHSIG would fire when the creating *thread* ends, which may be a short-lived one)."""
+    import threading
 
-    try:
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # not Linux: the closed pipe still ends an idle child
-        pass
-    if os.getppid() != parent_pid:
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(1.0)
         os._exit(0)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def _load(init: tuple[str, Any]) -> Callable:
