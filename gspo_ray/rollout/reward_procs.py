@@ -26,6 +26,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any, Callable
 
 PREFETCH = 4  # calls queued per child: the next ones are there when the current one returns
+START_TIMEOUT_S = 120.0  # a child that has not loaded the function by then (a hanging import) breaks the pool
 NICE = 10
 _CHILD = ("import sys; from gspo_ray.rollout.reward_procs import child_main; "
           "child_main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))")
@@ -56,6 +57,7 @@ class _Child:
         self.recv = Connection(from_child[0], writable=False)
         self.send.send(init)
         self.ready = False
+        self.born = time.monotonic()
         self.queue: deque[int] = deque()
         self.head_since = 0.0
 
@@ -94,13 +96,17 @@ class ProcessCallPool:
             todo = deque(range(len(calls)))
             while self.broken is None and (todo or any(c.queue for c in self._children)):
                 self._assign(todo, calls, out)
-                busy = [c.head_since + timeout_s for c in self._children if c.queue]
-                left = max(min(busy) - time.monotonic(), 0.0) if busy else None
+                due = ([c.head_since + timeout_s for c in self._children if c.queue]
+                       + [c.born + START_TIMEOUT_S for c in self._children if not c.ready])
+                left = max(min(due) - time.monotonic(), 0.0) if due else None
                 for conn in wait([c.recv for c in self._children if c.queue or not c.ready], left):
                     child = next(c for c in self._children if c.recv is conn)
                     while self._receive(child, out, todo) and child.queue and conn.poll():
                         pass  # drain what is already there: one wake-up for several results
                 now = time.monotonic()
+                if not any(c.ready for c in self._children) and all(now - c.born >= START_TIMEOUT_S
+                                                                    for c in self._children):
+                    self.broken = f"no reward process loaded the function within {START_TIMEOUT_S:g}s"
                 for c in [c for c in self._children if c.queue and now - c.head_since >= timeout_s]:
                     out[c.queue.popleft()] = Outcome(timed_out=True)
                     self._replace(c, todo)
