@@ -8,6 +8,10 @@ A rank's payload holds `model` (its Megatron state dict shard), `optimizer` (see
 `version`, `rng` and `layout` (tp/ep/etp/pp ranks). Model shards depend only on the tp rank (dense params) and
 the ep/etp rank (expert params), so `load_model_state` can assemble a rank's model from a checkpoint written with a
 different data-parallel size; optimizer state needs the same layout (resharding it is not implemented).
+
+Loading never unpickles code: payloads hold only tensors and plain Python values (RNG states are stored as tensors
+and numbers), so `torch.load(weights_only=True)` reads them, and a rank file must be a regular file inside the
+checkpoint directory (a symlink out of it is refused). The checkpoint volume is writable by pods that run user code.
 """
 from __future__ import annotations
 
@@ -21,8 +25,8 @@ import torch
 import torch.distributed as dist
 
 from gspo_ray.trainer.optim import sub_optimizers
+from gspo_ray.trainer.safe_paths import META, UnsafeCheckpointError, check_inside
 
-META = "meta.json"
 EXPERT_KEY = ".experts."  # Megatron names of expert-parallel params contain this
 
 
@@ -32,13 +36,14 @@ def rank_file(ckpt_dir: str | Path, rank: int) -> Path:
 
 # ---- RNG -----------------------------------------------------------------------------------------------------------
 def capture_rng_state() -> dict:
-    """torch (CPU, and CUDA when present), numpy, python, and Megatron's model-parallel RNG tracker states."""
+    """torch (CPU, and CUDA when present), numpy, python, and Megatron's model-parallel RNG tracker states, as
+    tensors and plain numbers only (loadable with `weights_only=True`)."""
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
     state = {
         "torch": torch.get_rng_state(),
-        "numpy": np.random.get_state(),
-        "python": random.getstate(),
+        "numpy": numpy_rng_to_tensors(np.random.get_state()),
+        "python": python_rng_to_tensors(random.getstate()),
         "tracker": {k: v.clone() for k, v in get_cuda_rng_tracker().get_states().items()},
     }
     if torch.cuda.is_available():
@@ -50,11 +55,32 @@ def restore_rng_state(state: dict) -> None:
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
     torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
+    np.random.set_state(numpy_rng_from_tensors(state["numpy"]))
+    random.setstate(python_rng_from_tensors(state["python"]))
     get_cuda_rng_tracker().set_states({k: v.clone() for k, v in state["tracker"].items()})
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
+
+
+def numpy_rng_to_tensors(np_state: tuple) -> dict:
+    """np.random.get_state() = ('MT19937', uint32[624] keys, pos, has_gauss, cached_gaussian) -> tensors/numbers."""
+    name, keys, pos, has_gauss, cached = np_state
+    return {"name": str(name), "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)), "pos": int(pos),
+            "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
+
+
+def numpy_rng_from_tensors(d: dict) -> tuple:
+    return d["name"], d["keys"].numpy().astype(np.uint32), d["pos"], d["has_gauss"], d["cached_gaussian"]
+
+
+def python_rng_to_tensors(py_state: tuple) -> dict:
+    """random.getstate() = (version, 625 ints < 2**32, gauss_next or None) -> an int64 tensor and numbers."""
+    version, internal, gauss_next = py_state
+    return {"version": int(version), "state": torch.tensor(internal, dtype=torch.int64), "gauss_next": gauss_next}
+
+
+def python_rng_from_tensors(d: dict) -> tuple:
+    return d["version"], tuple(int(x) for x in d["state"].tolist()), d["gauss_next"]
 
 
 # ---- optimizer -----------------------------------------------------------------------------------------------------
@@ -118,15 +144,24 @@ def read_meta(ckpt_dir: str | Path) -> dict:
     path = Path(ckpt_dir) / META
     if not path.exists():
         raise FileNotFoundError(f"{ckpt_dir}: no {META}, not a complete trainer checkpoint")
+    check_inside(path, ckpt_dir)
     return json.loads(path.read_text())
 
 
 def load_rank_payload(ckpt_dir: str | Path, rank: int) -> dict:
+    """One rank's payload, read without unpickling (tensors and plain values only)."""
+    import pickle
+
     path = rank_file(ckpt_dir, rank)
     if not path.exists():
         raise FileNotFoundError(f"{path}: missing rank file")
-    # weights_only=False: the payload holds numpy/python RNG states next to tensors (files we wrote ourselves)
-    return torch.load(path, map_location="cpu", weights_only=False)
+    check_inside(path, ckpt_dir)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        # an older checkpoint (numpy RNG state pickled) or a tampered file: never fall back to full unpickling
+        raise UnsafeCheckpointError(f"{path}: refused to load, it holds objects other than tensors and plain values "
+                                    f"({str(e).splitlines()[0]})") from None
 
 
 def find_rank(meta: dict, **want: int) -> int:
