@@ -1,6 +1,9 @@
 """Deployment files are checked here, without a cluster: KubeRay manifests against the repo's KubeRay schema and
 their pod templates against the Kubernetes Pod schema; cloud-launcher YAMLs against the schema and checks that
 `ray up` itself applies; the entrypoints' job files against gspo-ray's config; the Slurm script with `bash -n`.
+Secure defaults: Ray token auth on everywhere, the dashboard bound to localhost (Slurm, launcher) or reachable only
+through the NetworkPolicy (KubeRay), pods and image non-root; the Slurm script's token handling runs with
+stand-ins for srun/scontrol/ray.
 """
 from __future__ import annotations
 
@@ -195,7 +198,7 @@ def test_dockerfile_builds_from_cuda_with_the_cuda_extra():
     assert extra in pyproject["project"]["optional-dependencies"]
     assert 'pip install --no-build-isolation -e ".[${EXTRAS}]"' in text
     for src in re.findall(r"^COPY (.+) \S+$", text, re.M):  # every COPY source exists in the build context
-        for part in src.split():
+        for part in (p for p in src.split() if not p.startswith("--")):
             assert (ROOT / part).exists(), part
     assert "wget" in text  # KubeRay's probes need it
 
@@ -212,3 +215,162 @@ def test_dockerfile_install_step_reads_the_vllm_pin_from_pyproject(tmp_path):
     vllm = [d for d in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["cuda"]
             if d.startswith("vllm")]
     assert out == [f"PIP install -e . {vllm[0]}", "PIP install --no-build-isolation -e .[cuda]"]
+
+
+# -- secure defaults (issue: Ray exposed without auth) ---------------------------------------------------------
+DOCKERFILE = ROOT / "deploy" / "docker" / "Dockerfile"
+SBATCH = ROOT / "deploy" / "slurm" / "gspo_ray.sbatch"
+NAME_LABEL = {"app.kubernetes.io/name": "gspo-ray"}
+
+
+def _all_templates(doc: dict) -> list[tuple[str, dict]]:
+    """Every pod template of a manifest: the cluster's, and the RayJob's submitter."""
+    out = _templates(doc)
+    if doc["kind"] == "RayJob":
+        out.append(("submitter", doc["spec"]["submitterPodTemplate"]))
+    return out
+
+
+def _image_uid() -> int:
+    users = re.findall(r"^USER (\S+)", DOCKERFILE.read_text(), re.M)
+    assert users, "the image must switch to an unprivileged user"
+    return int(users[-1].split(":")[0])
+
+
+@pytest.mark.parametrize("name", MANIFESTS)
+def test_ray_token_auth_is_on(name):
+    assert _cluster_spec(_load(name))["authOptions"] == {"mode": "token"}
+    doc = _load(name)
+    _cluster_spec(doc)["authOptions"]["mode"] = "none"  # the schema knows the field's values
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(doc, SCHEMA)
+
+
+@pytest.mark.parametrize("name", MANIFESTS)
+def test_pods_run_as_the_images_unprivileged_user(name):
+    uid = _image_uid()
+    assert uid != 0
+    doc = _load(name)
+    for group, template in _all_templates(doc):
+        spec = template["spec"]
+        ctx = spec["securityContext"]
+        assert ctx["runAsNonRoot"] is True and ctx["runAsUser"] == uid, group
+        assert ctx["seccompProfile"] == {"type": "RuntimeDefault"}, group
+        assert not spec.get("hostNetwork") and not spec.get("hostPID") and not spec.get("hostIPC"), group
+        for c in spec["containers"]:
+            c_ctx = c["securityContext"]
+            assert c_ctx["allowPrivilegeEscalation"] is False and c_ctx["capabilities"]["drop"] == ["ALL"], group
+            assert not c_ctx.get("privileged") and c_ctx.get("runAsUser", uid) != 0, group
+            assert all("hostPort" not in p for p in c.get("ports", [])), group
+        if group != "head":  # user code runs in workers; only the head's autoscaler needs the Kubernetes API
+            assert spec["automountServiceAccountToken"] is False, group
+    autoscaler = _cluster_spec(doc)["autoscalerOptions"]["securityContext"]
+    assert autoscaler["allowPrivilegeEscalation"] is False and autoscaler["capabilities"]["drop"] == ["ALL"]
+
+
+@pytest.mark.parametrize("name", MANIFESTS)
+def test_nothing_is_exposed_outside_the_cluster(name):
+    doc = _load(name)
+    head = _cluster_spec(doc)["headGroupSpec"]
+    assert head["serviceType"] == "ClusterIP" and not head.get("enableIngress")
+    for group, template in _all_templates(doc):
+        pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": f"gspo-{group}", **template.get("metadata", {})},
+               "spec": template["spec"]}
+        kubernetes_validate.validate(pod, K8S_VERSION, strict=True)  # the submitter's template too
+        assert template["metadata"]["labels"].items() >= NAME_LABEL.items(), group  # under the NetworkPolicy
+
+
+def test_network_policy_admits_only_the_clusters_own_pods_and_the_operator():
+    policies = list(yaml.safe_load_all((KUBERAY / "networkpolicy.yaml").read_text()))
+    for p in policies:
+        kubernetes_validate.validate(p, K8S_VERSION, strict=True)
+        assert p["spec"]["policyTypes"] == ["Ingress"]
+    own, operator = policies
+    assert own["spec"]["podSelector"] == {"matchLabels": NAME_LABEL}
+    (rule,) = own["spec"]["ingress"]
+    assert rule["from"] == [{"podSelector": {"matchLabels": NAME_LABEL}}]  # same namespace, gspo-ray pods only
+    assert operator["spec"]["podSelector"]["matchLabels"] == {**NAME_LABEL, "app.kubernetes.io/component": "head"}
+    (rule,) = operator["spec"]["ingress"]
+    assert rule["ports"] == [{"protocol": "TCP", "port": 8265}]  # the dashboard, nothing else
+    assert rule["from"][0]["podSelector"] == {"matchLabels": {"app.kubernetes.io/name": "kuberay-operator"}}
+    for name in MANIFESTS:  # the policy selects every pod of both manifests
+        for group, template in _all_templates(_load(name)):
+            assert template["metadata"]["labels"].items() >= NAME_LABEL.items(), (name, group)
+
+
+def test_dockerfile_runs_as_an_unprivileged_user():
+    text = DOCKERFILE.read_text()
+    assert _image_uid() == 1000
+    # the user switch comes before the installs, so the venv is the user's and nothing after runs as root
+    assert text.index("USER 1000") < text.index("RUN python3 -m venv")
+    assert "--create-home" in text and "ENV HOME=/home/ray" in text
+
+
+@pytest.mark.parametrize("name", LAUNCHERS)
+def test_launcher_turns_token_auth_on_and_keeps_the_dashboard_local(name):
+    doc = yaml.safe_load((ROOT / "cluster" / "launcher" / name).read_text())
+    starts = [c for c in doc["head_start_ray_commands"] + doc["worker_start_ray_commands"] if "ray start" in c]
+    assert len(starts) == 2 and all("export RAY_AUTH_MODE=token;" in c for c in starts)
+    assert "--dashboard-host=127.0.0.1" in starts[0]  # `ray dashboard` reaches it through SSH
+    assert doc["file_mounts"] == {"~/.ray/auth_token": "~/.ray/auth_token"}
+    assert "0.0.0.0" not in (ROOT / "cluster" / "launcher" / name).read_text()
+
+
+def test_sbatch_binds_the_dashboard_locally_and_defaults_to_token_auth():
+    text = SBATCH.read_text()
+    assert "0.0.0.0" not in text
+    assert re.search(r"^export RAY_AUTH_MODE=\$\{RAY_AUTH_MODE:-token\}$", text, re.M)
+    assert re.search(r"^RAY_DASHBOARD_HOST=\$\{RAY_DASHBOARD_HOST:-127\.0\.0\.1\}$", text, re.M)
+
+
+RAY_STUB = """#!/bin/bash
+# stands in for `ray start`: records how the script started the head node, then exits
+{ echo "ARGS $*"; echo "MODE ${RAY_AUTH_MODE:-}"; echo "TOKEN_PATH ${RAY_AUTH_TOKEN_PATH:-}"
+  [[ -n "${RAY_AUTH_TOKEN_PATH:-}" ]] && echo "TOKEN_PERM $(stat -L -c %a "$RAY_AUTH_TOKEN_PATH")"; } >> "$RAY_STUB_LOG"
+"""
+
+
+def _run_sbatch(tmp_path, **env):
+    """The Slurm script up to the point where it waits for nodes (stand-ins for srun/scontrol/ray; 2 s)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    shims = {"srun": '#!/bin/bash\nwhile [[ "${1:-}" == -* ]]; do shift; done\nexec "$@"\n',
+             "scontrol": "#!/bin/bash\necho localhost\n", "ray": RAY_STUB}
+    for name, body in shims.items():
+        (bin_dir / name).write_text(body)
+        (bin_dir / name).chmod(0o755)
+    (tmp_path / "home").mkdir(exist_ok=True)
+    full_env = {"PATH": f"{bin_dir}:{Path(sys.executable).parent}:/usr/bin:/bin", "HOME": str(tmp_path / "home"),
+                "SLURM_JOB_NODELIST": "localhost", "SLURM_JOB_ID": "t9", "SLURM_CPUS_PER_TASK": "1",
+                "GPUS_PER_NODE": "0", "RAY_START_TIMEOUT_S": "2", "RAY_TMPDIR": str(tmp_path / "ray"),
+                "RAY_STUB_LOG": str(tmp_path / "ray.log"), **env}
+    proc = subprocess.run(["bash", str(SBATCH), "gspo_ray/recipes/tiny_moe.yaml"], cwd=ROOT, env=full_env,
+                          capture_output=True, text=True, timeout=60)
+    log = (tmp_path / "ray.log").read_text() if (tmp_path / "ray.log").exists() else ""
+    return proc, log
+
+
+def test_sbatch_generates_a_private_token_for_the_allocation(tmp_path):
+    proc, log = _run_sbatch(tmp_path)
+    token = tmp_path / "home" / ".ray" / "gspo-ray-t9.token"
+    assert "ray auth: token" in proc.stdout, proc.stdout + proc.stderr
+    assert f"MODE token\nTOKEN_PATH {token}\nTOKEN_PERM 600" in log
+    assert "--dashboard-host=127.0.0.1" in log
+    assert not token.exists()  # deleted when the allocation's cluster is stopped
+
+
+def test_sbatch_refuses_a_token_other_users_can_read(tmp_path):
+    token = tmp_path / "home" / ".ray" / "auth_token"
+    token.parent.mkdir(parents=True)
+    token.write_text("abc")
+    token.chmod(0o644)  # how `ray.init()` leaves ~/.ray/auth_token under the usual umask
+    proc, log = _run_sbatch(tmp_path)
+    assert proc.returncode == 2 and "chmod 600" in proc.stderr and log == ""  # before any node starts
+    token.chmod(0o600)
+    proc, log = _run_sbatch(tmp_path)
+    assert f"MODE token\nTOKEN_PATH {token}\nTOKEN_PERM 600" in log and token.exists()  # the user's own: kept
+
+
+def test_sbatch_auth_can_only_be_disabled_explicitly(tmp_path):
+    proc, log = _run_sbatch(tmp_path, RAY_AUTH_MODE="disabled")
+    assert "warning: RAY_AUTH_MODE=disabled" in proc.stderr and "MODE disabled" in log

@@ -183,7 +183,11 @@ def test_slurm_script_single_node(tmp_path):
     gcs, dash, nm, om, agent, agent_grpc, renv, metrics, client = find_free_ports(9, taken, rng)
     lo, hi = find_free_port_block(64, taken, rng)
     temp = Path(f"/tmp/gspo-slurm-{os.getpid()}")
+    token = tmp_path / "auth_token"  # the script runs Ray with token auth on; ~/.ray/auth_token may be world-readable
+    token.write_text("gspo-test-token")
+    token.chmod(0o600)
     env = {**os.environ, "PATH": f"{tmp_path}:{VENV_BIN}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "localhost",
+           "RAY_AUTH_TOKEN_PATH": str(token),
            "SLURM_JOB_ID": "t1", "SLURM_CPUS_PER_TASK": "1", "GPUS_PER_NODE": "0", "RAY_PORT": str(gcs),
            "RAY_DASHBOARD_PORT": str(dash), "RAY_TMPDIR": str(temp), "RAY_START_TIMEOUT_S": "120",
            "GSPO_ENTRYPOINT": "gspo-ray config validate",
@@ -192,6 +196,8 @@ def test_slurm_script_single_node(tmp_path):
                             f"--metrics-export-port={metrics} --ray-client-server-port={client} "
                             f"--object-store-memory=134217728 --min-worker-port={lo} --max-worker-port={hi}"}
     env.pop("RAY_ADDRESS", None)
+    env.pop("RAY_AUTH_MODE", None)  # the script's default (token) is what is tested
+    env.pop("RAY_AUTH_TOKEN", None)
     proc = subprocess.Popen(["bash", str(ROOT / "deploy/slurm/gspo_ray.sbatch"), RECIPE], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
@@ -213,6 +219,7 @@ def test_slurm_script_single_node(tmp_path):
         shutil.rmtree(temp, ignore_errors=True)
     assert proc.returncode == 0, out[-4000:]
     assert "ray: 1/1 nodes alive" in out and f"{RECIPE}: ok" in out and "stopping the Ray cluster" in out
+    assert f"ray auth: token ({token})" in out  # and the node count above went through the token
     assert not leftovers, f"processes of the script's cluster outlived it: {leftovers}"
 
 
