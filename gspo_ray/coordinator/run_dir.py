@@ -1,0 +1,96 @@
+"""The run directory before a job starts: refuse to mix a fresh run into an old one, and write the config copy
+with secrets redacted.
+
+    prepare_run_dir(cfg, resume=False, fresh=False)   # raises RunDirError (exit 2 in the CLI) before any work
+"""
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from gspo_ray.config import JobConfig
+
+REDACTED = "<redacted>"
+# Outputs of a run that a fresh start would silently mix with (metrics appended, checkpoints overwritten).
+RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "tensorboard", "rollouts", "training.png")
+# A key names a secret when one of its words (split on non-alphanumerics and camelCase) is one of these, or it
+# contains one of the fragments: HF_TOKEN, WANDB_API_KEY, AWS_SECRET_ACCESS_KEY, openaiApiKey, db_password,
+# Authorization are redacted; max_tokens, TOKENIZERS_PARALLELISM, OMP_NUM_THREADS are not.
+SECRET_WORDS = {"token", "key", "secret", "password", "passwd", "pwd", "auth", "authorization", "credential",
+                "credentials", "cookie", "private", "signature", "apikey", "pat", "dsn"}
+SECRET_FRAGMENTS = ("secret", "passw", "credential", "apikey", "privatekey", "accesskey")
+URL_USERINFO = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s]+@")
+
+
+class RunDirError(ValueError):
+    """The run directory holds another run's outputs and neither --resume nor --fresh was given."""
+
+
+def check_run_dir(cfg: JobConfig, resume: bool, fresh: bool) -> list[str]:
+    """The run outputs already in the run directory; RunDirError if they are there and neither flag is given."""
+    if resume and fresh:
+        raise RunDirError("--resume and --fresh exclude each other")
+    found = [name for name in RUN_OUTPUTS if (cfg.run_dir / name).exists() or (cfg.run_dir / name).is_symlink()]
+    if found and not resume and not fresh:
+        raise RunDirError(f"{cfg.run_dir} already holds a run ({', '.join(found)}): pass --resume to continue it "
+                          "or --fresh to delete its outputs and start over")
+    return found
+
+
+def prepare_run_dir(cfg: JobConfig, resume: bool, fresh: bool) -> Path:
+    """Check (and with `fresh`, clear) the run directory, then write the redacted config copy."""
+    run_dir = cfg.run_dir
+    found = check_run_dir(cfg, resume, fresh)
+    if fresh:
+        for name in found:
+            path = run_dir / name
+            shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(redacted_config(cfg))
+    return run_dir
+
+
+def redacted_config(cfg: JobConfig) -> str:
+    """The effective config as YAML for the run directory (shared storage), secrets replaced by `<redacted>`.
+
+    Redacted: values under `cluster.runtime_env` (env_vars and the rest), `rollout.reward.kwargs` and
+    `rollout.multi_turn.kwargs` whose key looks like a secret (see SECRET_WORDS), at any depth; and the user:password
+    part of any URL anywhere in the config. Everything else is kept, so the copy still documents the run."""
+    raw = cfg.model_dump(mode="json")
+    raw["cluster"]["runtime_env"] = _redact_keys(raw["cluster"]["runtime_env"])
+    rollout = raw["rollout"]
+    rollout["reward"]["kwargs"] = _redact_keys(rollout["reward"]["kwargs"])
+    if rollout.get("multi_turn"):
+        rollout["multi_turn"]["kwargs"] = _redact_keys(rollout["multi_turn"]["kwargs"])
+    header = f"# effective config of this run; values of secret-looking keys are replaced by {REDACTED}\n"
+    return header + yaml.safe_dump(_redact_urls(raw), sort_keys=False)
+
+
+def is_secret_key(key: str) -> bool:
+    words = re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", key).lower()
+    parts = set(re.split(r"[^a-z0-9]+", words))
+    squashed = re.sub(r"[^a-z0-9]", "", key.lower())
+    return bool(parts & SECRET_WORDS) or any(f in squashed for f in SECRET_FRAGMENTS)
+
+
+def _redact_keys(node: Any) -> Any:
+    if isinstance(node, dict):
+        return {k: (REDACTED if is_secret_key(str(k)) and v not in (None, "") else _redact_keys(v))
+                for k, v in node.items()}
+    if isinstance(node, list):
+        return [_redact_keys(v) for v in node]
+    return node
+
+
+def _redact_urls(node: Any) -> Any:
+    if isinstance(node, dict):
+        return {k: _redact_urls(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_redact_urls(v) for v in node]
+    if isinstance(node, str):
+        return URL_USERINFO.sub(lambda m: f"{m.group('scheme')}{REDACTED}@", node)
+    return node
