@@ -1,6 +1,6 @@
 """The `gspo-ray` command.
 
-    gspo-ray train gspo_ray/recipes/tiny_moe.yaml [key.path=value ...] [--resume]
+    gspo-ray train gspo_ray/recipes/tiny_moe.yaml [key.path=value ...] [--resume | --fresh]
     gspo-ray config validate FILE      gspo-ray config show [FILE] [key=value ...]
     gspo-ray models make-tiny --arch qwen3_moe --out DIR
     gspo-ray submit FILE --address http://HEAD:8265     gspo-ray status|logs|stop JOB_ID
@@ -73,14 +73,27 @@ def models_make_tiny(arch: str = typer.Option("qwen3_moe", help="qwen3_moe | qwe
 
 @app.command()
 def train(file: Path, overrides: list[str] = typer.Argument(None, help="key.path=value overrides"),
-          resume: bool = typer.Option(False, "--resume", help="continue from the run's last checkpoint")):
+          resume: bool = typer.Option(False, "--resume", help="continue from the run's last checkpoint"),
+          fresh: bool = typer.Option(False, "--fresh", help="delete the run directory's checkpoints and metrics "
+                                                            "and start over")):
     """Train one job: start or join Ray, build the pools, run the loop."""
     cfg = _load(file, overrides or [])
+    from gspo_ray.coordinator.run_dir import RunDirError, check_run_dir
+
+    try:
+        check_run_dir(cfg, resume=resume, fresh=fresh)  # an existing run is refused before the preflight
+    except RunDirError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2)
     from gspo_ray.coordinator.failures import TooManyFailedSamples
+    from gspo_ray.coordinator.checkpoint import CheckpointError
     from gspo_ray.coordinator.job import run_job
 
     try:
-        summary = run_job(cfg, resume=resume)
+        summary = run_job(cfg, resume=resume, fresh=fresh)
+    except (RunDirError, CheckpointError) as e:  # an existing run, an unusable checkpoint: one line, exit 2
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2)
     except TooManyFailedSamples as e:  # a run that cannot learn: one line and exit 3, not a success
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(3)

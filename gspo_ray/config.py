@@ -8,15 +8,17 @@ Defaults follow the GSPO paper (sequence-level ratio, clip 3e-4/4e-4, sequence-m
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 ImportanceLevel = Literal["token", "sequence", "sequence_token"]
 Aggregation = Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"]
 
+RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # JobConfig.name: one directory under out_dir
 GUESS_ENV = "gspo_ray.envs.guess:GuessNumberEnv"  # the environment of the built-in guess task
 
 # Clip ranges (eps_low, eps_high) by importance-sampling level: GSPO paper §5.1 for the sequence levels; the
@@ -401,6 +403,15 @@ class JobConfig(_Strict):
     coordinator: CoordinatorConfig = Field(default_factory=CoordinatorConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+
+    @field_validator("name")
+    @classmethod
+    def _name_is_one_directory(cls, v: str) -> str:
+        """The run directory is out_dir/name: a name with a path separator or `..` would write elsewhere."""
+        if not RUN_NAME.fullmatch(v):
+            raise ValueError(f"must be one directory name of letters, digits, '.', '_' or '-' starting with a letter "
+                             f"or digit (no '/', '\\' or '..'), got {v!r}")
+        return v
 
     @model_validator(mode="after")
     def _cross(self) -> "JobConfig":

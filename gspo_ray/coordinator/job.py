@@ -11,10 +11,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gspo_ray.config import JobConfig, dump_config
-from gspo_ray.coordinator.checkpoint import CheckpointManager
+from gspo_ray.config import JobConfig
+from gspo_ray.coordinator.checkpoint import CheckpointError, CheckpointManager
 from gspo_ray.coordinator.control import start_control
 from gspo_ray.coordinator.loop import Coordinator, LoopState
+from gspo_ray.coordinator.run_dir import RunDirError, prepare_run_dir
 from gspo_ray.coordinator.tracking import MetricsTracker, plot_metrics
 from gspo_ray.rollout.scoring import check_reward
 from gspo_ray.rollout.weight_sync import build_probe_ids
@@ -100,23 +101,25 @@ def evaluate(rollout, prompts, step: int) -> dict[str, float]:
     return out
 
 
-def run_job(cfg: JobConfig, resume: bool = False, rollout_factory=None, after_step=None) -> RunSummary:
+def run_job(cfg: JobConfig, resume: bool = False, rollout_factory=None, after_step=None,
+            fresh: bool = False) -> RunSummary:
     """Run one job. `rollout_factory(worker_id)` overrides how rollout actors are made; `after_step(coord, step)`
-    is called after each step's metrics and checkpoint are written (callbacks, fault injection in tests)."""
+    is called after each step's metrics and checkpoint are written (callbacks, fault injection in tests).
+    Without `resume` or `fresh`, a run directory that already holds a run's outputs is refused (RunDirError)."""
     import ray
 
     from gspo_ray.coordinator.pools import build_rollout_pool, build_trainer_pool
 
     t_start = time.perf_counter()
-    run_dir = cfg.run_dir
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(dump_config(cfg))
+    run_dir = prepare_run_dir(cfg, resume=resume, fresh=fresh)  # before any expensive work
     model_path = prepare_model(cfg)
     train_prompts, eval_prompts = build_prompt_sources(cfg, model_path)
     check_reward(cfg.rollout.reward.fn, cfg.rollout.reward.kwargs)  # a bad plug-in fails before any actor starts
     ckpts = CheckpointManager(run_dir)
     state, latest = LoopState(), ckpts.latest() if resume else None
     if resume and latest is None:
+        if (run_dir / "metrics.jsonl").exists():  # never append a second run to the first one's metrics
+            raise RunDirError(f"--resume: no complete checkpoint in {ckpts.root}; pass --fresh to start over")
         log.warning("--resume: no checkpoint in %s, starting from scratch", ckpts.root)
     started_ray = init_ray(cfg)
     trainer = rollout = tracker = None
@@ -131,7 +134,10 @@ def run_job(cfg: JobConfig, resume: bool = False, rollout_factory=None, after_st
             coord.state, extra = ckpts.load_state(latest)
             train_prompts.load_state_dict(extra["prompts"])
             coord.load_state_dict(extra.get("coordinator", {}))
-            trainer.load(str(latest / "trainer"))
+            version = trainer.load(str(latest / "trainer"))
+            if version != coord.state.version:
+                raise CheckpointError(f"{latest}: trainer weights are at version {version}, the loop state at "
+                                      f"{coord.state.version}: not a consistent checkpoint")
             coord.sync_weights()  # engines start from the base model: give them the resumed policy
         summary.steps = coord.state.step
         tracker = MetricsTracker(run_dir, cfg.coordinator.steps, coord.state.step, cfg.logging.tensorboard,
@@ -154,22 +160,33 @@ def run_job(cfg: JobConfig, resume: bool = False, rollout_factory=None, after_st
 
 def _loop(cfg: JobConfig, coord: Coordinator, eval_prompts, tracker, ckpts, summary: RunSummary, control,
           after_step=None) -> bool:
-    """Steps until done; evaluates and checkpoints on schedule. Returns True when interrupted by the user."""
+    """Steps until done; evaluates and checkpoints on schedule. Returns True when interrupted by the user.
+
+    Only step boundaries are saved: an interrupt inside a step leaves the last checkpoint as the resume point."""
     from ray.exceptions import RayActorError
 
     c = cfg.coordinator
-    save = lambda: ckpts.save(coord.state, coord.trainer.save,  # noqa: E731
-                              {"prompts": coord.prompts.state_dict(), "coordinator": coord.state_dict()})
+    saved_at = [coord.state.step if coord.state.step else None]  # a resumed run's step is already checkpointed
+
+    def save() -> None:
+        if saved_at[0] != coord.state.step:  # once per step (early stop right after a checkpoint step, Ctrl-C)
+            summary.checkpoint = ckpts.save(coord.state, coord.trainer.save, {
+                "prompts": coord.prompts.state_dict(), "coordinator": coord.state_dict()})
+            saved_at[0] = coord.state.step
+
+    in_step = False
     if eval_prompts is not None and coord.state.step == 0:
         m = evaluate(coord.rollout, eval_prompts, 0)
         summary.eval_history.append((0, m["eval/reward"]))
         tracker.log(0, m, advance=False)
     try:
         while coord.state.step < c.steps:
+            in_step = True
             try:
                 metrics = coord.step()
             except RayActorError as e:  # rollout deaths are absorbed by the pool: this is a trainer rank
                 raise TrainerFailed(f"a trainer worker died ({e}); last checkpoint: {ckpts.latest()}") from e
+            in_step = False
             step = coord.state.step
             last = step == c.steps
             if eval_prompts is not None and ((c.eval_every and step % c.eval_every == 0) or last):
@@ -182,14 +199,19 @@ def _loop(cfg: JobConfig, coord: Coordinator, eval_prompts, tracker, ckpts, summ
                 write_rollouts(cfg.run_dir / "rollouts" / f"step_{step:06d}.jsonl", coord.last_groups)
             summary.steps = step
             if (c.checkpoint_every and step % c.checkpoint_every == 0) or last:
-                summary.checkpoint = save()
+                save()
             if after_step is not None:
                 after_step(coord, step)
             if c.early_stop_reward is not None and metrics.get("eval/reward", -1e9) >= c.early_stop_reward:
-                summary.checkpoint = save()
+                save()
                 break
     except KeyboardInterrupt:
-        summary.checkpoint = save()
+        if in_step:  # the trainer may be partway into the next step while the loop state is not: never mix them
+            summary.checkpoint = ckpts.latest()
+            log.warning("interrupted during step %d: nothing saved; --resume continues from %s",
+                        coord.state.step + 1, summary.checkpoint)
+        else:
+            save()
         return True
     return False
 

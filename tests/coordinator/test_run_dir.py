@@ -1,0 +1,71 @@
+"""The run directory before a job starts (no Ray): an existing run is not overwritten without --fresh, the config
+copy on shared storage carries no secrets, and `name` cannot point the run directory elsewhere."""
+from __future__ import annotations
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from gspo_ray.cli import app
+from gspo_ray.config import ConfigError, load_config
+from gspo_ray.coordinator.run_dir import REDACTED, RunDirError, prepare_run_dir
+
+RECIPE = "gspo_ray/recipes/tiny_moe.yaml"
+
+
+def _cfg(tmp_path, *overrides):
+    return load_config(RECIPE, [f"logging.out_dir={tmp_path}", *overrides])
+
+
+def _old_run(cfg):
+    (cfg.run_dir / "checkpoints" / "step_000010").mkdir(parents=True)
+    (cfg.run_dir / "metrics.jsonl").write_text('{"step": 10}\n')
+    (cfg.run_dir / "model").mkdir()  # inputs (the built tiny model) are kept by --fresh
+
+
+def test_train_over_an_existing_run_needs_resume_or_fresh(tmp_path):
+    cfg = _cfg(tmp_path)
+    _old_run(cfg)
+    res = CliRunner().invoke(app, ["train", RECIPE, f"logging.out_dir={tmp_path}"])
+    assert res.exit_code == 2, res.output
+    (line,) = res.output.strip().splitlines()  # one line, naming the way out, before anything started
+    assert "already holds a run (checkpoints, metrics.jsonl)" in line and "--fresh" in line
+    assert (cfg.run_dir / "metrics.jsonl").exists()
+    res = CliRunner().invoke(app, ["train", RECIPE, f"logging.out_dir={tmp_path}", "--resume", "--fresh"])
+    assert res.exit_code == 2 and "exclude each other" in res.output
+
+    prepare_run_dir(cfg, resume=False, fresh=True)
+    assert sorted(p.name for p in cfg.run_dir.iterdir()) == ["config.yaml", "model"]
+    prepare_run_dir(cfg, resume=False, fresh=False)  # an empty (or new) run directory needs no flag
+
+
+def test_config_copy_redacts_secrets(tmp_path):
+    cfg = _cfg(tmp_path, "cluster.runtime_env={env_vars: {HF_TOKEN: hf_abc, WANDB_API_KEY: wk, OMP_NUM_THREADS: '2',"
+                         " AWS_SECRET_ACCESS_KEY: aws}, pip: ['--index-url https://bob:pw123@pypi.example/simple']}",
+               "rollout.reward.kwargs={api_key: sk-1, judgeAuth: {Authorization: Bearer xyz}, max_tokens: 8}")
+    prepare_run_dir(cfg, resume=False, fresh=False)
+    text = (cfg.run_dir / "config.yaml").read_text()
+    for secret in ("hf_abc", "wk", "aws", "pw123", "sk-1", "xyz"):
+        assert secret not in text, secret
+    copy = yaml.safe_load(text)
+    env = copy["cluster"]["runtime_env"]["env_vars"]
+    assert env == {"HF_TOKEN": REDACTED, "WANDB_API_KEY": REDACTED, "OMP_NUM_THREADS": "2",
+                   "AWS_SECRET_ACCESS_KEY": REDACTED}  # non-secrets stay: the copy still documents the run
+    assert copy["cluster"]["runtime_env"]["pip"] == [f"--index-url https://{REDACTED}@pypi.example/simple"]
+    assert copy["rollout"]["reward"]["kwargs"] == {"api_key": REDACTED, "judgeAuth": REDACTED, "max_tokens": 8}
+    assert copy["rollout"]["reward"]["fn"] == cfg.rollout.reward.fn
+    assert cfg.cluster.runtime_env["env_vars"]["HF_TOKEN"] == "hf_abc"  # the job itself still gets the value
+
+
+@pytest.mark.parametrize("name", ["../escape", "a/b", "/abs", "..", ".", "a\\b", ""])
+def test_name_cannot_leave_the_output_directory(tmp_path, name):
+    with pytest.raises(ConfigError, match=r"name: (Value error, )?must be one directory name"):
+        _cfg(tmp_path, f"name={name!r}")
+
+
+def test_guarded_before_expensive_work(tmp_path):
+    cfg = _cfg(tmp_path)
+    _old_run(cfg)
+    with pytest.raises(RunDirError):
+        prepare_run_dir(cfg, resume=False, fresh=False)
+    assert not (cfg.run_dir / "config.yaml").exists()  # nothing written either
