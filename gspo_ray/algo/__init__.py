@@ -25,6 +25,8 @@ from gspo_ray.algo.aggregation import (
     masked_mean,
     masked_sum,
 )
+from gspo_ray.algo.auto_eps import AutoEpsController
+from gspo_ray.algo.dilution import DILUTION_MASKS, compute_dilution
 from gspo_ray.algo.kl import KL_ESTIMATORS, compute_kl, get_kl_estimator
 from gspo_ray.algo.metrics import (
     compute_clip_metrics,
@@ -32,16 +34,26 @@ from gspo_ray.algo.metrics import (
     compute_ratio_metrics,
     compute_token_mean,
 )
+from gspo_ray.algo.mismatch_correction import CORRECTION_LEVELS, CORRECTION_MODES, compute_mismatch_weights
 from gspo_ray.algo.policy_loss import (
     IMPORTANCE_LEVELS,
     MAX_LOG_WEIGHT,
     compute_policy_loss,
     get_importance_level,
 )
+from gspo_ray.algo.robust_advantages import ROBUST_MODES, compute_robust_group_advantages
 
 __all__ = [
     "ADV_EPS",
     "AGGREGATIONS",
+    "AutoEpsController",
+    "CORRECTION_LEVELS",
+    "CORRECTION_MODES",
+    "DILUTION_MASKS",
+    "ROBUST_MODES",
+    "compute_dilution",
+    "compute_mismatch_weights",
+    "compute_robust_group_advantages",
     "IMPORTANCE_LEVELS",
     "KL_ESTIMATORS",
     "LENGTH_WEIGHTED_AGGREGATIONS",

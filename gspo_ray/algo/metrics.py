@@ -103,3 +103,16 @@ def compute_token_mean(x: Tensor, mask: Tensor, key: str) -> dict[str, float]:
     """{key: mean of x over loss-masked tokens}, for train/kl and train/entropy. x, mask: [B, T]."""
     mask = mask.bool()
     return to_floats({key: masked_mean(torch.where(mask, x, 0.0), mask)})
+
+
+@torch.no_grad()
+def compute_logr_moments(logp: Tensor, old_logp: Tensor, mask: Tensor) -> dict[str, float]:
+    """Token means of log r_t = logp_t - old_logp_t and of (log r_t)^2 over loss-masked tokens, [B, T] each.
+
+    Token-weighted means combine exactly across micro-batches and ranks, and give the spread
+    sigma = sqrt(E[(log r)^2] - E[log r]^2) that `algorithm.eps: auto` sets the band from.
+    """
+    mask = mask.bool()
+    log_r = torch.where(mask, logp - old_logp, 0.0)
+    return to_floats({"train/logr_mean": masked_mean(log_r, mask),
+                      "train/logr_sq_mean": masked_mean(log_r**2, mask)})

@@ -24,6 +24,7 @@ from gspo_ray.algo.aggregation import SEQ_MEAN_TOKEN_MEAN, aggregate, check_leve
 from gspo_ray.algo.kl import compute_kl, get_kl_estimator
 from gspo_ray.algo.metrics import (
     compute_clip_metrics,
+    compute_logr_moments,
     compute_mismatch_metrics,
     compute_ratio_metrics,
     compute_token_mean,
@@ -105,6 +106,7 @@ def compute_policy_loss(
     kl_estimator: str = "k3",
     entropy: Tensor | None = None,
     norm_len: float | None = None,
+    pg_weight: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """GRPO / GSPO / GSPO-token loss of one micro-batch.
 
@@ -112,6 +114,9 @@ def compute_policy_loss(
     adv: [B] (one per completion) or [B, T] (per token); mask: [B, T] bool, True = token is trained on;
     ref_logp: [B, T] reference-policy log-probs (KL term and train/kl metric); entropy: [B, T] (metric only);
     norm_len: Dr.GRPO constant for aggregation="seq-mean-token-sum-norm".
+    pg_weight: [B, T] >= 0, no gradient: multiplies each token's policy-gradient term (mismatch corrections);
+    a 0 drops the token: no loss, left out of the sequence ratio s, still counted by the aggregation (like a
+    clipped token), see `mismatch_correction` and `dilution`.
     Padding (mask False) may hold anything, nan/inf included: it never reaches the loss or the gradient.
     Returns (loss: 0-d tensor, metrics: {"train/...": float}).
     """
@@ -119,19 +124,25 @@ def compute_policy_loss(
     check_level_aggregation(level, aggregation)
     get_kl_estimator(kl_estimator)  # fail on a bad name even when no reference policy is given
     _check_args(logp, old_logp, adv, mask, eps_low, eps_high, dual_clip_c, ref_logp, beta, entropy)
+    if pg_weight is not None and pg_weight.shape != logp.shape:
+        raise ValueError(f"pg_weight must be [B, T] = {tuple(logp.shape)}, got {tuple(pg_weight.shape)}")
     mask = mask.bool()
+    kept = mask if pg_weight is None else mask & (pg_weight > 0)  # tokens that enter the ratio and the loss
     # select padding away before any arithmetic so no nan/inf from it can enter the graph (0 * nan = nan)
     logp = torch.where(mask, logp, 0.0)
     old_logp = torch.where(mask, old_logp, 0.0).detach()
     adv = torch.where(mask, adv[:, None] if adv.dim() == 1 else adv, 0.0).detach()
 
-    log_w = log_weight_fn(logp, old_logp, mask).clamp(-MAX_LOG_WEIGHT, MAX_LOG_WEIGHT)
+    log_w = log_weight_fn(logp, old_logp, kept).clamp(-MAX_LOG_WEIGHT, MAX_LOG_WEIGHT)
     w = torch.exp(log_w)
     # l_t = -min( w_t * A_t, clip(w_t, 1 - eps_low, 1 + eps_high) * A_t )
     pg_tok = -torch.minimum(w * adv, w.clamp(1 - eps_low, 1 + eps_high) * adv)
     if dual_clip_c is not None:
         # dual clip: for A_t < 0, l_t = min(l_t, -c * A_t), i.e. the loss is capped at c * |A_t|
         pg_tok = torch.where(adv < 0, torch.minimum(pg_tok, -dual_clip_c * adv), pg_tok)
+    if pg_weight is not None:
+        # l_t <- w_t * l_t (w_t = 0: selected away, so an inf/nan l_t of a dropped token cannot leak)
+        pg_tok = torch.where(kept, pg_tok * torch.where(kept, pg_weight, 0.0).detach(), 0.0)
 
     loss_tok = pg_tok
     kl_tok = None
@@ -150,6 +161,7 @@ def compute_policy_loss(
     metrics |= compute_clip_metrics(w, adv, mask, eps_low, eps_high, dual_clip_c)
     metrics |= compute_ratio_metrics(w, mask, per_sequence=level != "token")
     metrics |= compute_mismatch_metrics(logp, old_logp, mask)
+    metrics |= compute_logr_moments(logp, old_logp, mask)
     if kl_tok is not None:
         metrics |= compute_token_mean(kl_tok, mask, "train/kl")
     if entropy is not None:
