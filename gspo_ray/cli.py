@@ -31,20 +31,36 @@ def _register_job_commands() -> None:
 _register_job_commands()
 
 
-def _load(path: Optional[Path], overrides: list[str]):
-    from gspo_ray.config import ConfigError, load_config
+@app.callback()
+def _options(debug: bool = typer.Option(False, "--debug", envvar="GSPO_RAY_DEBUG",
+                                        help="show the traceback of input errors too")):
+    """GSPO post-training on Ray + vLLM + Megatron-core. Input errors end in one line each and exit code 2."""
+    from gspo_ray.cli_errors import set_debug
 
-    try:
+    set_debug(debug)
+
+
+def _load(path: Optional[Path], overrides: list[str]):
+    from gspo_ray.cli_errors import user_errors
+    from gspo_ray.config import load_config
+
+    with user_errors():
         return load_config(path, overrides)
-    except ConfigError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2)
+
+
+def _preflight(cfg, verbose: bool = False):
+    """Model dir, data, plug-ins and their dry calls: one line and exit 2 on a bad input, before Ray starts."""
+    from gspo_ray.cli_errors import preflight_or_exit
+
+    return preflight_or_exit(cfg, verbose)
 
 
 @config_app.command("validate")
 def config_validate(file: Path, overrides: list[str] = typer.Argument(None, help="key.path=value overrides")):
-    """Check a job file; exit 2 with the offending field named when it is invalid."""
+    """Check a job file and everything it points at (the preflight that `train` runs first); exit 2 with the
+    field, file and line named when something is invalid."""
     cfg = _load(file, overrides or [])
+    _preflight(cfg, verbose=True)
     typer.echo(f"{file}: ok ({cfg.algorithm.importance_sampling_level}, clip {cfg.algorithm.clip_range()}, "
                f"{cfg.coordinator.steps} steps, run dir {cfg.run_dir})")
 
@@ -85,6 +101,7 @@ def train(file: Path, overrides: list[str] = typer.Argument(None, help="key.path
     except RunDirError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2)
+    _preflight(cfg)
     from gspo_ray.coordinator.failures import TooManyFailedSamples
     from gspo_ray.coordinator.checkpoint import CheckpointError
     from gspo_ray.coordinator.job import run_job

@@ -54,17 +54,18 @@ def submit(file: Path, overrides: list[str] = typer.Argument(None, help="key.pat
            validate: bool = typer.Option(True, "--validate/--no-validate",
                                          help="check the job file here first (off: paths exist only on the cluster)"),
            wait: bool = typer.Option(False, "--wait", help="stream the logs and exit with the job's result")):
-    """Validate a job file here, then run `gspo-ray train FILE overrides` on the cluster."""
+    """Validate a job file here (the whole preflight of `config validate`), then run `gspo-ray train FILE
+    overrides` on the cluster."""
     from gspo_ray import jobs
-    from gspo_ray.config import ConfigError
+    from gspo_ray.cli_errors import preflight_or_exit, user_errors
+    from gspo_ray.config import load_config
 
-    try:
+    with user_errors():
+        if validate:  # model dir, data, plug-ins: fail here in seconds, not on the cluster after the upload
+            preflight_or_exit(load_config(file, overrides or []))
         jid = jobs.submit(file, address, overrides or [], working_dir=working_dir,
                           runtime_env=_runtime_env(runtime_env), job_id=job_id, resume=resume,
                           validate=validate)
-    except ConfigError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2)
     typer.echo(f"submitted {jid}")
     if not wait:
         typer.echo(f"  gspo-ray logs {jid} --follow    gspo-ray status {jid}    gspo-ray stop {jid}")

