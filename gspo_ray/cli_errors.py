@@ -51,12 +51,12 @@ def user_errors(exit_code: int = USER_ERROR_EXIT) -> Iterator[None]:
 
 def preflight_or_exit(cfg, verbose: bool = False):
     """Run the preflight (gspo_ray/preflight.py) before Ray or any engine starts: on a bad input, its line and
-    exit 2; else the report's lines (verbose) and its summary (stdout when verbose, else stderr)."""
+    exit 2; else the report's lines (verbose) and its summary on stdout (stderr is for errors)."""
     from gspo_ray.preflight import run_preflight
 
     with user_errors():
         report = run_preflight(cfg)
     for line in report.lines() if verbose else []:
         typer.echo(line)
-    typer.echo(report.summary(), err=not verbose)
+    typer.echo(report.summary())
     return report

@@ -149,7 +149,6 @@ def _tokenizer(cfg: JobConfig, facts, report: PreflightReport) -> tuple[Any, int
     if facts is None:
         from gspo_ray.models.tiny import build_tokenizer
 
-        _check_tiny_config(cfg, cfg.rollout.num_gpus_per_worker == 0)
         tok = build_tokenizer()
         check_tokenizer(tok, len(tok), f"model.tiny ({cfg.model.tiny.arch})", chat)
         report.add("tokenizer", "ok", f"the tiny model's character tokenizer ({len(tok)} tokens)")
@@ -354,5 +353,7 @@ def run_preflight(cfg: JobConfig, *, import_timeout_s: float = IMPORT_TIMEOUT_S)
         report.add("reward", "skipped", f"{cfg.rollout.reward.fn}: imported and checked, not called "
                                         "(multi-turn rewards come from the environment)")
         _dry_env(cfg, env_cls, tokenizer, prompt, report)
+    if facts is None and cfg.model.tiny is not None:  # last: importing a transformers config class takes seconds
+        _check_tiny_config(cfg, cfg.rollout.num_gpus_per_worker == 0)
     report.seconds = time.perf_counter() - start
     return report

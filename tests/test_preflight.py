@@ -158,6 +158,16 @@ def test_train_subprocess_stops_before_any_engine_import(tmp_path, plugins):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["job.yaml", "train.jsonl"]  # nothing else written
 
 
+@pytest.mark.parametrize("override,expected", [
+    ({"model": {"tiny": {"hidden": 48}}}, "model.tiny (qwen3_moe): head_dim = hidden / heads = 24 < 32"),
+    ({"rollout": {"max_model_len": 512}}, "max_position_embeddings (256) of model.tiny (qwen3_moe)"),
+    ({"trainer": {"num_workers": 4, "tp": 4}}, "tp=4 must divide num_attention_heads=2"),
+])
+def test_tiny_model_config_is_checked_before_it_is_built(tmp_path, override, expected):
+    result, _ = invoke("config", "validate", write_job(tmp_path, override))
+    assert_clean_user_error(result, expected)
+
+
 def test_debug_shows_the_traceback(tmp_path):
     job = write_job(tmp_path, rows=[])
     result, _ = invoke("--debug", "config", "validate", job)
