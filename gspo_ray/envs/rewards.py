@@ -51,6 +51,22 @@ def copy_reward(completion: str, reference: Any, *, eos_found: bool, bonus: floa
     return {"reward": char_acc + bonus * exact, "char_acc": char_acc, "exact": exact, "stopped": float(eos_found)}
 
 
+def repeat_reward(completion: str, reference: Any, **_: Any) -> dict[str, float]:
+    """1.0 when the completion's first non-empty line is exactly the reference; else 0.5 x the share of positions
+    where it has the reference's character (over the longer of the two, so extra characters cost).
+        ref "48213":  "48213" -> 1.0;  "48213\nDone." -> 1.0;  "48218" -> 0.5 * 4/5 = 0.4;  "482130" -> 0.5 * 5/6
+    For instruction-tuned models ("Repeat exactly: 48213"): the engine stops at the chat template's EOS, so stopping
+    needs no extra credit here.
+    """
+    ref = str(reference).strip()
+    lines = [line.strip() for line in completion.strip().splitlines() if line.strip()]
+    first = lines[0] if lines else ""
+    if first == ref:
+        return {"reward": 1.0, "exact": 1.0, "digit_acc": 1.0}
+    digit_acc = sum(a == b for a, b in zip(first, ref)) / max(len(first), len(ref), 1)
+    return {"reward": 0.5 * digit_acc, "exact": 0.0, "digit_acc": digit_acc}
+
+
 def exact_match(completion: str, reference: Any, *, eos_found: bool = True, require_eos: bool = True,
                 strip: bool = False, **_: Any) -> float:
     """1.0 when the completion equals the reference (and stopped, unless `require_eos=False`), else 0.0."""

@@ -5,9 +5,10 @@
 
 copy  "copy:4821=" -> "4821"   (a string of min..max digits, leading zeros allowed)
 add   "12+34="     -> "46"     (two numbers of min..max digits each, no leading zeros)
+repeat "Repeat exactly: 48213" -> "48213"   (for real models with a chat template; min..max digits, no leading zero)
 guess "0-9:"       -> "7"      (multi-turn, `gspo_ray.envs.guess`: the reference is the secret the env hides)
 
-All use only characters of the tiny tokenizer's alphabet ("0123456789copy:=+-*", `gspo_ray.models.tiny`).
+copy/add/guess use only characters of the tiny tokenizer's alphabet ("0123456789copy:=+-*", `gspo_ray.models.tiny`).
 copy/add: sampling picks a digit count uniformly, then a string uniformly within it, without replacement; so short
 strings are not swamped by long ones (there are 10 one-digit strings but 10,000 four-digit ones). The held-out set
 is drawn first from its own seed stream, so it does not change with `num_train`, and training draws skip it.
@@ -20,7 +21,7 @@ import random
 from dataclasses import dataclass
 from typing import Callable
 
-DIGIT_TASKS = ("copy", "add")  # single-turn, scored against the reference by a reward function
+DIGIT_TASKS = ("copy", "add", "repeat")  # single-turn, scored against the reference by a reward function
 TASKS = DIGIT_TASKS + ("guess",)
 # Strata up to this size are drawn from a shuffled index list (exact, exhaustible); larger ones by rejection.
 _PERMUTE_LIMIT = 20_000
@@ -58,6 +59,10 @@ def _strata(task: str, min_digits: int, max_digits: int) -> list[tuple[int, Call
         def copy_at(d: int) -> Callable[[int], TaskExample]:
             return lambda i: TaskExample(f"copy:{i:0{d}d}=", f"{i:0{d}d}")
         return [(10 ** d, copy_at(d)) for d in digits]
+    if task == "repeat":
+        def repeat_at(d: int) -> Callable[[int], TaskExample]:
+            return lambda i: TaskExample(f"Repeat exactly: {_num_low(d) + i}", str(_num_low(d) + i))
+        return [(_num_count(d), repeat_at(d)) for d in digits]
 
     def add_at(da: int, db: int) -> Callable[[int], TaskExample]:
         def make(i: int) -> TaskExample:
