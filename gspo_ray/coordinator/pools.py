@@ -1,10 +1,31 @@
 """Building the two pools from the job config; each gets only its own sub-config."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from gspo_ray.config import JobConfig
 from gspo_ray.coordinator.rollout_pool import RolloutPool
+
+
+def auto_threads(cfg: JobConfig, num_workers: int, num_cpus_per_worker: float) -> int:
+    """OpenMP threads per actor when the config leaves them unset. In sync mode on a local cluster rollout and
+    training never run at once, so each pool's actors share all of the node's cores (a Ray actor with num_cpus=1
+    would otherwise run one thread and leave the other cores idle); otherwise an actor keeps its reservation."""
+    if cfg.coordinator.mode == "sync" and cfg.cluster.address is None:
+        cores = cfg.cluster.num_cpus or os.cpu_count() or 1
+        return max(1, cores // num_workers)
+    return max(1, int(num_cpus_per_worker))
+
+
+def trainer_algorithm(cfg: JobConfig):
+    """The algorithm config the trainer gets. Dr.GRPO's `norm_len` defaults to the completion limit
+    (rollout.max_new_tokens; multi_turn.max_total_tokens for episodes): a constant, never the batch's width."""
+    algo = cfg.algorithm
+    if algo.norm_len is None:
+        mt = cfg.rollout.multi_turn
+        algo = algo.model_copy(update={"norm_len": mt.max_total_tokens if mt else cfg.rollout.max_new_tokens})
+    return algo
 
 
 def build_trainer_pool(cfg: JobConfig, model_path: Path, run_dir: Path):
@@ -14,7 +35,12 @@ def build_trainer_pool(cfg: JobConfig, model_path: Path, run_dir: Path):
     if trainer_cfg.total_steps is None:  # the LR schedule's horizon: every optimizer step of the job
         c = cfg.coordinator
         trainer_cfg = trainer_cfg.model_copy(update={"total_steps": c.steps * c.num_iterations * c.num_minibatches})
-    return TrainerPool(str(model_path), trainer_cfg, cfg.algorithm, str(run_dir))
+    if trainer_cfg.num_threads is None:
+        trainer_cfg = trainer_cfg.model_copy(update={"num_threads": auto_threads(
+            cfg, trainer_cfg.num_workers, trainer_cfg.num_cpus_per_worker)})
+    # the trainer scores tokens at the rollout's sampling temperature (log-probs of logits / T, as the engine)
+    return TrainerPool(str(model_path), trainer_cfg, trainer_algorithm(cfg), str(run_dir),
+                       temperature=cfg.rollout.temperature)
 
 
 def rollout_actor_options(cfg: JobConfig) -> dict:
@@ -31,10 +57,14 @@ def build_rollout_pool(cfg: JobConfig, model_path: Path, run_dir: Path, factory=
     from gspo_ray.rollout.worker import RolloutWorker
 
     actor_cls = ray.remote(RolloutWorker).options(**rollout_actor_options(cfg))
+    rollout_cfg = cfg.rollout
+    if rollout_cfg.num_threads is None:
+        rollout_cfg = rollout_cfg.model_copy(update={"num_threads": auto_threads(
+            cfg, rollout_cfg.num_workers, rollout_cfg.num_cpus_per_worker)})
 
     def make(worker_id: int):
         if factory is not None:
             return factory(worker_id)
-        return actor_cls.remote(worker_id, str(model_path), cfg.rollout, str(run_dir), reward_runner=cfg.rollout.reward)
+        return actor_cls.remote(worker_id, str(model_path), rollout_cfg, str(run_dir), reward_runner=rollout_cfg.reward)
 
     return RolloutPool(make, cfg.rollout.num_workers, multi_turn=cfg.rollout.multi_turn is not None)

@@ -13,8 +13,9 @@ log-probs and versions so far kept), and while paused `generate` returns every s
 Resume them with `continue_samples` (new tokens are stamped with the then-current version). See RolloutEngine
 for what a continuation reproduces.
 
-A weight push must carry every checkpoint tensor (HF names); a failed or partial push raises WeightSyncError
-and the worker refuses to sample until a complete push succeeds (vLLM leaves half-loaded layers behind).
+A weight push must carry every checkpoint tensor (HF names, fused experts or per expert); a failed or partial
+push, or a failed probe check, raises WeightSyncError and the worker refuses to sample, at its old version, until
+a complete push passes the check (vLLM leaves half-loaded layers behind). The version is published only after.
 
 Rewards are scored off the engine's critical path: a prompt's group goes to the reward runner's thread as soon
 as all its samples ended, while the engine keeps generating the others. Aborted samples are scored once a
@@ -33,7 +34,7 @@ from typing import Any, Iterable
 
 from gspo_ray.data.records import Prompt, Sample
 from gspo_ray.rollout.engine import FINISH_ABORTED, RolloutEngine, SamplingSettings
-from gspo_ray.rollout.weight_sync import WeightProbe, WeightSyncError, push_buckets, verify_probe
+from gspo_ray.rollout.weight_sync import VERIFY_TOL, WeightProbe, WeightSyncError, push_buckets, verify_probe
 
 MAX_REMEMBERED_PROMPTS = 10_000  # prompts of unfinished samples kept per worker (oldest forgotten first)
 
@@ -74,6 +75,10 @@ class RolloutWorker:
         self.cfg = cfg if cfg is not None else RolloutConfig()
         self.sampling = SamplingSettings.from_config(self.cfg)
         cores = cpu_cores if cpu_cores is not None else default_cpu_cores(worker_id, self.cfg)
+        if self.cfg.num_threads is not None and cores is None:  # Ray sets OMP_NUM_THREADS to the actor's num_cpus
+            import torch
+
+            torch.set_num_threads(self.cfg.num_threads)
         self.engine = RolloutEngine(model_path, run_dir=Path(run_dir) / f"rollout-{worker_id}", dtype=self.cfg.dtype,
                                     max_model_len=self.cfg.max_model_len, kv_cache_gb=self.cfg.kv_cache_gb,
                                     enforce_eager=self.cfg.enforce_eager, seed=self.cfg.seed + worker_id,
@@ -203,29 +208,41 @@ class RolloutWorker:
                        ) -> dict[str, float]:
         """Push buckets of (HF name, tensor) (or Ray refs to them) into the live engine; become `version`.
 
-        With a probe (and `verify_push`), the engine's teacher-forced log-probs must match the probe's within
-        `verify_tol`, else WeightSyncError. Returns `sync/*` metrics (push seconds and MiB, probe diff).
+        With a probe (and `verify_push`), the engine's teacher-forced log-probs must match the probe's within the
+        tolerance (see `verify_tolerance`) before the version is published; a failed push or verify raises
+        WeightSyncError and leaves the worker refusing to sample, at its old version, until a push passes.
+        Returns `sync/*` metrics (push seconds and MiB, probe diffs, the probe's expert coverage).
         """
         with self._lock:
+            self._broken = "weight push in progress"  # nothing samples from a half-checked engine
             try:
-                stats = push_buckets(self.engine, buckets)
+                metrics = push_buckets(self.engine, buckets).metrics()
+                if probe is not None and self.cfg.verify_push:
+                    start = time.perf_counter()
+                    statistic, tol = self.verify_tolerance()
+                    metrics |= verify_probe(self.engine, probe, tol, statistic, count_experts=True)
+                    metrics["sync/verify_s"] = time.perf_counter() - start
             except WeightSyncError as e:
-                self._broken = str(e)  # layers may be half-loaded: refuse to sample until a complete push
+                self._broken = str(e)  # layers may be half-loaded or wrong: refuse to sample until a good push
+                raise
+            except BaseException as e:
+                self._broken = f"weight push interrupted: {type(e).__name__}: {e}"
                 raise
             self._broken = None
             self._version = version
-            metrics = stats.metrics()
-            if probe is not None and self.cfg.verify_push:
-                start = time.perf_counter()
-                metrics["sync/verify_max_abs_diff"] = verify_probe(self.engine, probe, self.cfg.verify_tol)
-                metrics["sync/verify_s"] = time.perf_counter() - start
         return metrics
+
+    def verify_tolerance(self) -> tuple[str, float]:
+        """(statistic, tol) of the push check: `verify_tol` if set, else the engine dtype's default (VERIFY_TOL)."""
+        statistic, tol = VERIFY_TOL[self.cfg.dtype]
+        return statistic, self.cfg.verify_tol if self.cfg.verify_tol is not None else tol
 
     def verify(self, probe_ids: list[int], reference_logprobs: list[float], tol: float | None = None) -> float:
         """max |engine - reference| teacher-forced log-prob of probe_ids[1:]; raises above `tol` if given."""
         with self._lock:
             self._check_usable()
-            return verify_probe(self.engine, WeightProbe(list(probe_ids), list(reference_logprobs)), tol)
+            probe = WeightProbe.single(probe_ids, reference_logprobs)
+            return verify_probe(self.engine, probe, tol)["sync/verify_max_abs_diff"]
 
     def current_version(self) -> int:
         return self._version

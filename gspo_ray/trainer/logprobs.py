@@ -8,8 +8,16 @@
 Differentiable; every rank gets the full [B, L] (all TP ranks must pass the same tokens, as Megatron requires).
 Log-softmax is taken over the real vocabulary only: rows Megatron adds to make the vocabulary divisible by TP are
 excluded, so padding never changes the numbers.
+
+Cost. The output layer and the log-softmax over a large vocabulary (49,152 for SmolLM2) dominate memory and much of
+the time when every position is scored, yet the loss needs only completion tokens. `score_mask` names the tokens
+whose log-probs are wanted: the output layer then runs on those positions only (unless sequence parallelism shards
+the positions), the log-softmax runs in row chunks so no second [N, V] fp32 tensor is held whole, and the entropy
+(a metric) is computed without a graph.
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from torch import Tensor
@@ -65,6 +73,47 @@ def _reduce(x: Tensor, group, all_reduce_sum) -> Tensor:
     return all_reduce_sum(x, group)
 
 
+LOGSOFTMAX_CHUNK_ROWS = 1024  # rows of [rows, V] fp32 temporaries at a time (V=49,152: 200 MB)
+
+
+def compute_logprobs_local(logits: Tensor, labels: Tensor, with_entropy: bool = False,
+                           chunk_rows: int = LOGSOFTMAX_CHUNK_ROWS) -> tuple[Tensor, Tensor | None]:
+    """log_softmax(logits)[labels] when one rank holds the whole (real) vocabulary: `logits[n, labels[n]] -
+    logsumexp(logits[n])`, row chunk by row chunk. logits: [N, V], labels: [N] -> fp32 logp [N] (differentiable)
+    and entropy [N] (no graph: `H = logZ - sum_v p_v l_v`) or None."""
+    logps, entropies = [], []
+    for start in range(0, logits.shape[0], chunk_rows):
+        z = logits[start:start + chunk_rows].float()
+        y = labels[start:start + chunk_rows]
+        lse = torch.logsumexp(z, dim=-1)
+        logps.append(z.gather(-1, y.unsqueeze(-1)).squeeze(-1) - lse)
+        if with_entropy:
+            with torch.no_grad():
+                entropies.append(lse - (torch.softmax(z, dim=-1) * z).sum(dim=-1))
+    if not logps:
+        empty = logits.new_zeros(0, dtype=torch.float32)
+        return empty, (empty if with_entropy else None)
+    return torch.cat(logps), (torch.cat(entropies) if with_entropy else None)
+
+
+@contextlib.contextmanager
+def output_rows(inner, seq_idx: Tensor, batch_idx: Tensor):
+    """Within the block, `inner.output_layer` computes logits for hidden_states[seq_idx, batch_idx] only (an
+    [N, 1, H] input, so GPTModel returns [1, N, V]). Not valid under sequence parallelism, where the layer first
+    gathers position shards."""
+    layer = inner.output_layer
+    original = layer.forward
+
+    def forward(hidden_states, *args, **kwargs):
+        return original(hidden_states[seq_idx, batch_idx].unsqueeze(1), *args, **kwargs)
+
+    layer.forward = forward
+    try:
+        yield
+    finally:
+        del layer.forward  # the class's forward again
+
+
 def _unwrap(model):
     """DDP / Float16Module wrappers -> the GPTModel inside."""
     while not hasattr(model, "vocab_size") and hasattr(model, "module"):
@@ -73,10 +122,13 @@ def _unwrap(model):
 
 
 def forward_logprobs(model, tokens: Tensor, lengths: Tensor | None = None, *, with_entropy: bool = False,
-                     vocab_size: int | None = None):
+                     vocab_size: int | None = None, score_mask: Tensor | None = None, temperature: float = 1.0):
     """tokens: [B, L] long (right padded), lengths: [B] or None (= L) -> logp [B, L] fp32 (, entropy [B, L]).
 
     `vocab_size` is the real vocabulary (defaults to the one build_model recorded, else the model's own).
+    `score_mask` [B, L] bool: the tokens to score (e.g. the loss mask); others read 0. None = every valid token.
+    `temperature` T: log-probs (and entropies) of softmax(logits / T), the distribution the rollout engine sampled
+    from at that temperature; T = 0 (greedy) counts as 1, as in vLLM, which then reports unscaled log-probs.
     Under sequence parallelism L is padded to a multiple of TP here and cut back afterwards.
     """
     from megatron.core import parallel_state
@@ -91,17 +143,28 @@ def forward_logprobs(model, tokens: Tensor, lengths: Tensor | None = None, *, wi
     if padded != length:
         tokens = torch.nn.functional.pad(tokens, (0, padded - length), value=0)
     position_ids = torch.arange(padded, device=device).unsqueeze(0).expand(batch, -1)
-    logits = model(tokens, position_ids, causal_mask(padded, device))  # [B, padded, V/tp]
     group = parallel_state.get_tensor_model_parallel_group() if tp > 1 else None
-    # position t predicts token t+1
-    logp_next, ent_next = compute_vocab_parallel_logprobs(logits[:, : length - 1], tokens[:, 1:length], vocab_size,
-                                                          group, with_entropy)
     valid = _valid_mask(batch, length, lengths, device)
-    zero = torch.zeros((), device=device)
-    logp = torch.where(valid, torch.nn.functional.pad(logp_next, (1, 0)), zero)
+    if score_mask is not None:
+        valid = valid & score_mask.to(device).bool()
+    b_idx, t_idx = valid.nonzero(as_tuple=True)  # scored tokens; position t - 1 predicts token t
+    labels = tokens[b_idx, t_idx]
+    if inner.config.sequence_parallel:
+        logits = model(tokens, position_ids, causal_mask(padded, device))[b_idx, t_idx - 1]  # [N, V/tp]
+    else:
+        with output_rows(inner, t_idx - 1, b_idx):
+            logits = model(tokens, position_ids, causal_mask(padded, device))[0]  # [N, V/tp]
+    if temperature > 0 and temperature != 1.0:  # vLLM divides fp32 logits by T before its log-softmax
+        logits = logits.float() / temperature
+    if group is None:
+        logp_n, ent_n = compute_logprobs_local(logits[:, :vocab_size], labels, with_entropy)
+    else:
+        logp_n, ent_n = compute_vocab_parallel_logprobs(logits, labels, vocab_size, group, with_entropy)
+    logp = torch.zeros(batch, length, device=device, dtype=logp_n.dtype).index_put((b_idx, t_idx), logp_n)
     if not with_entropy:
         return logp
-    return logp, torch.where(valid, torch.nn.functional.pad(ent_next, (1, 0)), zero)
+    entropy = torch.zeros(batch, length, device=device).index_put((b_idx, t_idx), ent_n.detach().float())
+    return logp, entropy
 
 
 def _valid_mask(batch: int, length: int, lengths: Tensor | None, device) -> Tensor:

@@ -36,11 +36,13 @@ from gspo_ray.trainer.optim import (
     build_ddp,
     build_optimizer,
     build_scheduler,
+    SkippedSteps,
     optimizer_step,
     torch_dtype,
     zero_grads,
 )
 from gspo_ray.trainer.megatron_cpu_compat import cpu_device_mode
+from gspo_ray.trainer.pg_weights import build_pg_weight
 from gspo_ray.trainer.router_churn import RouterRecorder, comm_device
 
 log = logging.getLogger(__name__)
@@ -84,7 +86,8 @@ def micro_batches(batch: TrainBatch, micro_batch_size: int) -> list[TrainBatch]:
         out.append(TrainBatch(
             tokens=mb.tokens[:, :width], loss_mask=mb.loss_mask[:, :width], old_logp=mb.old_logp[:, :width],
             adv=mb.adv[:, :width], lengths=mb.lengths,
-            ref_logp=None if mb.ref_logp is None else mb.ref_logp[:, :width], uids=mb.uids))
+            ref_logp=None if mb.ref_logp is None else mb.ref_logp[:, :width], uids=mb.uids,
+            rollout_logp=None if mb.rollout_logp is None else mb.rollout_logp[:, :width]))
     return out
 
 
@@ -105,6 +108,12 @@ class MetricAccumulator:
     """
 
     SUMS = ("train/n_tokens", "train/n_seqs", "train/loss")
+    SEQ_WEIGHTED = ("train/dilution_frac",)  # shares of completions whose key has no `_seq`
+    MAXES = ("train/dilution_max_abs_logr",)  # maxima whose key does not end in `_max`
+
+    @classmethod
+    def _is_max(cls, key: str) -> bool:
+        return key.endswith("_max") or key in cls.MAXES
 
     def __init__(self, per_sequence_ratio: bool):
         self.per_sequence_ratio = per_sequence_ratio
@@ -115,7 +124,7 @@ class MetricAccumulator:
     def _weight(self, key: str, n_tok: float, n_seq: float, n_units: float) -> float:
         if key == "train/pg_loss":
             return n_units
-        if "_seq" in key or (key == "train/ratio_mean" and self.per_sequence_ratio):
+        if "_seq" in key or key in self.SEQ_WEIGHTED or (key == "train/ratio_mean" and self.per_sequence_ratio):
             return n_seq
         return n_tok
 
@@ -123,7 +132,7 @@ class MetricAccumulator:
         if n_tok == 0:
             return
         for key, value in metrics.items():
-            if key.endswith("_max"):
+            if self._is_max(key):
                 self.extrema[key] = max(self.extrema.get(key, -math.inf), value)
             elif key.endswith("_min"):
                 self.extrema[key] = min(self.extrema.get(key, math.inf), value)
@@ -148,8 +157,8 @@ class MetricAccumulator:
         sums = torch.tensor([[self.sums.get(k, 0.0), self.weights.get(k, 0.0)] for k in sum_keys],
                             dtype=torch.float64).reshape(-1, 2)
         # min folds into max by negation: one MAX all-reduce for both
-        ext = torch.tensor([self.extrema.get(k, -math.inf if k.endswith("_max") else math.inf)
-                            * (1 if k.endswith("_max") else -1) for k in ext_keys], dtype=torch.float64)
+        ext = torch.tensor([self.extrema.get(k, -math.inf if self._is_max(k) else math.inf)
+                            * (1 if self._is_max(k) else -1) for k in ext_keys], dtype=torch.float64)
         if dist.is_initialized():
             sums, ext = sums.to(comm_device(group)), ext.to(comm_device(group))
             dist.all_reduce(sums, group=group)
@@ -159,7 +168,7 @@ class MetricAccumulator:
         for k, (s, w) in zip(sum_keys, sums.tolist()):
             out[k] = s if k in self.SUMS else (s / w if w > 0 else 0.0)
         for k, v in zip(ext_keys, ext.tolist()):
-            v = v if k.endswith("_max") else -v
+            v = v if self._is_max(k) else -v
             out[k] = v if math.isfinite(v) else 0.0
         return out
 
@@ -168,16 +177,21 @@ class TrainerWorker:
     """One rank of the trainer: Megatron GPTModel in DDP, AdamW, LR schedule, optional frozen reference policy."""
 
     def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, model_path: str | Path,
-                 trainer_cfg, algo_cfg, run_dir: str | Path | None = None):
+                 trainer_cfg, algo_cfg, run_dir: str | Path | None = None, temperature: float = 1.0):
         from gspo_ray.trainer.model import build_model
         from gspo_ray.trainer.parallel import init_distributed
 
         self.rank, self.world_size = rank, world_size
         self.cfg, self.algo = trainer_cfg, algo_cfg
+        if trainer_cfg.num_threads is not None:  # Ray sets OMP_NUM_THREADS to the actor's num_cpus
+            torch.set_num_threads(trainer_cfg.num_threads)
         self.model_path, self.run_dir = Path(model_path), Path(run_dir) if run_dir is not None else None
         self.eps_low, self.eps_high = algo_cfg.clip_range()
+        if algo_cfg.aggregation == "seq-mean-token-sum-norm" and algo_cfg.norm_len is None:
+            raise ValueError("algorithm.norm_len must be set for aggregation 'seq-mean-token-sum-norm' (a constant, "
+                             "e.g. rollout.max_new_tokens, which the job fills in): the padded batch width varies")
         init_distributed(rank, world_size, master_addr, master_port, tp=trainer_cfg.tp, ep=trainer_cfg.ep,
-                         seed=trainer_cfg.seed)
+                         seed=trainer_cfg.seed, timeout_s=trainer_cfg.collective_timeout_s)
         dtype = torch_dtype(trainer_cfg.dtype)
         self.gpt, self.spec = build_model(self.model_path, dtype=dtype, moe_dispatcher=trainer_cfg.moe_dispatcher)
         self.ddp = build_ddp(self.gpt, dtype=trainer_cfg.dtype,
@@ -191,7 +205,10 @@ class TrainerWorker:
             self.ref_model.eval()
             self.ref_model.requires_grad_(False)
         self.recorder = RouterRecorder(self.gpt)
+        self.forward_passes: dict[str, int] = {}  # model forwards since the last train_step returned, by kind
         self._version = 0
+        self.skipped = SkippedSteps(trainer_cfg.max_skipped_steps)  # non-finite steps: skipped, then fatal
+        self.temperature = temperature  # the rollout's sampling temperature: log-probs of logits / T
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.dp_group = parallel_state.get_data_parallel_group()
@@ -209,19 +226,30 @@ class TrainerWorker:
                 "ep_rank": ps.get_expert_model_parallel_rank(), "etp_rank": ps.get_expert_tensor_parallel_rank()}
 
     # ---- forward helpers -----------------------------------------------------------------------------------------
-    def _logprobs(self, model, mb: TrainBatch, with_entropy: bool = False):
-        """[B, L] log-probs of mb.tokens (and [B, L] entropies, detached, when with_entropy)."""
+    def _logprobs(self, model, mb: TrainBatch, with_entropy: bool = False, loss_tokens_only: bool = False,
+                  temperature: float | None = None):
+        """[B, L] log-probs of mb.tokens (and [B, L] entropies, detached, when with_entropy). loss_tokens_only:
+        score only loss-masked tokens (others read 0): the output layer then skips prompt positions.
+        temperature: of the scored distribution (default: the rollout's sampling temperature)."""
         from gspo_ray.trainer.logprobs import forward_logprobs
 
+        score_mask = mb.loss_mask.bool() if loss_tokens_only else None
+        # counted per kind, so benchmarks and tests can see every forward a rollout batch costs
+        kind = "grad" if torch.is_grad_enabled() else "no_grad"
+        self.forward_passes[kind] = self.forward_passes.get(kind, 0) + 1
+        t = self.temperature if temperature is None else temperature
         if not with_entropy:
-            return forward_logprobs(model, mb.tokens, mb.lengths).float()
-        logp, entropy = forward_logprobs(model, mb.tokens, mb.lengths, with_entropy=True)
+            return forward_logprobs(model, mb.tokens, mb.lengths, score_mask=score_mask, temperature=t).float()
+        logp, entropy = forward_logprobs(model, mb.tokens, mb.lengths, with_entropy=True, score_mask=score_mask,
+                                         temperature=t)
         return logp.float(), entropy.detach().float()
 
     @torch.no_grad()
-    def compute_logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:
+    def compute_logprobs(self, batch: TrainBatch, reference: bool = False,
+                         temperature: float | None = None) -> torch.Tensor:
         """log p(tokens[b, t] | tokens[b, :t]) of the current (or reference) policy: [B, L] float32 on CPU, 0 at
-        t = 0 and past each row's length. Every rank returns the whole batch (gathered over DP)."""
+        t = 0 and past each row's length. Every rank returns the whole batch (gathered over DP).
+        temperature: default the sampling one; the weight-push probe asks for 1 (vLLM's prompt log-probs)."""
         model = self.ref_model if reference else self.gpt
         if model is None:
             raise ValueError("compute_logprobs(reference=True) needs algorithm.beta > 0 (no reference model)")
@@ -232,7 +260,7 @@ class TrainerWorker:
         out = torch.zeros(local.num_sequences, width)
         start = 0
         for mb in micro_batches(local, self.cfg.micro_batch_size):
-            lp = self._logprobs(model, mb).cpu()
+            lp = self._logprobs(model, mb, temperature=temperature).cpu()
             out[start:start + mb.num_sequences, :lp.shape[1]] = lp
             start += mb.num_sequences
         model.train(was_training)
@@ -250,21 +278,25 @@ class TrainerWorker:
         return bool(every) and bool(self.recorder.routers) and self._version % every == 0
 
     def _micro_step(self, mb: TrainBatch, totals: float, norm_len: float, acc: MetricAccumulator,
-                    churn: bool) -> None:
+                    churn: bool, eps: tuple[float, float]) -> None:
         """Forward, loss and backward of one micro-batch; grads accumulate in DDP's buffers."""
         ref_logp = mb.ref_logp
         if ref_logp is None and self.ref_model is not None:
             with torch.no_grad():
-                ref_logp = self._logprobs(self.ref_model, mb)
+                ref_logp = self._logprobs(self.ref_model, mb, loss_tokens_only=True)
         capture = self.recorder.capture(mb.lengths, "before") if churn else contextlib.nullcontext()
         with capture:
-            logp, entropy = self._logprobs(self.gpt, mb, with_entropy=True)
+            logp, entropy = self._logprobs(self.gpt, mb, with_entropy=True, loss_tokens_only=True)
         a = self.algo
+        old_logp, adv, mask = mb.old_logp.to(logp), mb.adv.to(logp), mb.loss_mask.bool().to(logp.device)
+        # dilution mask / mismatch correction (None when both are off); their metrics join the loss's
+        rollout_logp = None if mb.rollout_logp is None else mb.rollout_logp.to(logp)
+        pg_weight, extra = build_pg_weight(logp, old_logp, rollout_logp, adv, mask, a, *eps)
         loss, metrics = compute_policy_loss(
-            logp, mb.old_logp.to(logp), mb.adv.to(logp), mb.loss_mask.bool().to(logp.device),
-            a.importance_sampling_level, self.eps_low, self.eps_high, dual_clip_c=a.dual_clip_c,
+            logp, old_logp, adv, mask, a.importance_sampling_level, *eps, dual_clip_c=a.dual_clip_c,
             aggregation=a.aggregation, ref_logp=None if ref_logp is None else ref_logp.to(logp),
-            beta=a.beta, kl_estimator=a.kl_estimator, entropy=entropy, norm_len=norm_len)
+            beta=a.beta, kl_estimator=a.kl_estimator, entropy=entropy, norm_len=norm_len, pg_weight=pg_weight)
+        metrics |= extra
         n_units = loss_units(mb.loss_mask, a.aggregation)
         weight = n_units / totals if totals > 0 else 0.0
         # DDP averages grads over DP: multiply by dp so the step follows the sum of the ranks' scaled losses
@@ -272,30 +304,38 @@ class TrainerWorker:
         acc.add(metrics, metrics["train/n_tokens"], metrics["train/n_seqs"], n_units)
         acc.add_sum("train/loss", float(loss.detach()) * weight)
 
-    def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        """One optimizer step on one mini-batch (collective). Returns mini-batch metrics, equal on every rank."""
+    def train_step(self, batch: TrainBatch, eps: tuple[float, float] | None = None) -> dict[str, float]:
+        """One optimizer step on one mini-batch (collective). Returns mini-batch metrics, equal on every rank.
+        eps: (eps_low, eps_high) of this step (algorithm.eps auto sets it); None = the configured band."""
         t0 = time.perf_counter()
         self._check_batch(batch)
         a = self.algo
         totals = loss_units(batch.loss_mask, a.aggregation)
-        norm_len = float(a.norm_len if a.norm_len is not None else batch.tokens.shape[1])
+        norm_len = None if a.norm_len is None else float(a.norm_len)  # a constant (see __init__), never the width
         churn = self._churn_now()
         mbs = micro_batches(split_rows(batch, self.dp_rank, self.dp_size), self.cfg.micro_batch_size)
         acc = MetricAccumulator(per_sequence_ratio=a.importance_sampling_level != "token")
         self.gpt.train()
         zero_grads(self.ddp, self.optimizer)
         self.recorder.clear()
+        eps = tuple(eps) if eps is not None else (self.eps_low, self.eps_high)
         for mb in mbs:
-            self._micro_step(mb, totals, norm_len, acc, churn)
-        grad_norm, lr, ok = optimizer_step(self.ddp, self.optimizer, self.scheduler)
+            self._micro_step(mb, totals, norm_len, acc, churn, eps)
+        loss_finite = math.isfinite(acc.sums.get("train/loss", 0.0))
+        grad_norm, lr, ok = optimizer_step(self.ddp, self.optimizer, self.scheduler, loss_finite)
         if ok:
             self._version += 1
         else:
-            log.warning("optimizer skipped step (non-finite gradients); policy version stays %d", self._version)
+            log.warning("skipped step (non-finite loss or gradients); policy version stays %d", self._version)
+        self.skipped.record(ok, self._version)  # raises after trainer.max_skipped_steps in a row
         metrics = acc.reduce(self.dp_group)
         if churn:
             metrics |= self._router_churn(mbs)
+        metrics |= {"train/eps_low": eps[0], "train/eps_high": eps[1]}  # the band this step trained with
+        metrics |= {f"train/forward_passes_{k}": float(v) for k, v in self.forward_passes.items()}
+        self.forward_passes = {}
         metrics |= {"train/grad_norm": grad_norm, "train/lr": lr, "train/step_ok": float(ok),
+                    "train/skipped_steps": float(self.skipped.total),
                     "train/policy_version": float(self._version), "train/step_s": time.perf_counter() - t0}
         return metrics
 

@@ -28,14 +28,34 @@ def _rows(tp: int, rank: int, world: int) -> slice:
     return slice(None) if tp > 1 else slice(rank, None, world)
 
 
+def score_mask(tokens):
+    """A fixed pattern of scored tokens (a stand-in for a loss mask: some rows score few tokens)."""
+    return (torch.arange(tokens.numel()).reshape(tokens.shape) % 3) != 0
+
+
+def _embedding_grad(model, loss):
+    model.zero_grad(set_to_none=True)
+    loss.backward()
+    return model.embedding.word_embeddings.weight.grad.detach().clone()  # this rank's vocabulary rows under TP
+
+
 def _logprobs(model, tokens, lengths):
     from gspo_ray.trainer.logprobs import forward_logprobs
 
     logp, entropy = forward_logprobs(model, tokens, lengths, with_entropy=True)
-    logp.sum().backward()  # differentiable end to end: gradients reach the embedding
-    grad = model.embedding.word_embeddings.weight.grad  # this rank's vocabulary rows under TP
+    grad = _embedding_grad(model, logp.sum())  # differentiable end to end: gradients reach the embedding
+    mask = score_mask(tokens)
+    # scoring only masked tokens (the output layer skips the others) gives the same values and gradient
+    masked, masked_ent = forward_logprobs(model, tokens, lengths, with_entropy=True, score_mask=mask)
+    masked_grad = _embedding_grad(model, masked.sum())
+    full = forward_logprobs(model, tokens, lengths)
+    full_grad = _embedding_grad(model, (full * mask).sum())
     return {"logp": logp.detach(), "entropy": entropy.detach(), "grad_sq": float(grad.double().square().sum()),
-            "plain": forward_logprobs(model, tokens, lengths).detach()}
+            "plain": forward_logprobs(model, tokens, lengths).detach(),
+            "masked_diff": float((masked.detach() - full.detach() * mask).abs().max()),
+            "masked_ent_diff": float((masked_ent - entropy.detach() * mask).abs().max()),
+            "masked_grad_diff": float((masked_grad - full_grad).abs().max()),
+            "masked_grad_sq": float(masked_grad.double().square().sum())}
 
 
 def _single(rdzv: str, models):
@@ -113,6 +133,8 @@ def _assert_close(got: dict, ref_logp, ref_entropy, what: str):
     assert diff_ent <= TOL, f"{what}: entropy max diff {diff_ent:.2e}"
     assert torch.equal(got["plain"], got["logp"]), f"{what}: with_entropy changed the log-probs"
     assert got["grad_sq"] > 0, f"{what}: no gradient reached the embedding"
+    assert got["masked_diff"] <= 1e-6 and got["masked_ent_diff"] <= 1e-6, f"{what}: score_mask changed values"
+    assert got["masked_grad_sq"] > 0 and got["masked_grad_diff"] <= 1e-6, f"{what}: score_mask changed the gradient"
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3_moe", "llama"])

@@ -1,0 +1,137 @@
+"""`gspo-ray bench --suite smollm2`: the real-model table (SmolLM2-135M-Instruct, `recipes/smollm2_repeat.yaml`).
+
+    gspo-ray bench --suite smollm2 [--steps 6]
+
+Runs the recipe's settings (8 prompts x 8 completions, <= 32 new tokens, fp32, one optimizer step per batch, no
+zero-advantage filtering) for a few steps in sync and async mode and prints, over the steady-state steps (the first
+is skipped: it includes warm-up): s/step with its rollout / train / sync split, completions/s, generated tokens/s,
+push time and MB/s, the trainer's forward passes per rollout batch, and the peak memory (PSS) of every process of
+the job and of the whole job, sampled from the driver's process tree (Ray's own daemons included).
+"""
+from __future__ import annotations
+
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from gspo_ray.config import load_config
+from gspo_ray.coordinator.tracking import read_metrics
+
+RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "smollm2_repeat.yaml"
+GIB = 1024 ** 3
+
+
+class PeakPss:
+    """Samples the PSS of this process and all its descendants every `interval_s`; keeps the peak per process
+    (by command name) and the peak of the sum. PSS splits shared pages between the processes sharing them, so the
+    per-process numbers add up to the job's footprint (RSS would count shared libraries once per process)."""
+
+    def __init__(self, interval_s: float = 0.5):
+        self.interval_s = interval_s
+        self.per_process: dict[str, float] = {}
+        self.total = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    @staticmethod
+    def _label(proc) -> str:
+        try:
+            title = " ".join(proc.cmdline())[:80] or proc.name()
+        except Exception:
+            title = proc.name()
+        if "TrainerWorker" in title:
+            return "trainer"
+        if "RolloutWorker" in title:
+            return "rollout (vLLM engine)"
+        return "driver" if proc.pid == _ROOT_PID[0] else (proc.name() or "other")
+
+    def _sample(self) -> None:
+        import psutil
+
+        root = psutil.Process(_ROOT_PID[0])
+        total, seen = 0.0, {}
+        for proc in [root, *root.children(recursive=True)]:
+            try:
+                pss = proc.memory_full_info().pss
+            except Exception:  # exited between listing and reading
+                continue
+            label = self._label(proc)
+            seen[label] = seen.get(label, 0.0) + pss
+            total += pss
+        for label, pss in seen.items():
+            self.per_process[label] = max(self.per_process.get(label, 0.0), pss)
+        self.total = max(self.total, total)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._sample()
+            self._stop.wait(self.interval_s)
+
+    def __enter__(self) -> PeakPss:
+        import os
+
+        _ROOT_PID[0] = os.getpid()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+_ROOT_PID = [0]
+
+
+def bench_smollm2_mode(mode: str, steps: int, out_dir: Path, model_dir: Path) -> dict:
+    from gspo_ray.coordinator.job import run_job
+
+    cfg = load_config(RECIPE, [f"model.path={model_dir}", "model.packaged=null", f"coordinator.steps={steps}", "coordinator.eval_every=0",
+                               "coordinator.checkpoint_every=0", "data.num_eval=0", f"coordinator.mode={mode}",
+                               "coordinator.filter_zero_adv=false", f"logging.out_dir={out_dir}",
+                               f"name=bench-smollm2-{mode}", "logging.progress=false", "logging.tensorboard=false",
+                               "logging.plot=false", "trainer.router_churn_every=0"])
+    start = time.time()
+    with PeakPss() as mem:
+        summary = run_job(cfg)
+    rows = read_metrics(summary.run_dir / "metrics.jsonl")
+    steady = rows[1:] or rows
+    mean = lambda key: sum(r.get(key) or 0.0 for r in steady) / len(steady)  # noqa: E731
+    step = mean("time/step_s")
+    completions = cfg.coordinator.prompts_per_step * cfg.rollout.group_size
+    push_s, push_mb = mean("sync/push_s"), mean("sync/push_mb")
+    return {"mode": mode, "steps": len(steady), "step_s": step, "rollout_s": mean("time/rollout_s"),
+            "train_s": mean("time/train_s"), "sync_s": mean("time/sync_s"), "push_s": push_s,
+            "push_mb_s": push_mb / push_s if push_s else 0.0, "completions_per_s": completions / step,
+            "gen_tokens_per_s": mean("rollout/tokens_per_s"),
+            "fwd_grad": mean("train/forward_passes_grad"), "fwd_nograd": mean("train/forward_passes_no_grad"),
+            "peak_total_gib": mem.total / GIB, "peak_gib": {k: v / GIB for k, v in mem.per_process.items()},
+            "wall_s": time.time() - start}
+
+
+def format_smollm2(results: list[dict]) -> str:
+    head = ("| mode | s/step | rollout s | train s | sync s | push s (MB/s) | completions/s | gen tok/s | "
+            "fwd grad / no-grad per batch | peak PSS job GiB |")
+    lines = [head, "|---" * (head.count("|") - 1) + "|"]
+    for r in results:
+        lines.append(f"| {r['mode']} | {r['step_s']:.1f} | {r['rollout_s']:.1f} | {r['train_s']:.1f} | "
+                     f"{r['sync_s']:.2f} | {r['push_s']:.2f} ({r['push_mb_s']:.0f}) | {r['completions_per_s']:.2f} | "
+                     f"{r['gen_tokens_per_s']:.0f} | {r['fwd_grad']:.0f} / {r['fwd_nograd']:.0f} | "
+                     f"{r['peak_total_gib']:.1f} |")
+    for r in results:
+        procs = ", ".join(f"{k} {v:.2f}" for k, v in sorted(r["peak_gib"].items(), key=lambda kv: -kv[1])[:6])
+        lines.append(f"peak PSS by process ({r['mode']}, GiB): {procs}")
+    return "\n".join(lines)
+
+
+def run_smollm2_bench(steps: int = 6, modes: tuple[str, ...] = ("sync", "async"),
+                      model_dir: Path = Path("runs/models/smollm2-135m-instruct")) -> list[dict]:
+    """model_dir: where the packaged model is imported once (the recipe's default place) and reused."""
+    from gspo_ray.models.gguf import ensure_imported
+
+    ensure_imported(model_dir)
+    with tempfile.TemporaryDirectory(prefix="gspo-bench-smollm2-") as tmp:
+        results = [bench_smollm2_mode(mode, steps, Path(tmp), model_dir) for mode in modes]
+    print("SmolLM2-135M-Instruct, 8 prompts x 8 completions, <= 32 new tokens, fp32, 1 optimizer step per batch, "
+          f"mean over steps 2..{steps}\n" + format_smollm2(results), flush=True)
+    return results
