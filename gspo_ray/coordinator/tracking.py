@@ -1,8 +1,10 @@
-"""Metrics out: JSONL (one line per step), TensorBoard event files, a live progress bar, and the final PNG plot."""
+"""Metrics out: JSONL (one line per step), TensorBoard event files, Weights & Biases (optional), a live progress bar,
+and the final PNG plot."""
 from __future__ import annotations
 
 import json
 import math
+import uuid
 from pathlib import Path
 
 PROGRESS_KEYS = {"eval/reward": "eval", "rollout/reward_mean": "R", "train/clip_frac_seq": "clip",
@@ -13,7 +15,8 @@ class MetricsTracker:
     """Appends each step's metrics to `metrics.jsonl`, mirrors them to TensorBoard, drives the progress bar."""
 
     def __init__(self, run_dir: Path, total_steps: int, start_step: int = 0, tensorboard: bool = True,
-                 progress: bool = True):
+                 progress: bool = True, wandb=None, run_config: dict | None = None):
+        """wandb: a `WandbConfig` (None or mode disabled = off); run_config is logged as the W&B run's config."""
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._tb = None
@@ -21,6 +24,7 @@ class MetricsTracker:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"), purge_step=start_step or None)
+        self._wandb = WandbSink(wandb, Path(run_dir), run_config) if wandb and wandb.mode != "disabled" else None
         self._bar = None
         if progress:
             from tqdm import tqdm
@@ -35,6 +39,8 @@ class MetricsTracker:
             for k, v in row.items():
                 if k != "step" and v is not None:
                     self._tb.add_scalar(k, v, step)
+        if self._wandb is not None:
+            self._wandb.log(step, row)
         if self._bar is not None:
             shown = {short: f"{metrics[k]:.3g}" for k, short in PROGRESS_KEYS.items() if k in metrics}
             self._bar.set_postfix(shown, refresh=False)
@@ -46,6 +52,34 @@ class MetricsTracker:
             self._tb.close()
         if self._bar is not None:
             self._bar.close()
+        if self._wandb is not None:
+            self._wandb.close()
+
+
+class WandbSink:
+    """One W&B run per run directory: its id is kept in run_dir/wandb/run_id, so a resumed job continues the same
+    W&B run. wandb is imported only here (an optional extra); offline mode writes under run_dir/wandb."""
+
+    def __init__(self, cfg, run_dir: Path, run_config: dict | None = None):
+        try:
+            import wandb
+        except ImportError as e:
+            raise RuntimeError("logging.wandb is selected but the wandb package is not installed: pip install "
+                               "'gspo-ray[wandb]', or set logging.wandb.mode: disabled") from e
+        root = run_dir / "wandb"
+        root.mkdir(parents=True, exist_ok=True)
+        id_file = root / "run_id"
+        run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:12]
+        id_file.write_text(run_id)
+        self._run = wandb.init(project=cfg.project, entity=cfg.entity, group=cfg.group, tags=list(cfg.tags),
+                               mode=cfg.mode, dir=str(run_dir), id=run_id, resume="allow", name=run_dir.name,
+                               config=run_config or {})
+
+    def log(self, step: int, row: dict) -> None:
+        self._run.log({k: v for k, v in row.items() if k != "step" and v is not None}, step=step)
+
+    def close(self) -> None:
+        self._run.finish()
 
 
 def _clean(v) -> float | None:

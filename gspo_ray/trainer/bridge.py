@@ -4,6 +4,7 @@
     export_hf_weights(model, spec, bucket_mb=64) -> Iterator[list[tuple[str, Tensor]]]   # collective
     hf_state_dict_from_megatron(model, spec) -> dict[str, Tensor]     # collective; the whole HF state dict
     save_hf_checkpoint(model, spec, out_dir, tokenizer_src_dir=None) -> None   # collective; rank 0 writes
+    write_hf_dir(hf_state, hf_config, src_dir, out_dir) -> Path       # no process group: a full state dict in hand
 
 Export is collective: every rank of the world calls it, in the same order, and every rank yields the same full
 (unsharded) tensors with exactly the HF names and shapes of the original checkpoint (per-expert names
@@ -289,19 +290,31 @@ def save_hf_checkpoint(model, spec: ModelSpec, out_dir: str | Path, tokenizer_sr
 
     Non-weight files (config, generation config, tokenizer) are copied from `tokenizer_src_dir` (default: the
     directory the model was built from); config.json's dtype is set to the exported dtype."""
-    from huggingface_hub import save_torch_state_dict
-
     state = hf_state_dict_from_megatron(model, spec)
     if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
         return
-    out, src = Path(out_dir), Path(tokenizer_src_dir or spec.hf_dir)
+    write_hf_dir(state, spec.hf_config, tokenizer_src_dir or spec.hf_dir, out_dir, max_shard_size=max_shard_size)
+
+
+def write_hf_dir(state: dict[str, Tensor], hf_config: dict, src_dir: str | Path, out_dir: str | Path,
+                 max_shard_size: str = "5GB") -> Path:
+    """Full HF state dict -> a HF model directory: safetensors, config.json (dtype set to the tensors'), and every
+    non-weight file of `src_dir` (tokenizer, chat template, generation config). A source without a generation
+    config gets one from config.json's bos/eos/pad ids, so `generate` and vLLM stop where training stopped."""
+    from huggingface_hub import save_torch_state_dict
+
+    out, src = Path(out_dir), Path(src_dir)
     out.mkdir(parents=True, exist_ok=True)
     skip = {p for pattern in _WEIGHT_FILES for p in src.glob(pattern)}
     for f in src.iterdir():
         if f.is_file() and f not in skip:
             shutil.copy2(f, out / f.name)
-    config = dict(spec.hf_config)
+    config = dict(hf_config)
     dtype = str(next(iter(state.values())).dtype).removeprefix("torch.")
     config["dtype" if "dtype" in config or "torch_dtype" not in config else "torch_dtype"] = dtype
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if not (out / "generation_config.json").exists():
+        gen = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config.get(k) is not None}
+        (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     save_torch_state_dict({k: v.cpu() for k, v in state.items()}, out, max_shard_size=max_shard_size)
+    return out

@@ -1,0 +1,146 @@
+"""`gspo-ray eval`: score a model or a checkpoint on a JSONL file without training, with vLLM in this process.
+
+    gspo-ray eval runs/my-run --data data/test.jsonl                          # latest checkpoint; run's reward
+    gspo-ray eval exported/ --data test.jsonl --reward my_rewards:score --n 8 --temperature 1.0
+
+MODEL is a HF model directory, a run directory (its latest checkpoint), a `checkpoints/step_N` directory or a
+trainer checkpoint. A checkpoint is served from its `hf/` directory when training exported one, else exported to a
+temporary directory first. Sampling limits, the reward and the prompt fields default to the run's `config.yaml`
+(or `--config FILE`), so a checkpoint is scored exactly as the in-training eval scored it; flags override them.
+Generation and scoring go through `evaluation.run_eval`, the in-training eval's own path.
+"""
+from __future__ import annotations
+
+import json
+import tempfile
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from gspo_ray.config import DataConfig, RewardConfig, RolloutConfig
+from gspo_ray.coordinator.evaluation import EvalResult, run_eval, write_eval_samples
+from gspo_ray.coordinator.export import HF_DIR, resolve_checkpoint
+
+
+@dataclass
+class EvalOptions:
+    """What `gspo-ray eval` was asked; None = take it from the run's (or --config's) job config."""
+
+    data: Path
+    reward: str | None = None
+    reward_kwargs: dict[str, Any] | None = None
+    n: int = 1
+    temperature: float | None = None  # default: 0 (greedy) for n = 1, the config's temperature for n > 1
+    max_new_tokens: int | None = None
+    max_model_len: int | None = None
+    prompt_field: str | None = None
+    reference_field: str | None = None
+    chat: bool | None = None
+    pass_threshold: float = 1.0
+    config: Path | None = None  # a job YAML to take defaults from
+    model_dir: Path | None = None  # the HF model a checkpoint was trained from (when not inside a run directory)
+
+
+class LocalRollout:
+    """One RolloutWorker in this process behind the `generate` interface of the rollout pool (no Ray)."""
+
+    def __init__(self, model_dir: Path, cfg: RolloutConfig, work_dir: Path):
+        from gspo_ray.rollout.worker import RolloutWorker
+
+        self.worker = RolloutWorker(0, str(model_dir), cfg, str(work_dir), reward_runner=cfg.reward)
+        self.multi_turn = cfg.multi_turn is not None
+
+    def generate(self, prompts, n: int, temperature: float | None = None):
+        from gspo_ray.coordinator.rollout_pool import assemble_groups
+
+        call = self.worker.run_episodes if self.multi_turn else self.worker.generate
+        samples = call(prompts, n, temperature=temperature)
+        return assemble_groups(prompts, samples, n), self.worker.last_metrics()
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()
+
+
+def _job_section(target: Path, opts: EvalOptions) -> dict:
+    """The raw job config the defaults come from: --config, else the run's config.yaml, else nothing."""
+    path = opts.config
+    if path is None:
+        for parent in (target, *target.parents):
+            if (parent / "config.yaml").is_file() and (parent / "checkpoints").is_dir():
+                path = parent / "config.yaml"
+                break
+    if path is None:
+        return {}
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"--config {path}: file not found")
+    return yaml.safe_load(Path(path).read_text()) or {}
+
+
+def settings(target: Path, opts: EvalOptions) -> tuple[RolloutConfig, DataConfig]:
+    """Rollout and data settings: job config defaults, then the command's flags (validated like the job's)."""
+    raw = _job_section(target, opts)
+    rollout = dict(raw.get("rollout") or {}, num_workers=1)  # one engine, unpinned
+    if opts.reward is not None:
+        same = (rollout.get("reward") or {}).get("fn") == opts.reward
+        rollout["reward"] = {**((rollout.get("reward") or {}) if same else {}), "fn": opts.reward}
+    if opts.reward_kwargs is not None:
+        rollout["reward"] = {**(rollout.get("reward") or {}), "kwargs": opts.reward_kwargs}
+    for key, value in (("max_new_tokens", opts.max_new_tokens), ("max_model_len", opts.max_model_len)):
+        if value is not None:
+            rollout[key] = value
+    data = {k: v for k, v in (raw.get("data") or {}).items()
+            if k in ("prompt_field", "reference_field", "apply_chat_template")}
+    for key, value in (("prompt_field", opts.prompt_field), ("reference_field", opts.reference_field),
+                       ("apply_chat_template", opts.chat)):
+        if value is not None:
+            data[key] = value
+    return RolloutConfig.model_validate(rollout), DataConfig.model_validate({**data, "source": "builtin"})
+
+
+def model_to_serve(target: Path, opts: EvalOptions, stack: ExitStack) -> Path:
+    """A HF directory as is; a checkpoint's exported `hf/`, or a fresh export in a temporary directory."""
+    if (target / "config.json").is_file():
+        return target
+    ref = resolve_checkpoint(target, opts.model_dir)
+    if ref.step_dir is not None and (ref.step_dir / HF_DIR / "config.json").is_file():
+        return ref.step_dir / HF_DIR
+    from gspo_ray.trainer.hf_export import export_checkpoint
+
+    tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="gspo-eval-")))
+    return export_checkpoint(ref.trainer_dir, ref.model_dir, tmp / "model")
+
+
+def evaluate_model(target: str | Path, opts: EvalOptions, out: str | Path) -> tuple[EvalResult, Path]:
+    """Run the evaluation; write per-sample lines to `out` and the summary to `out` with .summary.json."""
+    from gspo_ray.data.prompts import PromptSource
+    from gspo_ray.rollout.scoring import check_reward
+
+    target = Path(target)
+    rollout_cfg, data_cfg = settings(target, opts)
+    check_reward(rollout_cfg.reward.fn, rollout_cfg.reward.kwargs)  # a bad plug-in fails before vLLM starts
+    temperature = opts.temperature if opts.temperature is not None else (
+        0.0 if opts.n == 1 else rollout_cfg.temperature)
+    if opts.n > 1 and temperature == 0.0:
+        raise ValueError(f"--n {opts.n} at temperature 0 gives {opts.n} copies of the greedy completion; "
+                         "give --temperature > 0")
+    with ExitStack() as stack:
+        model_dir = model_to_serve(target, opts, stack)
+        source = PromptSource.from_jsonl(
+            opts.data, str(model_dir), prompt_field=data_cfg.prompt_field, reference_field=data_cfg.reference_field,
+            split="eval", apply_chat_template=data_cfg.apply_chat_template,
+            max_new_tokens=rollout_cfg.max_new_tokens, max_model_len=rollout_cfg.max_model_len)
+        prompts = source.prompts()  # tokenised and length-checked before the engine starts
+        work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="gspo-eval-engine-")))
+        rollout = LocalRollout(model_dir, rollout_cfg, work)
+        stack.callback(rollout.shutdown)
+        result = run_eval(rollout.generate, prompts, n=opts.n, temperature=temperature,
+                          pass_threshold=opts.pass_threshold)
+        decode = lambda ids: source.tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
+        out = write_eval_samples(Path(out), result.groups, decode, opts.pass_threshold)
+    summary = {"model": str(target), "data": str(opts.data), "reward": rollout_cfg.reward.fn,
+               "temperature": temperature, "max_new_tokens": rollout_cfg.max_new_tokens, **result.metrics}
+    out.with_suffix(".summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    return result, out
