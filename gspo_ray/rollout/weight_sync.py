@@ -2,7 +2,7 @@
 
     buckets = iter_buckets(trainer_named_tensors, bucket_mb=64)    # trainer side (lazy generator)
     stats = push_buckets(engine, buckets)                          # rollout side: bounded memory
-    diff = verify_probe(engine, probe)                             # teacher-forced log-probs vs the trainer's
+    metrics = verify_probe(engine, probe, tol=1e-4, count_experts=True)  # teacher-forced log-probs vs trainer's
 
 A bucket is a list of (HF parameter name, unsharded tensor) of at most `bucket_mb` MiB (a single larger tensor
 gets a bucket of its own). Buckets may also be `ray.ObjectRef`s: they are fetched one at a time while the engine
@@ -12,6 +12,9 @@ the whole layer has arrived, then processes it). Names are the checkpoint's (HF)
 """
 from __future__ import annotations
 
+import logging
+import math
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +23,7 @@ from typing import Any, Iterable, Iterator
 import torch
 
 Bucket = list[tuple[str, torch.Tensor]]
+log = logging.getLogger(__name__)
 MiB = 1024 * 1024
 
 
@@ -29,15 +33,23 @@ class WeightSyncError(RuntimeError):
 
 @dataclass
 class WeightProbe:
-    """A probe sequence and the trainer's teacher-forced log-probs of token_ids[1:] under the pushed weights."""
+    """Probe sequences and the trainer's teacher-forced log-probs (temperature 1) of each one's tokens after the
+    first, under the pushed weights. Several sequences: enough tokens to reach every expert of a large MoE."""
 
-    token_ids: list[int]
-    logprobs: list[float]  # [len(token_ids) - 1]
+    sequences: list[list[int]]
+    logprobs: list[list[float]]  # [len(sequences[i]) - 1] each
 
     def __post_init__(self) -> None:
-        if len(self.logprobs) != len(self.token_ids) - 1:
-            raise ValueError(f"probe: {len(self.logprobs)} log-probs for {len(self.token_ids)} tokens "
-                             "(need one per token after the first)")
+        if len(self.logprobs) != len(self.sequences) or not self.sequences:
+            raise ValueError(f"probe: {len(self.logprobs)} log-prob rows for {len(self.sequences)} sequences")
+        for ids, lp in zip(self.sequences, self.logprobs):
+            if len(lp) != len(ids) - 1:
+                raise ValueError(f"probe: {len(lp)} log-probs for {len(ids)} tokens "
+                                 "(need one per token after the first)")
+
+    @classmethod
+    def single(cls, token_ids: list[int], logprobs: list[float]) -> "WeightProbe":
+        return cls([list(token_ids)], [list(logprobs)])
 
 
 @dataclass
@@ -99,14 +111,52 @@ def push_buckets(engine, buckets: Iterable[Any]) -> PushStats:
     return stats
 
 
-def verify_probe(engine, probe: WeightProbe, tol: float | None = None) -> float:
-    """max |engine log-prob - probe log-prob| over the probe; raises WeightSyncError above `tol` (if given)."""
-    got = torch.tensor(engine.prompt_logprobs(probe.token_ids), dtype=torch.float64)
-    diff = float((got - torch.tensor(probe.logprobs, dtype=torch.float64)).abs().max())
-    if tol is not None and not diff <= tol:  # `not <=` also catches NaN
-        raise WeightSyncError(f"engine log-probs differ from the trainer's by {diff:.3g} > verify_tol {tol:g} "
-                              "after a weight push")
-    return diff
+# Default probe tolerance by engine dtype: (statistic, tol). fp32: per-token max |engine - trainer| (measured
+# ~5e-7 on the tiny models, 6e-5 on SmolLM2); a corrupt expert moves it by ~0.06. bf16: the mean over the probe's
+# tokens, because single tokens jump where a near-tied router flips (up to ~1-4 per token, FACTS); measured here
+# mean 1e-3 (tiny MoE, bf16 engine vs fp32 trainer), up to ~0.1 elsewhere, so 0.2 passes bf16 rounding and
+# catches gross errors (stale packed weights, half-loaded layers). Subtle corruption needs an fp32 engine.
+VERIFY_TOL = {"float32": ("max", 1e-4), "bfloat16": ("mean", 0.2)}
+
+
+def verify_probe(engine, probe: WeightProbe, tol: float | None = None, statistic: str = "max",
+                 count_experts: bool = False) -> dict[str, float]:
+    """Teacher-forced engine log-probs vs the probe's: `sync/verify_max_abs_diff`, `sync/verify_mean_abs_diff`
+    and, with count_experts, the probe's expert coverage (`sync/probe_expert_coverage`, ...). Raises
+    WeightSyncError when the `statistic` ("max" | "mean") exceeds `tol` (if given)."""
+    from gspo_ray.rollout.expert_coverage import coverage_report
+
+    got, counts = engine.probe_logprobs(probe.sequences, count_experts=count_experts)
+    diff = torch.cat([(torch.tensor(g, dtype=torch.float64) - torch.tensor(r, dtype=torch.float64)).abs()
+                      for g, r in zip(got, probe.logprobs)])
+    metrics = {"sync/verify_max_abs_diff": float(diff.max()), "sync/verify_mean_abs_diff": float(diff.mean())}
+    value = metrics[f"sync/verify_{statistic}_abs_diff"]
+    if tol is not None and not value <= tol:  # `not <=` also catches NaN
+        raise WeightSyncError(f"engine log-probs differ from the trainer's by {value:.3g} ({statistic} over the "
+                              f"probe) > verify_tol {tol:g} after a weight push")
+    cover, missed = coverage_report(counts)
+    if missed:
+        log.warning("weight-push probe reached no token in %d (layer, expert) pairs, e.g. %s: those experts are "
+                    "not verified", len(missed), missed[:3])
+    return metrics | cover
+
+
+_FUSED_EXPERTS = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<proj>[a-z0-9_]+?)(?P<kind>\.weight|_bias|\.bias)?$")
+
+
+def expert_names(name: str, shape: tuple[int, ...]) -> list[str]:
+    """A checkpoint tensor's name(s) in per-expert form, so fused and per-expert checkpoints compare equal.
+
+    Fused experts hold every expert in one tensor whose first dimension is the expert:
+    `mlp.experts.gate_up_proj` [E, ...] -> `mlp.experts.{e}.gate_proj.weight` and `...{e}.up_proj.weight`,
+    `mlp.experts.down_proj_bias` [E, ...] -> `mlp.experts.{e}.down_proj.bias`. Any other name is returned as is.
+    """
+    m = _FUSED_EXPERTS.match(name)
+    if m is None or len(shape) < 2:  # per-expert names carry an index (`experts.3.up_proj.weight`): no match
+        return [name]
+    kind = ".weight" if m["kind"] in (None, ".weight") else ".bias"
+    projs = ("gate_proj", "up_proj") if m["proj"] == "gate_up_proj" else (m["proj"],)
+    return [f"{m['prefix']}.{e}.{proj}{kind}" for e in range(shape[0]) for proj in projs]
 
 
 def build_probe_ids(vocab_size: int, length: int = 32, seed: int = 0, bos_id: int | None = None) -> list[int]:
@@ -114,6 +164,32 @@ def build_probe_ids(vocab_size: int, length: int = 32, seed: int = 0, bos_id: in
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab_size, (length,), generator=gen).tolist()
     return ([bos_id] + ids[1:]) if bos_id is not None else ids
+
+
+def probe_tokens_needed(num_experts: int, top_k: int, num_layers: int, miss: float = 0.01, margin: int = 4) -> int:
+    """`margin` x the tokens after which, were routing uniform, P(some (layer, expert) pair gets no token) <=
+    `miss` (num_layers * E * (1 - k/E)^n <= miss). Real routers are uneven: hence the margin, and the probe
+    reports its coverage (router counts) at every push."""
+    if num_experts <= top_k:
+        return 32
+    uniform = math.log(miss / (num_layers * num_experts)) / math.log(1 - top_k / num_experts)
+    return max(32, math.ceil(margin * uniform))
+
+
+def build_probe_sequences(vocab_size: int, max_len: int, model_config: dict | None = None, seed: int = 0,
+                          max_sequences: int = 8) -> list[list[int]]:
+    """Pseudo-random probe sequences of at most `max_len` tokens: one of 32 for a dense model; for an MoE
+    (`num_experts`/`num_local_experts`/`n_routed_experts` and `num_experts_per_tok` in model_config, the HF
+    config.json) as many full-length ones as `probe_tokens_needed` asks (at most max_sequences)."""
+    cfg = model_config or {}
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 0
+    top_k = cfg.get("num_experts_per_tok") or 1
+    if experts <= 1:
+        return [build_probe_ids(vocab_size, min(32, max_len), seed)]
+    need = probe_tokens_needed(experts, top_k, cfg.get("num_hidden_layers", 1))
+    count = min(max_sequences, math.ceil(need / max_len))
+    length = min(max_len, max(32, math.ceil(need / count)))
+    return [build_probe_ids(vocab_size, length, seed + i) for i in range(count)]
 
 
 def read_checkpoint_weights(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:

@@ -4,7 +4,7 @@
     optimizer = build_optimizer(ddp, cfg)           # cfg: gspo_ray.config.TrainerConfig
     scheduler = build_scheduler(optimizer, cfg)
     ...  forward / backward over micro-batches ...
-    grad_norm, lr = optimizer_step(ddp, optimizer, scheduler)
+    grad_norm, lr, ok = optimizer_step(ddp, optimizer, scheduler, loss_finite)   # ok False: skipped (NaN/inf)
 
 Megatron's DDP + `finalize_model_grads` is used (not torch.optim with a hand all-reduce, which sums different
 experts' gradients under EP). DDP *averages* gradients over the data-parallel group (dense params: 1/dp; expert
@@ -79,7 +79,7 @@ def build_ddp(model: torch.nn.Module, *, dtype: str = "float32", use_distributed
         grad_reduce_in_fp32=torch_dtype(dtype) != torch.float32,
         overlap_grad_reduce=False,
         use_distributed_optimizer=use_distributed_optimizer,
-        check_for_nan_in_grad=False,
+        check_for_nan_in_grad=False,  # it raises; `grads_finite` skips the step instead
     )
     with cpu_device_mode():
         return DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
@@ -144,17 +144,65 @@ def zero_grads(ddp_model, optimizer) -> None:
     optimizer.zero_grad()
 
 
-def optimizer_step(ddp_model, optimizer, scheduler) -> tuple[float, float, bool]:
-    """Reduce grads (DP all-reduce, TP/SP norm grads), advance the schedule, step. Returns (grad_norm, lr, ok).
+class NonFiniteStepsError(RuntimeError):
+    """Too many optimizer steps in a row had a non-finite loss or gradient (trainer.max_skipped_steps)."""
 
-    ok is False when the optimizer skipped the step (inf/nan grads): the caller must not bump the version.
+
+def grads_finite(ddp_model, loss_finite: bool = True) -> bool:
+    """True when this rank's loss and every rank's reduced gradients are finite (collective: all ranks agree).
+
+    Megatron's own guard does not fire here: its fp32 and bf16 optimizers report no inf (only fp16's loss scaler
+    checks), and DDP's `check_for_nan_in_grad` raises instead of skipping. One isfinite per gradient buffer.
+    """
+    import torch.distributed as dist
+
+    buffers = getattr(ddp_model, "buffers", []) + getattr(ddp_model, "expert_parallel_buffers", [])
+    grads = [b.grad_data for b in buffers] or [p.main_grad for p in ddp_model.parameters()
+                                                if getattr(p, "main_grad", None) is not None]
+    ok = loss_finite and all(bool(torch.isfinite(g).all()) for g in grads)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        flag = torch.tensor([0.0 if ok else 1.0], device=grads[0].device if grads else "cpu")
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # one bad rank (e.g. its own experts) skips everyone's step
+        ok = float(flag) == 0.0
+    return ok
+
+
+def optimizer_step(ddp_model, optimizer, scheduler, loss_finite: bool = True) -> tuple[float, float, bool]:
+    """Reduce grads (DP all-reduce, TP/SP norm grads), check them, advance the schedule, step.
+    Returns (grad_norm, lr, ok).
+
+    ok is False when the step was skipped (non-finite loss or gradient on any rank, or the optimizer's own skip):
+    weights, optimizer state and the LR schedule are untouched and the caller must not bump the version.
     """
     with cpu_device_mode():
         finalize_model_grads([ddp_model])
+        if not grads_finite(ddp_model, loss_finite):
+            return float("nan"), float(optimizer.param_groups[0]["lr"]), False
         scheduler.step(1)
         lr = float(optimizer.param_groups[0]["lr"])
         ok, grad_norm, _ = optimizer.step()
     return float(grad_norm) if grad_norm is not None else float("nan"), lr, bool(ok)
+
+
+class SkippedSteps:
+    """Counts skipped (non-finite) steps; raises NonFiniteStepsError at `max_in_a_row` consecutive ones."""
+
+    def __init__(self, max_in_a_row: int):
+        self.max_in_a_row = max_in_a_row
+        self.total = 0
+        self.in_a_row = 0
+
+    def record(self, ok: bool, version: int) -> None:
+        if ok:
+            self.in_a_row = 0
+            return
+        self.total += 1
+        self.in_a_row += 1
+        if self.in_a_row >= self.max_in_a_row:
+            raise NonFiniteStepsError(
+                f"{self.in_a_row} optimizer steps in a row had a non-finite loss or gradient "
+                f"(trainer.max_skipped_steps={self.max_in_a_row}); weights kept at policy version {version}. "
+                "Check rewards and advantages for NaN/inf, or lower trainer.lr")
 
 
 def sub_optimizers(optimizer) -> list:

