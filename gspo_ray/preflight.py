@@ -113,7 +113,7 @@ def _model_facts(cfg: JobConfig, report: PreflightReport):
                                            f"{cfg.logging.out_dir / 'models'} when training starts: directory "
                                            "checks skipped, its tokenizer read from the GGUF file")
             return None
-    elif path is None:  # model.tiny: its config is checked with the tokenizer, after the cheaper plug-in imports
+    elif path is None:  # model.tiny: its config is checked last, after the dry calls (see run_preflight)
         report.add("model", "skipped", f"model.tiny ({cfg.model.tiny.arch}) is built into {cfg.run_dir / 'model'} "
                                        "when training starts: directory checks skipped, its config checked")
         return None

@@ -89,15 +89,36 @@ def check_converter_spec(where: str | Path, cfg: dict, tp: int, ep: int) -> None
 
 def check_engine_limits(where: str | Path, cfg: dict, max_model_len: int, engine_on_cpu: bool) -> None:
     """What vLLM refuses at engine start: a context longer than the model's, a head size its CPU kernels lack."""
-    max_pos = cfg.get("max_position_embeddings")
-    if isinstance(max_pos, int) and max_model_len > max_pos and not os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN"):
-        raise PreflightError(f"rollout.max_model_len ({max_model_len}) exceeds the model's max_position_embeddings "
-                             f"({max_pos}) of {where}; valid: <= {max_pos}")
+    limit, key = _context_limit(where, cfg)
+    if limit is not None and max_model_len > limit and not os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN"):
+        raise PreflightError(f"rollout.max_model_len ({max_model_len}) exceeds the model's {key} ({limit}) of "
+                             f"{where}; valid: <= {limit}")
     heads = cfg.get("num_attention_heads") or 1
     head_dim = cfg.get("head_dim") or (cfg.get("hidden_size", 0) // heads)
     if engine_on_cpu and head_dim not in CPU_HEAD_SIZES:
         raise _fail(where, f"head size {head_dim} is not supported by vLLM's CPU attention "
                           f"(rollout.num_gpus_per_worker=0); valid: {', '.join(map(str, CPU_HEAD_SIZES))}")
+
+
+def _context_limit(where: str | Path, cfg: dict) -> tuple[int | None, str]:
+    """The longest context vLLM derives: max_position_embeddings, lowered by tokenizer_config.json's
+    model_max_length, unless config.json's own model_max_length allows more (vllm/config/model.py)."""
+    limits = []
+    if isinstance(cfg.get("max_position_embeddings"), int):
+        limits.append((cfg["max_position_embeddings"], "max_position_embeddings"))
+    tok_cfg = where / "tokenizer_config.json" if isinstance(where, Path) else None
+    if tok_cfg is not None and tok_cfg.is_file():
+        try:
+            value = json.loads(tok_cfg.read_text(encoding="utf-8")).get("model_max_length")
+        except (ValueError, OSError, AttributeError):
+            value = None  # an unreadable tokenizer config is reported when the tokenizer loads
+        if isinstance(value, (int, float)) and value < 1e9:  # "no limit" is written as ~1e30
+            limits.append((int(value), "tokenizer_config.json model_max_length"))
+    if not limits:
+        return None, ""
+    limit, key = min(limits)
+    own = cfg.get("model_max_length")
+    return (max(limit, own), "model_max_length") if isinstance(own, int) and own > limit else (limit, key)
 
 
 def read_safetensors_header(file: Path) -> dict[str, Any]:

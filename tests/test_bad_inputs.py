@@ -313,6 +313,9 @@ def _break_model(kind: str, d: Path, ws: Workspace, draw) -> list[str]:
         ws.set("trainer.num_workers", tp)
         ws.set("trainer.tp", tp)
         return [f"tp={tp} must divide num_attention_heads=2"]
+    if kind == "tokenizer_max_length":  # vLLM caps the context at the tokenizer's model_max_length too
+        _edit_json(d / "tokenizer_config.json", model_max_length=draw(st.integers(8, 63)))
+        return ["rollout.max_model_len (64)", "tokenizer_config.json model_max_length"]
     ws.set("rollout.max_model_len", draw(st.integers(257, 4096)))  # max_model_len past the model's 256 positions
     return ["rollout.max_model_len", "max_position_embeddings (256)"]
 
@@ -320,7 +323,7 @@ def _break_model(kind: str, d: Path, ws: Workspace, draw) -> list[str]:
 MODEL_BREAKAGES = ["no_weights", "bin_weights_only", "truncated_weights", "missing_shard", "no_config",
                    "config_not_json", "model_type", "architectures", "vocab_size", "tokenizer_missing",
                    "tokenizer_mismatch", "no_eos", "rope", "hidden_act", "head_size", "tensor_parallel",
-                   "max_model_len", "gpt2"]
+                   "tokenizer_max_length", "max_model_len", "gpt2"]
 
 
 @pytest.mark.parametrize("kind", MODEL_BREAKAGES)
