@@ -26,13 +26,15 @@ import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from gspo_ray.config import JobConfig
-from gspo_ray.data.records import Prompt
 from gspo_ray.plugins import PluginError, resolve_callable
 from gspo_ray.preflight_model import (PreflightError, check_architecture, check_converter_spec, check_engine_limits,
                                       check_model_dir, check_tokenizer, load_checked_tokenizer)
+
+if TYPE_CHECKING:  # gspo_ray.data imports torch: a bad model type or plug-in path is reported before that
+    from gspo_ray.data.records import Prompt
 
 __all__ = ["PreflightError", "PreflightReport", "run_preflight", "call_with_timeout"]
 
@@ -252,11 +254,11 @@ def _check_data(cfg: JobConfig, tokenizer: Any, vocab_size: int, report: Preflig
 
 # ---- plug-ins --------------------------------------------------------------------------------------------------------
 def _import_reward(cfg: JobConfig, import_timeout_s: float) -> Callable:
-    from gspo_ray.rollout.scoring import build_call_kwargs  # plain Python: scoring imports no engine
-
     r = cfg.rollout.reward
     fn = call_with_timeout(lambda: resolve_callable(r.fn, "rollout.reward.fn"), import_timeout_s,
                            f"rollout.reward.fn: importing {r.fn!r}")
+    from gspo_ray.rollout.scoring import build_call_kwargs  # no engine; after the user's import (this one is torch)
+
     try:
         build_call_kwargs(fn, dict(r.kwargs), "rollout.reward")
     except PluginError as e:
