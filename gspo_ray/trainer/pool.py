@@ -39,7 +39,8 @@ class TrainerPool:
     """Handles to the trainer ranks; method calls are collective over all of them."""
 
     def __init__(self, model_path: str | Path, trainer_cfg, algo_cfg, run_dir: str | Path | None = None,
-                 ready_timeout_s: float = 600):
+                 ready_timeout_s: float = 600, temperature: float = 1.0):
+        """temperature: the rollout's sampling temperature; the trainer's log-probs are those of logits / T."""
         self.cfg = trainer_cfg
         n = trainer_cfg.num_workers
         bundle = {"CPU": trainer_cfg.num_cpus_per_worker, **trainer_cfg.resources}
@@ -57,7 +58,7 @@ class TrainerPool:
                 num_cpus=trainer_cfg.num_cpus_per_worker, num_gpus=trainer_cfg.num_gpus_per_worker,
                 resources=dict(trainer_cfg.resources) or None, scheduling_strategy=self._on_bundle(rank),
             ).remote(rank, n, addr, port, str(model_path), trainer_cfg, algo_cfg,
-                     None if run_dir is None else str(run_dir))
+                     None if run_dir is None else str(run_dir), temperature=temperature)
             for rank in range(n)
         ]
         try:  # construction is collective; wait for every rank so a bad layout fails here, not in the first step
@@ -77,11 +78,12 @@ class TrainerPool:
         return self._all(method, *args, **kwargs)[0]
 
     # ---- the verbs ---------------------------------------------------------------------------------------------
-    def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        return self._rank0("train_step", ray.put(batch))
+    def train_step(self, batch: TrainBatch, eps: tuple[float, float] | None = None) -> dict[str, float]:
+        """eps: (eps_low, eps_high) for this step (algorithm.eps auto); None = the configured band."""
+        return self._rank0("train_step", ray.put(batch), eps=eps)
 
-    def compute_logprobs(self, batch: TrainBatch, reference: bool = False):
-        return self._rank0("compute_logprobs", ray.put(batch), reference=reference)
+    def compute_logprobs(self, batch: TrainBatch, reference: bool = False, temperature: float | None = None):
+        return self._rank0("compute_logprobs", ray.put(batch), reference=reference, temperature=temperature)
 
     def export_weights(self, bucket_mb: float | None = None, as_refs: bool = False) -> WeightExport:
         """Rank 0's export; with as_refs its buckets are object refs owned by rank 0 (see TrainerWorker)."""
