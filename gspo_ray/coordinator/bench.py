@@ -13,6 +13,7 @@ import tempfile
 from pathlib import Path
 
 from gspo_ray.config import load_config
+from gspo_ray.coordinator.bench_eps import bench_eps
 from gspo_ray.coordinator.tracking import read_metrics
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "tiny_moe.yaml"
@@ -113,7 +114,10 @@ def run_bench(quick: bool = False) -> str:
         clip = bench_clipping(steps=10 if quick else 30, out_dir=Path(tmp))
         print("\nGSPO vs GRPO, 2 passes x 2 mini-batches per rollout batch\n" + clip, flush=True)
         partial = bench_partial(steps=6 if quick else 12, out_dir=Path(tmp))
+        eps_steps = 10 if quick else 30
+        eps_table = bench_eps(steps=eps_steps, out_dir=Path(tmp))  # GSPO fixed vs eps auto vs GRPO, 2 x 4 reuse
     ray.shutdown()
     print(f"\nwhole vs partial rollouts, up to 24 new tokens, mean over steps 3..{6 if quick else 12} (per step; "
           "multi_ver = trained samples spanning >= 2 policy versions, masked = tokens masked as stale)\n" + partial)
-    return "\n".join([table, clip, partial])
+    print(f"\nclip band: GSPO fixed vs eps auto vs GRPO, 2 passes x 4 mini-batches, {eps_steps} steps\n" + eps_table)
+    return "\n".join([table, clip, partial, eps_table])

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gspo_ray.algo.advantages import compute_group_advantages
+from gspo_ray.algo.robust_advantages import compute_robust_group_advantages
 from gspo_ray.coordinator.failures import FailurePolicy, count_reason, mark_unscored
 from gspo_ray.data.records import Group, TrainBatch, collate
 from gspo_ray.rollout.episodes import compute_episode_token_advantages
@@ -56,13 +56,14 @@ class AdmitStats:
                 count_reason(self.failure_reasons, reason)
 
 
-def group_advantages(group: Group, scale_by_std: bool, eps: float) -> tuple[list[float], bool]:
+def group_advantages(group: Group, scale_by_std: bool, eps: float,
+                     robust: tuple[str, float] = ("none", 0.1)) -> tuple[list[float], bool]:
     """Advantages of the group's samples that carry a reward (apply the FailurePolicy first: failed ones have
-    none under "drop"). Returns (advantages, zero_variance)."""
+    none under "drop"). robust: (advantage.robust, advantage.clip_quantile). Returns (advantages, zero_variance)."""
     rewards = torch.tensor([s.reward for s in group.samples if s.reward is not None], dtype=torch.float64)
     if rewards.numel() < 2:
         return [], True
-    adv, zero_var = compute_group_advantages(rewards[None, :], scale_by_std=scale_by_std, eps=eps)
+    adv, zero_var = compute_robust_group_advantages(rewards[None, :], robust[0], scale_by_std, eps, robust[1])
     return adv[0].tolist(), bool(zero_var[0])
 
 
@@ -72,7 +73,7 @@ class GroupBuffer:
     def __init__(self, *, scale_by_std: bool = True, adv_eps: float = 1e-4, filter_zero_adv: bool = True,
                  max_staleness: int | None = None, seed: int = 0, per_token: bool = False,
                  stale_rule: tuple[str, int] | None = None, token_baseline: str = "turn",
-                 failure: FailurePolicy | None = None):
+                 failure: FailurePolicy | None = None, robust: tuple[str, float] = ("none", 0.1)):
         """per_token: also compute per-token advantages from the samples' `token_rewards` (needs them set).
         max_staleness: drop whole groups older than this many versions (async mode). stale_rule: (stale_policy,
         max_staleness) applied per completion (partial rollouts, see module doc). failure: what failed samples
@@ -85,6 +86,7 @@ class GroupBuffer:
         self.stale_rule = stale_rule
         self.token_baseline = token_baseline  # per_token: "turn" or "group" (algorithm.advantage.token_baseline)
         self.failure = failure or FailurePolicy()
+        self.robust = robust  # (algorithm.advantage.robust, clip_quantile)
         self.groups: list[Group] = []
         self._rng = random.Random(seed)
 
@@ -111,7 +113,7 @@ class GroupBuffer:
                 stats.stale_masked_tokens += st.masked_tokens
                 g.samples = kept
             g.samples = self.failure.apply(g.samples, per_token=self.per_token)
-            adv, zero_var = group_advantages(g, self.scale_by_std, self.adv_eps)
+            adv, zero_var = group_advantages(g, self.scale_by_std, self.adv_eps, self.robust)
             if not adv:
                 stats.failed += 1
                 continue

@@ -20,6 +20,7 @@ import math
 import time
 from dataclasses import dataclass
 
+from gspo_ray.algo.auto_eps import AutoEpsController
 from gspo_ray.config import JobConfig
 from gspo_ray.coordinator.buffer import AdmitStats, GroupBuffer, pack_groups
 from gspo_ray.coordinator.failures import FailureGuard, FailurePolicy
@@ -51,6 +52,7 @@ class Coordinator:
                                   max_staleness=None if partial else (c.max_staleness * versions_per_update
                                                                       if c.mode == "async" else 0),
                                   failure=FailurePolicy(reward.on_failure, reward.failure_reward),
+                                  robust=(cfg.algorithm.advantage.robust, cfg.algorithm.advantage.clip_quantile),
                                   seed=cfg.seed, per_token=cfg.algorithm.advantage.per_token,
                                   token_baseline=cfg.algorithm.advantage.token_baseline,
                                   stale_rule=(partial.stale_policy, partial.max_staleness) if partial else None)
@@ -58,6 +60,9 @@ class Coordinator:
         self._pending = None  # async: the rollout batch in flight
         self._requeued: list[Prompt] = []  # prompts drawn but never trained (in flight at a checkpoint): served first
         self.probe_ids: list[int] | None = None  # set by the job: a fixed sequence for push verification
+        a = cfg.algorithm  # eps auto: the band follows the drift measured on reuse mini-batches (algo/auto_eps.py)
+        self.auto_eps = (AutoEpsController(eps_low=a.clip_range()[0], **a.auto_eps.model_dump())
+                         if a.eps == "auto" else None)
         self.last_groups: list[Group] = []  # the groups of the last step (for rollout dumps)
         self.last_version = 0  # the policy version they were admitted (staleness-checked) and trained at
 
@@ -123,9 +128,16 @@ class Coordinator:
         if c.recompute_old_logprobs:
             self._recompute_old_logprobs(groups)
         metrics, first, steps = {}, {}, 0
+        sampled_at = _version_span(groups)[0]
         for it in range(c.num_iterations):
             for mb_index, batch in enumerate(self.buffer.minibatches(groups, c.num_minibatches)):
-                m = self.trainer.train_step(batch)
+                if self.auto_eps is None:
+                    m = self.trainer.train_step(batch)
+                else:
+                    m = self.trainer.train_step(batch, eps=self.auto_eps.band())
+                    if self.state.version > sampled_at:  # reuse: the policy moved since sampling
+                        self.auto_eps.observe(m["train/logr_mean"], m["train/logr_sq_mean"], m["train/n_tokens"],
+                                              m["train/n_seqs"], m["train/clip_frac_seq"])
                 self.state.version += 1
                 steps += 1
                 if it == 0 and mb_index == 0:  # shows the engine-vs-trainer anchor before any update
@@ -133,6 +145,8 @@ class Coordinator:
                 _accumulate(metrics, m)
         out = {k: v / steps for k, v in metrics.items()}
         out.update(first)
+        if self.auto_eps is not None:
+            out.update(self.auto_eps.update())  # sets the band of the next rollout batch
         out.update({"train/optimizer_steps": steps, "train/version": self.state.version,
                     "time/train_s": time.perf_counter() - t0})
         return out
@@ -196,7 +210,8 @@ class Coordinator:
         return {"requeued": [dataclasses.asdict(p) for p in self._requeued + fresh],
                 "waiting": [group_to_dict(g.prompt, g.samples) for g in self.buffer.groups],
                 "partial_open": ((self.partial.state_dict() if self.partial is not None else [])
-                                 + [group_to_dict(p, samples) for p, samples, _ in carried])}
+                                 + [group_to_dict(p, samples) for p, samples, _ in carried]),
+                "auto_eps": self.auto_eps.state_dict() if self.auto_eps is not None else None}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore `state_dict()`; waiting groups are admitted again under the resumed version (staleness
@@ -206,6 +221,8 @@ class Coordinator:
         self.buffer.admit(waiting, self.state.version)
         if self.partial is not None:
             self.partial.load_state_dict(state.get("partial_open", []))
+        if self.auto_eps is not None and state.get("auto_eps"):
+            self.auto_eps.load_state_dict(state["auto_eps"])
 
     def _probe(self):
         """(token ids, trainer log-probs) of a fixed sequence: each engine checks its own log-probs against it."""
@@ -216,14 +233,15 @@ class Coordinator:
         return WeightProbe(token_ids=list(self.probe_ids), logprobs=logp)
 
     def _recompute_old_logprobs(self, groups: list[Group]) -> None:
-        """Replace the engine's log-probs with the trainer's (the `recompute_old_logprobs` switch)."""
+        """Anchor the ratio on the trainer's log-probs (the `recompute_old_logprobs` switch); the engine's stay in
+        `Sample.logprobs` as the behaviour policy of mismatch corrections."""
         batch: TrainBatch = pack_groups(groups)
         logp = self.trainer.compute_logprobs(batch)
         row = 0
         for g in groups:
             for s in g.samples:
                 p = len(s.prompt_ids)
-                s.logprobs = logp[row, p:p + s.num_tokens].tolist()
+                s.old_logprobs = logp[row, p:p + s.num_tokens].tolist()
                 row += 1
 
 

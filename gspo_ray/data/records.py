@@ -46,6 +46,9 @@ class Sample:
     reward_info: dict[str, float] = field(default_factory=dict)
     worker_id: int | None = None
     segments: int = 1  # engine requests that produced it: > 1 for a partial rollout continued across rounds
+    # the trainer's log-probs of the same tokens under the sampling weights (`recompute_old_logprobs`): then they
+    # anchor the ratio and `logprobs` stays the engine's (the behaviour policy of mismatch corrections)
+    old_logprobs: list[float] | None = None
 
     @property
     def seq_logprob(self) -> float:
@@ -94,6 +97,7 @@ class TrainBatch:
     old_logp   [B, L] float   engine log-prob of tokens[b, t] (0 where loss_mask is 0)
     adv        [B, L] float   advantage of tokens[b, t]
     lengths    [B]    int64   real length of each row
+    rollout_logp [B, L] float engine log-prob when old_logp holds the trainer's recomputed ones, else None
     """
 
     tokens: torch.Tensor
@@ -103,6 +107,7 @@ class TrainBatch:
     lengths: torch.Tensor
     ref_logp: torch.Tensor | None = None
     uids: list[str] = field(default_factory=list)
+    rollout_logp: torch.Tensor | None = None
 
     @property
     def num_sequences(self) -> int:
@@ -118,6 +123,7 @@ class TrainBatch:
             lengths=self.lengths[idx],
             ref_logp=None if self.ref_logp is None else self.ref_logp[idx],
             uids=[self.uids[i] for i in idx.tolist()] if self.uids else [],
+            rollout_logp=None if self.rollout_logp is None else self.rollout_logp[idx],
         )
 
 
@@ -133,6 +139,8 @@ def collate(samples: list[Sample], advantages: list[list[float]], pad_to_multipl
     mask = torch.zeros(B, L)
     old = torch.zeros(B, L)
     adv = torch.zeros(B, L)
+    recomputed = any(s.old_logprobs is not None for s in samples)
+    rollout = torch.zeros(B, L) if recomputed else None
     for b, (s, a) in enumerate(zip(samples, advantages)):
         p, c = len(s.prompt_ids), len(s.completion_ids)
         if len(a) != c:
@@ -140,7 +148,10 @@ def collate(samples: list[Sample], advantages: list[list[float]], pad_to_multipl
         tokens[b, :p] = torch.tensor(s.prompt_ids)
         tokens[b, p:p + c] = torch.tensor(s.completion_ids)
         mask[b, p:p + c] = torch.tensor(s.loss_mask, dtype=torch.float)
-        old[b, p:p + c] = torch.tensor(s.logprobs, dtype=torch.float)
+        old[b, p:p + c] = torch.tensor(s.logprobs if s.old_logprobs is None else s.old_logprobs, dtype=torch.float)
+        if rollout is not None:
+            rollout[b, p:p + c] = torch.tensor(s.logprobs, dtype=torch.float)
         adv[b, p:p + c] = torch.tensor(a, dtype=torch.float)
     return TrainBatch(tokens=tokens, loss_mask=mask, old_logp=old, adv=adv,
-                      lengths=torch.tensor(lengths), uids=[f"{s.prompt_uid}/{s.sample_index}" for s in samples])
+                      lengths=torch.tensor(lengths), uids=[f"{s.prompt_uid}/{s.sample_index}" for s in samples],
+                      rollout_logp=rollout)

@@ -1,0 +1,69 @@
+"""Pure-python wiring of the algorithm options: robust advantages in the buffer, engine log-probs kept next to
+recomputed ones in a TrainBatch, auto-eps state in the coordinator's checkpoint, the trainer's metric reduction."""
+import pytest
+
+from gspo_ray.config import load_config
+from gspo_ray.coordinator.buffer import GroupBuffer, pack_groups
+from gspo_ray.coordinator.loop import Coordinator, LoopState
+from gspo_ray.data.records import Group, Prompt, Sample
+
+
+def _group(uid, rewards):
+    samples = [Sample(prompt_uid=uid, sample_index=i, prompt_ids=[5, 6], completion_ids=[9, 9],
+                      logprobs=[-0.5, -0.25], loss_mask=[1, 1], versions=[0, 0], finish_reason="stop", reward=r)
+               for i, r in enumerate(rewards)]
+    return Group(prompt=Prompt(uid=uid, prompt_ids=[5, 6]), samples=samples)
+
+
+@pytest.mark.parametrize("robust,expected", [
+    ("none", [0.354, -2.475]),   # seed 002 §5: -7/sqrt(8), +1/sqrt(8)
+    ("rank", [0.354, -2.475]),   # ranks [5]*7 + [1]: the same numbers (see tests/algo/test_robust_advantages.py)
+])
+def test_buffer_applies_robust_advantages(robust, expected):
+    buf = GroupBuffer(robust=(robust, 0.1))
+    buf.admit([_group("a", [1.0] * 7 + [-200.0])], current_version=0)
+    adv = buf.groups[0].advantages
+    assert [round(adv[0], 3), round(adv[-1], 3)] == expected
+
+
+def test_buffer_clip_filters_a_lone_outlier():
+    # clip winsorises -200 to 1.0: nothing left to learn from, so the group is filtered like an all-equal one
+    stats = GroupBuffer(robust=("clip", 0.1)).admit([_group("a", [1.0] * 7 + [-200.0])], current_version=0)
+    assert (stats.admitted, stats.zero_adv) == (0, 1)
+
+
+def test_recomputed_logprobs_anchor_and_engine_logprobs_stay():
+    g = _group("a", [1.0, 0.0])
+    g.advantages = [0.7, -0.7]
+    assert pack_groups([g]).rollout_logp is None  # engine anchor: nothing extra
+    for s in g.samples:
+        s.old_logprobs = [-0.4, -0.3]  # what Coordinator._recompute_old_logprobs stores
+    batch = pack_groups([g])
+    # tokens: prompt [5, 6] then completion [9, 9] at positions 2, 3
+    assert batch.old_logp[0, 2:].tolist() == pytest.approx([-0.4, -0.3])
+    assert batch.rollout_logp[0, 2:].tolist() == pytest.approx([-0.5, -0.25])
+    assert batch.select([1]).rollout_logp.shape == (1, 4)
+
+
+def test_auto_eps_state_rides_in_the_coordinator_checkpoint():
+    cfg = load_config(None, ["algorithm.eps=auto", "coordinator.num_iterations=2"])
+    coord = Coordinator(cfg, None, None, None, LoopState())
+    coord.auto_eps.observe(0.0, 0.02**2, n_tokens=400, n_seqs=100, clip_frac_seq=0.3)
+    coord.auto_eps.update()
+    state = coord.state_dict()
+    resumed = Coordinator(cfg, None, None, None, LoopState())
+    resumed.load_state_dict(state)
+    assert resumed.auto_eps.band() == coord.auto_eps.band() != (3e-4, 4e-4)
+
+
+def test_metric_reduction_of_dilution_keys():
+    from gspo_ray.trainer.worker import MetricAccumulator
+
+    acc = MetricAccumulator(per_sequence_ratio=True)
+    # three micro-batches: 1 of 4, 3 of 12 and 0 of 16 completions diluted -> 4/32 (weighted by completions, not
+    # tokens: by tokens it would read (25 + 2.5) / 120 = 0.23); the largest |log r| is a maximum, not a mean
+    acc.add({"train/dilution_frac": 0.25, "train/dilution_max_abs_logr": 0.3}, n_tok=100, n_seq=4, n_units=4)
+    acc.add({"train/dilution_frac": 0.25, "train/dilution_max_abs_logr": 0.9}, n_tok=10, n_seq=12, n_units=12)
+    acc.add({"train/dilution_frac": 0.0, "train/dilution_max_abs_logr": 0.0}, n_tok=10, n_seq=16, n_units=16)
+    out = acc.reduce()
+    assert out["train/dilution_frac"] == pytest.approx(4 / 32) and out["train/dilution_max_abs_logr"] == 0.9
