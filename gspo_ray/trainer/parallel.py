@@ -1,6 +1,6 @@
 """Process-group setup for the trainer: torch.distributed + Megatron model-parallel groups.
 
-    init_distributed(rank, world_size, master_addr, master_port, *, tp=1, ep=1, backend=None, timeout_s=120,
+    init_distributed(rank, world_size, master_addr, master_port, *, tp=1, ep=1, backend=None, timeout_s=600,
                      seed=0, init_method=None) -> None
     destroy_distributed() -> None
     free_port() -> int
@@ -41,13 +41,15 @@ def check_layout(world_size: int, tp: int, ep: int) -> None:
 
 
 def init_distributed(rank: int, world_size: int, master_addr: str, master_port: int, *, tp: int = 1, ep: int = 1,
-                     backend: str | None = None, timeout_s: float = 120, seed: int = 0,
+                     backend: str | None = None, timeout_s: float = 600, seed: int = 0,
                      init_method: str | None = None) -> None:
     """Join the process group and build Megatron's TP/DP/EP groups; seed the model-parallel RNGs.
 
     All `world_size` processes must call it with the same arguments except `rank`. `timeout_s` bounds every
-    collective so a bad layout fails instead of hanging. `init_method` (e.g. "file:///tmp/run/rdzv", a file that
-    does not exist yet) replaces the tcp://master_addr:master_port rendezvous: no port to race for on a busy host.
+    collective so a bad layout or a dead peer fails instead of hanging (`trainer.collective_timeout_s`: keep it
+    above the slowest checkpoint save or weight export, which other ranks wait for). `init_method` (e.g.
+    "file:///tmp/run/rdzv", a file that does not exist yet) replaces the tcp://master_addr:master_port rendezvous:
+    no port to race for on a busy host.
     """
     from megatron.core import parallel_state, tensor_parallel
 
