@@ -67,4 +67,5 @@ def build_rollout_pool(cfg: JobConfig, model_path: Path, run_dir: Path, factory=
             return factory(worker_id)
         return actor_cls.remote(worker_id, str(model_path), rollout_cfg, str(run_dir), reward_runner=rollout_cfg.reward)
 
-    return RolloutPool(make, cfg.rollout.num_workers, multi_turn=cfg.rollout.multi_turn is not None)
+    return RolloutPool(make, cfg.rollout.num_workers, multi_turn=cfg.rollout.multi_turn is not None,
+                       call_timeout_s=cfg.rollout.call_timeout_s)
