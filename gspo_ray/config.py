@@ -243,6 +243,10 @@ class TrainerConfig(_Strict):
     adam_eps: float = Field(1e-8, gt=0, description="AdamW epsilon")
     grad_clip: float = Field(1.0, ge=0, description="global grad-norm clip (0 = off)")
     micro_batch_size: int = Field(64, ge=1, description="sequences per forward/backward (grad accumulation)")
+    micro_batch_tokens: int | None = Field(None, ge=1, description="cap on tokens per forward/backward: a micro-"
+                                           "batch holds at most this many (padded) tokens of the mini-batch's "
+                                           "longest row, and at most micro_batch_size rows (bounds activation "
+                                           "memory; None = rows only)")
     use_distributed_optimizer: bool = Field(False, description="shard optimizer state over DP (ZeRO-1)")
     moe_dispatcher: Literal["alltoall", "allgather"] = Field("alltoall", description="MoE token dispatcher")
     router_churn_every: int = Field(1, ge=0, description="measure router churn every N steps (0 = never)")

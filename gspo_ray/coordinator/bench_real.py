@@ -104,19 +104,20 @@ def bench_smollm2_mode(mode: str, steps: int, out_dir: Path, model_dir: Path) ->
             "train_s": mean("time/train_s"), "sync_s": mean("time/sync_s"), "push_s": push_s,
             "push_mb_s": push_mb / push_s if push_s else 0.0, "completions_per_s": completions / step,
             "gen_tokens_per_s": mean("rollout/tokens_per_s"),
-            "fwd_grad": mean("train/forward_passes_grad"), "fwd_nograd": mean("train/forward_passes_no_grad"),
+            "fwd_train": mean("train/forward_passes_train"), "fwd_old": mean("train/forward_passes_old_logprobs"),
+            "fwd_probe": mean("train/forward_passes_probe"),
             "peak_total_gib": mem.total / GIB, "peak_gib": {k: v / GIB for k, v in mem.per_process.items()},
             "wall_s": time.time() - start}
 
 
 def format_smollm2(results: list[dict]) -> str:
     head = ("| mode | s/step | rollout s | train s | sync s | push s (MB/s) | completions/s | gen tok/s | "
-            "fwd grad / no-grad per batch | peak PSS job GiB |")
+            "trainer forwards per batch: train / old-logp / push probe | peak PSS job GiB |")
     lines = [head, "|---" * (head.count("|") - 1) + "|"]
     for r in results:
         lines.append(f"| {r['mode']} | {r['step_s']:.1f} | {r['rollout_s']:.1f} | {r['train_s']:.1f} | "
                      f"{r['sync_s']:.2f} | {r['push_s']:.2f} ({r['push_mb_s']:.0f}) | {r['completions_per_s']:.2f} | "
-                     f"{r['gen_tokens_per_s']:.0f} | {r['fwd_grad']:.0f} / {r['fwd_nograd']:.0f} | "
+                     f"{r['gen_tokens_per_s']:.0f} | {r['fwd_train']:.0f} / {r['fwd_old']:.0f} / {r['fwd_probe']:.0f} | "
                      f"{r['peak_total_gib']:.1f} |")
     for r in results:
         procs = ", ".join(f"{k} {v:.2f}" for k, v in sorted(r["peak_gib"].items(), key=lambda kv: -kv[1])[:6])

@@ -59,7 +59,7 @@ class Coordinator:
         self.failures = FailureGuard(reward.max_failed_share, reward.max_failed_steps)
         self._pending = None  # async: the rollout batch in flight
         self._requeued: list[Prompt] = []  # prompts drawn but never trained (in flight at a checkpoint): served first
-        self.probe_ids: list[int] | None = None  # set by the job: a fixed sequence for push verification
+        self.probe_sequences: list[list[int]] | None = None  # set by the job: fixed sequences to verify pushes
         a = cfg.algorithm  # eps auto: the band follows the drift measured on reuse mini-batches (algo/auto_eps.py)
         self.auto_eps = (AutoEpsController(eps_low=a.clip_range()[0], **a.auto_eps.model_dump())
                          if a.eps == "auto" else None)
@@ -225,12 +225,14 @@ class Coordinator:
             self.auto_eps.load_state_dict(state["auto_eps"])
 
     def _probe(self):
-        """(token ids, trainer log-probs) of a fixed sequence: each engine checks its own log-probs against it."""
-        if not self.cfg.rollout.verify_push or self.probe_ids is None:
+        """(token ids, trainer log-probs) of fixed sequences: each engine checks its own log-probs against them.
+        Temperature 1 on both sides: the engine's teacher-forced log-probs are unscaled."""
+        seqs = self.probe_sequences
+        if not self.cfg.rollout.verify_push or not seqs:
             return None
-        batch = collate([_probe_sample(self.probe_ids)], [[0.0] * (len(self.probe_ids) - 1)])
-        logp = self.trainer.compute_logprobs(batch)[0, 1:len(self.probe_ids)].tolist()
-        return WeightProbe(token_ids=list(self.probe_ids), logprobs=logp)
+        batch = collate([_probe_sample(ids) for ids in seqs], [[0.0] * (len(ids) - 1) for ids in seqs])
+        logp = self.trainer.compute_logprobs(batch, temperature=1.0, purpose="probe")
+        return WeightProbe([list(ids) for ids in seqs], [logp[i, 1:len(ids)].tolist() for i, ids in enumerate(seqs)])
 
     def _recompute_old_logprobs(self, groups: list[Group]) -> None:
         """Anchor the ratio on the trainer's log-probs (the `recompute_old_logprobs` switch); the engine's stay in

@@ -44,10 +44,14 @@ def build_trainer_pool(cfg: JobConfig, model_path: Path, run_dir: Path):
 
 
 def rollout_actor_options(cfg: JobConfig) -> dict:
+    from gspo_ray.trainer.pool import omp_threads_env
+
     r = cfg.rollout
+    threads = r.num_threads if r.num_threads is not None else auto_threads(cfg, r.num_workers, r.num_cpus_per_worker)
     return {"num_cpus": r.num_cpus_per_worker, "num_gpus": r.num_gpus_per_worker,
             "resources": dict(r.resources) or None, "max_restarts": 0, "max_task_retries": 0,
-            "max_concurrency": 2}  # lets pause/ping reach a worker while it generates
+            "max_concurrency": 2,  # lets pause/ping reach a worker while it generates
+            **omp_threads_env(threads)}
 
 
 def build_rollout_pool(cfg: JobConfig, model_path: Path, run_dir: Path, factory=None) -> RolloutPool:

@@ -53,17 +53,20 @@ def copy_reward(completion: str, reference: Any, *, eos_found: bool, bonus: floa
 
 def repeat_reward(completion: str, reference: Any, **_: Any) -> dict[str, float]:
     """1.0 when the completion's first non-empty line is exactly the reference; else 0.5 x the share of positions
-    where it has the reference's character (over the longer of the two, so extra characters cost).
-        ref "48213":  "48213" -> 1.0;  "48213\nDone." -> 1.0;  "48218" -> 0.5 * 4/5 = 0.4;  "482130" -> 0.5 * 5/6
-    For instruction-tuned models ("Repeat exactly: 48213"): the engine stops at the chat template's EOS, so stopping
-    needs no extra credit here.
+    where the digits of that line match the reference's (over the longer of the two, so extra digits cost).
+        ref "48213":  "48213" -> 1.0;  "48213\nDone." -> 1.0;  "Repeat exactly: 48213" -> 0.5;  "48218" -> 0.4;
+                      "48213 times: 48213" -> 0.5 * 5/10 = 0.25
+    For instruction-tuned models ("Repeat exactly: 48213"; SmolLM2-135M-Instruct mostly echoes the instruction):
+    the right digits in a chatty line earn half, the bare number all. The engine stops at the chat template's EOS,
+    so stopping needs no extra credit here.
     """
     ref = str(reference).strip()
     lines = [line.strip() for line in completion.strip().splitlines() if line.strip()]
     first = lines[0] if lines else ""
     if first == ref:
         return {"reward": 1.0, "exact": 1.0, "digit_acc": 1.0}
-    digit_acc = sum(a == b for a, b in zip(first, ref)) / max(len(first), len(ref), 1)
+    digits = "".join(ch for ch in first if ch.isdigit())
+    digit_acc = sum(a == b for a, b in zip(digits, ref)) / max(len(digits), len(ref), 1)
     return {"reward": 0.5 * digit_acc, "exact": 0.0, "digit_acc": digit_acc}
 
 

@@ -28,6 +28,15 @@ if TYPE_CHECKING:  # the driver never needs Megatron itself: the actors import i
 log = logging.getLogger(__name__)
 
 
+def omp_threads_env(num_threads: int | None) -> dict:
+    """Actor options giving its process `num_threads` OpenMP threads from the start. Ray sets OMP_NUM_THREADS to
+    the actor's num_cpus, and OpenMP's thread count is per OS thread: torch.set_num_threads in the constructor
+    would not reach the threads Ray runs later calls on (vLLM's CPU attention then sees two different counts)."""
+    if num_threads is None:
+        return {}
+    return {"runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(num_threads)}}}
+
+
 def _master_address() -> tuple[str, int]:
     """(node IP, free port) of the node this runs on."""
     from gspo_ray.trainer.parallel import free_port
@@ -57,6 +66,7 @@ class TrainerPool:
             actor_cls.options(
                 num_cpus=trainer_cfg.num_cpus_per_worker, num_gpus=trainer_cfg.num_gpus_per_worker,
                 resources=dict(trainer_cfg.resources) or None, scheduling_strategy=self._on_bundle(rank),
+                **omp_threads_env(trainer_cfg.num_threads),
             ).remote(rank, n, addr, port, str(model_path), trainer_cfg, algo_cfg,
                      None if run_dir is None else str(run_dir), temperature=temperature)
             for rank in range(n)
@@ -82,8 +92,10 @@ class TrainerPool:
         """eps: (eps_low, eps_high) for this step (algorithm.eps auto); None = the configured band."""
         return self._rank0("train_step", ray.put(batch), eps=eps)
 
-    def compute_logprobs(self, batch: TrainBatch, reference: bool = False, temperature: float | None = None):
-        return self._rank0("compute_logprobs", ray.put(batch), reference=reference, temperature=temperature)
+    def compute_logprobs(self, batch: TrainBatch, reference: bool = False, temperature: float | None = None,
+                         purpose: str = "old_logprobs"):
+        return self._rank0("compute_logprobs", ray.put(batch), reference=reference, temperature=temperature,
+                           purpose=purpose)
 
     def export_weights(self, bucket_mb: float | None = None, as_refs: bool = False) -> WeightExport:
         """Rank 0's export; with as_refs its buckets are object refs owned by rank 0 (see TrainerWorker)."""

@@ -77,6 +77,15 @@ def split_rows(batch: TrainBatch, dp_rank: int, dp_size: int) -> TrainBatch:
     return local
 
 
+def micro_batch_rows(batch: TrainBatch, micro_batch_size: int, micro_batch_tokens: int | None) -> int:
+    """Rows per micro-batch: micro_batch_size, lowered so rows x the longest row of the whole mini-batch fit in
+    micro_batch_tokens. Every rank holds the whole mini-batch, so every rank gets the same count and runs the same
+    number of forwards (MoE all-to-alls are collective)."""
+    if micro_batch_tokens is None or batch.num_sequences == 0:
+        return micro_batch_size
+    return max(1, min(micro_batch_size, micro_batch_tokens // max(int(batch.lengths.max()), 1)))
+
+
 def micro_batches(batch: TrainBatch, micro_batch_size: int) -> list[TrainBatch]:
     """Consecutive chunks of `micro_batch_size` rows, each trimmed to its longest row (less padding computed)."""
     out = []
@@ -226,17 +235,17 @@ class TrainerWorker:
                 "ep_rank": ps.get_expert_model_parallel_rank(), "etp_rank": ps.get_expert_tensor_parallel_rank()}
 
     # ---- forward helpers -----------------------------------------------------------------------------------------
-    def _logprobs(self, model, mb: TrainBatch, with_entropy: bool = False, loss_tokens_only: bool = False,
-                  temperature: float | None = None):
+    def _logprobs(self, model, mb: TrainBatch, purpose: str, with_entropy: bool = False,
+                  loss_tokens_only: bool = False, temperature: float | None = None):
         """[B, L] log-probs of mb.tokens (and [B, L] entropies, detached, when with_entropy). loss_tokens_only:
         score only loss-masked tokens (others read 0): the output layer then skips prompt positions.
-        temperature: of the scored distribution (default: the rollout's sampling temperature)."""
+        temperature: of the scored distribution (default: the rollout's sampling temperature). purpose: what the
+        forward is for ("train", "reference", "old_logprobs", "probe", "router_churn"), counted in
+        `forward_passes` so benchmarks and tests see every forward a rollout batch costs."""
         from gspo_ray.trainer.logprobs import forward_logprobs
 
         score_mask = mb.loss_mask.bool() if loss_tokens_only else None
-        # counted per kind, so benchmarks and tests can see every forward a rollout batch costs
-        kind = "grad" if torch.is_grad_enabled() else "no_grad"
-        self.forward_passes[kind] = self.forward_passes.get(kind, 0) + 1
+        self.forward_passes[purpose] = self.forward_passes.get(purpose, 0) + 1
         t = self.temperature if temperature is None else temperature
         if not with_entropy:
             return forward_logprobs(model, mb.tokens, mb.lengths, score_mask=score_mask, temperature=t).float()
@@ -245,8 +254,8 @@ class TrainerWorker:
         return logp.float(), entropy.detach().float()
 
     @torch.no_grad()
-    def compute_logprobs(self, batch: TrainBatch, reference: bool = False,
-                         temperature: float | None = None) -> torch.Tensor:
+    def compute_logprobs(self, batch: TrainBatch, reference: bool = False, temperature: float | None = None,
+                         purpose: str = "old_logprobs") -> torch.Tensor:
         """log p(tokens[b, t] | tokens[b, :t]) of the current (or reference) policy: [B, L] float32 on CPU, 0 at
         t = 0 and past each row's length. Every rank returns the whole batch (gathered over DP).
         temperature: default the sampling one; the weight-push probe asks for 1 (vLLM's prompt log-probs)."""
@@ -259,8 +268,9 @@ class TrainerWorker:
         width = batch.tokens.shape[1]
         out = torch.zeros(local.num_sequences, width)
         start = 0
-        for mb in micro_batches(local, self.cfg.micro_batch_size):
-            lp = self._logprobs(model, mb, temperature=temperature).cpu()
+        for mb in micro_batches(local, micro_batch_rows(batch, self.cfg.micro_batch_size,
+                                                        self.cfg.micro_batch_tokens)):
+            lp = self._logprobs(model, mb, "reference" if reference else purpose, temperature=temperature).cpu()
             out[start:start + mb.num_sequences, :lp.shape[1]] = lp
             start += mb.num_sequences
         model.train(was_training)
@@ -283,10 +293,10 @@ class TrainerWorker:
         ref_logp = mb.ref_logp
         if ref_logp is None and self.ref_model is not None:
             with torch.no_grad():
-                ref_logp = self._logprobs(self.ref_model, mb, loss_tokens_only=True)
+                ref_logp = self._logprobs(self.ref_model, mb, "reference", loss_tokens_only=True)
         capture = self.recorder.capture(mb.lengths, "before") if churn else contextlib.nullcontext()
         with capture:
-            logp, entropy = self._logprobs(self.gpt, mb, with_entropy=True, loss_tokens_only=True)
+            logp, entropy = self._logprobs(self.gpt, mb, "train", with_entropy=True, loss_tokens_only=True)
         a = self.algo
         old_logp, adv, mask = mb.old_logp.to(logp), mb.adv.to(logp), mb.loss_mask.bool().to(logp.device)
         # dilution mask / mismatch correction (None when both are off); their metrics join the loss's
@@ -313,7 +323,8 @@ class TrainerWorker:
         totals = loss_units(batch.loss_mask, a.aggregation)
         norm_len = None if a.norm_len is None else float(a.norm_len)  # a constant (see __init__), never the width
         churn = self._churn_now()
-        mbs = micro_batches(split_rows(batch, self.dp_rank, self.dp_size), self.cfg.micro_batch_size)
+        rows = micro_batch_rows(batch, self.cfg.micro_batch_size, self.cfg.micro_batch_tokens)
+        mbs = micro_batches(split_rows(batch, self.dp_rank, self.dp_size), rows)
         acc = MetricAccumulator(per_sequence_ratio=a.importance_sampling_level != "token")
         self.gpt.train()
         zero_grads(self.ddp, self.optimizer)
@@ -345,7 +356,7 @@ class TrainerWorker:
         self.gpt.eval()
         for mb in mbs:
             with self.recorder.capture(mb.lengths, "after"):
-                self._logprobs(self.gpt, mb)
+                self._logprobs(self.gpt, mb, "router_churn")
         self.gpt.train()
         metrics = self.recorder.churn_metrics()  # all ranks: DP rows and SP shards are disjoint token sets
         self.recorder.clear()

