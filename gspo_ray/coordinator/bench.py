@@ -5,7 +5,8 @@ local Ray instance and reports the mean over steady-state steps (the first steps
 skipped). Phases: rollout (generate + reward, waiting included), train (all optimizer steps of the batch),
 sync (export + push + probe verification). Idle is the part of a step a pool is not working for it:
 rollout idle = step - rollout wait (sync mode; in async mode the next batch samples during training),
-trainer idle = step - train. Then GSPO vs GRPO clip fractions, and whole vs partial rollouts.
+trainer idle = step - train. Then GSPO vs GRPO clip fractions, whole vs partial rollouts, and the clip band with
+2 passes x 4 mini-batches: GSPO fixed vs `algorithm.eps: auto` vs GRPO (bench_eps.py).
 """
 from __future__ import annotations
 

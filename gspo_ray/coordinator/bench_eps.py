@@ -51,18 +51,22 @@ def _reuse_clip(rows: list[dict], n: int) -> float:
     return (n * _mean(rows, "train/clip_frac_seq") - _mean(rows, "train/clip_frac_seq_first_mb")) / (n - 1)
 
 
-def bench_eps(steps: int, out_dir: Path) -> str:
-    """The three runs, as a table."""
-    results = [_run(label, extra, steps, out_dir) for label, extra in RUNS]
+def bench_eps(steps: int, out_dir: Path, echo: bool = False) -> str:
+    """The three runs, as a table (echo: print each row as its run ends)."""
     head = (f"{'run':<22}{'eps_low/eps_high':>20}{'clip_seq_reuse':>16}{'..last10':>10}{'clip_tok':>10}"
             f"{'reward':>9}{'eval':>7}{'wall_s':>8}")
     lines = [head, "-" * len(head)]
-    for r in results:
+    if echo:
+        print("\n".join(lines), flush=True)
+    for label, extra in RUNS:
+        r = _run(label, extra, steps, out_dir)
         lines.append(f"{r['run']:<22}{r['eps']:>20}{r['clip_seq_reuse']:>16.3f}{r['clip_seq_reuse_last10']:>10.3f}"
                      f"{r['clip_tok']:>10.4f}{r['reward_last5']:>9.3f}{r['eval_reward']:>7.3f}{r['wall_s']:>8.0f}")
-    lines.append(f"tiny Qwen3-MoE copy task, lr {results[0]['lr']:g}, 16 prompts x 8, 2 passes x 4 mini-batches, "
-                 f"{steps} steps; reward = rollout mean over the last 5 steps, eval = held-out greedy at the end "
-                 "(both max 2.0); eps auto targets a reuse sequence clip fraction of 0.15")
+        if echo:
+            print(lines[-1], flush=True)
+    lines.append(f"tiny Qwen3-MoE copy task, lr {r['lr']:g}, 16 prompts x 8, 2 passes x 4 mini-batches, {steps} "
+                 "steps; reward = rollout mean over the last 5 steps, eval = held-out greedy at the end (both max "
+                 "2.0); eps auto targets a reuse sequence clip fraction of 0.15")
     return "\n".join(lines)
 
 
@@ -76,7 +80,7 @@ def main() -> None:
              runtime_env={"env_vars": {"RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1", "VLLM_LOGGING_LEVEL": "WARNING"}})
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            print(bench_eps(args.steps, Path(tmp)), flush=True)
+            print("\n" + bench_eps(args.steps, Path(tmp), echo=True), flush=True)
     finally:
         ray.shutdown()
 
