@@ -12,6 +12,7 @@ Generation and scoring go through `evaluation.run_eval`, the in-training eval's 
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -50,6 +51,7 @@ class LocalRollout:
     def __init__(self, model_dir: Path, cfg: RolloutConfig, work_dir: Path):
         from gspo_ray.rollout.worker import RolloutWorker
 
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # as in training: the summary, not vLLM's start-up
         self.worker = RolloutWorker(0, str(model_dir), cfg, str(work_dir), reward_runner=cfg.reward)
         self.multi_turn = cfg.multi_turn is not None
 

@@ -105,7 +105,7 @@ def describe_eval(metrics: dict[str, float]) -> str:
              f"mean reward  {metrics['eval/reward']:.4f}" + (f" ({int(metrics['eval/failed'])} failed)"
                                                              if metrics["eval/failed"] else ""),
              f"pass@1       {metrics['eval/pass@1']:.4f}",
-             f"pass@{n:<8} {metrics['eval/pass@n']:.4f}",
+             *([f"pass@{n:<8} {metrics['eval/pass@n']:.4f}"] if n > 1 else []),
              f"mean length  {metrics['eval/mean_len']:.2f} tokens",
              f"finish       {finish}"]
     return "\n".join(lines)

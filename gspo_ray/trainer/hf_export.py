@@ -52,7 +52,7 @@ def hf_state_from_checkpoint(ckpt_dir: str | Path, model_dir: str | Path) -> dic
             continue  # Megatron's per-module extra state (None for the local layer spec)
         if spec.tied_embeddings and name == "output_layer.weight":
             continue  # HF ties lm_head to the embedding: it has no tensor of its own
-        pm = param_map(name)
+        pm = param_map(name, spec.arch)
         if pm.local_expert is not None:  # local expert j of EP rank r is global expert r * num_local + j
             for r, shard in enumerate(experts):
                 names = pm.for_expert(r * spec.num_local_experts + pm.local_expert)
@@ -78,6 +78,8 @@ def export_checkpoint(ckpt_dir: str | Path, model_dir: str | Path, out_dir: str 
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     write_hf_dir(state, read_hf_config(model_dir), model_dir, tmp)
+    for f in tmp.iterdir():  # safetensors writes 0600; the model is meant to be served and shared like its source
+        f.chmod(0o644)
     if out.exists():
         shutil.rmtree(out)
     os.replace(tmp, out)
