@@ -35,10 +35,14 @@ def hf_logprobs(hf_dir, batch) -> torch.Tensor:
 
 
 def _train(rank, world, port, model_dir, tcfg, batches, probe, ckpts: list[str], load_from=None):
-    """One trainer: optionally load a checkpoint, one step per batch, save after each step into ckpts[i]."""
+    """One trainer: optionally load a checkpoint, one step per batch, save after each step into ckpts[i]. Batches
+    without old log-probs get the initial policy's (set once: a resumed run trains on exactly the same batch)."""
     from gspo_ray.trainer.worker import TrainerWorker
 
     w = TrainerWorker(rank, world, "127.0.0.1", port, model_dir, tcfg, algo_cfg())
+    for b in batches:
+        if not b.old_logp.any():
+            b.old_logp = w.compute_logprobs(b)
     if load_from is not None:
         w.load(load_from)
     for batch, ckpt_dir in zip(batches, ckpts):
@@ -50,26 +54,15 @@ def _train(rank, world, port, model_dir, tcfg, batches, probe, ckpts: list[str],
 
 
 def _scenario(rank, world, ports, models, root, batches, probe):
-    from gspo_ray.trainer.worker import TrainerWorker
-
     b1, b2 = batches
-    # old log-probs from the initial MoE policy: the resumed run must train on exactly the same batch
-    w = TrainerWorker(rank, world, "127.0.0.1", ports[0], models["qwen3_moe"], trainer_cfg(2, ep=2), algo_cfg())
-    b1.old_logp, b2.old_logp = w.compute_logprobs(b1), w.compute_logprobs(b2)
-    w.shutdown()
     moe = trainer_cfg(2, ep=2, micro_batch_size=2)
-    out = {"ep2": _train(rank, world, ports[1], models["qwen3_moe"], moe, [b1, b2], probe,
+    out = {"ep2": _train(rank, world, ports[0], models["qwen3_moe"], moe, [b1, b2], probe,
                          [f"{root}/ep2/step1", f"{root}/ep2/step2"])}
-    _train(rank, world, ports[2], models["qwen3_moe"], moe, [b2], probe, [f"{root}/ep2/resumed2"],
+    _train(rank, world, ports[1], models["qwen3_moe"], moe, [b2], probe, [f"{root}/ep2/resumed2"],
            load_from=f"{root}/ep2/step1")
-    for layout, arch, port, tp in (("dp2", "llama", ports[3], 1), ("tp2", "qwen2", ports[4], 2)):
-        b = make_batch(8, seed=11)
-        w = TrainerWorker(rank, world, "127.0.0.1", port, models[arch], trainer_cfg(2, tp=tp), algo_cfg())
-        b.old_logp = w.compute_logprobs(b)
-        w.train_step(b)
-        w.save(f"{root}/{layout}")
-        out[layout] = w.compute_logprobs(probe)
-        w.shutdown()
+    for layout, arch, port, tp in (("dp2", "llama", ports[2], 1), ("tp2", "qwen2", ports[3], 2)):
+        out[layout] = _train(rank, world, port, models[arch], trainer_cfg(2, tp=tp), [make_batch(8, seed=11)],
+                             probe, [f"{root}/{layout}"])
     return out
 
 
@@ -88,7 +81,7 @@ def trained(tiny_moe_dir, tiny_qwen2_dir, tiny_llama_dir, tmp_path_factory):
     models["llama"] = str(llama)
     probe = make_batch(8, seed=13)
     ranks = run_ranks(_scenario, 2, (models, str(root), [make_batch(8, seed=11), make_batch(8, seed=12)], probe),
-                      n_ports=5)
+                      n_ports=4)
     return {"root": root, "models": models, "probe": probe, "logp": ranks[0]}
 
 
