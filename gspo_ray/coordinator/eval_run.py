@@ -21,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from gspo_ray.config import DataConfig, RewardConfig, RolloutConfig
+from gspo_ray.config import DataConfig, RolloutConfig
 from gspo_ray.coordinator.evaluation import EvalResult, run_eval, write_eval_samples
 from gspo_ray.coordinator.export import HF_DIR, resolve_checkpoint
 
