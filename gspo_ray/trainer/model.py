@@ -1,4 +1,4 @@
-"""Build a Megatron-core GPTModel from a HF checkpoint directory (qwen2, qwen3, qwen3_moe, llama).
+"""Build a Megatron-core GPTModel from a HF checkpoint directory (qwen2, qwen3, qwen3_moe, llama, mixtral).
 
     init_distributed(rank, world, addr, port, tp=..., ep=...)       # gspo_ray.trainer.parallel, first
     model, spec = build_model(hf_dir, dtype=torch.float32, sequence_parallel=None, moe_dispatcher="alltoall",
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-SUPPORTED_ARCHS = ("qwen2", "qwen3", "qwen3_moe", "llama")
+SUPPORTED_ARCHS = ("qwen2", "qwen3", "qwen3_moe", "llama", "mixtral")
 MOE_DISPATCHERS = ("alltoall", "allgather")
 
 
@@ -92,7 +92,7 @@ def _refuse_unsupported(cfg: dict, hf_dir) -> None:
         raise ValueError(f"{where}: hidden_act {cfg['hidden_act']!r} not supported (only silu)")
     if cfg.get("shared_expert_intermediate_size"):
         raise ValueError(f"{where}: shared experts are not supported")
-    if cfg.get("use_sliding_window"):
+    if cfg.get("use_sliding_window") or (cfg.get("model_type") == "mixtral" and cfg.get("sliding_window")):
         raise ValueError(f"{where}: sliding-window attention is not supported")
     if cfg.get("attention_bias") or cfg.get("mlp_bias"):  # (qwen2's q/k/v biases are implied, not configured)
         raise ValueError(f"{where}: attention_bias/mlp_bias are not supported")
@@ -124,13 +124,17 @@ def spec_from_hf_config(cfg: dict, hf_dir: str, *, tp: int = 1, ep: int = 1, seq
         arch=arch, hf_config=cfg, hf_dir=str(hf_dir), vocab_size=vocab, padded_vocab_size=-(-vocab // tp) * tp,
         num_layers=layers, hidden_size=cfg["hidden_size"], num_heads=heads, num_kv_heads=kv_heads,
         head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads, ffn_hidden_size=cfg["intermediate_size"],
-        num_experts=num_experts, moe_ffn_hidden_size=int(cfg.get("moe_intermediate_size") or 0) if num_experts else 0,
+        # Mixtral's experts have the dense width (intermediate_size); Qwen3-MoE names its own
+        num_experts=num_experts, moe_ffn_hidden_size=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
+        if num_experts else 0,
         top_k=int(cfg.get("num_experts_per_tok") or 0) if num_experts else 0,
         moe_layers=_moe_layers(cfg, layers),
         qkv_bias=arch == "qwen2", qk_norm=arch in ("qwen3", "qwen3_moe"),
         tied_embeddings=bool(cfg.get("tie_word_embeddings", False)), tp=tp, ep=ep,
         sequence_parallel=bool(sequence_parallel), moe_dispatcher=moe_dispatcher, dtype=dtype, use_te=use_te,
-        extra={"rope_theta": _rope_theta(cfg), "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
+        # Mixtral always renormalises its top-k probabilities (it has no norm_topk_prob field)
+        extra={"rope_theta": _rope_theta(cfg),
+               "norm_topk_prob": arch == "mixtral" or bool(cfg.get("norm_topk_prob", False)),
                "rms_norm_eps": float(cfg.get("rms_norm_eps", 1e-6)),
                "max_position_embeddings": int(cfg.get("max_position_embeddings", 4096))})
 
@@ -185,11 +189,13 @@ def te_available() -> bool:
 
 
 def build_model(hf_dir: str, *, dtype: torch.dtype = torch.float32, sequence_parallel: bool | None = None,
-                moe_dispatcher: str = "alltoall", load_weights: bool = True, use_te: bool = False):
+                moe_dispatcher: str = "alltoall", load_weights: bool = True, use_te: bool = False,
+                routing_replay: bool = False):
     """HF dir -> (GPTModel on this rank's device, ModelSpec). Needs init_distributed() first.
 
     With load_weights the HF safetensors are loaded into this rank's TP/EP shards (and random init is skipped);
-    without, the model keeps Megatron's random init.
+    without, the model keeps Megatron's random init. routing_replay: routers can record/replay top-k choices
+    (see routing_replay.py).
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -207,6 +213,7 @@ def build_model(hf_dir: str, *, dtype: torch.dtype = torch.float32, sequence_par
         moe_dispatcher=moe_dispatcher, dtype=dtype, use_te=use_te)
     config = build_transformer_config(spec)
     config.perform_initialization = not load_weights  # every parameter is overwritten by the loader
+    config.moe_enable_routing_replay = routing_replay and spec.is_moe  # each router gets a RouterReplay
     model = GPTModel(
         config=config, transformer_layer_spec=_layer_spec(spec), vocab_size=spec.padded_vocab_size,
         max_sequence_length=spec.extra["max_position_embeddings"], pre_process=True, post_process=True,
