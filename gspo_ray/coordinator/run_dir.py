@@ -16,7 +16,7 @@ from gspo_ray.config import JobConfig
 
 REDACTED = "<redacted>"
 # Outputs of a run that a fresh start would silently mix with (metrics appended, checkpoints overwritten).
-RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "tensorboard", "rollouts", "training.png", "eval", "wandb")
+RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "tensorboard", "rollouts", "training.png", "eval", "wandb", "hf")
 # A key names a secret when one of its words (split on non-alphanumerics and camelCase) is one of these, or it
 # contains one of the fragments: HF_TOKEN, WANDB_API_KEY, AWS_SECRET_ACCESS_KEY, openaiApiKey, db_password,
 # Authorization are redacted; max_tokens, TOKENIZERS_PARALLELISM, OMP_NUM_THREADS are not.
