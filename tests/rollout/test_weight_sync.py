@@ -91,7 +91,7 @@ def test_identical_push_changes_nothing(setup):
     metrics = _push(worker, paths["base"], 0)
     after = worker.engine.prompt_logprobs(PROBE)
     assert max(abs(a - b) for a, b in zip(before, after)) <= 1e-6
-    assert worker.verify(PROBE, _probe(hf["base"]).logprobs) <= TOL
+    assert worker.verify(PROBE, _probe(hf["base"]).logprobs[0]) <= TOL
     assert metrics["sync/num_buckets"] > 10 and metrics["sync/push_mb"] > 0.5 and metrics["sync/push_s"] > 0
 
 
@@ -116,7 +116,7 @@ def test_probe_catches_a_wrong_push(setup):
     worker, hf, paths = setup
     _push(worker, paths["moved"], 2)
     stale = _probe(hf["base"])  # the trainer thinks it pushed `base`
-    assert worker.verify(stale.token_ids, stale.logprobs) > 1e-2
+    assert worker.verify(stale.sequences[0], stale.logprobs[0]) > 1e-2
     with pytest.raises(WeightSyncError, match="verify_tol"):
         _push(worker, paths["moved"], 3, probe=stale)
     _push(worker, paths["base"], 4, probe=_probe(hf["base"]))  # and back: passes
