@@ -27,7 +27,7 @@ def _run(label: str, extra: list[str], steps: int, out_dir: Path) -> dict[str, f
     from gspo_ray.coordinator.tracking import read_metrics
 
     cfg = _bench_cfg(out_dir, f"eps-{len(extra)}-{extra[0].split('=')[1]}", steps, *SCHEDULE, *extra,
-                     "data.num_eval=64")
+                     "data.num_eval=64", "logging.export_hf=none")
     t0 = time.perf_counter()
     summary = run_job(cfg)
     wall = time.perf_counter() - t0
