@@ -114,7 +114,7 @@ def test_ctrl_c_inside_a_step_saves_nothing(tmp_path):
         "data.num_eval=0", "coordinator.eval_every=0", "coordinator.early_stop_reward=null",
         "coordinator.steps=3", "coordinator.checkpoint_every=1", "coordinator.num_minibatches=2",
         "coordinator.prompts_per_step=4", "rollout.group_size=4", "coordinator.filter_zero_adv=false",
-        "trainer.lr=1e-3"])
+        "trainer.lr=1e-3", "logging.export_hf=none"])
     seen = {}
 
     def interrupt_in_step_2(coord, step):
