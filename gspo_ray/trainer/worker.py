@@ -44,6 +44,7 @@ from gspo_ray.trainer.optim import (
 from gspo_ray.trainer.megatron_cpu_compat import cpu_device_mode
 from gspo_ray.trainer.pg_weights import build_pg_weight
 from gspo_ray.trainer.router_churn import RouterRecorder, comm_device
+from gspo_ray.trainer.routing_replay import build_routing_replay
 
 log = logging.getLogger(__name__)
 
@@ -202,7 +203,8 @@ class TrainerWorker:
         init_distributed(rank, world_size, master_addr, master_port, tp=trainer_cfg.tp, ep=trainer_cfg.ep,
                          seed=trainer_cfg.seed, timeout_s=trainer_cfg.collective_timeout_s)
         dtype = torch_dtype(trainer_cfg.dtype)
-        self.gpt, self.spec = build_model(self.model_path, dtype=dtype, moe_dispatcher=trainer_cfg.moe_dispatcher)
+        self.gpt, self.spec = build_model(self.model_path, dtype=dtype, moe_dispatcher=trainer_cfg.moe_dispatcher,
+                                          routing_replay=trainer_cfg.routing_replay != "none")
         self.ddp = build_ddp(self.gpt, dtype=trainer_cfg.dtype,
                              use_distributed_optimizer=trainer_cfg.use_distributed_optimizer)
         self.optimizer = build_optimizer(self.ddp, trainer_cfg)
@@ -214,6 +216,7 @@ class TrainerWorker:
             self.ref_model.eval()
             self.ref_model.requires_grad_(False)
         self.recorder = RouterRecorder(self.gpt)
+        self.replay = build_routing_replay(self.gpt, trainer_cfg.routing_replay)  # None unless R2 on an MoE
         self.forward_passes: dict[str, int] = {}  # model forwards since the last train_step returned, by kind
         self._version = 0
         self.skipped = SkippedSteps(trainer_cfg.max_skipped_steps)  # non-finite steps: skipped, then fatal
@@ -295,7 +298,7 @@ class TrainerWorker:
             with torch.no_grad():
                 ref_logp = self._logprobs(self.ref_model, mb, "reference", loss_tokens_only=True)
         capture = self.recorder.capture(mb.lengths, "before") if churn else contextlib.nullcontext()
-        with capture:
+        with self._replayed(mb), capture:  # replay first: a recording forward it may run is not captured
             logp, entropy = self._logprobs(self.gpt, mb, "train", with_entropy=True, loss_tokens_only=True)
         a = self.algo
         old_logp, adv, mask = mb.old_logp.to(logp), mb.adv.to(logp), mb.loss_mask.bool().to(logp.device)
@@ -355,12 +358,20 @@ class TrainerWorker:
         """Re-run the step's micro-batches with the new weights and compare top-k choices (see router_churn)."""
         self.gpt.eval()
         for mb in mbs:
-            with self.recorder.capture(mb.lengths, "after"):
+            with self._replayed(mb), self.recorder.capture(mb.lengths, "after"):
                 self._logprobs(self.gpt, mb, "router_churn")
         self.gpt.train()
         metrics = self.recorder.churn_metrics()  # all ranks: DP rows and SP shards are disjoint token sets
         self.recorder.clear()
         return metrics
+
+    def _replayed(self, mb: TrainBatch):
+        """Routing Replay around a policy forward of `mb` (records its routing the first time; see routing_replay)."""
+        if self.replay is None:
+            return contextlib.nullcontext()
+        return self.replay.forward(mb.uids, mb.lengths, self._version,
+                                   record_fn=lambda: self._logprobs(self.gpt, mb, "routing_record",
+                                                                    loss_tokens_only=True))
 
     def _check_batch(self, batch: TrainBatch) -> None:
         b, width = batch.tokens.shape
