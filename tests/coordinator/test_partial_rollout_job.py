@@ -29,7 +29,8 @@ def _cfg(tmp_path, *overrides):
 
 
 def _probe_logprobs(coord):
-    return coord._probe().logprobs  # the trainer's log-probs of a fixed sequence: changes iff the weights do
+    """The trainer's log-probs of the fixed probe sequences, flattened: they change iff the weights do."""
+    return [lp for seq in coord._probe().logprobs for lp in seq]
 
 
 def test_fixed_weights_segments_equal_one_uninterrupted_generation(tmp_path):
