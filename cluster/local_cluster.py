@@ -95,6 +95,18 @@ def _descendants(roots: list[int]) -> list[int]:
     return out
 
 
+def _own_session_tied_to_parent() -> None:
+    """In the child before exec: a session of its own (stop() signals the group), and SIGTERM when the process
+    that started it dies. Without the second, a test killed by a timeout before its teardown runs leaves the whole
+    cluster running; `ray start --block` tears its node down in order on SIGTERM."""
+    os.setsid()
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -243,7 +255,7 @@ class LocalCluster:
                "--disable-usage-stats", *port_args, "--block"]
         with open(log_path, "wb") as fh:
             proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env=_node_env(), start_new_session=True)
+                                    env=_node_env(), preexec_fn=_own_session_tied_to_parent)
         node = _Node(name, proc, log_path, temp_dir, ports)
         self.nodes.append(node)
         return node
