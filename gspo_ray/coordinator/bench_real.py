@@ -10,6 +10,7 @@ the job and of the whole job, sampled from the driver's process tree (Ray's own 
 """
 from __future__ import annotations
 
+import os
 import tempfile
 import threading
 import time
@@ -31,11 +32,11 @@ class PeakPss:
         self.interval_s = interval_s
         self.per_process: dict[str, float] = {}
         self.total = 0.0
+        self.root_pid = os.getpid()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    @staticmethod
-    def _label(proc) -> str:
+    def _label(self, proc) -> str:
         try:
             title = " ".join(proc.cmdline())[:80] or proc.name()
         except Exception:
@@ -44,12 +45,12 @@ class PeakPss:
             return "trainer"
         if "RolloutWorker" in title:
             return "rollout (vLLM engine)"
-        return "driver" if proc.pid == _ROOT_PID[0] else (proc.name() or "other")
+        return "driver" if proc.pid == self.root_pid else (proc.name() or "other")
 
     def _sample(self) -> None:
         import psutil
 
-        root = psutil.Process(_ROOT_PID[0])
+        root = psutil.Process(self.root_pid)
         total, seen = 0.0, {}
         for proc in [root, *root.children(recursive=True)]:
             try:
@@ -69,18 +70,12 @@ class PeakPss:
             self._stop.wait(self.interval_s)
 
     def __enter__(self) -> PeakPss:
-        import os
-
-        _ROOT_PID[0] = os.getpid()
         self._thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join()
-
-
-_ROOT_PID = [0]
 
 
 def bench_smollm2_mode(mode: str, steps: int, out_dir: Path, model_dir: Path) -> dict:

@@ -43,15 +43,22 @@ def build_trainer_pool(cfg: JobConfig, model_path: Path, run_dir: Path):
                        temperature=cfg.rollout.temperature)
 
 
+def rollout_config(cfg: JobConfig):
+    """The rollout sub-config the workers get: `num_threads` resolved (see auto_threads)."""
+    r = cfg.rollout
+    if r.num_threads is not None:
+        return r
+    return r.model_copy(update={"num_threads": auto_threads(cfg, r.num_workers, r.num_cpus_per_worker)})
+
+
 def rollout_actor_options(cfg: JobConfig) -> dict:
     from gspo_ray.trainer.pool import omp_threads_env
 
-    r = cfg.rollout
-    threads = r.num_threads if r.num_threads is not None else auto_threads(cfg, r.num_workers, r.num_cpus_per_worker)
+    r = rollout_config(cfg)
     return {"num_cpus": r.num_cpus_per_worker, "num_gpus": r.num_gpus_per_worker,
             "resources": dict(r.resources) or None, "max_restarts": 0, "max_task_retries": 0,
             "max_concurrency": 2,  # lets pause/ping reach a worker while it generates
-            **omp_threads_env(threads)}
+            **omp_threads_env(r.num_threads)}
 
 
 def build_rollout_pool(cfg: JobConfig, model_path: Path, run_dir: Path, factory=None) -> RolloutPool:
@@ -61,10 +68,7 @@ def build_rollout_pool(cfg: JobConfig, model_path: Path, run_dir: Path, factory=
     from gspo_ray.rollout.worker import RolloutWorker
 
     actor_cls = ray.remote(RolloutWorker).options(**rollout_actor_options(cfg))
-    rollout_cfg = cfg.rollout
-    if rollout_cfg.num_threads is None:
-        rollout_cfg = rollout_cfg.model_copy(update={"num_threads": auto_threads(
-            cfg, rollout_cfg.num_workers, rollout_cfg.num_cpus_per_worker)})
+    rollout_cfg = rollout_config(cfg)
 
     def make(worker_id: int):
         if factory is not None:
