@@ -145,7 +145,15 @@ class MultiTurnConfig(_Strict):
     max_tokens_per_turn: int = Field(8, ge=1, description="model tokens per turn (a turn also ends at EOS)")
     max_total_tokens: int = Field(64, ge=1, description="completion tokens per episode, model + environment")
     step_timeout_s: float = Field(5.0, gt=0, description="an env call slower than this ends its episode "
-                                  "(finish_reason 'env_error')")
+                                  "(finish_reason 'env_error'); under process isolation it is killed")
+    isolation: Literal["process", "thread"] = Field(
+        "process", description="process: envs live in `num_procs` niced child processes of the rollout worker; "
+        "an overrunning call is killed with its process, which also ends the other episodes whose envs lived "
+        "there; the env class must be importable or picklable. thread: envs live in the worker's process (any "
+        "env, no start-up cost; an overrunning call keeps running in an abandoned thread, sharing the engine's "
+        "interpreter)")
+    num_procs: int = Field(2, ge=1, description="env processes per rollout worker (isolation 'process'): caps "
+                           "the env calls running at once; more processes, fewer episodes lost with a killed one")
 
 
 class PartialRolloutConfig(_Strict):

@@ -7,9 +7,10 @@ Token ids are the lingua franca: nothing is ever re-tokenised after the prompt w
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch loads only where a batch is built: env and reward processes unpickle these records
+    import torch
 
 
 @dataclass
@@ -114,6 +115,8 @@ class TrainBatch:
         return int(self.tokens.shape[0])
 
     def select(self, rows: list[int] | torch.Tensor) -> "TrainBatch":
+        import torch
+
         idx = torch.as_tensor(rows, dtype=torch.long)
         return TrainBatch(
             tokens=self.tokens[idx],
@@ -129,6 +132,8 @@ class TrainBatch:
 
 def collate(samples: list[Sample], advantages: list[list[float]], pad_to_multiple: int = 1) -> TrainBatch:
     """Pack samples (with per-token advantages, one list per sample) into a right-padded TrainBatch."""
+    import torch
+
     if len(samples) != len(advantages):
         raise ValueError(f"{len(samples)} samples but {len(advantages)} advantage rows")
     lengths = [len(s.prompt_ids) + len(s.completion_ids) for s in samples]

@@ -12,9 +12,9 @@ re-tokenised (prefix caching makes the re-prefill cheap). Each turn's reward sit
 turn in `token_rewards` (0 elsewhere); `reward` is their sum. So `compute_token_advantages` (reward-to-go) credits
 each action with the rewards that follow it, and the sequence-level path sees the episode reward.
 
-Turns run batched: all live episodes generate their turn together; each env step starts on its own thread as soon
-as that episode's turn ends (overlapping the rest of the generation), and the next turn starts once every step
-returned or timed out. Limits: `max_turns` model turns, `max_tokens_per_turn`, `max_total_tokens` completion
+Turns run batched: all live episodes generate their turn together; each env step starts in the episode's env
+host (`env_hosts`: a child process by default, or a thread) as soon as that episode's turn ends (overlapping the
+rest of the generation), and the next turn starts once every step returned or timed out. Limits: `max_turns` model turns, `max_tokens_per_turn`, `max_total_tokens` completion
 tokens (model + env), and the engine's `max_model_len`; hitting one ends the episode with finish_reason "length"
 (an observation that would not fit is not appended).
 
@@ -23,7 +23,9 @@ Failures end only their own episode: an env that raises (in its constructor, res
 `failed` = the reason (the buffer never trains failed samples), `reward` = None and reward_info["env_error"] = 1.
 A pause (`stop_event`) interrupts running episodes: finish_reason "interrupted" and `failed` set; multi-turn
 episodes are not resumed (the env state would have to outlive the call), they are re-run by whoever needs them.
-A stuck env thread cannot be killed: it is abandoned (daemon) and counted in `rollout/env_timeouts`.
+An overrunning env call counts in `rollout/env_timeouts`. Under process isolation it is killed with its child
+process, and the other episodes whose envs lived there fail too ("env process killed"); under thread isolation
+it cannot be stopped and is abandoned (daemon thread).
 """
 from __future__ import annotations
 
@@ -41,36 +43,10 @@ from gspo_ray.data.records import Prompt, Sample
 from gspo_ray.envs.multiturn import (EnvError, check_env, check_observation, check_step_result, decode_action,
                                      numeric_info)
 from gspo_ray.rollout.engine import RolloutEngine, SamplingSettings, Segment, mix_seed
+from gspo_ray.rollout.env_hosts import EnvCall, EnvProcessError, error_name, make_env_host
 
 FINISH_STOP, FINISH_LENGTH, FINISH_ENV_ERROR, FINISH_INTERRUPTED = "stop", "length", "env_error", "interrupted"
 INTERRUPTED_REASON = "interrupted mid-episode by a pause (multi-turn episodes are not resumed)"
-
-
-class TimedCall:
-    """Run `fn()` on a daemon thread now; `wait(timeout_s)` measures the timeout from the call's start."""
-
-    def __init__(self, fn: Callable[[], Any]):
-        self.value: Any = None
-        self.error: BaseException | None = None
-        self._done = threading.Event()
-        self.started = time.monotonic()
-        threading.Thread(target=self._run, args=(fn,), daemon=True, name="env-call").start()
-
-    def _run(self, fn: Callable[[], Any]) -> None:
-        try:
-            self.value = fn()
-        except BaseException as e:  # the env may raise anything; it fails only its episode
-            self.error = e
-        finally:
-            self._done.set()
-
-    def wait(self, timeout_s: float) -> bool:
-        """True when the call finished within `timeout_s` of its start (else it is abandoned)."""
-        return self._done.wait(max(self.started + timeout_s - time.monotonic(), 0.0))
-
-    @property
-    def seconds(self) -> float:
-        return time.monotonic() - self.started
 
 
 @dataclass
@@ -79,7 +55,7 @@ class Episode:
 
     prompt: Prompt
     index: int  # sample index within the prompt's group
-    env: Any = None
+    eid: int = -1  # the env host's id for this episode's env
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
@@ -137,9 +113,12 @@ class EpisodeRunner:
 
     def __init__(self, engine: RolloutEngine, env: str | type, tokenizer: Any, *, env_kwargs: dict | None = None,
                  max_turns: int = 4, max_tokens_per_turn: int = 8, max_total_tokens: int = 64,
-                 step_timeout_s: float = 5.0, eos_token_ids: list[int] | None = None):
+                 step_timeout_s: float = 5.0, eos_token_ids: list[int] | None = None,
+                 isolation: str = "process", num_procs: int = 2, env_host: Any = None):
         """env: an env class or its import path (checked now). tokenizer: an HF tokenizer or a model directory;
-        it is handed to every env (`cls(tokenizer=..., **env_kwargs)`) and encodes text observations."""
+        it is handed to every env (`cls(tokenizer=..., **env_kwargs)`) and encodes text observations.
+        isolation / num_procs: where env code runs (`env_hosts.make_env_host`), built on the first run and kept
+        until `close()`; or pass a ready `env_host` (shared across runners, closed by its owner)."""
         if min(max_turns, max_tokens_per_turn, max_total_tokens) < 1 or step_timeout_s <= 0:
             raise ValueError("need max_turns, max_tokens_per_turn, max_total_tokens >= 1 and step_timeout_s > 0")
         self.engine = engine
@@ -154,14 +133,29 @@ class EpisodeRunner:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_turns, self.max_tokens_per_turn = max_turns, max_tokens_per_turn
         self.max_total_tokens, self.step_timeout_s = max_total_tokens, step_timeout_s
+        self.isolation, self.num_procs = isolation, num_procs
+        self._host, self._owns_host = env_host, env_host is None
         self.metrics: dict[str, float] = {}
 
+    @property
+    def host(self) -> Any:
+        if self._host is None:
+            self._host = make_env_host(self.env_cls, self.env_kwargs, self.tokenizer, self.isolation, self.num_procs)
+        return self._host
+
+    def close(self) -> None:
+        """End the env host this runner built (its processes)."""
+        if self._owns_host and self._host is not None:
+            self._host.close()
+            self._host = None
+
     @classmethod
-    def from_config(cls, engine: RolloutEngine, cfg: Any, tokenizer: Any) -> "EpisodeRunner":
-        """From a `MultiTurnConfig` (env, kwargs, max_turns, max_tokens_per_turn, max_total_tokens, step_timeout_s)."""
+    def from_config(cls, engine: RolloutEngine, cfg: Any, tokenizer: Any, env_host: Any = None) -> "EpisodeRunner":
+        """From a `MultiTurnConfig` (env, kwargs, turn and token limits, step_timeout_s, isolation, num_procs)."""
         return cls(engine, cfg.env, tokenizer, env_kwargs=dict(cfg.kwargs), max_turns=cfg.max_turns,
                    max_tokens_per_turn=cfg.max_tokens_per_turn, max_total_tokens=cfg.max_total_tokens,
-                   step_timeout_s=cfg.step_timeout_s)
+                   step_timeout_s=cfg.step_timeout_s, isolation=cfg.isolation, num_procs=cfg.num_procs,
+                   env_host=env_host)
 
     def run(self, prompts: list[Prompt], n: int, sampling: SamplingSettings, *, version: int = 0,
             seed: int | None = None, stop_event: threading.Event | None = None) -> list[Sample]:
@@ -178,17 +172,22 @@ class EpisodeRunner:
         start = time.perf_counter()
         run_id = next(self._run_ids)
         self._timeouts, self._env_wait_s = 0, 0.0
-        episodes = [Episode(p, j) for p in prompts for j in range(n)]
-        self._reset_all(episodes, seed, version)
-        for turn in range(self.max_turns):
-            live = [e for e in episodes if e.finish is None]
-            if not live:
-                break
-            if stop_event is not None and stop_event.is_set():
-                for e in live:
-                    e.end(FINISH_INTERRUPTED, INTERRUPTED_REASON)
-                break
-            self._turn(live, f"ep{run_id}-t{turn}", sampling, version, seed, stop_event)
+        host = self.host
+        episodes = [Episode(p, j, host.new_episode_id()) for p in prompts for j in range(n)]
+        try:
+            self._reset_all(episodes, seed, version)
+            for turn in range(self.max_turns):
+                live = [e for e in episodes if e.finish is None]
+                if not live:
+                    break
+                if stop_event is not None and stop_event.is_set():
+                    for e in live:
+                        e.end(FINISH_INTERRUPTED, INTERRUPTED_REASON)
+                    break
+                self._turn(live, f"ep{run_id}-t{turn}", sampling, version, seed, stop_event)
+        finally:
+            for e in episodes:
+                host.release(e.eid)
         for e in episodes:  # still running: out of turns (a no-op for episodes that already ended)
             e.end(FINISH_LENGTH)
         samples = [e.to_sample(self.engine.worker_id) for e in episodes]
@@ -198,15 +197,11 @@ class EpisodeRunner:
     # ---- the environment side ------------------------------------------------------------------------------
     def _reset_all(self, episodes: list[Episode], seed: int | None, version: int) -> None:
         """Build each episode's env and append its first observation; all resets run concurrently."""
-        def reset(e: Episode, env_seed: int):
-            e.env = self.env_cls(tokenizer=self.tokenizer, **self.env_kwargs)
-            return e.env.reset(e.prompt, env_seed)
-
         base = 0 if seed is None else seed
-        calls = [TimedCall(lambda e=e: reset(e, mix_seed(base, zlib.crc32(e.prompt.uid.encode()))))
+        calls = [self.host.reset(e.eid, e.prompt, mix_seed(base, zlib.crc32(e.prompt.uid.encode())))
                  for e in episodes]
         for e, call in zip(episodes, calls):
-            failure = self._failure("reset", call)
+            failure = self._failure("reset", call, e)
             if failure is None:
                 try:
                     obs = check_observation(call.value, self.tokenizer, self.vocab_size, "reset")
@@ -219,16 +214,20 @@ class EpisodeRunner:
             else:
                 e.add_env(obs, version)
 
-    def _failure(self, where: str, call: TimedCall) -> str | None:
-        """The reason an env call failed (timeout or exception), or None when it returned in time."""
+    def _failure(self, where: str, call: EnvCall, e: Episode) -> str | None:
+        """The reason an env call failed (timeout, exception, lost process), or None when it returned in time."""
         waited = time.monotonic()
         done = call.wait(self.step_timeout_s)
         self._env_wait_s += time.monotonic() - waited
         if not done:
             self._timeouts += 1
-            return f"env {where} timed out after {self.step_timeout_s:g}s"
+            reason = f"env {where} timed out after {self.step_timeout_s:g}s"
+            self.host.abandon(call, f"episode {e.prompt.uid}/{e.index}: {reason}")
+            return reason
+        if isinstance(call.error, EnvProcessError):
+            return f"env {where} failed: {call.error}"
         if call.error is not None:
-            return f"env {where} raised {type(call.error).__name__}: {call.error}"
+            return f"env {where} raised {error_name(call.error)}: {call.error}"
         return None
 
     def _fits(self, e: Episode, obs: list[int], need_room: bool) -> bool:
@@ -237,9 +236,9 @@ class EpisodeRunner:
         return (len(e.ids) + len(obs) + extra <= self.max_total_tokens
                 and len(e.context) + len(obs) + extra <= self.engine.max_model_len)
 
-    def _apply_step(self, e: Episode, call: TimedCall, version: int) -> None:
+    def _apply_step(self, e: Episode, call: EnvCall, version: int) -> None:
         """Credit the turn's reward to its last model token, append the observation, or end the episode."""
-        failure = self._failure("step", call)
+        failure = self._failure("step", call, e)
         if failure is None:
             try:
                 obs, reward, done, info = check_step_result(call.value, self.tokenizer, self.vocab_size)
@@ -281,9 +280,9 @@ class EpisodeRunner:
         def turn_done(rid: str, seg: Segment) -> None:  # start the env step while others still generate
             if seg.finish_reason == "abort" or not seg.token_ids:
                 return
-            env, action = owners[rid].env, list(seg.token_ids)
+            action = list(seg.token_ids)
             text, _ = decode_action(self.tokenizer, action, self.eos_token_ids)
-            calls[rid] = TimedCall(lambda: env.step(action, text))
+            calls[rid] = self.host.step(owners[rid].eid, action, text)
 
         segments = self.engine.run(requests, turn_done, stop_event) if requests else {}
         for rid, seg in segments.items():
@@ -304,6 +303,7 @@ class EpisodeRunner:
                 "rollout/turns_mean": sum(s.reward_info["turns"] for s in samples) / n,
                 "rollout/env_errors": float(sum(s.finish_reason == FINISH_ENV_ERROR for s in samples)),
                 "rollout/env_timeouts": float(self._timeouts), "rollout/env_wait_s": self._env_wait_s,
+                "rollout/env_procs_killed": float(self.host.killed),
                 "rollout/num_interrupted": float(sum(s.finish_reason == FINISH_INTERRUPTED for s in samples)),
                 "rollout/num_truncated": float(sum(s.finish_reason == FINISH_LENGTH for s in samples))}
 
@@ -313,7 +313,10 @@ def run_episodes(engine: RolloutEngine, prompts: list[Prompt], n: int, cfg: Any,
                  stop_event: threading.Event | None = None) -> tuple[list[Sample], dict[str, float]]:
     """One-shot `EpisodeRunner.from_config(engine, cfg, tokenizer).run(...)`; returns (samples, metrics)."""
     runner = EpisodeRunner.from_config(engine, cfg, tokenizer)
-    samples = runner.run(prompts, n, sampling, version=version, seed=seed, stop_event=stop_event)
+    try:
+        samples = runner.run(prompts, n, sampling, version=version, seed=seed, stop_event=stop_event)
+    finally:
+        runner.close()
     return samples, runner.metrics
 
 

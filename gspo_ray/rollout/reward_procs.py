@@ -5,31 +5,25 @@
     pool.close()
 
 Why processes: the rollout worker runs its vLLM engine in-process, so a reward in a thread shares the engine's
-interpreter (GIL), and a runaway thread can never be stopped. Each child here is a plain `python -c` started with
-two pipe fds (not multiprocessing's spawn, which re-runs the parent's main module: a Ray worker's or a script's
-top level). It loads the function once (by import path, or unpickled with cloudpickle), lowers its priority
-(nice 10: when the engine and a reward want the same core, the engine wins) and exits when its parent is
-gone. Calls stream to it (at most PREFETCH queued per child) and results come back one by one; a call's
+interpreter (GIL), and a runaway thread can never be stopped. Each child (`child_procs.spawn_child`: niced, dies
+with its parent) loads the function once (by import path, or unpickled with cloudpickle). Calls stream to it (at most PREFETCH queued per child) and results come back one by one; a call's
 clock starts when it reaches the head of its child's queue. At most `num_procs` calls run at once: the cap on
 the CPU that user code takes from the engine.
 """
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import wait
 from typing import Any, Callable
+
+from gspo_ray.rollout.child_procs import child_env, enter_child, kill_child, spawn_child
 
 PREFETCH = 4  # calls queued per child: the next ones are there when the current one returns
 START_TIMEOUT_S = 120.0  # a child that has not loaded the function by then (a hanging import) breaks the pool
-NICE = 10
-_CHILD = ("import sys; from gspo_ray.rollout.reward_procs import child_main; "
-          "child_main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))")
 
 
 @dataclass
@@ -47,14 +41,7 @@ class _Child:
     """One child process, its two pipe ends, and the calls sent to it (the head one is running)."""
 
     def __init__(self, init: tuple[str, Any], env: dict[str, str]):
-        to_child, from_child = os.pipe(), os.pipe()
-        self.popen = subprocess.Popen([sys.executable, "-c", _CHILD, str(to_child[0]), str(from_child[1]),
-                                       str(os.getpid())], pass_fds=(to_child[0], from_child[1]), env=env,
-                                      stdin=subprocess.DEVNULL)
-        os.close(to_child[0])
-        os.close(from_child[1])
-        self.send = Connection(to_child[1], readable=False)
-        self.recv = Connection(from_child[0], writable=False)
+        self.popen, self.send, self.recv = spawn_child("gspo_ray.rollout.reward_procs:child_main", env)
         self.send.send(init)
         self.ready = False
         self.born = time.monotonic()
@@ -62,10 +49,7 @@ class _Child:
         self.head_since = 0.0
 
     def kill(self) -> None:
-        self.popen.kill()
-        self.popen.wait()
-        self.send.close()
-        self.recv.close()
+        kill_child(self.popen, self.send, self.recv)
 
 
 class ProcessCallPool:
@@ -78,8 +62,7 @@ class ProcessCallPool:
             import cloudpickle  # functions, lambdas and closures by value when not importable by name
 
             self._init = ("pickle", cloudpickle.dumps(fn_or_path))
-        # the children see the same modules as this process (a user's reward module on a Ray worker's path)
-        self._env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        self._env = child_env()
         self._lock = threading.Lock()
         self.killed = 0  # children killed at a timeout (or found dead), all time
         self.broken: str | None = None  # the function cannot be loaded in a child: every call fails with this
@@ -178,19 +161,6 @@ class ProcessCallPool:
 
 
 # ---- the child side -------------------------------------------------------------------------------------------
-def _die_with_parent(parent_pid: int) -> None:
-    """Exit as soon as the parent is gone, even in the middle of a runaway call: a watchdog thread polls the
-    parent pid (PR_SET_PDEATHSIG would fire when the creating *thread* ends, which may be a short-lived one)."""
-    import threading
-
-    def watch() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(1.0)
-        os._exit(0)
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
-
-
 def _load(init: tuple[str, Any]) -> Callable:
     kind, payload = init
     if kind == "path":
@@ -206,9 +176,7 @@ def child_main(read_fd: int, write_fd: int, parent_pid: int) -> None:
     """Serve calls from the parent until its pipe closes."""
     import traceback
 
-    _die_with_parent(parent_pid)
-    os.nice(NICE)
-    recv, send = Connection(read_fd, writable=False), Connection(write_fd, readable=False)
+    recv, send = enter_child(read_fd, write_fd, parent_pid)
     try:
         fn = _load(recv.recv())
     except BaseException as e:  # reported once; the parent fails every call with it

@@ -168,7 +168,7 @@ class RolloutWorker:
                                                                                    temperature=temperature)
         if getattr(self, "_env_tokenizer", None) is None:  # loaded once, on first use
             self._env_tokenizer = load_tokenizer(self.model_path)
-        runner = EpisodeRunner.from_config(self.engine, spec, self._env_tokenizer)  # checks the env class
+        runner = EpisodeRunner.from_config(self.engine, spec, self._env_tokenizer, self._env_host_for(spec))
         with self._lock:
             self._check_usable()
             version = self._version if version is None else version
@@ -176,6 +176,20 @@ class RolloutWorker:
                                  stop_event=self._paused)
         self._metrics = dict(runner.metrics)
         return samples
+
+    def _env_host_for(self, spec: Any) -> Any:
+        """The env host (its processes) is kept across batches while the env spec stays the same."""
+        from gspo_ray.envs.multiturn import check_env
+        from gspo_ray.rollout.env_hosts import make_env_host
+
+        key = (spec.env, repr(sorted(spec.kwargs.items())), spec.isolation, spec.num_procs)
+        if getattr(self, "_env_host_key", None) != key:
+            if getattr(self, "_env_host", None) is not None:
+                self._env_host.close()
+            self._env_host = make_env_host(check_env(spec.env), dict(spec.kwargs), self._env_tokenizer,
+                                           spec.isolation, spec.num_procs)
+            self._env_host_key = key
+        return self._env_host
 
     def _score_async(self, prompt: Prompt, group: list[Sample], futures: list[Future]) -> None:
         done = [s for s in group if s.finish_reason != FINISH_ABORTED]
@@ -273,4 +287,6 @@ class RolloutWorker:
         with self._lock:
             if self.reward_runner is not None and hasattr(self.reward_runner, "close"):
                 self.reward_runner.close()
+            if getattr(self, "_env_host", None) is not None:
+                self._env_host.close()
             self.engine.shutdown()

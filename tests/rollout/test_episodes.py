@@ -2,12 +2,15 @@
 
 - episodes interleave model tokens (mask 1, engine log-probs equal to a transformers teacher-forced forward over
   the whole interleaved sequence) with env tokens (mask 0, log-prob 0), and decode to exactly the env's transcript;
-- an env that raises, hangs or returns garbage ends only its own episode;
+- an env that raises, hangs or returns garbage ends only its own episode (under thread isolation; in child
+  processes the same, bar a hang, whose kill also ends its process's other episodes: see test_env_hosts.py);
+- envs in child processes (the default) give exactly the episodes that envs in this process give;
 - a completion generated in 3 segments equals one uninterrupted (greedy) generation, carries the versions it was
   sampled under, and, with real weights pushed between segments, each token's log-prob is that of its version.
 """
 from __future__ import annotations
 
+import os
 import shutil
 import threading
 import time
@@ -109,7 +112,7 @@ def test_episode_tokens_interleave_and_match_teacher_forcing(setup, env_cls):
     else:
         prompts, kwargs = PromptSource.from_task("add", model_dir, num_train=50, seed=0).take(8), {"call_reward": 0.1}
     runner = EpisodeRunner(worker.engine, env, tok, env_kwargs=kwargs, max_turns=3, max_tokens_per_turn=4,
-                           max_total_tokens=60, step_timeout_s=5.0)
+                           max_total_tokens=60, step_timeout_s=5.0, isolation="thread")  # reads env.log here
     samples = runner.run(prompts, 8, SamplingSettings(temperature=1.0), version=7, seed=3)
     assert [(s.prompt_uid, s.sample_index) for s in samples] == [(p.uid, j) for p in prompts for j in range(8)]
     assert len(env.log) == len(samples) and all(s.failed is None for s in samples)
@@ -164,14 +167,19 @@ FAULTS = {"raise": "env step raised ValueError: step exploded", "hang": "env ste
           "reset_raise": "env reset raised RuntimeError: reset exploded"}
 
 
-def test_env_failures_end_only_their_episode(setup):
+@pytest.mark.parametrize("isolation", ["thread", "process"])
+def test_env_failures_end_only_their_episode(setup, isolation):
     worker, _, tok, _ = setup
-    modes = ["ok", *FAULTS, "ok"]
+    faults = {k: v for k, v in FAULTS.items() if isolation == "thread" or k != "hang"}
+    modes = ["ok", *faults, "ok"]
     prompts = [Prompt(uid=f"{m}{i}", prompt_ids=[2, 6 + i], meta={"mode": m}) for i, m in enumerate(modes)]
     runner = EpisodeRunner(worker.engine, FaultyEnv, tok, max_turns=2, max_tokens_per_turn=3,
-                           step_timeout_s=0.5)
+                           step_timeout_s=0.5, isolation=isolation)
     start = time.monotonic()
-    samples = runner.run(prompts, 2, SamplingSettings(), version=1, seed=0)
+    try:
+        samples = runner.run(prompts, 2, SamplingSettings(), version=1, seed=0)
+    finally:
+        runner.close()
     assert time.monotonic() - start < 15, "a hung env held up the batch"
     plus, minus = tok.convert_tokens_to_ids("+"), tok.convert_tokens_to_ids("-")
     for s in samples:
@@ -184,7 +192,24 @@ def test_env_failures_end_only_their_episode(setup):
             assert s.reward is None and s.token_rewards is None and s.reward_info["env_error"] == 1.0
             assert 10_000 not in s.completion_ids
     m = runner.metrics
-    assert m["rollout/env_errors"] == 2 * len(FAULTS) and m["rollout/env_timeouts"] == 2
+    assert m["rollout/env_errors"] == 2 * len(faults) and m["rollout/env_timeouts"] == 2 * ("hang" in faults)
+    assert m["rollout/env_procs_killed"] == 0
+
+
+def test_envs_in_processes_give_the_episodes_envs_in_this_process_give(setup):
+    worker, _, tok, _ = setup
+    prompts = build_guess_prompts(tok, 4, seed=2)
+    runs = {}
+    for isolation in ("thread", "process"):
+        runner = EpisodeRunner(worker.engine, GuessNumberEnv, tok, env_kwargs={"wrong_reward": -0.1}, max_turns=3,
+                               max_tokens_per_turn=4, isolation=isolation)
+        try:
+            runs[isolation] = runner.run(prompts, 4, SamplingSettings(temperature=1.0), version=2, seed=11)
+        finally:
+            runner.close()
+    key = lambda s: (s.prompt_uid, s.sample_index, s.completion_ids, s.loss_mask, s.token_rewards, s.finish_reason)
+    assert [key(s) for s in runs["process"]] == [key(s) for s in runs["thread"]]
+    assert any(s.reward_info["turns"] > 1 for s in runs["process"]), "no episode got past its first turn"
 
 
 def test_pause_interrupts_episodes(setup):
@@ -196,7 +221,8 @@ def test_pause_interrupts_episodes(setup):
             stop.set()
             return super().step(action_ids, action_text)
 
-    runner = EpisodeRunner(worker.engine, PausingGuess, tok, max_turns=3, max_tokens_per_turn=4)
+    runner = EpisodeRunner(worker.engine, PausingGuess, tok, max_turns=3, max_tokens_per_turn=4,
+                           isolation="thread")  # the env sets this process's event
     samples = runner.run(build_guess_prompts(tok, 3), 4, SamplingSettings(), seed=0, stop_event=stop)
     interrupted = [s for s in samples if s.finish_reason == "interrupted"]
     assert len(interrupted) + sum(s.finish_reason == "stop" for s in samples) == len(samples) and interrupted
@@ -216,6 +242,10 @@ def test_worker_run_episodes(setup):
         assert s.failed is None and s.reward is not None and len(s.token_rewards) == s.num_tokens
         assert s.versions == [worker.current_version()] * s.num_tokens and s.worker_id == 0
     assert worker.last_metrics()["rollout/num_samples"] == 8
+    host = worker._env_host  # the default: envs in child processes, kept for the next batch
+    pids = host.pids
+    assert worker.run_episodes(prompts, n=1, env_spec=spec, seed=2)[0].failed is None and host.pids == pids
+    assert worker._env_host is host and os.getpid() not in pids
     worker.pause()
     try:
         paused = worker.run_episodes(prompts, n=2, env_spec=spec)
