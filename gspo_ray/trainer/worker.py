@@ -44,6 +44,7 @@ from gspo_ray.trainer.optim import (
 from gspo_ray.trainer.megatron_cpu_compat import cpu_device_mode
 from gspo_ray.trainer.pg_weights import build_pg_weight
 from gspo_ray.trainer.router_churn import RouterRecorder, comm_device
+from gspo_ray.trainer.router_drift import RoutingDrift
 from gspo_ray.trainer.routing_replay import build_routing_replay
 
 log = logging.getLogger(__name__)
@@ -217,6 +218,7 @@ class TrainerWorker:
             self.ref_model.requires_grad_(False)
         self.recorder = RouterRecorder(self.gpt)
         self.replay = build_routing_replay(self.gpt, trainer_cfg.routing_replay)  # None unless R2 on an MoE
+        self.drift = RoutingDrift(self.gpt) if trainer_cfg.routing_drift and self.recorder.routers else None
         self.forward_passes: dict[str, int] = {}  # model forwards since the last train_step returned, by kind
         self._version = 0
         self.skipped = SkippedSteps(trainer_cfg.max_skipped_steps)  # non-finite steps: skipped, then fatal
@@ -271,9 +273,13 @@ class TrainerWorker:
         width = batch.tokens.shape[1]
         out = torch.zeros(local.num_sequences, width)
         start = 0
+        sampler = purpose == "old_logprobs" and not reference  # the policy that sampled: R2 and drift record
         for mb in micro_batches(local, micro_batch_rows(batch, self.cfg.micro_batch_size,
                                                         self.cfg.micro_batch_tokens)):
-            lp = self._logprobs(model, mb, "reference" if reference else purpose, temperature=temperature).cpu()
+            with (self._replayed(mb) if sampler else contextlib.nullcontext()), \
+                    (self._drift_watch(mb) if sampler else contextlib.nullcontext()):
+                lp = self._logprobs(model, mb, "reference" if reference else purpose,
+                                    temperature=temperature).cpu()
             out[start:start + mb.num_sequences, :lp.shape[1]] = lp
             start += mb.num_sequences
         model.train(was_training)
@@ -298,7 +304,8 @@ class TrainerWorker:
             with torch.no_grad():
                 ref_logp = self._logprobs(self.ref_model, mb, "reference", loss_tokens_only=True)
         capture = self.recorder.capture(mb.lengths, "before") if churn else contextlib.nullcontext()
-        with self._replayed(mb), capture:  # replay first: a recording forward it may run is not captured
+        # replay first: a recording forward it runs is neither captured nor watched
+        with self._replayed(mb), capture, self._drift_watch(mb):
             logp, entropy = self._logprobs(self.gpt, mb, "train", with_entropy=True, loss_tokens_only=True)
         a = self.algo
         old_logp, adv, mask = mb.old_logp.to(logp), mb.adv.to(logp), mb.loss_mask.bool().to(logp.device)
@@ -345,6 +352,8 @@ class TrainerWorker:
         metrics = acc.reduce(self.dp_group)
         if churn:
             metrics |= self._router_churn(mbs)
+        if self.drift is not None:
+            metrics |= self.drift.metrics()  # all ranks, like churn
         metrics |= {"train/eps_low": eps[0], "train/eps_high": eps[1]}  # the band this step trained with
         metrics |= {f"train/forward_passes_{k}": float(v) for k, v in self.forward_passes.items()}
         self.forward_passes = {}
@@ -364,6 +373,12 @@ class TrainerWorker:
         metrics = self.recorder.churn_metrics()  # all ranks: DP rows and SP shards are disjoint token sets
         self.recorder.clear()
         return metrics
+
+    def _drift_watch(self, mb: TrainBatch):
+        """Routing drift around a policy forward of `mb` (stores at first sight, else compares; see router_drift)."""
+        if self.drift is None:
+            return contextlib.nullcontext()
+        return self.drift.watch(mb.uids, mb.lengths, self._version)
 
     def _replayed(self, mb: TrainBatch):
         """Routing Replay around a policy forward of `mb` (records its routing the first time; see routing_replay)."""

@@ -3,6 +3,8 @@
 With replay the forwards after the first route exactly as recorded (router churn exactly 0, also on a micro-batch
 mixing recorded and new rows) while the router still learns (its weights move: Adam's first step moves a weight
 only where the gradient is non-zero); without replay the same large step changes routing (churn > 0).
+Routing drift (sampling policy -> policy being updated) is 0 before the first update, and after it shows the
+unreplayed routing moving even under R2; its top-k is the routing the layers really use when nothing replays.
 """
 from __future__ import annotations
 
@@ -20,7 +22,8 @@ def _router_weights(worker):
 
 
 def _run(worker, batch, mixed):
-    batch.old_logp = worker.compute_logprobs(batch)
+    batch.old_logp = worker.compute_logprobs(batch)  # the sampling policy's forward: R2 and drift record here
+    drift_store = {u: [t.clone() for t in ts] for u, ts in worker.drift.store.items()}
     w0 = _router_weights(worker)
     steps = [worker.train_step(batch) for _ in range(2)]  # records on the first, replays on the second
     moved = [float((a - b).abs().max()) for a, b in zip(w0, _router_weights(worker))]
@@ -28,7 +31,7 @@ def _run(worker, batch, mixed):
     steps.append(worker.train_step(mixed))  # half recorded rows, half new: a recording forward runs first
     stored = {u: [t.clone() for t in ts] for u, ts in worker.replay.store.items()} if worker.replay else {}
     worker.shutdown()
-    return {"steps": steps, "router_moved": moved, "stored": stored}
+    return {"steps": steps, "router_moved": moved, "stored": stored, "drift_store": drift_store}
 
 
 def _scenario(rank, world_size, ports, model_dir, batch, mixed):
@@ -83,6 +86,26 @@ def test_without_replay_the_same_steps_change_routing(runs):
     steps = runs["none"]["steps"]
     assert steps[0][CHURN] > 0 and steps[1][CHURN] > 0
     assert runs["none"]["stored"] == {}
+
+
+DRIFT = "moe/drift_churn"
+
+
+def test_drift_top_k_is_the_routing_the_layers_use(runs):
+    """Both workers start from the same weights: what drift computed from the router inputs (replay off) equals
+    what R2 recorded from the routers' own top-k on the same sampling forward."""
+    natural, used = runs["none"]["drift_store"], runs["R2"]["stored"]
+    assert set(natural) >= set(runs["R2"]["drift_store"]) and len(natural) == 8
+    for uid, layers in natural.items():
+        assert [t.tolist() for t in layers] == [t.sort(dim=-1).values.tolist() for t in used[uid]], uid
+
+
+@pytest.mark.parametrize("mode", ["R2", "none"])
+def test_drift_is_zero_before_the_first_update_and_moves_after(runs, mode):
+    first, second = runs[mode]["steps"][:2]
+    assert first[DRIFT] == 0.0 and first["moe/drift_churn_l0"] == 0.0  # same weights as the sampling forward
+    assert second[DRIFT] > 0.0, second  # lr 0.1 moved the routers: under R2 too, though the layers replay
+    assert runs[mode]["steps"][2][DRIFT] >= 0.0
 
 
 def test_r3_is_refused_with_the_reason():

@@ -1,0 +1,113 @@
+"""Routing drift: the share of a token's top-k expert choices that differ between the policy that first saw a
+sequence (the sampling policy, when old log-probs are recomputed) and the policy being updated now, per MoE layer.
+
+    drift = RoutingDrift(model)
+    with drift.watch(mb.uids, mb.lengths, version):   # the first forward over a uid stores its routing;
+        forward(mb)                                    # every later one is compared with it
+    metrics = drift.metrics(group)                     # {"moe/drift_churn_l0": ..., "moe/drift_churn": ...}
+
+This is seed 000's "~10% of the experts a rollout activates change after one gradient update", measured the way
+it matters for reuse: mini-batch j of pass p trains on routing that moved for (p-1) x num_minibatches + j
+optimizer steps. The routing compared is the router's own choice, top-k of `x W_router^T`, computed from the
+router's input even when Routing Replay overrides what the layer uses (so under R2 this still shows how far the
+unreplayed routing has moved, while the layer runs on the recorded one). Top-k of the logits equals top-k of the
+softmax scores (monotone); routers with an expert bias or group-limited top-k are refused.
+
+Which forward stores: the first one that sees a uid. With `coordinator.recompute_old_logprobs` that is the
+old-log-prob forward over the whole rollout batch, run by the policy that sampled it (exact). Without it, the
+first training forward stores: exact for the first mini-batch, a lower bound for the later ones of pass 1.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+from gspo_ray.trainer.router_churn import comm_device, find_routers
+from gspo_ray.trainer.routing_replay import MAX_IDLE_STEPS, _gather_sequence, _sp_offset
+
+
+class RoutingDrift:
+    """Per sequence uid and MoE layer: the top-k ids [length, k] of its first forward, and the changed-choice
+    counts of every later forward since the last `metrics()`."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.routers = find_routers(model)
+        for layer, r in self.routers:
+            cfg = r.config
+            if getattr(cfg, "moe_router_enable_expert_bias", False) or getattr(cfg, "moe_router_group_topk", None):
+                raise ValueError(f"layer {layer}: routing drift assumes plain top-k of the router logits")
+        self.topk = self.routers[0][1].topk if self.routers else 0
+        self.store: dict[str, list[torch.Tensor]] = {}
+        self.last_used: dict[str, int] = {}
+        self.counts = torch.zeros(len(self.routers), 2, dtype=torch.float64)  # (changed choices, k * tokens)
+        self._uids: list[str] | None = None
+        self._lengths = torch.zeros(0, dtype=torch.long)
+        self._handles = [r.register_forward_pre_hook(self._hook(i)) for i, (_, r) in enumerate(self.routers)]
+
+    def _hook(self, i: int):
+        def hook(module, args):
+            if self._uids is None:
+                return
+            x = args[0].detach()  # [S_local, B, H]
+            s_local, batch = int(x.shape[0]), int(x.shape[1])
+            with torch.no_grad():
+                logits = torch.nn.functional.linear(x.float(), module.weight.float())
+                idx = torch.topk(logits, module.topk, dim=-1).indices  # [S_local, B, k]
+            idx = _gather_sequence(idx, module)
+            if _sp_offset(module, s_local) > 0:
+                return  # under sequence parallelism the first TP rank counts the gathered sequence
+            idx = idx.sort(dim=-1).values.cpu().to(torch.int16)
+            for b, uid in enumerate(self._uids[:batch]):
+                n = int(self._lengths[b])
+                if n <= 0:
+                    continue
+                stored = self.store.setdefault(uid, [])
+                if len(stored) == i:  # first sight of this uid at this layer: store
+                    stored.append(idx[:n, b])
+                elif len(stored) > i:
+                    same = (stored[i][:n, :, None] == idx[:n, b, None, :]).any(-1).sum()
+                    self.counts[i, 0] += n * module.topk - int(same)
+                    self.counts[i, 1] += n * module.topk
+        return hook
+
+    @contextlib.contextmanager
+    def watch(self, uids: list[str], lengths: torch.Tensor, version: int):
+        """Forwards inside store (first sight) or compare (later) the routing of rows `uids` (lengths [B])."""
+        if not self.routers:
+            yield
+            return
+        for u in [u for u, v in self.last_used.items() if version - v > MAX_IDLE_STEPS]:
+            self.store.pop(u, None)
+            self.last_used.pop(u)
+        for u in uids:
+            if len(self.store.get(u, ())) not in (0, len(self.routers)):
+                self.store.pop(u)  # a partial record (an interrupted forward) starts over
+            self.last_used[u] = version
+        self._uids, self._lengths = list(uids), lengths.cpu()
+        try:
+            yield
+        finally:
+            self._uids = None
+
+    def metrics(self, group=None) -> dict[str, float]:
+        """Drift per layer and the mean over layers since the last call, summed over `group`'s ranks; {} when
+        nothing was compared (a dense model, or every forward was a first sight)."""
+        counts = self.counts.clone()
+        self.counts.zero_()
+        if dist.is_available() and dist.is_initialized():
+            counts = counts.to(comm_device(group))
+            dist.all_reduce(counts, group=group)
+            counts = counts.cpu()
+        if not self.routers or counts[:, 1].sum() == 0:
+            return {}
+        drift = (counts[:, 0] / counts[:, 1].clamp(min=1)).tolist()
+        out = {f"moe/drift_churn_l{layer}": d for (layer, _), d in zip(self.routers, drift)}
+        out["moe/drift_churn"] = sum(drift) / len(drift)
+        return out
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
