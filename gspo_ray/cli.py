@@ -193,12 +193,25 @@ def scale(pool: str = typer.Argument(..., help="rollout (the trainer pool's size
 
 @app.command()
 def bench(quick: bool = typer.Option(False, help="fewer steps"),
-          suite: str = typer.Option("all", help="tiny (the tiny-MoE tables) | smollm2 (the real-model table) | all"),
-          steps: int = typer.Option(6, help="steps per mode of the smollm2 suite")):
+          suite: str = typer.Option("all", help="tiny (the tiny-MoE tables) | smollm2 (the real-model table) | "
+                                    "moe (GRPO / GRPO+R2 / GSPO / GSPO-token on the upcycled SmolLM2 MoE) | all "
+                                    "(tiny + smollm2)"),
+          steps: int = typer.Option(6, help="steps per mode (smollm2) or per run (moe)"),
+          seeds: str = typer.Option("0", help="moe suite: comma-separated seeds")):
     """Per-phase time breakdown of training steps (sync/async, recompute on/off): prints tables."""
-    if suite not in ("tiny", "smollm2", "all"):
-        typer.echo(f"error: --suite {suite!r}; valid: tiny, smollm2, all", err=True)
+    if suite not in ("tiny", "smollm2", "moe", "all"):
+        typer.echo(f"error: --suite {suite!r}; valid: tiny, smollm2, moe, all", err=True)
         raise typer.Exit(2)
+    if suite == "moe":
+        from gspo_ray.coordinator.bench_moe import run_moe_bench
+
+        try:
+            seed_list = tuple(int(s) for s in seeds.split(","))
+        except ValueError:
+            typer.echo(f"error: --seeds {seeds!r}: expected comma-separated integers", err=True)
+            raise typer.Exit(2)
+        run_moe_bench(steps=3 if quick else steps, seeds=seed_list)
+        return
     if suite in ("tiny", "all"):
         from gspo_ray.coordinator.bench import run_bench
 

@@ -138,11 +138,13 @@ class Coordinator:
                     if self.state.version > sampled_at:  # reuse: the policy moved since sampling
                         self.auto_eps.observe(m["train/logr_mean"], m["train/logr_sq_mean"], m["train/n_tokens"],
                                               m["train/n_seqs"], m["train/clip_frac_seq"])
-                self.state.version += 1
-                steps += 1
                 if it == 0 and mb_index == 0:  # shows the engine-vs-trainer anchor before any update
                     first = {f"{k}_first_mb": v for k, v in m.items() if "clip_frac" in k}
+                if "moe/drift_churn" in m:  # routing drift after `steps` updates since sampling
+                    first[f"moe/drift_churn_at{steps}"] = m["moe/drift_churn"]
                 _accumulate(metrics, m)
+                self.state.version += 1
+                steps += 1
         out = {k: v / steps for k, v in metrics.items()}
         out.update(first)
         if self.auto_eps is not None:
