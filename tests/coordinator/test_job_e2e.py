@@ -21,10 +21,11 @@ def _cfg(tmp_path, *overrides):
                                 *overrides])
 
 
-def test_learns_and_resumes_after_trainer_death(tmp_path):
-    steps, die_at = 120, 100
-    cfg = _cfg(tmp_path, f"coordinator.steps={steps}", "coordinator.eval_every=0", "coordinator.checkpoint_every=60",
-               "trainer.lr=1e-3", "data.num_eval=64")
+def test_solves_the_copy_task_and_resumes_after_trainer_death(tmp_path):
+    """The default recipe as `make run` runs it (4-digit copy, lr 3e-4, held-out eval every 25 steps, early stop
+    at held-out greedy reward 1.95 of 2.0), with a trainer rank killed at step 100 and the job resumed."""
+    die_at = 100
+    cfg = _cfg(tmp_path, "coordinator.checkpoint_every=60")
 
     def kill_trainer(coord, step):
         if step == die_at:
@@ -37,15 +38,13 @@ def test_learns_and_resumes_after_trainer_death(tmp_path):
 
     summary = run_job(cfg, resume=True)
     rows = read_metrics(run_dir / "metrics.jsonl")
-    assert [r["step"] for r in rows] == list(range(0, steps + 1))     # step counter continued; 61..100 redone
-    assert rows[61]["train/version"] == 61                              # the resumed policy version continued too
-    before, after = rows[0]["eval/reward"], rows[-1]["eval/reward"]
-    # Greedy held-out reward of the random-init model on 64 prompts, then after 120 GSPO steps. copy_reward is in
-    # [0, 2]; the untrained model scores ~0.02 (it never stops and rarely hits a digit). A fixed policy's greedy
-    # score does not move at all between two evaluations of the same prompts, so any rise is the update's doing;
-    # 0.25 is >10x the starting score and ~4x the per-step reward noise seen in training.
-    assert after > before + 0.25, (before, after)
-    assert summary.steps == steps and summary.eval_history[-1][0] == steps
+    assert [r["step"] for r in rows] == list(range(0, summary.steps + 1))  # step counter continued; 61..100 redone
+    assert rows[61]["train/version"] == 61                                  # the resumed policy version continued too
+    # Solved: held-out greedy exact match >= 0.95 on 64 unseen 4-digit strings, before the recipe's 600-step cap
+    # (measured: solved at steps 325-375 over 3 seeds; the random-init model scores 0 exact, reward < 0.1).
+    evals = [r for r in rows if "eval/exact" in r]
+    assert evals[0]["eval/exact"] == 0.0 and evals[-1]["eval/exact"] >= 0.95, [(r["step"], r["eval/exact"]) for r in evals]
+    assert summary.steps < cfg.coordinator.steps and summary.eval_history[-1][1] >= 1.95
 
 
 def test_two_passes_four_minibatches_reuse_one_batch(tmp_path):
