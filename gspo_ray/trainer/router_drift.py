@@ -51,25 +51,32 @@ class RoutingDrift:
             if self._uids is None:
                 return
             x = args[0].detach()  # [S_local, B, H]
-            s_local, batch = int(x.shape[0]), int(x.shape[1])
+            s_local, batch, k = int(x.shape[0]), int(x.shape[1]), module.topk
             with torch.no_grad():
                 logits = torch.nn.functional.linear(x.float(), module.weight.float())
-                idx = torch.topk(logits, module.topk, dim=-1).indices  # [S_local, B, k]
+                idx = torch.topk(logits, k, dim=-1).indices  # [S_local, B, k]
             idx = _gather_sequence(idx, module)
             if _sp_offset(module, s_local) > 0:
                 return  # under sequence parallelism the first TP rank counts the gathered sequence
-            idx = idx.sort(dim=-1).values.cpu().to(torch.int16)
-            for b, uid in enumerate(self._uids[:batch]):
-                n = int(self._lengths[b])
-                if n <= 0:
-                    continue
+            idx = idx.sort(dim=-1).values.cpu().to(torch.int16)  # [S, B, k]
+            uids, lengths = self._uids[:batch], self._lengths[:batch]
+            compare = []
+            for b, uid in enumerate(uids):
                 stored = self.store.setdefault(uid, [])
-                if len(stored) == i:  # first sight of this uid at this layer: store
-                    stored.append(idx[:n, b])
+                if len(stored) == i and int(lengths[b]) > 0:  # first sight of this uid at this layer: store
+                    stored.append(idx[:int(lengths[b]), b].clone())
                 elif len(stored) > i:
-                    same = (stored[i][:n, :, None] == idx[:n, b, None, :]).any(-1).sum()
-                    self.counts[i, 0] += n * module.topk - int(same)
-                    self.counts[i, 1] += n * module.topk
+                    compare.append(b)
+            if not compare:
+                return
+            old = torch.full((idx.shape[0], len(compare), k), -1, dtype=torch.int16)
+            for j, b in enumerate(compare):
+                st = self.store[uids[b]][i]
+                old[:st.shape[0], j] = st
+            valid = torch.arange(idx.shape[0])[:, None] < lengths[compare][None, :]  # [S, R]
+            same = (old[:, :, :, None] == idx[:, compare, None, :]).any(-1).sum(-1)  # [S, R]
+            self.counts[i, 0] += float(((k - same) * valid).sum())
+            self.counts[i, 1] += float(valid.sum()) * k
         return hook
 
     @contextlib.contextmanager
