@@ -12,7 +12,7 @@ LOCK  := requirements/cpu.lock
 RECIPE ?= gspo_ray/recipes/tiny_moe.yaml
 ARGS   ?=
 
-.PHONY: venv run test test-fast bench clean
+.PHONY: venv run test test-fast bench bench-moe clean
 
 venv: $(STAMP)
 
@@ -34,6 +34,10 @@ test-fast: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/gspo-ray bench
+
+# GRPO / GRPO+R2 / GSPO / GSPO-token on SmolLM2 upcycled to an MoE (~50 min on 2 cores): table + runs/bench_moe.png
+bench-moe: $(STAMP)
+	$(BIN)/gspo-ray bench --suite moe $(ARGS)
 
 clean:
 	rm -rf $(VENV) runs

@@ -79,7 +79,7 @@ def bench_moe_variant(label: str, level: str, replay: str, steps: int, seed: int
 
 
 def format_moe(results: list[dict]) -> str:
-    head = ("| run | seed | steps | drift after 1 update | after 4 | after 8 | drift, all updates | max layer | "
+    head = ("| run | seed | steps | drift after 1 update | after 4 | after 7 | drift, all updates | max layer | "
             "per-token log-ratio std | clip frac token | clip frac seq | reward first -> last step | skipped |")
     lines = [head, "|---" * (head.count("|") - 1) + "|"]
     for r in results:
