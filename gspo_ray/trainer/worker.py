@@ -184,6 +184,13 @@ class MetricAccumulator:
         return out
 
 
+def routing_keys(mb: TrainBatch) -> list[str]:
+    """Per-row keys of recorded routing (R2, drift): the sample uid plus a hash of the row's tokens, so a uid that
+    comes back with other tokens (a requeued prompt's fresh samples) is a new sequence, not a replay of the old."""
+    rows, lengths = mb.tokens.tolist(), mb.lengths.tolist()
+    return [f"{uid}#{hash(tuple(row[:n]))}" for uid, row, n in zip(mb.uids, rows, lengths)]
+
+
 class TrainerWorker:
     """One rank of the trainer: Megatron GPTModel in DDP, AdamW, LR schedule, optional frozen reference policy."""
 
@@ -378,13 +385,13 @@ class TrainerWorker:
         """Routing drift around a policy forward of `mb` (stores at first sight, else compares; see router_drift)."""
         if self.drift is None:
             return contextlib.nullcontext()
-        return self.drift.watch(mb.uids, mb.lengths, self._version)
+        return self.drift.watch(routing_keys(mb), mb.lengths, self._version)
 
     def _replayed(self, mb: TrainBatch):
         """Routing Replay around a policy forward of `mb` (records its routing the first time; see routing_replay)."""
         if self.replay is None:
             return contextlib.nullcontext()
-        return self.replay.forward(mb.uids, mb.lengths, self._version,
+        return self.replay.forward(routing_keys(mb), mb.lengths, self._version,
                                    record_fn=lambda: self._logprobs(self.gpt, mb, "routing_record",
                                                                     loss_tokens_only=True))
 
