@@ -23,9 +23,9 @@ COLUMNS = ["step_s", "rollout_s", "train_s", "sync_s", "rollout_idle_s", "traine
            "push_mb"]
 
 
-def _bench_cfg(out_dir: Path, name: str, steps: int, *overrides: str):
-    """The tiny-MoE recipe for `steps` steps, without eval, checkpoints or extra outputs."""
-    return load_config(RECIPE, [f"coordinator.steps={steps}", "coordinator.eval_every=0",
+def _bench_cfg(out_dir: Path, name: str, steps: int, *overrides: str, recipe: Path = RECIPE):
+    """A recipe (default the tiny-MoE one) for `steps` steps, without eval, checkpoints or extra outputs."""
+    return load_config(recipe, [f"coordinator.steps={steps}", "coordinator.eval_every=0",
                                 "coordinator.checkpoint_every=0", "data.num_eval=0", f"logging.out_dir={out_dir}",
                                 f"name={name}", "logging.progress=false", "logging.tensorboard=false",
                                 "logging.plot=false", *overrides])

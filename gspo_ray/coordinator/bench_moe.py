@@ -19,7 +19,6 @@ import tempfile
 import time
 from pathlib import Path
 
-from gspo_ray.config import load_config
 from gspo_ray.coordinator.tracking import read_metrics
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "smollm2_repeat.yaml"
@@ -47,18 +46,16 @@ def ensure_moe_model(out: Path = MOE_DIR, experts: int = 4, top_k: int = 2, nois
 
 def bench_moe_variant(label: str, level: str, replay: str, steps: int, seed: int, out_dir: Path,
                       model_dir: Path, lr: float) -> dict:
+    from gspo_ray.coordinator.bench import _bench_cfg
     from gspo_ray.coordinator.job import run_job
 
-    name = f"bench-moe-{level}-{replay}-s{seed}"
-    cfg = load_config(RECIPE, [
-        f"model.path={model_dir}", "model.packaged=null", f"seed={seed}", f"name={name}",
-        f"coordinator.steps={steps}", "coordinator.eval_every=0", "coordinator.checkpoint_every=0",
-        "data.num_eval=0", "coordinator.prompts_per_step=8", "rollout.group_size=4", "rollout.max_new_tokens=16",
-        f"coordinator.num_iterations={PASSES}", f"coordinator.num_minibatches={MINIBATCHES}",
-        "coordinator.recompute_old_logprobs=true", "coordinator.filter_zero_adv=false",
-        f"algorithm.importance_sampling_level={level}", f"trainer.routing_replay={replay}", f"trainer.lr={lr}",
-        "trainer.router_churn_every=0", f"logging.out_dir={out_dir}", "logging.progress=false",
-        "logging.tensorboard=false", "logging.plot=false"])
+    cfg = _bench_cfg(
+        out_dir, f"bench-moe-{level}-{replay}-s{seed}", steps,
+        f"model.path={model_dir}", "model.packaged=null", f"seed={seed}", "coordinator.prompts_per_step=8",
+        "rollout.group_size=4", "rollout.max_new_tokens=16", f"coordinator.num_iterations={PASSES}",
+        f"coordinator.num_minibatches={MINIBATCHES}", "coordinator.recompute_old_logprobs=true",
+        "coordinator.filter_zero_adv=false", f"algorithm.importance_sampling_level={level}",
+        f"trainer.routing_replay={replay}", f"trainer.lr={lr}", "trainer.router_churn_every=0", recipe=RECIPE)
     start = time.time()
     rows = read_metrics(run_job(cfg).run_dir / "metrics.jsonl")
     rows = [r for r in rows if r.get("step", 0) > 0]
@@ -74,7 +71,6 @@ def bench_moe_variant(label: str, level: str, replay: str, steps: int, seed: int
             "clip_tok": mean("train/clip_frac_tok"), "clip_seq": mean("train/clip_frac_seq"),
             "reward": [r.get("rollout/reward_mean") for r in rows],
             "skipped": max((r.get("train/skipped_steps") or 0.0) for r in rows) if rows else 0.0,
-            "grad_norm_max": max((r.get("train/grad_norm") or 0.0) for r in rows) if rows else 0.0,
             "wall_s": time.time() - start}
 
 

@@ -45,6 +45,23 @@ def kill_child(popen: subprocess.Popen, *conns: Connection) -> None:
         c.close()
 
 
+def end_children(children: list[tuple[subprocess.Popen, Connection]], grace_s: float = 1.0) -> None:
+    """End (process, parent's send end) pairs: closing its input ends an idle child; one still busy after
+    `grace_s` is killed."""
+    for _, send in children:
+        try:
+            send.close()
+        except OSError:
+            pass
+    deadline = time.monotonic() + grace_s
+    for popen, _ in children:
+        try:
+            popen.wait(timeout=max(deadline - time.monotonic(), 0.01))
+        except subprocess.TimeoutExpired:
+            popen.kill()
+            popen.wait()
+
+
 def enter_child(read_fd: int, write_fd: int, parent_pid: int) -> tuple[Connection, Connection]:
     """The child side's first step: die with the parent, lower priority; returns (recv, send)."""
     _die_with_parent(parent_pid)

@@ -28,7 +28,7 @@ import time
 from collections import deque
 from typing import Any
 
-from gspo_ray.rollout.child_procs import child_env, enter_child, kill_child, spawn_child
+from gspo_ray.rollout.child_procs import child_env, end_children, enter_child, kill_child, spawn_child
 
 START_TIMEOUT_S = 120.0  # loading the env class and tokenizer in a fresh child; calls wait for it untimed
 
@@ -43,12 +43,11 @@ class EnvCall:
         self.value: Any = None
         self.error: BaseException | None = None
         self.started: float | None = None  # when the child began it (None: queued behind others)
-        self.finished: float | None = None
         self._done = threading.Event()
 
     def _finish(self, value: Any = None, error: BaseException | None = None) -> None:
         if not self._done.is_set():
-            self.value, self.error, self.finished = value, error, time.monotonic()
+            self.value, self.error = value, error
             self._done.set()
 
     def wait(self, timeout_s: float) -> bool:
@@ -65,12 +64,6 @@ class EnvCall:
                 return self._done.is_set()
             self._done.wait(left)
         return True
-
-    @property
-    def seconds(self) -> float:
-        if self.started is None:
-            return 0.0
-        return (self.finished or time.monotonic()) - self.started
 
 
 class EnvProcessError(RuntimeError):
@@ -119,9 +112,8 @@ class _Child:
                     if self.queue:
                         self.queue[0].started = time.monotonic()
                     continue
-                if msg[0] == "init_error":
+                if msg[0] == "init_error":  # every call to this child fails with it
                     self._fail_all(msg[1])
-                    self.pool.broken = msg[1]
                     continue
                 call = self.queue.popleft()
                 if msg[0] == "ok":
@@ -150,6 +142,10 @@ class _UserError(Exception):
         self.type_name = type_name
 
 
+def _no_env(episode: int) -> EnvProcessError:
+    return EnvProcessError(f"episode {episode} has no env (never reset, or released)")
+
+
 def error_name(err: BaseException) -> str:
     """The name to report for an env error (the user's own exception type when it came from a child)."""
     return err.type_name if isinstance(err, _UserError) else type(err).__name__
@@ -167,7 +163,6 @@ class EnvProcessPool:
         self._env = child_env()
         self._lock = threading.Lock()
         self._ids = itertools.count()
-        self.broken: str | None = None
         self.killed = 0  # children killed at a timeout, all time
         self._children = [_Child(self) for _ in range(num_procs)]
         self._home: dict[int, _Child] = {}
@@ -195,7 +190,7 @@ class EnvProcessPool:
         with self._lock:
             child = self._home.get(episode)
             if child is None:
-                call._finish(error=EnvProcessError(f"episode {episode} has no env (never reset, or released)"))
+                call._finish(error=_no_env(episode))
             else:
                 child.submit(call, ("step", episode, list(action_ids), text))
         return call
@@ -232,18 +227,7 @@ class EnvProcessPool:
         """End every child: closing its input ends an idle one; a busy one is killed after a short grace."""
         with self._lock:
             children, self._children, self._home = self._children, [], {}
-        for c in children:
-            try:
-                c.send.close()
-            except OSError:
-                pass
-        deadline = time.monotonic() + 1.0
-        for c in children:
-            try:
-                c.popen.wait(timeout=max(deadline - time.monotonic(), 0.01))
-            except Exception:
-                c.popen.kill()
-                c.popen.wait()
+        end_children([(c.popen, c.send) for c in children])  # each reader then sees EOF and closes its end
 
 
 class EnvThreadHost:
@@ -284,7 +268,7 @@ class EnvThreadHost:
         env = self._envs.get(episode)
         if env is None:
             call = EnvCall(episode)
-            call._finish(error=EnvProcessError(f"episode {episode} has no env (never reset, or released)"))
+            call._finish(error=_no_env(episode))
             return call
         return self._run(episode, lambda: env.step(action_ids, text))
 

@@ -14,9 +14,10 @@ each action with the rewards that follow it, and the sequence-level path sees th
 
 Turns run batched: all live episodes generate their turn together; each env step starts in the episode's env
 host (`env_hosts`: a child process by default, or a thread) as soon as that episode's turn ends (overlapping the
-rest of the generation), and the next turn starts once every step returned or timed out. Limits: `max_turns` model turns, `max_tokens_per_turn`, `max_total_tokens` completion
-tokens (model + env), and the engine's `max_model_len`; hitting one ends the episode with finish_reason "length"
-(an observation that would not fit is not appended).
+rest of the generation), and the next turn starts once every step returned or timed out. Limits: `max_turns`
+model turns, `max_tokens_per_turn`, `max_total_tokens` completion tokens (model + env), and the engine's
+`max_model_len`; hitting one ends the episode with finish_reason "length" (an observation that would not fit is
+not appended).
 
 Failures end only their own episode: an env that raises (in its constructor, reset or step), runs past
 `step_timeout_s`, or returns something malformed (see `check_step_result`) gives finish_reason "env_error",
@@ -34,7 +35,7 @@ import threading
 import time
 import zlib
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 

@@ -6,13 +6,13 @@
 
 Why processes: the rollout worker runs its vLLM engine in-process, so a reward in a thread shares the engine's
 interpreter (GIL), and a runaway thread can never be stopped. Each child (`child_procs.spawn_child`: niced, dies
-with its parent) loads the function once (by import path, or unpickled with cloudpickle). Calls stream to it (at most PREFETCH queued per child) and results come back one by one; a call's
-clock starts when it reaches the head of its child's queue. At most `num_procs` calls run at once: the cap on
+with its parent) loads the function once (by import path, or unpickled with cloudpickle). Calls stream to it (at
+most PREFETCH queued per child) and results come back one by one; a call's clock starts when it reaches the head
+of its child's queue. At most `num_procs` calls run at once: the cap on
 the CPU that user code takes from the engine.
 """
 from __future__ import annotations
 
-import subprocess
 import threading
 import time
 from collections import deque
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import wait
 from typing import Any, Callable
 
-from gspo_ray.rollout.child_procs import child_env, enter_child, kill_child, spawn_child
+from gspo_ray.rollout.child_procs import child_env, end_children, enter_child, kill_child, spawn_child
 
 PREFETCH = 4  # calls queued per child: the next ones are there when the current one returns
 START_TIMEOUT_S = 120.0  # a child that has not loaded the function by then (a hanging import) breaks the pool
@@ -147,15 +147,8 @@ class ProcessCallPool:
 
     def close(self) -> None:
         """End every child: closing its input ends an idle one; a busy one is killed after a short grace."""
+        end_children([(c.popen, c.send) for c in self._children])
         for c in self._children:
-            c.send.close()
-        deadline = time.monotonic() + 1.0
-        for c in self._children:
-            try:
-                c.popen.wait(timeout=max(deadline - time.monotonic(), 0.01))
-            except subprocess.TimeoutExpired:
-                c.popen.kill()
-                c.popen.wait()
             c.recv.close()
         self._children = []
 

@@ -88,6 +88,7 @@ class RolloutWorker:
         self._version = 0
         self._lock = threading.Lock()  # one engine operation at a time
         self._paused = threading.Event()
+        self._env_host, self._env_host_key = None, None  # multi-turn env processes, built on first use
         # prompts of aborted samples, to score them when continued here without `prompts`; bounded, because a
         # pool may continue a group on another worker and this entry is then never claimed
         self._unfinished: OrderedDict[str, Prompt] = OrderedDict()
@@ -183,8 +184,8 @@ class RolloutWorker:
         from gspo_ray.rollout.env_hosts import make_env_host
 
         key = (spec.env, repr(sorted(spec.kwargs.items())), spec.isolation, spec.num_procs)
-        if getattr(self, "_env_host_key", None) != key:
-            if getattr(self, "_env_host", None) is not None:
+        if self._env_host_key != key:
+            if self._env_host is not None:
                 self._env_host.close()
             self._env_host = make_env_host(check_env(spec.env), dict(spec.kwargs), self._env_tokenizer,
                                            spec.isolation, spec.num_procs)
@@ -287,6 +288,6 @@ class RolloutWorker:
         with self._lock:
             if self.reward_runner is not None and hasattr(self.reward_runner, "close"):
                 self.reward_runner.close()
-            if getattr(self, "_env_host", None) is not None:
+            if self._env_host is not None:
                 self._env_host.close()
             self.engine.shutdown()

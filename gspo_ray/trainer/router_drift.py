@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from gspo_ray.trainer.router_churn import comm_device, find_routers
-from gspo_ray.trainer.routing_replay import MAX_IDLE_STEPS, _gather_sequence, _sp_offset
+from gspo_ray.trainer.routing_replay import _gather_sequence, _sp_offset, forget_idle
 
 
 class RoutingDrift:
@@ -38,7 +38,6 @@ class RoutingDrift:
             cfg = r.config
             if getattr(cfg, "moe_router_enable_expert_bias", False) or getattr(cfg, "moe_router_group_topk", None):
                 raise ValueError(f"layer {layer}: routing drift assumes plain top-k of the router logits")
-        self.topk = self.routers[0][1].topk if self.routers else 0
         self.store: dict[str, list[torch.Tensor]] = {}
         self.last_used: dict[str, int] = {}
         self.counts = torch.zeros(len(self.routers), 2, dtype=torch.float64)  # (changed choices, k * tokens)
@@ -85,9 +84,7 @@ class RoutingDrift:
         if not self.routers:
             yield
             return
-        for u in [u for u, v in self.last_used.items() if version - v > MAX_IDLE_STEPS]:
-            self.store.pop(u, None)
-            self.last_used.pop(u)
+        forget_idle(self.store, self.last_used, version)
         for u in uids:
             if len(self.store.get(u, ())) not in (0, len(self.routers)):
                 self.store.pop(u)  # a partial record (an interrupted forward) starts over

@@ -45,6 +45,13 @@ def build_routing_replay(model: torch.nn.Module, mode: str) -> "RoutingReplay | 
     return RoutingReplay(routers)
 
 
+def forget_idle(store: dict, last_used: dict[str, int], version: int) -> None:
+    """Drop the records of uids unused for more than MAX_IDLE_STEPS optimizer steps (finished rollout batches)."""
+    for u in [u for u, v in last_used.items() if version - v > MAX_IDLE_STEPS]:
+        store.pop(u, None)
+        last_used.pop(u)
+
+
 def _sp_offset(router, s_local: int) -> int:
     """First sequence position of this rank's shard (sequence parallelism splits the sequence over TP)."""
     return parallel_state.get_tensor_model_parallel_rank() * s_local if router.config.sequence_parallel else 0
@@ -148,9 +155,7 @@ class RoutingReplay:
             yield action
 
     def _evict(self, version: int) -> None:
-        for u in [u for u, v in self.last_used.items() if version - v > MAX_IDLE_STEPS]:
-            self.store.pop(u, None)
-            self.last_used.pop(u)
+        forget_idle(self.store, self.last_used, version)
 
     def remove(self) -> None:
         for h in self._handles:

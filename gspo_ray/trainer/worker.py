@@ -283,8 +283,7 @@ class TrainerWorker:
         sampler = purpose == "old_logprobs" and not reference  # the policy that sampled: R2 and drift record
         for mb in micro_batches(local, micro_batch_rows(batch, self.cfg.micro_batch_size,
                                                         self.cfg.micro_batch_tokens)):
-            with (self._replayed(mb) if sampler else contextlib.nullcontext()), \
-                    (self._drift_watch(mb) if sampler else contextlib.nullcontext()):
+            with self._routing_records(mb) if sampler else contextlib.nullcontext():
                 lp = self._logprobs(model, mb, "reference" if reference else purpose,
                                     temperature=temperature).cpu()
             out[start:start + mb.num_sequences, :lp.shape[1]] = lp
@@ -312,7 +311,7 @@ class TrainerWorker:
                 ref_logp = self._logprobs(self.ref_model, mb, "reference", loss_tokens_only=True)
         capture = self.recorder.capture(mb.lengths, "before") if churn else contextlib.nullcontext()
         # replay first: a recording forward it runs is neither captured nor watched
-        with self._replayed(mb), capture, self._drift_watch(mb):
+        with self._routing_records(mb), capture:
             logp, entropy = self._logprobs(self.gpt, mb, "train", with_entropy=True, loss_tokens_only=True)
         a = self.algo
         old_logp, adv, mask = mb.old_logp.to(logp), mb.adv.to(logp), mb.loss_mask.bool().to(logp.device)
@@ -381,17 +380,22 @@ class TrainerWorker:
         self.recorder.clear()
         return metrics
 
-    def _drift_watch(self, mb: TrainBatch):
-        """Routing drift around a policy forward of `mb` (stores at first sight, else compares; see router_drift)."""
-        if self.drift is None:
-            return contextlib.nullcontext()
-        return self.drift.watch(routing_keys(mb), mb.lengths, self._version)
+    def _routing_records(self, mb: TrainBatch) -> contextlib.ExitStack:
+        """Routing Replay, then routing drift, around a policy forward of `mb` (one set of row keys for both)."""
+        stack = contextlib.ExitStack()
+        if self.replay is None and self.drift is None:
+            return stack
+        keys = routing_keys(mb)
+        stack.enter_context(self._replayed(mb, keys))  # first: its recording forward is not watched
+        if self.drift is not None:
+            stack.enter_context(self.drift.watch(keys, mb.lengths, self._version))
+        return stack
 
-    def _replayed(self, mb: TrainBatch):
+    def _replayed(self, mb: TrainBatch, keys: list[str] | None = None):
         """Routing Replay around a policy forward of `mb` (records its routing the first time; see routing_replay)."""
         if self.replay is None:
             return contextlib.nullcontext()
-        return self.replay.forward(routing_keys(mb), mb.lengths, self._version,
+        return self.replay.forward(keys or routing_keys(mb), mb.lengths, self._version,
                                    record_fn=lambda: self._logprobs(self.gpt, mb, "routing_record",
                                                                     loss_tokens_only=True))
 

@@ -5,7 +5,7 @@ from gspo_ray.coordinator.bench_moe import UPDATES, format_moe, plot_moe
 def _result(label, drift_at, reward):
     return {"label": label, "level": "token", "replay": "none", "seed": 0, "steps": len(reward), "drift": 0.01,
             "drift_at": drift_at, "drift_layer": [0.01, 0.03], "layers": [0, 1], "logr_std": 0.02,
-            "clip_tok": 0.25, "clip_seq": 0.1, "reward": reward, "skipped": 0.0, "grad_norm_max": 1.0, "wall_s": 1.0}
+            "clip_tok": 0.25, "clip_seq": 0.1, "reward": reward, "skipped": 0.0, "wall_s": 1.0}
 
 
 def test_table_reads_drift_after_k_updates_and_reward_ends(tmp_path):
