@@ -204,6 +204,9 @@ class RolloutConfig(_Strict):
                                     "training alternate, so each phase gets the machine), else num_cpus_per_worker")
     weight_bucket_mb: float = Field(64, gt=0, description="bucket size of weight pushes")
     verify_push: bool = Field(True, description="after each push, check engine log-probs on a probe sequence")
+    verify_every: int = Field(1, ge=1, description="with verify_push, check every Nth push (the first push is "
+                              "always checked). The check costs a trainer forward and an engine forward of the "
+                              "probe (~18 ms a step on the tiny MoE); a push that fails to load still raises")
     verify_tol: float | None = Field(None, gt=0, description="accepted |logp_engine - logp_trainer| on the probe; "
                                      "None = by engine dtype: float32 per-token max 1e-4; bfloat16 mean over the "
                                      "probe's tokens 0.2 (single bf16 tokens can move by ~1 where routing flips)")
@@ -257,7 +260,8 @@ class TrainerConfig(_Strict):
                                            "memory; None = rows only)")
     use_distributed_optimizer: bool = Field(False, description="shard optimizer state over DP (ZeRO-1)")
     moe_dispatcher: Literal["alltoall", "allgather"] = Field("alltoall", description="MoE token dispatcher")
-    router_churn_every: int = Field(1, ge=0, description="measure router churn every N steps (0 = never)")
+    router_churn_every: int = Field(10, ge=0, description="measure router churn every N steps (0 = never): it "
+                                    "re-runs the step's forwards, ~25% of a train step on the tiny MoE")
     routing_drift: bool = Field(True, description="MoE: log moe/drift_churn (per layer and mean), the share of "
                                 "top-k expert choices that moved between the forward that first saw a sequence "
                                 "(the sampling policy when old log-probs are recomputed) and each later training "

@@ -24,8 +24,11 @@ COLUMNS = ["step_s", "rollout_s", "train_s", "sync_s", "rollout_idle_s", "traine
 
 
 def _bench_cfg(out_dir: Path, name: str, steps: int, *overrides: str, recipe: Path = RECIPE):
-    """A recipe (default the tiny-MoE one) for `steps` steps, without eval, checkpoints or extra outputs."""
-    return load_config(recipe, [f"coordinator.steps={steps}", "coordinator.eval_every=0",
+    """A recipe (default the tiny-MoE one) for `steps` steps, without eval, checkpoints or extra outputs, in sync
+    mode with the level's fixed clip band unless `overrides` say otherwise (the tiny recipe itself runs async
+    with eps auto: the tables compare against the on-policy baseline)."""
+    return load_config(recipe, ["coordinator.mode=sync", "algorithm.eps=fixed",
+                                f"coordinator.steps={steps}", "coordinator.eval_every=0",
                                 "coordinator.checkpoint_every=0", "data.num_eval=0", f"logging.out_dir={out_dir}",
                                 f"name={name}", "logging.progress=false", "logging.tensorboard=false",
                                 "logging.plot=false", *overrides])

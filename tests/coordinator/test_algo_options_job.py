@@ -13,7 +13,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("local_ray")]
 def test_all_options_in_one_reuse_run(tmp_path):
     cfg = load_config("gspo_ray/recipes/tiny_moe.yaml", [
         f"logging.out_dir={tmp_path}", "logging.progress=false", "logging.plot=false", "logging.tensorboard=false",
-        "coordinator.steps=2", "coordinator.num_iterations=2", "coordinator.num_minibatches=2",
+        "coordinator.mode=sync", "coordinator.steps=2", "coordinator.num_iterations=2", "coordinator.num_minibatches=2",
         "coordinator.eval_every=0", "coordinator.checkpoint_every=0", "data.num_eval=0",
         "coordinator.filter_zero_adv=false", "coordinator.recompute_old_logprobs=true", "algorithm.eps=auto",
         "algorithm.mismatch_correction.level=token", "algorithm.dilution_mask=token",

@@ -45,7 +45,8 @@ def test_async_keeps_overlapped_batches_then_stops_when_every_sample_fails(plugi
     marker = tmp_path / "reward_is_broken"
     cfg = load_config("gspo_ray/recipes/tiny_moe.yaml", [
         f"logging.out_dir={tmp_path}", "logging.progress=false", "logging.plot=false", "coordinator.steps=6",
-        "coordinator.mode=async", "coordinator.num_iterations=2", "coordinator.num_minibatches=4",
+        "coordinator.mode=async", "algorithm.eps=fixed",
+        "coordinator.num_iterations=2", "coordinator.num_minibatches=4",
         "coordinator.max_staleness=1", "coordinator.filter_zero_adv=false", "coordinator.eval_every=0",
         "coordinator.checkpoint_every=0", "coordinator.max_refill_rounds=1", "data.num_eval=0",
         "rollout.reward.fn=flaky_reward:reward",

@@ -112,6 +112,7 @@ def test_ctrl_c_inside_a_step_saves_nothing(tmp_path):
     cfg = load_config("gspo_ray/recipes/tiny_moe.yaml", [
         f"logging.out_dir={tmp_path}", "logging.progress=false", "logging.plot=false", "logging.tensorboard=false",
         "data.num_eval=0", "coordinator.eval_every=0", "coordinator.early_stop_reward=null",
+        "coordinator.mode=sync", "algorithm.eps=fixed",
         "coordinator.steps=3", "coordinator.checkpoint_every=1", "coordinator.num_minibatches=2",
         "coordinator.prompts_per_step=4", "rollout.group_size=4", "coordinator.filter_zero_adv=false",
         "trainer.lr=1e-3", "logging.export_hf=none"])

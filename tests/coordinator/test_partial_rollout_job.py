@@ -23,7 +23,7 @@ def _cfg(tmp_path, *overrides):
     return load_config(RECIPE, [
         f"logging.out_dir={tmp_path}", "logging.progress=false", "logging.plot=false", "logging.tensorboard=false",
         "data.num_eval=0", "coordinator.eval_every=0", "coordinator.early_stop_reward=null",
-        "rollout.group_size=4", "coordinator.prompts_per_step=4", "coordinator.max_refill_rounds=0",
+        "coordinator.mode=sync", "algorithm.eps=fixed", "rollout.group_size=4", "coordinator.prompts_per_step=4", "coordinator.max_refill_rounds=0",
         "rollout.max_new_tokens=12", "rollout.partial.segment_tokens=3", "rollout.partial.max_segments=4",
         *overrides])
 
