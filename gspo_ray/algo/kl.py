@@ -34,7 +34,7 @@ def kl_k2(logp: Tensor, ref_logp: Tensor) -> Tensor:
 def kl_k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
     x = (ref_logp - logp).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     # k3 = pi_ref/pi - log(pi_ref/pi) - 1 = exp(x) - x - 1, x = log pi_ref(y) - log pi(y); as expm1(x) - x, which
-    # stays >= 0 in floating point (exp(x) - 1 rounds to -1.1e-16 - x for x = -7.5e-17)
+    # stays >= 0 in floating point (exp(x) - x - 1 gave -1.1e-16 at x = -7.5e-17)
     return torch.expm1(x) - x
 
 

@@ -157,13 +157,11 @@ class Coordinator:
     def sync_weights(self) -> dict[str, float]:
         """Export the trainer's weights and push them into every rollout engine (verified by a probe)."""
         t0 = time.perf_counter()
+        buckets = self.trainer.export_weights(as_refs=True).buckets  # refs: the weights never pass through here
+        t1 = time.perf_counter()
         self._pushes += 1  # the first push is always checked, then every verify_every-th
         checked = (self._pushes - 1) % self.cfg.rollout.verify_every == 0
-        probe_batch = self._probe_batch() if checked else None  # scored by the trainer in the export call
-        export = self.trainer.export_weights(as_refs=True, probe=probe_batch)  # refs: the weights never pass here
-        t1 = time.perf_counter()
-        probe = None if probe_batch is None else self._probe(export.probe_logprobs)
-        m = self.rollout.push_weights(self.state.version, export.buckets, probe=probe)
+        m = self.rollout.push_weights(self.state.version, buckets, probe=self._probe() if checked else None)
         m.update({"sync/export_s": t1 - t0, "time/sync_s": time.perf_counter() - t0})
         return m
 
@@ -231,22 +229,14 @@ class Coordinator:
         if self.auto_eps is not None and state.get("auto_eps"):
             self.auto_eps.load_state_dict(state["auto_eps"])
 
-    def _probe_batch(self) -> TrainBatch | None:
-        """The fixed probe sequences as a batch (None when pushes are not verified)."""
+    def _probe(self):
+        """(token ids, trainer log-probs) of fixed sequences: each engine checks its own log-probs against them.
+        Temperature 1 on both sides: the engine's teacher-forced log-probs are unscaled."""
         seqs = self.probe_sequences
         if not self.cfg.rollout.verify_push or not seqs:
             return None
-        return collate([_probe_sample(ids) for ids in seqs], [[0.0] * (len(ids) - 1) for ids in seqs])
-
-    def _probe(self, logp=None):
-        """(token ids, trainer log-probs) of fixed sequences: each engine checks its own log-probs against them.
-        Temperature 1 on both sides: the engine's teacher-forced log-probs are unscaled. logp: the trainer's
-        [B, L] log-probs of `_probe_batch()` if already computed (the export returns them), else asked for."""
-        batch, seqs = self._probe_batch(), self.probe_sequences
-        if batch is None:
-            return None
-        if logp is None:
-            logp = self.trainer.compute_logprobs(batch, temperature=1.0, purpose="probe")
+        batch = collate([_probe_sample(ids) for ids in seqs], [[0.0] * (len(ids) - 1) for ids in seqs])
+        logp = self.trainer.compute_logprobs(batch, temperature=1.0, purpose="probe")
         return WeightProbe([list(ids) for ids in seqs], [logp[i, 1:len(ids)].tolist() for i, ids in enumerate(seqs)])
 
     def _recompute_old_logprobs(self, groups: list[Group]) -> None:

@@ -97,12 +97,9 @@ class TrainerPool:
         return self._rank0("compute_logprobs", ray.put(batch), reference=reference, temperature=temperature,
                            purpose=purpose)
 
-    def export_weights(self, bucket_mb: float | None = None, as_refs: bool = False,
-                       probe: TrainBatch | None = None) -> WeightExport:
-        """Rank 0's export; with as_refs its buckets are object refs owned by rank 0; with a probe batch, also its
-        log-probs under these weights (see TrainerWorker)."""
-        return self._rank0("export_weights", bucket_mb, as_refs=as_refs,
-                           probe=None if probe is None else ray.put(probe))
+    def export_weights(self, bucket_mb: float | None = None, as_refs: bool = False) -> WeightExport:
+        """Rank 0's export; with as_refs its buckets are object refs owned by rank 0 (see TrainerWorker)."""
+        return self._rank0("export_weights", bucket_mb, as_refs=as_refs)
 
     def version(self) -> int:
         return self._rank0("version")

@@ -57,7 +57,6 @@ class WeightExport:
 
     version: int
     buckets: list[Any] = field(default_factory=list)
-    probe_logprobs: torch.Tensor | None = None  # [B, L] of the probe batch, if one was asked for (temperature 1)
 
     @property
     def num_bytes(self) -> int:
@@ -413,13 +412,10 @@ class TrainerWorker:
             raise ValueError(f"TrainBatch of {b} rows has no loss-masked token to train on")
 
     # ---- weights and checkpoints ---------------------------------------------------------------------------------
-    def export_weights(self, bucket_mb: float | None = None, as_refs: bool = False,
-                       probe: TrainBatch | None = None) -> WeightExport:
+    def export_weights(self, bucket_mb: float | None = None, as_refs: bool = False) -> WeightExport:
         """Full HF-named weights (collective: gathers TP/EP shards). Rank 0 gets contiguous CPU copies in buckets.
         as_refs: rank 0 puts each bucket in the object store and returns the refs instead, so the weights go
-        straight from this process to the rollout workers (one bucket at a time), never through the caller.
-        probe: also return these sequences' log-probs under the exported weights (temperature 1), which the
-        engines check after the push; asked here, it costs no extra call."""
+        straight from this process to the rollout workers (one bucket at a time), never through the caller."""
         from gspo_ray.trainer.bridge import export_hf_weights
 
         bucket_mb = bucket_mb if bucket_mb is not None else self.cfg.export_bucket_mb
@@ -434,8 +430,7 @@ class TrainerWorker:
                     buckets.append(ray.put(copy))
                 else:
                     buckets.append(copy)
-        probe_logprobs = None if probe is None else self.compute_logprobs(probe, temperature=1.0, purpose="probe")
-        return WeightExport(version=self._version, buckets=buckets, probe_logprobs=probe_logprobs)
+        return WeightExport(version=self._version, buckets=buckets)
 
     def save(self, ckpt_dir: str | Path) -> str:
         """Model + optimizer + scheduler + version + RNG states of this rank (collective)."""
