@@ -42,6 +42,8 @@ from gspo_ray.trainer.optim import (
     zero_grads,
 )
 from gspo_ray.trainer.megatron_cpu_compat import cpu_device_mode
+from gspo_ray.trainer.batch_layout import loss_units, micro_batch_rows, micro_batches, routing_keys, split_rows
+from gspo_ray.trainer.metric_accumulator import MetricAccumulator
 from gspo_ray.trainer.pg_weights import build_pg_weight
 from gspo_ray.trainer.router_churn import RouterRecorder, comm_device
 from gspo_ray.trainer.router_drift import RoutingDrift
@@ -62,133 +64,6 @@ class WeightExport:
     def num_bytes(self) -> int:
         """Bytes of the buckets held here (refs are not fetched and count 0)."""
         return sum(t.numel() * t.element_size() for b in self.buckets if isinstance(b, list) for _, t in b)
-
-
-def split_rows(batch: TrainBatch, dp_rank: int, dp_size: int) -> TrainBatch:
-    """This DP rank's contiguous share of the rows; the batch is first padded with fully masked rows (copies of
-    row 0 with loss_mask 0) so every rank gets the same number of rows and runs the same number of forwards
-    (MoE all-to-alls are collective)."""
-    b = batch.num_sequences
-    per_rank = math.ceil(b / dp_size)
-    rows = list(range(b)) + [0] * (per_rank * dp_size - b)
-    local = batch.select(rows[dp_rank * per_rank:(dp_rank + 1) * per_rank])
-    pad_from = max(0, min(per_rank, b - dp_rank * per_rank))  # local index where padding rows start
-    if pad_from < per_rank:
-        local.loss_mask[pad_from:] = 0
-        local.adv[pad_from:] = 0
-    return local
-
-
-def micro_batch_rows(batch: TrainBatch, micro_batch_size: int, micro_batch_tokens: int | None) -> int:
-    """Rows per micro-batch: micro_batch_size, lowered so rows x the longest row of the whole mini-batch fit in
-    micro_batch_tokens. Every rank holds the whole mini-batch, so every rank gets the same count and runs the same
-    number of forwards (MoE all-to-alls are collective)."""
-    if micro_batch_tokens is None or batch.num_sequences == 0:
-        return micro_batch_size
-    return max(1, min(micro_batch_size, micro_batch_tokens // max(int(batch.lengths.max()), 1)))
-
-
-def micro_batches(batch: TrainBatch, micro_batch_size: int) -> list[TrainBatch]:
-    """Consecutive chunks of `micro_batch_size` rows, each trimmed to its longest row (less padding computed)."""
-    out = []
-    for start in range(0, batch.num_sequences, micro_batch_size):
-        mb = batch.select(list(range(start, min(start + micro_batch_size, batch.num_sequences))))
-        width = max(int(mb.lengths.max()), 1)
-        out.append(TrainBatch(
-            tokens=mb.tokens[:, :width], loss_mask=mb.loss_mask[:, :width], old_logp=mb.old_logp[:, :width],
-            adv=mb.adv[:, :width], lengths=mb.lengths,
-            ref_logp=None if mb.ref_logp is None else mb.ref_logp[:, :width], uids=mb.uids,
-            rollout_logp=None if mb.rollout_logp is None else mb.rollout_logp[:, :width]))
-    return out
-
-
-def loss_units(mask: torch.Tensor, aggregation: str) -> float:
-    """What the aggregation averages over: tokens for token-mean, sequences with >= 1 trained token otherwise."""
-    mask = mask.bool()
-    return float(mask.sum()) if aggregation == "token-mean" else float(mask.any(dim=-1).sum())
-
-
-
-class MetricAccumulator:
-    """Combines `compute_policy_loss` metrics of micro-batches and DP ranks into mini-batch values.
-
-    `*_max` / `*_min` reduce by max / min; `train/n_tokens`, `train/n_seqs` and `train/loss` add up; sequence
-    metrics (`*_seq*`, and `train/ratio_mean` at the sequence levels) are means weighted by sequences, the
-    policy-gradient loss by the aggregation's units, everything else by tokens. Micro-batches without a trained
-    token contribute nothing (their min/max would read 0).
-    """
-
-    SUMS = ("train/n_tokens", "train/n_seqs", "train/loss")
-    SEQ_WEIGHTED = ("train/dilution_frac",)  # shares of completions whose key has no `_seq`
-    MAXES = ("train/dilution_max_abs_logr",)  # maxima whose key does not end in `_max`
-
-    @classmethod
-    def _is_max(cls, key: str) -> bool:
-        return key.endswith("_max") or key in cls.MAXES
-
-    def __init__(self, per_sequence_ratio: bool):
-        self.per_sequence_ratio = per_sequence_ratio
-        self.sums: dict[str, float] = {}
-        self.weights: dict[str, float] = {}
-        self.extrema: dict[str, float] = {}
-
-    def _weight(self, key: str, n_tok: float, n_seq: float, n_units: float) -> float:
-        if key == "train/pg_loss":
-            return n_units
-        if "_seq" in key or key in self.SEQ_WEIGHTED or (key == "train/ratio_mean" and self.per_sequence_ratio):
-            return n_seq
-        return n_tok
-
-    def add(self, metrics: dict[str, float], n_tok: float, n_seq: float, n_units: float) -> None:
-        if n_tok == 0:
-            return
-        for key, value in metrics.items():
-            if self._is_max(key):
-                self.extrema[key] = max(self.extrema.get(key, -math.inf), value)
-            elif key.endswith("_min"):
-                self.extrema[key] = min(self.extrema.get(key, math.inf), value)
-            elif key in self.SUMS:
-                self.sums[key] = self.sums.get(key, 0.0) + value
-            else:
-                w = self._weight(key, n_tok, n_seq, n_units)
-                self.sums[key] = self.sums.get(key, 0.0) + value * w
-                self.weights[key] = self.weights.get(key, 0.0) + w
-
-    def add_sum(self, key: str, value: float) -> None:
-        self.sums[key] = self.sums.get(key, 0.0) + value
-
-    def reduce(self, group=None) -> dict[str, float]:
-        """All-reduce over `group` (the DP group: TP ranks of one DP rank hold the same rows) -> {key: value}."""
-        keys = [sorted(self.sums), sorted(self.extrema)]
-        if dist.is_initialized():
-            everyone = [None] * dist.get_world_size(group)
-            dist.all_gather_object(everyone, keys, group=group)  # ranks whose rows were all padding know no keys
-            keys = [sorted({k for ks in everyone for k in ks[i]}) for i in range(2)]
-        sum_keys, ext_keys = keys
-        sums = torch.tensor([[self.sums.get(k, 0.0), self.weights.get(k, 0.0)] for k in sum_keys],
-                            dtype=torch.float64).reshape(-1, 2)
-        # min folds into max by negation: one MAX all-reduce for both
-        ext = torch.tensor([self.extrema.get(k, -math.inf if self._is_max(k) else math.inf)
-                            * (1 if self._is_max(k) else -1) for k in ext_keys], dtype=torch.float64)
-        if dist.is_initialized():
-            sums, ext = sums.to(comm_device(group)), ext.to(comm_device(group))
-            dist.all_reduce(sums, group=group)
-            dist.all_reduce(ext, op=dist.ReduceOp.MAX, group=group)
-            sums, ext = sums.cpu(), ext.cpu()
-        out = {}
-        for k, (s, w) in zip(sum_keys, sums.tolist()):
-            out[k] = s if k in self.SUMS else (s / w if w > 0 else 0.0)
-        for k, v in zip(ext_keys, ext.tolist()):
-            v = v if self._is_max(k) else -v
-            out[k] = v if math.isfinite(v) else 0.0
-        return out
-
-
-def routing_keys(mb: TrainBatch) -> list[str]:
-    """Per-row keys of recorded routing (R2, drift): the sample uid plus a hash of the row's tokens, so a uid that
-    comes back with other tokens (a requeued prompt's fresh samples) is a new sequence, not a replay of the old."""
-    rows, lengths = mb.tokens.tolist(), mb.lengths.tolist()
-    return [f"{uid}#{hash(tuple(row[:n]))}" for uid, row, n in zip(mb.uids, rows, lengths)]
 
 
 class TrainerWorker:

@@ -57,7 +57,7 @@ def test_auto_eps_state_rides_in_the_coordinator_checkpoint():
 
 
 def test_metric_reduction_of_dilution_keys():
-    from gspo_ray.trainer.worker import MetricAccumulator
+    from gspo_ray.trainer.metric_accumulator import MetricAccumulator
 
     acc = MetricAccumulator(per_sequence_ratio=True)
     # three micro-batches: 1 of 4, 3 of 12 and 0 of 16 completions diluted -> 4/32 (weighted by completions, not

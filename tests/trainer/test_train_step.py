@@ -15,7 +15,8 @@ import torch
 from _spawn import algo_cfg, make_batch, run_ranks, trainer_cfg, with_old_logp
 from gspo_ray.algo import compute_policy_loss
 from gspo_ray.data.records import TrainBatch
-from gspo_ray.trainer.worker import MetricAccumulator, loss_units, micro_batch_rows, micro_batches, split_rows
+from gspo_ray.trainer.batch_layout import loss_units, micro_batch_rows, micro_batches, split_rows
+from gspo_ray.trainer.metric_accumulator import MetricAccumulator
 
 
 def _scenario(rank, world_size, ports, model_dir, batch, tcfg, acfg):
