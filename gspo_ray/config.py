@@ -259,6 +259,9 @@ class TrainerConfig(_Strict):
                                            "batch holds at most this many (padded) tokens of the mini-batch's "
                                            "longest row, and at most micro_batch_size rows (bounds activation "
                                            "memory; None = rows only)")
+    shared_prefix: bool = Field(True, description="lay out each prompt group as one row [prompt | c_1 | ... | "
+                                "c_G] (the prompt forwarded once, each completion attending to the prompt and "
+                                "itself): exact, and fewer tokens forwarded; false = one padded row per completion")
     use_distributed_optimizer: bool = Field(False, description="shard optimizer state over DP (ZeRO-1)")
     moe_dispatcher: Literal["alltoall", "allgather"] = Field("alltoall", description="MoE token dispatcher")
     router_churn_every: int = Field(10, ge=0, description="measure router churn every N steps (0 = never): it "

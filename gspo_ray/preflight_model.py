@@ -78,7 +78,7 @@ def check_architecture(where: str | Path, cfg: dict) -> None:
 
 def check_converter_spec(where: str | Path, cfg: dict, tp: int, ep: int) -> None:
     """The converter (gspo_ray.trainer.model) can represent this model in the trainer's TP x EP layout."""
-    from gspo_ray.trainer.model import spec_from_hf_config  # torch only; Megatron is imported when a model is built
+    from gspo_ray.trainer.model_spec import spec_from_hf_config  # torch only; Megatron is imported when a model is built
 
     try:
         spec_from_hf_config(cfg, str(where), tp=tp, ep=ep)

@@ -208,7 +208,7 @@ def test_multi_line_config_errors_are_one_line_each(tmp_path):
 def test_engine_and_converter_lists_agree():
     """The preflight's architecture table is the converter's list, and each class is in the installed vLLM's
     registry (read as text: importing vLLM takes ~10 s); the CPU head sizes match its CPU attention backend."""
-    from gspo_ray.trainer.model import SUPPORTED_ARCHS
+    from gspo_ray.trainer.model_spec import SUPPORTED_ARCHS
 
     assert set(ENGINE_ARCHITECTURES) == set(SUPPORTED_ARCHS)
     import importlib.util

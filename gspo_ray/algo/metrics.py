@@ -31,7 +31,7 @@ def to_floats(values: dict[str, Tensor]) -> dict[str, float]:
     return dict(zip(values.keys(), host))
 
 
-def _masked_min_max(x: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+def masked_min_max(x: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
     """(min, max) of x over mask; (0, 0) when the mask is empty."""
     inf = torch.tensor(torch.inf, dtype=x.dtype, device=x.device)
     lo = torch.where(mask, x, inf).amin()
@@ -68,7 +68,7 @@ def compute_ratio_metrics(w: Tensor, mask: Tensor, per_sequence: bool) -> dict[s
     if per_sequence:
         # s_i is shared by all tokens of completion i, so its masked row mean is s_i itself
         w, mask = masked_mean(w, mask, dim=-1), mask.any(dim=-1)
-    lo, hi = _masked_min_max(w, mask)
+    lo, hi = masked_min_max(w, mask)
     return to_floats({"train/ratio_min": lo, "train/ratio_mean": masked_mean(w, mask), "train/ratio_max": hi})
 
 
@@ -86,8 +86,8 @@ def compute_mismatch_metrics(logp_trainer: Tensor, logp_rollout: Tensor, mask: T
     tok = diff.abs()
     seq = masked_mean(diff, mask, dim=-1).abs()
     has_tokens = mask.any(dim=-1)
-    _, tok_max = _masked_min_max(tok, mask)
-    _, seq_max = _masked_min_max(seq, has_tokens)
+    _, tok_max = masked_min_max(tok, mask)
+    _, seq_max = masked_min_max(seq, has_tokens)
     return to_floats(
         {
             "train/mismatch_tok_mean": masked_mean(tok, mask),

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from gspo_ray.algo.aggregation import masked_mean, masked_sum
-from gspo_ray.algo.metrics import _masked_min_max, to_floats
+from gspo_ray.algo.metrics import masked_min_max, to_floats
 
 CORRECTION_LEVELS = ("none", "token", "sequence", "geometric")
 CORRECTION_MODES = ("truncate", "mask")
@@ -74,7 +74,7 @@ def compute_mismatch_weights(
         w = torch.where(inside, rho, zero)
         affected = mask & ~inside
     w = torch.where(mask, w, zero)
-    lo, hi = _masked_min_max(rho, mask)
+    lo, hi = masked_min_max(rho, mask)
     flag = affected.to(rho.dtype)
     metrics = {"train/is_weight_mean": masked_mean(w, mask), "train/is_rho_min": lo, "train/is_rho_max": hi,
                f"train/is_{'truncated' if mode == 'truncate' else 'masked'}_frac_tok": masked_mean(flag, mask)}

@@ -34,7 +34,7 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
-from gspo_ray.trainer.model import ModelSpec
+from gspo_ray.trainer.model_spec import ModelSpec
 
 _LAYER = r"decoder\.layers\.(\d+)\."
 # Megatron parameter name -> (HF names, how they merge, how TP shards the merged tensor). {i}: layer, {e}: expert.

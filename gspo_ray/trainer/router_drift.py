@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from gspo_ray.trainer.router_churn import comm_device, find_routers
-from gspo_ray.trainer.routing_replay import _gather_sequence, _sp_offset, forget_idle
+from gspo_ray.trainer.routing_replay import gather_sequence, sp_offset, forget_idle
 
 
 class RoutingDrift:
@@ -54,8 +54,8 @@ class RoutingDrift:
             with torch.no_grad():
                 logits = torch.nn.functional.linear(x.float(), module.weight.float())
                 idx = torch.topk(logits, k, dim=-1).indices  # [S_local, B, k]
-            idx = _gather_sequence(idx, module)
-            if _sp_offset(module, s_local) > 0:
+            idx = gather_sequence(idx, module)
+            if sp_offset(module, s_local) > 0:
                 return  # under sequence parallelism the first TP rank counts the gathered sequence
             idx = idx.sort(dim=-1).values.cpu().to(torch.int16)  # [S, B, k]
             uids, lengths = self._uids[:batch], self._lengths[:batch]

@@ -52,12 +52,12 @@ def forget_idle(store: dict, last_used: dict[str, int], version: int) -> None:
         last_used.pop(u)
 
 
-def _sp_offset(router, s_local: int) -> int:
+def sp_offset(router, s_local: int) -> int:
     """First sequence position of this rank's shard (sequence parallelism splits the sequence over TP)."""
     return parallel_state.get_tensor_model_parallel_rank() * s_local if router.config.sequence_parallel else 0
 
 
-def _gather_sequence(idx: torch.Tensor, router) -> torch.Tensor:
+def gather_sequence(idx: torch.Tensor, router) -> torch.Tensor:
     """[S_local, B, k] of this rank -> [S, B, k] of the whole sequence (all-gather over TP under SP)."""
     tp = parallel_state.get_tensor_model_parallel_world_size()
     if not router.config.sequence_parallel or tp == 1:
@@ -90,7 +90,7 @@ class RoutingReplay:
             if module.router_replay.router_replay_action != RouterReplayAction.REPLAY_FORWARD:
                 return
             s_local, batch = int(args[0].shape[0]), int(args[0].shape[1])
-            offset, k = _sp_offset(module, s_local), module.topk
+            offset, k = sp_offset(module, s_local), module.topk
             target = torch.arange(k).repeat(s_local, batch, 1)  # padding positions: any k distinct experts
             for b, uid in enumerate(self._uids[:batch]):
                 stored = self.store[uid][i]
@@ -108,7 +108,7 @@ class RoutingReplay:
             if rr.router_replay_action != RouterReplayAction.RECORD:
                 return
             s_local, batch, k = int(args[0].shape[0]), int(args[0].shape[1]), module.topk
-            idx = _gather_sequence(rr.recorded_topk_idx.reshape(s_local, batch, k), module).cpu()
+            idx = gather_sequence(rr.recorded_topk_idx.reshape(s_local, batch, k), module).cpu()
             for b, uid in enumerate(self._uids[:batch]):
                 if len(self.store.setdefault(uid, [])) == i and int(self._lengths[b]) > 0:
                     self.store[uid].append(idx[:int(self._lengths[b]), b].to(torch.int16))

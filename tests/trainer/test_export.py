@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from _spawn import run_ranks
 from gspo_ray.trainer.bridge import (HFCheckpoint, ParamMap, merge_hf, param_map, shard_tp, split_to_hf,
                                      unshard_tp)
-from gspo_ray.trainer.model import ModelSpec, spec_from_hf_config
+from gspo_ray.trainer.model_spec import ModelSpec, spec_from_hf_config
 
 
 def _spec(heads=4, kv_heads=2, head_dim=3, vocab=7, tp=1) -> ModelSpec:

@@ -1,0 +1,133 @@
+"""The architecture record of a model: HF config.json + parallel layout -> `ModelSpec` (torch only, no Megatron).
+
+    spec = spec_from_hf_config(read_hf_config(hf_dir), hf_dir, tp=2, ep=1)
+
+Shared by the model builder (model.py), the weight bridge (bridge.py), HF export and the preflight, which checks a
+model directory before anything heavy is imported.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+SUPPORTED_ARCHS = ("qwen2", "qwen3", "qwen3_moe", "llama", "mixtral")
+MOE_DISPATCHERS = ("alltoall", "allgather")
+
+
+@dataclass
+class ModelSpec:
+    """What the converter and the log-prob code need to know about a built model (picklable)."""
+
+    arch: str
+    hf_config: dict = field(repr=False)
+    hf_dir: str
+    vocab_size: int                  # HF vocabulary (what log-probs are normalised over)
+    padded_vocab_size: int           # Megatron's embedding/output rows: vocab_size rounded up to a multiple of tp
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn_hidden_size: int             # dense MLP width
+    num_experts: int = 0             # 0 for dense models
+    moe_ffn_hidden_size: int = 0
+    top_k: int = 0
+    moe_layers: tuple[int, ...] = ()  # indices of layers whose MLP is MoE
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    tied_embeddings: bool = False
+    tp: int = 1
+    ep: int = 1
+    sequence_parallel: bool = False
+    moe_dispatcher: str = "alltoall"
+    dtype: torch.dtype = torch.float32
+    use_te: bool = False
+    extra: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.num_experts // self.ep if self.num_experts else 0
+
+
+def read_hf_config(hf_dir: str | Path) -> dict:
+    path = Path(hf_dir) / "config.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: not a HF model directory (config.json missing)")
+    return json.loads(path.read_text())
+
+
+def _rope_theta(cfg: dict) -> float:
+    """transformers 5 keeps it in rope_parameters; 4.x at the top level."""
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in ("default", None):
+        raise ValueError(f"config.json rope type {kind!r} is not supported (only default RoPE)")
+    return float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+
+
+def _moe_layers(cfg: dict, num_layers: int) -> tuple[int, ...]:
+    if not (cfg.get("num_experts") or cfg.get("num_local_experts")):
+        return ()
+    step, dense = cfg.get("decoder_sparse_step", 1), set(cfg.get("mlp_only_layers") or [])
+    return tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
+
+
+def _refuse_unsupported(cfg: dict, hf_dir) -> None:
+    """Features the Megatron config below cannot express would give silently wrong numbers: refuse them."""
+    where = f"{hf_dir}/config.json"
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{where}: hidden_act {cfg['hidden_act']!r} not supported (only silu)")
+    if cfg.get("shared_expert_intermediate_size"):
+        raise ValueError(f"{where}: shared experts are not supported")
+    if cfg.get("use_sliding_window") or (cfg.get("model_type") == "mixtral" and cfg.get("sliding_window")):
+        raise ValueError(f"{where}: sliding-window attention is not supported")
+    if cfg.get("attention_bias") or cfg.get("mlp_bias"):  # (qwen2's q/k/v biases are implied, not configured)
+        raise ValueError(f"{where}: attention_bias/mlp_bias are not supported")
+
+
+def spec_from_hf_config(cfg: dict, hf_dir: str, *, tp: int = 1, ep: int = 1, sequence_parallel: bool | None = None,
+                        moe_dispatcher: str = "alltoall", dtype: torch.dtype = torch.float32,
+                        use_te: bool = False) -> ModelSpec:
+    """HF config.json (as a dict) + layout -> ModelSpec; raises on anything the converter cannot represent."""
+    arch = cfg.get("model_type")
+    if arch not in SUPPORTED_ARCHS:
+        raise ValueError(f"{hf_dir}/config.json: model_type {arch!r} not supported; valid: {SUPPORTED_ARCHS}")
+    if moe_dispatcher not in MOE_DISPATCHERS:
+        raise ValueError(f"moe_dispatcher {moe_dispatcher!r}; valid: {MOE_DISPATCHERS}")
+    heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    if kv_heads % tp or heads % tp:
+        raise ValueError(f"tp={tp} must divide num_attention_heads={heads} and num_key_value_heads={kv_heads}")
+    num_experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    ep = ep if num_experts else 1  # a dense model has nothing to split over the EP group
+    if num_experts and num_experts % ep:
+        raise ValueError(f"ep={ep} must divide num_experts={num_experts}")
+    _refuse_unsupported(cfg, hf_dir)
+    if sequence_parallel is None:
+        sequence_parallel = tp > 1
+    if num_experts and tp > 1 and not sequence_parallel:
+        raise ValueError("Megatron MoE with tp > 1 requires sequence_parallel=True")
+    vocab, layers = int(cfg["vocab_size"]), int(cfg["num_hidden_layers"])
+    return ModelSpec(
+        arch=arch, hf_config=cfg, hf_dir=str(hf_dir), vocab_size=vocab, padded_vocab_size=-(-vocab // tp) * tp,
+        num_layers=layers, hidden_size=cfg["hidden_size"], num_heads=heads, num_kv_heads=kv_heads,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads, ffn_hidden_size=cfg["intermediate_size"],
+        # Mixtral's experts have the dense width (intermediate_size); Qwen3-MoE names its own
+        num_experts=num_experts, moe_ffn_hidden_size=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
+        if num_experts else 0,
+        top_k=int(cfg.get("num_experts_per_tok") or 0) if num_experts else 0,
+        moe_layers=_moe_layers(cfg, layers),
+        qkv_bias=arch == "qwen2", qk_norm=arch in ("qwen3", "qwen3_moe"),
+        tied_embeddings=bool(cfg.get("tie_word_embeddings", False)), tp=tp, ep=ep,
+        sequence_parallel=bool(sequence_parallel), moe_dispatcher=moe_dispatcher, dtype=dtype, use_te=use_te,
+        # Mixtral always renormalises its top-k probabilities (it has no norm_topk_prob field)
+        extra={"rope_theta": _rope_theta(cfg),
+               "norm_topk_prob": arch == "mixtral" or bool(cfg.get("norm_topk_prob", False)),
+               "rms_norm_eps": float(cfg.get("rms_norm_eps", 1e-6)),
+               "max_position_embeddings": int(cfg.get("max_position_embeddings", 4096))})
