@@ -4,7 +4,7 @@
 
     from cluster.local_cluster import LocalCluster
     with LocalCluster(num_worker_nodes=1, worker_resources={"rollout_node": 1}) as c:
-        gspo_ray.jobs.submit("gspo_ray/recipes/tiny_moe.yaml", c.dashboard_url)
+        gspo_ray.cli.submission.submit("gspo_ray/recipes/tiny_moe.yaml", c.dashboard_url)
 
 Each node is one `ray start ... --block` process started in its own session (process group), with its own
 `--temp-dir` and its own set of free ports, so it never collides with another Ray on the same machine.

@@ -156,9 +156,9 @@ def job_mutation(draw, kind: str):
 
 
 def _is_field(section: str, key: str) -> bool:
-    from gspo_ray.config import _section_fields
+    from gspo_ray.config import section_fields
 
-    return key in _section_fields(tuple(section.split(".")) if section else ())
+    return key in section_fields(tuple(section.split(".")) if section else ())
 
 
 @pytest.mark.parametrize("kind", ["wrong_type", "unknown_key", "combination", "syntax"])

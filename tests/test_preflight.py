@@ -15,11 +15,11 @@ import yaml
 from typer.testing import CliRunner
 
 from gspo_ray.cli import app
-from gspo_ray.cli_errors import user_errors
+from gspo_ray.cli.errors import user_errors
 from gspo_ray.config import load_config
 from gspo_ray.models.tiny import ensure_tiny_model
 from gspo_ray.preflight import PreflightError, run_preflight
-from gspo_ray.preflight_model import CPU_HEAD_SIZES, ENGINE_ARCHITECTURES
+from gspo_ray.preflight.model import CPU_HEAD_SIZES, ENGINE_ARCHITECTURES
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted((ROOT / "gspo_ray" / "recipes").glob("*.yaml"))

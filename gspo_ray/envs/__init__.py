@@ -1,4 +1,4 @@
-"""Reward functions and built-in tasks. Plug-ins are selected by import path (`gspo_ray.plugins`)."""
+"""Reward functions and built-in tasks. Plug-ins are selected by import path (`gspo_ray.envs.plugins`)."""
 
 from gspo_ray.envs.rewards import (
     cer_reward,

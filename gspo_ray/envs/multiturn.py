@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from gspo_ray.data.records import Prompt
-from gspo_ray.plugins import PluginError, resolve_import_path
+from gspo_ray.envs.plugins import PluginError, resolve_import_path
 
 Observation = list[int] | str
 

@@ -157,7 +157,7 @@ class ProcessCallPool:
 def _load(init: tuple[str, Any]) -> Callable:
     kind, payload = init
     if kind == "path":
-        from gspo_ray.plugins import resolve_callable
+        from gspo_ray.envs.plugins import resolve_callable
 
         return resolve_callable(payload, "reward.fn")
     import cloudpickle

@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 from gspo_ray.data.prompts import load_tokenizer
 from gspo_ray.data.records import Prompt, Sample
-from gspo_ray.plugins import PluginError, resolve_callable
+from gspo_ray.envs.plugins import PluginError, resolve_callable
 from gspo_ray.rollout.reward_procs import Outcome, ProcessCallPool
 
 log = logging.getLogger(__name__)

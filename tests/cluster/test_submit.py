@@ -60,7 +60,7 @@ def test_runtime_env_and_entrypoint():
 def test_cli_submit_reports_bad_field(monkeypatch):
     from typer.testing import CliRunner
 
-    from gspo_ray.cli_jobs import jobs_app
+    from gspo_ray.cli.jobs import jobs_app
 
     monkeypatch.chdir(ROOT)
     res = CliRunner().invoke(jobs_app, ["submit", RECIPE, "trainer.ep=3", "--address", UNREACHABLE])
@@ -87,7 +87,7 @@ def test_config_validate_job_succeeds(cluster):
     assert f"{RECIPE}: ok" in out
     from typer.testing import CliRunner
 
-    from gspo_ray.cli_jobs import jobs_app
+    from gspo_ray.cli.jobs import jobs_app
 
     res = CliRunner().invoke(jobs_app, ["status", job, "--address", cluster.dashboard_url])
     assert res.exit_code == 0 and f"{job}: SUCCEEDED" in res.output

@@ -13,7 +13,7 @@ from gspo_ray.envs.guess import GuessNumberEnv, build_guess_prompts, parse_guess
 from gspo_ray.envs.multiturn import (EnvError, MultiTurnEnv, StepResult, check_env, check_observation,
                                      check_step_result, decode_action, encode_text, numeric_info)
 from gspo_ray.models.tiny import build_tokenizer
-from gspo_ray.plugins import PluginError
+from gspo_ray.envs.plugins import PluginError
 
 EOS = 1
 

@@ -11,7 +11,7 @@ from gspo_ray.config import RewardConfig
 from gspo_ray.data.records import Prompt, Sample
 from gspo_ray.envs.rewards import copy_reward
 from gspo_ray.models.tiny import build_tokenizer
-from gspo_ray.plugins import PluginError, resolve_callable, resolve_import_path
+from gspo_ray.envs.plugins import PluginError, resolve_callable, resolve_import_path
 from gspo_ray.rollout.scoring import RewardRunner, check_reward
 
 TIMEOUT = 0.5

@@ -1,7 +1,7 @@
 """Rollout benchmark (a table, not a test): generation tokens/s of one engine and weight-push time per MB.
 
-    .venv/bin/python benchmarks/bench_rollout.py                  # tiny MoE, 64 prompts x 8 samples x 16 tokens
-    .venv/bin/python benchmarks/bench_rollout.py --reps 5 --push-hidden 256 --push-experts 8
+    gspo-ray bench --suite rollout               # tiny MoE, 64 prompts x 8 samples x 16 tokens
+    .venv/bin/python -m gspo_ray.bench.rollout --reps 5 --push-hidden 256 --push-experts 8
 
 Rows:
 - `engine.generate`: our step loop (one request per sample, delta outputs, abortable), 64 x n=8, seeded.

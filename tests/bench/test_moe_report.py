@@ -1,5 +1,5 @@
 """The MoE bench's report (table and plot) from run results: what a ~50-minute `make bench-moe` ends with."""
-from gspo_ray.coordinator.bench_moe import UPDATES, format_moe, plot_moe
+from gspo_ray.bench.moe import UPDATES, format_moe, plot_moe
 
 
 def _result(label, drift_at, reward):

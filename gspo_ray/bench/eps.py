@@ -1,6 +1,6 @@
 """Bench table: GSPO with the fixed 3e-4/4e-4 band vs `algorithm.eps: auto` vs GRPO, on one reuse schedule.
 
-    .venv/bin/python -m gspo_ray.coordinator.bench_eps [--steps 30]      # this table only (also in `make bench`)
+    .venv/bin/python -m gspo_ray.bench.eps [--steps 30]      # this table only (also in `make bench`)
 
 The tiny-MoE copy recipe with 2 passes x 4 mini-batches per rollout batch (8 optimizer steps per batch, so 7 of
 8 train a policy that moved since sampling), the same seeds for all three. Columns: the band at the end; the
@@ -22,11 +22,11 @@ SCHEDULE = ["coordinator.num_iterations=2", "coordinator.num_minibatches=4"]
 
 
 def _run(label: str, extra: list[str], steps: int, out_dir: Path) -> dict[str, float | str]:
-    from gspo_ray.coordinator.bench import _bench_cfg
+    from gspo_ray.bench.common import bench_cfg
     from gspo_ray.coordinator.job import run_job
     from gspo_ray.coordinator.tracking import read_metrics
 
-    cfg = _bench_cfg(out_dir, f"eps-{len(extra)}-{extra[0].split('=')[1]}", steps, *SCHEDULE, *extra,
+    cfg = bench_cfg(out_dir, f"eps-{len(extra)}-{extra[0].split('=')[1]}", steps, *SCHEDULE, *extra,
                      "data.num_eval=64", "logging.export_hf=none")
     t0 = time.perf_counter()
     summary = run_job(cfg)

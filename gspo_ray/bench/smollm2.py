@@ -16,10 +16,10 @@ import threading
 import time
 from pathlib import Path
 
+from gspo_ray.bench.common import SMOLLM2_RECIPE as RECIPE
 from gspo_ray.config import load_config
 from gspo_ray.coordinator.tracking import read_metrics
 
-RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "smollm2_repeat.yaml"
 GIB = 1024 ** 3
 
 

@@ -57,7 +57,7 @@ def submit(file: Path, overrides: list[str] = typer.Argument(None, help="key.pat
     """Validate a job file here (the whole preflight of `config validate`), then run `gspo-ray train FILE
     overrides` on the cluster."""
     from gspo_ray import jobs
-    from gspo_ray.cli_errors import preflight_or_exit, user_errors
+    from gspo_ray.cli.errors import preflight_or_exit, user_errors
     from gspo_ray.config import load_config
 
     with user_errors():

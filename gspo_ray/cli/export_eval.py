@@ -65,7 +65,7 @@ def eval_cmd(model: Path = typer.Argument(..., help="HF model directory, run dir
     finish reasons; write one JSON line per sample (and a .summary.json)."""
     from gspo_ray.coordinator.eval_run import EvalOptions, evaluate_model
     from gspo_ray.coordinator.evaluation import describe_eval
-    from gspo_ray.plugins import PluginError
+    from gspo_ray.envs.plugins import PluginError
 
     try:
         kwargs = json.loads(reward_kwargs) if reward_kwargs is not None else None

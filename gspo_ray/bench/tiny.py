@@ -6,38 +6,26 @@ skipped). Phases: rollout (generate + reward, waiting included), train (all opti
 sync (export + push + probe verification). Idle is the part of a step a pool is not working for it:
 rollout idle = step - rollout wait (sync mode; in async mode the next batch samples during training),
 trainer idle = step - train. Then GSPO vs GRPO clip fractions, whole vs partial rollouts, and the clip band with
-2 passes x 4 mini-batches: GSPO fixed vs `algorithm.eps: auto` vs GRPO (bench_eps.py).
+2 passes x 4 mini-batches: GSPO fixed vs `algorithm.eps: auto` vs GRPO (eps.py).
 """
 from __future__ import annotations
 
 import tempfile
 from pathlib import Path
 
-from gspo_ray.config import load_config
-from gspo_ray.coordinator.bench_eps import bench_eps
+from gspo_ray.bench.common import bench_cfg
+from gspo_ray.bench.eps import bench_eps
 from gspo_ray.coordinator.tracking import read_metrics
 
-RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "tiny_moe.yaml"
 MODES = [("sync", False), ("async", False), ("sync", True), ("async", True)]
 COLUMNS = ["step_s", "rollout_s", "train_s", "sync_s", "rollout_idle_s", "trainer_idle_s", "samples_per_s",
            "push_mb"]
 
 
-def _bench_cfg(out_dir: Path, name: str, steps: int, *overrides: str, recipe: Path = RECIPE):
-    """A recipe (default the tiny-MoE one) for `steps` steps, without eval, checkpoints or extra outputs, in sync
-    mode with the level's fixed clip band unless `overrides` say otherwise (the tiny recipe itself runs async
-    with eps auto: the tables compare against the on-policy baseline)."""
-    return load_config(recipe, ["coordinator.mode=sync", "algorithm.eps=fixed",
-                                f"coordinator.steps={steps}", "coordinator.eval_every=0",
-                                "coordinator.checkpoint_every=0", "data.num_eval=0", f"logging.out_dir={out_dir}",
-                                f"name={name}", "logging.progress=false", "logging.tensorboard=false",
-                                "logging.plot=false", *overrides])
-
-
 def bench_mode(mode: str, recompute: bool, steps: int, out_dir: Path) -> dict[str, float]:
     from gspo_ray.coordinator.job import run_job
 
-    cfg = _bench_cfg(out_dir, f"bench-{mode}-{recompute}", steps, f"coordinator.mode={mode}",
+    cfg = bench_cfg(out_dir, f"bench-{mode}-{recompute}", steps, f"coordinator.mode={mode}",
                      f"coordinator.recompute_old_logprobs={recompute}", "coordinator.filter_zero_adv=false")
     summary = run_job(cfg)
     rows = read_metrics(summary.run_dir / "metrics.jsonl")[2:] or read_metrics(summary.run_dir / "metrics.jsonl")
@@ -57,7 +45,7 @@ def bench_clipping(steps: int, out_dir: Path) -> str:
 
     rows = []
     for level in ("sequence", "token"):
-        cfg = _bench_cfg(out_dir, f"clip-{level}", steps, f"algorithm.importance_sampling_level={level}",
+        cfg = bench_cfg(out_dir, f"clip-{level}", steps, f"algorithm.importance_sampling_level={level}",
                          "coordinator.num_iterations=2", "coordinator.num_minibatches=2")
         metrics = read_metrics(run_job(cfg).run_dir / "metrics.jsonl")
         mean = lambda key: sum(r.get(key) or 0.0 for r in metrics) / len(metrics)  # noqa: E731
@@ -82,7 +70,7 @@ def bench_partial(steps: int, out_dir: Path) -> str:
     lines = [f"{'rollout':<24}{'step_s':>10}{'gen_s':>10}{'gen_tok':>10}{'tok/s':>10}{'groups':>8}"
              f"{'segments':>10}{'multi_ver':>10}{'masked':>8}"]
     for label, extra in runs:
-        cfg = _bench_cfg(out_dir, f"partial-{len(extra)}", steps, "rollout.max_new_tokens=24",
+        cfg = bench_cfg(out_dir, f"partial-{len(extra)}", steps, "rollout.max_new_tokens=24",
                          "coordinator.filter_zero_adv=false", *extra)
         rows = read_metrics(run_job(cfg).run_dir / "metrics.jsonl")[2:]
         mean = lambda key: sum(r.get(key) or 0.0 for r in rows) / max(len(rows), 1)  # noqa: E731

@@ -19,9 +19,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from gspo_ray.bench.common import SMOLLM2_RECIPE as RECIPE
 from gspo_ray.coordinator.tracking import read_metrics
 
-RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "smollm2_repeat.yaml"
 DENSE_DIR = Path("runs/models/smollm2-135m-instruct")
 MOE_DIR = Path("runs/models/smollm2-moe-4x2")
 VARIANTS = [  # (label, importance_sampling_level, routing_replay)
@@ -46,10 +46,10 @@ def ensure_moe_model(out: Path = MOE_DIR, experts: int = 4, top_k: int = 2, nois
 
 def bench_moe_variant(label: str, level: str, replay: str, steps: int, seed: int, out_dir: Path,
                       model_dir: Path, lr: float) -> dict:
-    from gspo_ray.coordinator.bench import _bench_cfg
+    from gspo_ray.bench.common import bench_cfg
     from gspo_ray.coordinator.job import run_job
 
-    cfg = _bench_cfg(
+    cfg = bench_cfg(
         out_dir, f"bench-moe-{level}-{replay}-s{seed}", steps,
         f"model.path={model_dir}", "model.packaged=null", f"seed={seed}", "coordinator.prompts_per_step=8",
         "rollout.group_size=4", "rollout.max_new_tokens=16", f"coordinator.num_iterations={PASSES}",

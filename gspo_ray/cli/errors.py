@@ -24,8 +24,8 @@ def set_debug(on: bool) -> None:
 def user_error_types() -> tuple[type[BaseException], ...]:
     """Exceptions that mean 'the input is wrong': the config, a plug-in, or what the preflight found."""
     from gspo_ray.config import ConfigError
-    from gspo_ray.plugins import PluginError
-    from gspo_ray.preflight_model import PreflightError
+    from gspo_ray.envs.plugins import PluginError
+    from gspo_ray.preflight.model import PreflightError
 
     return ConfigError, PluginError, PreflightError
 
@@ -50,7 +50,7 @@ def user_errors(exit_code: int = USER_ERROR_EXIT) -> Iterator[None]:
 
 
 def preflight_or_exit(cfg, verbose: bool = False):
-    """Run the preflight (gspo_ray/preflight.py) before Ray or any engine starts: on a bad input, its line and
+    """Run the preflight (gspo_ray/preflight/) before Ray or any engine starts: on a bad input, its line and
     exit 2; else the report's lines (verbose) and its summary on stdout (stderr is for errors)."""
     from gspo_ray.preflight import run_preflight
 

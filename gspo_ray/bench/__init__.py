@@ -1,0 +1,34 @@
+"""Every benchmark, one entry: `gspo-ray bench --suite SUITE` (tables, not assertions).
+
+    tiny     per-phase step time of the tiny-MoE recipe (sync/async x engine/recomputed log-probs), clip
+             fractions, partial rollouts, the eps-auto band (tiny.py, eps.py)
+    smollm2  the real SmolLM2-135M job, sync and async (smollm2.py)
+    moe      GRPO / GRPO+R2 / GSPO / GSPO-token on the upcycled SmolLM2 MoE (moe.py; long)
+    rollout  one engine's generation tokens/s and the weight push per MB (rollout.py)
+    all      tiny + smollm2
+"""
+from __future__ import annotations
+
+SUITES = ("tiny", "smollm2", "moe", "rollout", "all")
+
+
+def run(suite: str = "all", *, quick: bool = False, steps: int = 6, seeds: tuple[int, ...] = (0,)) -> None:
+    """Run one suite and print its tables. `steps` is per mode (smollm2) or per run (moe)."""
+    if suite not in SUITES:
+        raise ValueError(f"--suite {suite!r}; valid: {', '.join(SUITES)}")
+    if suite == "moe":
+        from gspo_ray.bench.moe import run_moe_bench
+
+        run_moe_bench(steps=3 if quick else steps, seeds=seeds)
+    if suite == "rollout":
+        from gspo_ray.bench.rollout import main as run_rollout_bench
+
+        run_rollout_bench(["--reps", "1"] if quick else [])
+    if suite in ("tiny", "all"):
+        from gspo_ray.bench.tiny import run_bench
+
+        run_bench(quick=quick)
+    if suite in ("smollm2", "all"):
+        from gspo_ray.bench.smollm2 import run_smollm2_bench
+
+        run_smollm2_bench(steps=3 if quick else steps)

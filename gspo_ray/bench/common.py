@@ -1,0 +1,21 @@
+"""What every benchmark shares: the packaged recipes and a job config stripped to what a timing run needs."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from gspo_ray.config import load_config
+
+RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+TINY_RECIPE = RECIPES / "tiny_moe.yaml"
+SMOLLM2_RECIPE = RECIPES / "smollm2_repeat.yaml"
+
+
+def bench_cfg(out_dir: Path, name: str, steps: int, *overrides: str, recipe: Path = TINY_RECIPE):
+    """A recipe (default the tiny-MoE one) for `steps` steps, without eval, checkpoints or extra outputs, in sync
+    mode with the level's fixed clip band unless `overrides` say otherwise (the tiny recipe itself runs async
+    with eps auto: the tables compare against the on-policy baseline)."""
+    return load_config(recipe, ["coordinator.mode=sync", "algorithm.eps=fixed",
+                                f"coordinator.steps={steps}", "coordinator.eval_every=0",
+                                "coordinator.checkpoint_every=0", "data.num_eval=0", f"logging.out_dir={out_dir}",
+                                f"name={name}", "logging.progress=false", "logging.tensorboard=false",
+                                "logging.plot=false", *overrides])

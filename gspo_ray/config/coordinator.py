@@ -1,0 +1,46 @@
+"""The loop (steps, passes, mini-batches, staleness, checkpoints, eval) and the cluster it runs on."""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from gspo_ray.config.base import Strict
+
+
+class CoordinatorConfig(Strict):
+    """The loop: rollout -> advantages -> buffered groups -> num_iterations x num_minibatches steps -> push."""
+
+    steps: int = Field(20, ge=1, description="rollout batches (training iterations) to run")
+    prompts_per_step: int = Field(16, ge=1, description="informative groups trained per rollout batch")
+    num_iterations: int = Field(1, ge=1, description="passes over each rollout batch (PPO epochs, mu)")
+    num_minibatches: int = Field(1, ge=1, description="optimizer steps per pass")
+    mode: Literal["sync", "async"] = Field("sync", description="sync: on-policy; async: rollout overlaps training")
+    max_staleness: int = Field(1, ge=0, description="async: drop groups sampled by weights more than this many "
+                               "policy updates (train steps, one per rollout batch: num_iterations x "
+                               "num_minibatches optimizer steps each) older than the policy that starts training "
+                               "on them. 1 = one-step off-policy: the batch sampled while the previous one trained "
+                               "is kept; a batch's own passes never count against it")
+    filter_zero_adv: bool = Field(True, description="drop groups whose rewards are all equal (no signal) and refill")
+    max_refill_rounds: int = Field(4, ge=0, description="extra rollout rounds to refill filtered groups")
+    recompute_old_logprobs: bool = Field(False, description="recompute old log-probs with the trainer instead of "
+                                         "using the engine's (to measure the engine-trainer gap)")
+    eval_every: int = Field(5, ge=0, description="held-out evaluation every N steps (0 = only start and end)")
+    checkpoint_every: int = Field(10, ge=0, description="save a checkpoint every N steps (0 = only at the end)")
+    early_stop_reward: float | None = Field(None, description="stop once held-out mean reward reaches this")
+
+    @model_validator(mode="after")
+    def _check(self) -> "CoordinatorConfig":
+        if self.prompts_per_step % self.num_minibatches:
+            raise ValueError(f"coordinator.num_minibatches ({self.num_minibatches}) must divide "
+                             f"coordinator.prompts_per_step ({self.prompts_per_step}): mini-batches hold whole groups")
+        return self
+
+
+class ClusterConfig(Strict):
+    """Where the job runs: a local Ray started in-process, or an existing cluster."""
+
+    address: str | None = Field(None, description="Ray address to join (None = start a local instance)")
+    num_cpus: int | None = Field(None, ge=1, description="CPUs of the local instance (default: all)")
+    namespace: str = Field("gspo-ray", description="Ray namespace")
+    runtime_env: dict[str, Any] = Field(default_factory=dict, description="Ray runtime_env for workers")

@@ -1,0 +1,98 @@
+"""One job = one YAML file: the sections together and the checks that span sections."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field, field_validator, model_validator
+
+from gspo_ray.config.base import Strict, RUN_NAME, GUESS_ENV
+from gspo_ray.config.model import TinyModelConfig, ModelConfig
+from gspo_ray.config.data import DataConfig
+from gspo_ray.config.rollout import RolloutConfig
+from gspo_ray.config.trainer import TrainerConfig
+from gspo_ray.config.algorithm import AlgorithmConfig
+from gspo_ray.config.coordinator import CoordinatorConfig, ClusterConfig
+from gspo_ray.config.tracking import LoggingConfig
+
+
+class JobConfig(Strict):
+    """One training job."""
+
+    name: str = Field("gspo", description="run name; the run directory is out_dir/name")
+    seed: int = Field(0, description="global seed")
+    model: ModelConfig = Field(default_factory=lambda: ModelConfig(tiny=TinyModelConfig()))
+    data: DataConfig = Field(default_factory=DataConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    coordinator: CoordinatorConfig = Field(default_factory=CoordinatorConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+
+    @field_validator("name")
+    @classmethod
+    def _name_is_one_directory(cls, v: str) -> str:
+        """The run directory is out_dir/name: a name with a path separator or `..` would write elsewhere."""
+        if not RUN_NAME.fullmatch(v):
+            raise ValueError(f"must be one directory name of letters, digits, '.', '_' or '-' starting with a letter "
+                             f"or digit (no '/', '\\' or '..'), got {v!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _cross(self) -> "JobConfig":
+        tiny = self.model.tiny
+        if tiny is not None and tiny.arch == "qwen3_moe":
+            if tiny.top_k > tiny.experts:
+                raise ValueError(f"model.tiny.top_k ({tiny.top_k}) > model.tiny.experts ({tiny.experts})")
+            if tiny.experts % self.trainer.ep:
+                raise ValueError(f"trainer.ep ({self.trainer.ep}) must divide model.tiny.experts ({tiny.experts})")
+        if self.model.path is not None and not (self.model.path / "config.json").exists():
+            raise ValueError(f"model.path: no config.json in {self.model.path}")
+        for name in ("path", "eval_path"):
+            p = getattr(self.data, name)
+            if p is not None and not Path(p).exists():
+                raise ValueError(f"data.{name}: file not found: {p}")
+        partial = self.rollout.partial
+        if partial is not None:
+            if self.rollout.multi_turn is not None:
+                raise ValueError("rollout.partial cannot be combined with rollout.multi_turn: an episode waits on "
+                                 "its environment and is not resumable from token ids")
+            if partial.segment_tokens >= self.rollout.max_new_tokens:
+                raise ValueError(f"rollout.partial.segment_tokens ({partial.segment_tokens}) must be below "
+                                 f"rollout.max_new_tokens ({self.rollout.max_new_tokens}), else no completion is "
+                                 "ever cut")
+        if self.rollout.max_new_tokens >= self.rollout.max_model_len:
+            raise ValueError(f"rollout.max_new_tokens ({self.rollout.max_new_tokens}) leaves no room for a prompt "
+                             f"in rollout.max_model_len ({self.rollout.max_model_len})")
+        return self
+
+    @model_validator(mode="after")
+    def _algorithm_needs(self) -> "JobConfig":
+        """Algorithm options that need a coordinator setting."""
+        c, a = self.coordinator, self.algorithm
+        if a.mismatch_correction.level != "none" and not c.recompute_old_logprobs:
+            raise ValueError("algorithm.mismatch_correction needs coordinator.recompute_old_logprobs: true (the "
+                             "engine's log-probs are the anchor otherwise, so there is no gap to correct)")
+        if a.eps == "auto" and c.mode == "sync" and c.num_iterations * c.num_minibatches == 1:
+            raise ValueError("algorithm.eps 'auto' measures drift on reuse mini-batches: set "
+                             "coordinator.num_iterations or num_minibatches above 1 (or mode async)")
+        return self
+
+    @model_validator(mode="after")
+    def _guess_task(self) -> "JobConfig":
+        """The built-in guess task only makes sense against the guessing game, over the same range."""
+        data, mt = self.data, self.rollout.multi_turn
+        if data.source != "builtin" or data.task != "guess":
+            return self
+        if mt is None:
+            raise ValueError(f"data.task 'guess' is multi-turn: set rollout.multi_turn (env {GUESS_ENV!r})")
+        if mt.env == GUESS_ENV:
+            low, high = mt.kwargs.get("low", 0), mt.kwargs.get("high", 9)  # the env's defaults
+            if (low, high) != (data.guess_low, data.guess_high):
+                raise ValueError(f"data.guess_low/guess_high ({data.guess_low}-{data.guess_high}) must match "
+                                 f"rollout.multi_turn.kwargs low/high ({low}-{high})")
+        return self
+
+    @property
+    def run_dir(self) -> Path:
+        return self.logging.out_dir / self.name

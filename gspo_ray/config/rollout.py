@@ -1,0 +1,148 @@
+"""The rollout pool: vLLM engines, sampling, the reward, multi-turn episodes and partial rollouts."""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from gspo_ray.config.base import Strict
+
+
+class RewardConfig(Strict):
+    """A reward function given by import path; see gspo_ray/envs/rewards.py for the signature.
+
+    A sample fails when its reward raised, timed out or returned a non-number, when its episode's environment
+    errored, or when the engine aborted it (a pause outside partial rollouts). `on_failure` decides what its
+    group sees; the failed-share limit stops a run that cannot learn instead of letting it end as a success.
+    """
+
+    fn: str = Field("gspo_ray.envs.rewards:copy_reward", description="dotted import path `module:function`")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="extra keyword arguments for the function")
+    timeout_s: float = Field(5.0, gt=0, description="a call slower than this fails its sample; under process "
+                             "isolation the call's process is killed and replaced")
+    num_procs: int = Field(2, ge=1, description="reward calls running at once per rollout worker (processes, or "
+                           "threads under isolation 'thread'): caps the CPU user code takes from the engine")
+    isolation: Literal["process", "thread"] = Field(
+        "process", description="process: each call runs in a child process of the rollout worker (niced), killed "
+        "at its timeout, so a runaway never holds the engine's interpreter; the function must be importable or "
+        "picklable. thread: in the worker's own process (no start-up cost; a timed-out call cannot be stopped "
+        "and keeps its thread)")
+    on_failure: Literal["drop", "score"] = Field(
+        "drop", description="drop: a failed completion leaves its group before the group statistics; score: it "
+        "stays and gets `failure_reward`, so outputs that crash the scorer are pushed down. Default drop, because "
+        "a failure reward must sit on the function's own scale (0 would be the best score of a reward in "
+        "[-1, 0]), which only the user knows; the max_failed_share stop keeps drop's bias bounded. Completions "
+        "the engine aborted are always dropped (not the output's fault)")
+    failure_reward: float | None = Field(None, description="on_failure 'score': the reward of a failed completion "
+                                         "(at or below the function's worst score)")
+    max_failed_share: float = Field(0.2, ge=0, le=1, description="stop the run when more than this share of a "
+                                    "step's samples failed for max_failed_steps steps in a row (a step where every "
+                                    "sample failed stops it at once); 1 = only a wholly failed step stops it")
+    max_failed_steps: int = Field(3, ge=1, description="consecutive steps above max_failed_share before the run "
+                                  "stops (with the first failure reasons)")
+
+    @model_validator(mode="after")
+    def _check(self) -> "RewardConfig":
+        if self.on_failure == "score" and self.failure_reward is None:
+            raise ValueError("rollout.reward.on_failure 'score' needs rollout.reward.failure_reward (a reward at "
+                             "or below the function's worst score)")
+        return self
+
+
+class MultiTurnConfig(Strict):
+    """Multi-turn episodes: the model acts, an environment answers with tokens, until done or a limit.
+
+    The environment is a class given by import path, built once per episode as `cls(tokenizer=..., **kwargs)`;
+    see gspo_ray/envs/multiturn.py for the protocol (reset / step -> StepResult).
+    """
+
+    env: str = Field("gspo_ray.envs.guess:GuessNumberEnv", description="environment class `module:Class`")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="extra keyword arguments for the class")
+    max_turns: int = Field(4, ge=1, description="model turns per episode")
+    max_tokens_per_turn: int = Field(8, ge=1, description="model tokens per turn (a turn also ends at EOS)")
+    max_total_tokens: int = Field(64, ge=1, description="completion tokens per episode, model + environment")
+    step_timeout_s: float = Field(5.0, gt=0, description="an env call slower than this ends its episode "
+                                  "(finish_reason 'env_error'); under process isolation it is killed")
+    isolation: Literal["process", "thread"] = Field(
+        "process", description="process: envs live in `num_procs` niced child processes of the rollout worker; "
+        "an overrunning call is killed with its process, which also ends the other episodes whose envs lived "
+        "there; the env class must be importable or picklable. thread: envs live in the worker's process (any "
+        "env, no start-up cost; an overrunning call keeps running in an abandoned thread, sharing the engine's "
+        "interpreter)")
+    num_procs: int = Field(2, ge=1, description="env processes per rollout worker (isolation 'process'): caps "
+                           "the env calls running at once; more processes, fewer episodes lost with a killed one")
+
+
+class PartialRolloutConfig(Strict):
+    """Partial rollouts: completions generated in budgeted segments, possibly under several policy versions.
+
+    Each rollout round gives every unfinished completion at most `segment_tokens` new tokens; when the batch is
+    full, unfinished ones are carried to the next step and continued under the new weights (re-prefilled from
+    their token ids). A group is scored and gets advantages only once all its completions finished.
+    """
+
+    segment_tokens: int = Field(8, ge=1, description="new tokens per sample per segment (the per-round budget)")
+    max_segments: int = Field(4, ge=2, description="segments a completion may span; its last one runs without a "
+                              "budget (to max_new_tokens), so every completion ends within this many rounds")
+    stale_policy: Literal["keep", "mask", "drop"] = Field(
+        "keep", description="tokens older than max_staleness: keep = train them (their engine log-prob is the "
+        "policy that sampled them), mask = loss_mask 0, drop = discard the whole sample. Measured: with mask, "
+        "max_staleness 1 and 3 segments, ~46% of the trained tokens are masked")
+    max_staleness: int = Field(1, ge=0, description="policy versions (optimizer steps) a token may lag behind the "
+                               "training policy under mask/drop")
+
+
+class RolloutConfig(Strict):
+    """The rollout pool: vLLM engines in Ray actors that sample groups and return engine log-probs."""
+
+    num_workers: int = Field(1, ge=1, description="rollout actors (one vLLM engine each)")
+    num_cpus_per_worker: float = Field(1, gt=0, description="Ray CPUs reserved per rollout actor")
+    num_gpus_per_worker: float = Field(0, ge=0, description="Ray GPUs per rollout actor (0 on CPU)")
+    resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources / node labels")
+    group_size: int = Field(8, ge=2, description="completions per prompt (n); GRPO/GSPO groups need >= 2")
+    temperature: float = Field(1.0, ge=0, description="sampling temperature T; the policy trained is softmax("
+                               "logits / T) on both sides (engine log-probs and trainer). 0 = greedy (log-probs "
+                               "then at T=1; every completion of a group is the same: for tests only)")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling; must stay 1 for training: a truncated "
+                         "distribution is not one the trainer can score (under the updated weights a sampled token "
+                         "can fall outside the kept set: log-prob -inf, ratio 0 or inf). Sharpen with temperature")
+    top_k: int = Field(-1, ge=-1, description="top-k sampling, -1 (or 0) = off; must stay off for training, for "
+                       "the same reason as top_p")
+    max_new_tokens: int = Field(16, ge=1, description="completion token limit")
+    max_model_len: int = Field(256, ge=8, description="prompt + completion limit of the engine")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="engine dtype; bf16 log-probs drift "
+                                                  "far beyond GSPO's 3e-4 clip band on CPU (see mismatch metrics)")
+    kv_cache_gb: float = Field(1, gt=0, description="KV cache size per engine on CPU, resident from start-up "
+                               "(fractions allowed: a step needs ~prompts x group_size x 128-token blocks of KV)")
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="vLLM GPU memory share (GPU only)")
+    enforce_eager: bool = Field(True, description="skip graph capture (fast start)")
+    seed: int = Field(0, description="sampling seed")
+    num_threads: int | None = Field(None, ge=1, description="OpenMP threads of each engine; None = auto: on a "
+                                    "local cluster in sync mode the node's cores / rollout workers (rollout and "
+                                    "training alternate, so each phase gets the machine), else num_cpus_per_worker")
+    weight_bucket_mb: float = Field(64, gt=0, description="bucket size of weight pushes")
+    verify_push: bool = Field(True, description="after each push, check engine log-probs on a probe sequence")
+    verify_every: int = Field(1, ge=1, description="with verify_push, check every Nth push (the first push is "
+                              "always checked). The check costs a trainer forward and an engine forward of the "
+                              "probe (~18 ms a step on the tiny MoE); a push that fails to load still raises")
+    verify_tol: float | None = Field(None, gt=0, description="accepted |logp_engine - logp_trainer| on the probe; "
+                                     "None = by engine dtype: float32 per-token max 1e-4; bfloat16 mean over the "
+                                     "probe's tokens 0.2 (single bf16 tokens can move by ~1 where routing flips)")
+    reward: RewardConfig = Field(default_factory=RewardConfig, description="reward function")
+    multi_turn: MultiTurnConfig | None = Field(None, description="multi-turn episodes (None = single turn)")
+    partial: PartialRolloutConfig | None = Field(None, description="partial rollouts across policy versions "
+                                                  "(None = whole completions)")
+    call_timeout_s: float = Field(1800, gt=0, description="a rollout worker that finishes none of its calls (a "
+                                  "chunk of prompts, a weight push) for this long is treated as wedged: killed, and "
+                                  "its prompts re-dispatched to the others. Size it above your slowest chunk")
+
+    @model_validator(mode="after")
+    def _full_distribution(self) -> "RolloutConfig":
+        """Training samples from softmax(logits / T) over the whole vocabulary (see top_p)."""
+        if self.top_p < 1:
+            raise ValueError(f"rollout.top_p ({self.top_p}) must be 1: the trainer cannot score a truncated "
+                             "sampling distribution; use rollout.temperature to sharpen it")
+        if self.top_k > 0:
+            raise ValueError(f"rollout.top_k ({self.top_k}) must be -1 (off): the trainer cannot score a "
+                             "truncated sampling distribution; use rollout.temperature to sharpen it")
+        return self

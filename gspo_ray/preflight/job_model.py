@@ -1,0 +1,93 @@
+"""The job's model and tokenizer: the model directory's file checks, a tiny model's config, the tokenizer
+(packaged, tiny or from the directory)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from gspo_ray.config import JobConfig
+from gspo_ray.preflight.model import (PreflightError, check_architecture, check_converter_spec, check_engine_limits,
+                                     check_model_dir, check_tokenizer, load_checked_tokenizer)
+from gspo_ray.preflight.report import PreflightReport, one_line
+
+
+def _packaged_dir(cfg: JobConfig) -> Path | None:
+    """Where model.packaged is imported (models/gguf.py), once that import is complete; else None."""
+    from gspo_ray.models.gguf import STAMP
+
+    out = cfg.logging.out_dir / "models" / cfg.model.packaged
+    return out if (out / STAMP).is_file() and (out / "model.safetensors").is_file() else None
+
+
+def model_facts(cfg: JobConfig, report: PreflightReport):
+    """File checks of the model directory (no torch, no tokenizer yet); None while it does not exist yet
+    (model.tiny is built, model.packaged imported, when training starts)."""
+    r, path = cfg.rollout, cfg.model.path
+    if getattr(cfg.model, "packaged", None) is not None:
+        path = _packaged_dir(cfg)
+        if path is None:
+            report.add("model", "skipped", f"model.packaged ({cfg.model.packaged}) is imported into "
+                                           f"{cfg.logging.out_dir / 'models'} when training starts: directory "
+                                           "checks skipped, its tokenizer read from the GGUF file")
+            return None
+    elif path is None:  # model.tiny: its config is checked last, after the dry calls (see run_preflight)
+        report.add("model", "skipped", f"model.tiny ({cfg.model.tiny.arch}) is built into {cfg.run_dir / 'model'} "
+                                       "when training starts: directory checks skipped, its config checked")
+        return None
+    facts = check_model_dir(path, max_model_len=r.max_model_len, engine_on_cpu=r.num_gpus_per_worker == 0)
+    arch = facts.hf_config.get("model_type")
+    report.add("model", "ok", f"{facts.path}: {arch}, vocab {facts.vocab_size}, "
+                              f"{facts.num_weight_files} safetensors file(s)")
+    return facts
+
+
+def check_tiny_config(cfg: JobConfig, on_cpu: bool) -> None:
+    from gspo_ray.models.tiny import build_config
+
+    tiny, where = cfg.model.tiny, f"model.tiny ({cfg.model.tiny.arch})"
+    try:  # the vocabulary size does not matter to any check below
+        hf = build_config(tiny.arch, vocab_size=32, hidden=tiny.hidden, layers=tiny.layers, experts=tiny.experts,
+                          top_k=tiny.top_k).to_dict()
+    except ValueError as e:
+        raise PreflightError(f"{where}: {one_line(e)}") from None
+    check_architecture(where, hf)
+    check_converter_spec(where, hf, cfg.trainer.tp, cfg.trainer.ep)
+    check_engine_limits(where, hf, cfg.rollout.max_model_len, on_cpu)
+
+
+def checked_tokenizer(cfg: JobConfig, facts, report: PreflightReport) -> tuple[Any, int]:
+    """The converter's layout check and the tokenizer (the first steps that import torch / transformers).
+    Returns the tokenizer and the model's vocabulary size."""
+    chat = cfg.data.apply_chat_template
+    if facts is None and getattr(cfg.model, "packaged", None) is not None:
+        tok = _packaged_tokenizer(cfg.model.packaged, chat)
+        report.add("tokenizer", "ok", f"{type(tok).__name__} from the GGUF file, {len(tok)} tokens")
+        return tok, len(tok)
+    if facts is None:
+        from gspo_ray.models.tiny import build_tokenizer
+
+        tok = build_tokenizer()
+        check_tokenizer(tok, len(tok), f"model.tiny ({cfg.model.tiny.arch})", chat)
+        report.add("tokenizer", "ok", f"the tiny model's character tokenizer ({len(tok)} tokens)")
+        return tok, len(tok)
+    check_converter_spec(facts.path, facts.hf_config, cfg.trainer.tp, cfg.trainer.ep)
+    tok, notes = load_checked_tokenizer(facts, chat)
+    template = ", chat template" if getattr(tok, "chat_template", None) else ""
+    report.add("tokenizer", "ok", f"{type(tok).__name__}, {len(tok)} tokens, eos {tok.eos_token!r}{template}")
+    for note in notes:
+        report.add("tokenizer", "warning", note)
+    return tok, facts.vocab_size
+
+
+def _packaged_tokenizer(name: str, chat: bool) -> Any:
+    from transformers import AutoTokenizer
+
+    from gspo_ray.models.gguf import packaged_gguf
+
+    try:
+        gguf = packaged_gguf()
+    except FileNotFoundError as e:
+        raise PreflightError(f"model.packaged: {name}: {one_line(e)}") from None
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    check_tokenizer(tok, len(tok), f"model.packaged ({name})", chat)
+    return tok

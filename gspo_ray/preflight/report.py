@@ -1,0 +1,66 @@
+"""What the preflight reports, and how it runs user code: one-line errors, a report of checks, a call with a
+timeout on a daemon thread."""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from gspo_ray.envs.plugins import PluginError
+from gspo_ray.preflight.model import PreflightError
+
+IMPORT_TIMEOUT_S = 60.0  # a plug-in module may import heavy libraries; one that hangs still ends the preflight
+MAX_LINE = 300
+
+
+def one_line(e: BaseException | str, limit: int = MAX_LINE) -> str:
+    """An error message folded onto one line and cut to `limit` characters."""
+    text = " ".join(str(e).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+@dataclass
+class Check:
+    name: str
+    status: str  # "ok" | "skipped" | "warning"
+    detail: str
+
+
+@dataclass
+class PreflightReport:
+    checks: list[Check] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def add(self, name: str, status: str, detail: str) -> None:
+        self.checks.append(Check(name, status, detail))
+
+    def lines(self) -> list[str]:
+        return [f"  {c.name:<10} {c.status:<8} {c.detail}" for c in self.checks]
+
+    def summary(self) -> str:
+        notes = [f"{c.name} {c.status}" for c in self.checks if c.status != "ok"]
+        return f"preflight ok in {self.seconds:.1f} s" + (f" ({', '.join(notes)})" if notes else "")
+
+
+def call_with_timeout(fn: Callable[[], Any], timeout_s: float, what: str) -> Any:
+    """fn() on a daemon thread. PreflightError when it raises (plug-in errors keep their own message) or runs
+    past `timeout_s` (the thread cannot be killed; it is left behind and never blocks the process's exit)."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # user code may raise anything, SystemExit included
+            box["error"] = e
+
+    thread = threading.Thread(target=run, name="preflight-call", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise PreflightError(f"{what} did not return within {timeout_s:g} s")
+    error = box.get("error")
+    if isinstance(error, (PreflightError, PluginError)):
+        raise PreflightError(one_line(error)) from error
+    if error is not None:
+        raise PreflightError(f"{what} raised {type(error).__name__}: {one_line(error, 200)}") from error
+    return box["value"]
