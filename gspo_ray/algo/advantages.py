@@ -151,3 +151,28 @@ def compute_turn_token_advantages(
     per_turn[rows, turn[rows, cols]] = adv_turn
     adv = torch.gather(per_turn, 1, turn.clamp(min=0))
     return torch.where(mask, adv, torch.zeros_like(adv))
+
+
+def compute_ragged_token_advantages(token_rewards: list[list[float]], loss_masks: list[list[int]],
+                                    group_keys: list, scale_by_std: bool = True, eps: float = ADV_EPS,
+                                    baseline: str = "turn") -> list[list[float]]:
+    """Per-token advantages of completions of different lengths (e.g. multi-turn episodes), one list per
+    completion: reward-to-go over its `token_rewards`, compared per (group, turn) (`compute_turn_token_advantages`,
+    baseline "turn") or over all the group's tokens (`compute_token_advantages`, baseline "group"); 0 where the
+    loss mask is 0 (environment tokens). Completions with equal `group_keys` form a group."""
+    if baseline not in ("turn", "group"):
+        raise ValueError(f"unknown token baseline {baseline!r}; valid: turn, group")
+    if not token_rewards:
+        return []
+    lengths = [len(r) for r in token_rewards]
+    T = max(lengths)
+    rewards = torch.zeros(len(lengths), T, dtype=torch.float64)
+    mask = torch.zeros(len(lengths), T, dtype=torch.bool)
+    for b, (r, m) in enumerate(zip(token_rewards, loss_masks)):
+        rewards[b, :len(r)] = torch.tensor(r, dtype=torch.float64)
+        mask[b, :len(m)] = torch.tensor(m, dtype=torch.bool)
+    labels = {key: i for i, key in enumerate(dict.fromkeys(group_keys))}
+    group_ids = torch.tensor([labels[k] for k in group_keys])
+    fn = compute_turn_token_advantages if baseline == "turn" else compute_token_advantages
+    adv = fn(rewards, mask, group_ids, scale_by_std=scale_by_std, eps=eps)
+    return [adv[b, :n].tolist() for b, n in enumerate(lengths)]

@@ -21,8 +21,11 @@ drift does, and k is logged as the band's measured multiple of sigma / sqrt(L). 
 [min_eps, max_eps]; when a bound binds, k follows it (no wind-up). eps_high = eps_low * 4/3, the paper's
 asymmetry (3e-4 / 4e-4).
 
-Only reuse mini-batches are observed (the policy moved since sampling): on the first mini-batch of an on-policy
-batch log r is only the engine-trainer gap, and its clip fraction says nothing about the band.
+Only reuse mini-batches are observed (`observe_step`): the policy moved since the log-probs that anchor the ratio
+were taken (the sampling policy's, or the trainer's own when old log-probs are recomputed). On the first mini-batch
+after the anchor, log r is only the engine-trainer gap (or recompute noise), and its clip fraction says nothing
+about the band. Skipped (non-finite) steps and non-finite statistics are never observed: one NaN would otherwise
+make the band NaN for the rest of the run and in every checkpoint.
 """
 
 from __future__ import annotations
@@ -85,6 +88,19 @@ class AutoEpsController:
         self._seqs += n_seqs
         self._clip += clip_frac_seq * n_seqs
 
+    def observe_step(self, metrics: dict[str, float], *, reuse: bool, skipped: bool = False) -> bool:
+        """Observe one trained mini-batch's metrics if they say something about the band: a reuse mini-batch
+        (`reuse`: the policy moved since the anchoring log-probs) whose step was not skipped, with finite
+        statistics. Returns whether it was observed."""
+        if not reuse or skipped:
+            return False
+        stats = [float(metrics[k]) for k in ("train/logr_mean", "train/logr_sq_mean", "train/n_tokens",
+                                              "train/n_seqs", "train/clip_frac_seq")]
+        if not all(math.isfinite(v) for v in stats):
+            return False
+        self.observe(*stats)
+        return True
+
     def update(self) -> dict[str, float]:
         """Move the band from what was observed since the last call; returns the measurements as metrics
         (empty when nothing was observed, e.g. one on-policy mini-batch per rollout batch)."""
@@ -94,7 +110,8 @@ class AutoEpsController:
         mean_len, clip = self._tok / self._seqs, self._clip / self._seqs
         self._tok = self._logr = self._logr_sq = self._seqs = self._clip = 0.0
         metrics = {"train/auto_eps_sigma": sigma, "train/auto_eps_len": mean_len, "train/auto_eps_clip_frac": clip}
-        if sigma <= 0.0:  # the policy did not move: no scale to set the band from
+        if not (math.isfinite(sigma) and math.isfinite(mean_len) and math.isfinite(clip)) or sigma <= 0.0:
+            # the policy did not move (or a value is not a number): no scale to set the band from
             return metrics
         if self.k is None:
             self.k = gaussian_k(self.target_clip_frac)
@@ -113,5 +130,6 @@ class AutoEpsController:
 
     def load_state_dict(self, state: dict) -> None:
         for key in ("eps_low", "k"):  # the band and its scale; settings come from the config
-            if key in state:
-                setattr(self, key, state[key])
+            value = state.get(key)
+            if key in state and (value is None or math.isfinite(value)):  # a NaN saved earlier is not restored
+                setattr(self, key, value)

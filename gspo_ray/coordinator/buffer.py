@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from gspo_ray.algo.advantages import compute_ragged_token_advantages
 from gspo_ray.algo.robust_advantages import compute_robust_group_advantages
 from gspo_ray.coordinator.failures import FailurePolicy, count_reason, mark_unscored
 from gspo_ray.data.records import Group, TrainBatch, collate
-from gspo_ray.rollout.episodes import compute_episode_token_advantages
 from gspo_ray.rollout.partial import filter_stale
 
 
@@ -132,7 +132,9 @@ class GroupBuffer:
         if missing:
             raise ValueError(f"algorithm.advantage.per_token is set but samples {missing[:3]} carry no token_rewards: "
                              "use rollout.multi_turn episodes or a reward function that returns 'token_rewards'")
-        return compute_episode_token_advantages(g.samples, self.scale_by_std, self.adv_eps, self.token_baseline)
+        return compute_ragged_token_advantages([s.token_rewards for s in g.samples], [s.loss_mask for s in g.samples],
+                                               [s.prompt_uid for s in g.samples], self.scale_by_std, self.adv_eps,
+                                               self.token_baseline)
 
     def take(self, num_groups: int) -> list[Group]:
         """Remove and return the oldest `num_groups` groups (fewer if the buffer holds fewer)."""

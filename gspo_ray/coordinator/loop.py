@@ -129,22 +129,25 @@ class Coordinator:
         if c.recompute_old_logprobs:
             self._recompute_old_logprobs(groups)
         metrics, first, steps = {}, {}, 0
-        sampled_at = _version_span(groups)[0]
+        # the version whose log-probs anchor the ratio: the trainer's own (recomputed now) or the sampling policy's
+        anchor_version = self.state.version if c.recompute_old_logprobs else _version_span(groups)[0]
         for it in range(c.num_iterations):
             for mb_index, batch in enumerate(self.buffer.minibatches(groups, c.num_minibatches)):
+                before = self.state.version
                 if self.auto_eps is None:
                     m = self.trainer.train_step(batch)
                 else:
                     m = self.trainer.train_step(batch, eps=self.auto_eps.band())
-                    if self.state.version > sampled_at:  # reuse: the policy moved since sampling
-                        self.auto_eps.observe(m["train/logr_mean"], m["train/logr_sq_mean"], m["train/n_tokens"],
-                                              m["train/n_seqs"], m["train/clip_frac_seq"])
+                # the trainer's version is the truth: a skipped (non-finite) step leaves it where it was
+                self.state.version = int(m.get("train/policy_version", before + 1))
+                if self.auto_eps is not None:
+                    self.auto_eps.observe_step(m, reuse=before > anchor_version,
+                                               skipped=self.state.version == before)
                 if it == 0 and mb_index == 0:  # shows the engine-vs-trainer anchor before any update
                     first = {f"{k}_first_mb": v for k, v in m.items() if "clip_frac" in k}
                 if "moe/drift_churn" in m:  # routing drift after `steps` updates since sampling
                     first[f"moe/drift_churn_at{steps}"] = m["moe/drift_churn"]
                 _accumulate(metrics, m)
-                self.state.version += 1
                 steps += 1
         out = {k: v / steps for k, v in metrics.items()}
         out.update(first)

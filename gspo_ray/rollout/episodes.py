@@ -37,7 +37,6 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 
 from gspo_ray.data.prompts import load_tokenizer
 from gspo_ray.data.records import Prompt, Sample
@@ -319,30 +318,3 @@ def run_episodes(engine: RolloutEngine, prompts: list[Prompt], n: int, cfg: Any,
     finally:
         runner.close()
     return samples, runner.metrics
-
-
-def compute_episode_token_advantages(samples: list[Sample], scale_by_std: bool = True, eps: float = 1e-4,
-                                     baseline: str = "turn") -> list[list[float]]:
-    """Per-token advantages of scored episodes: reward-to-go over `token_rewards`, compared per (prompt group,
-    turn) (`compute_turn_token_advantages`, baseline "turn") or over all the group's tokens
-    (`compute_token_advantages`, baseline "group"); one list per sample, 0 on environment tokens. Needs
-    `token_rewards` on every sample (drop failed ones first)."""
-    from gspo_ray.algo.advantages import compute_token_advantages, compute_turn_token_advantages
-
-    if baseline not in ("turn", "group"):
-        raise ValueError(f"unknown token baseline {baseline!r}; valid: turn, group")
-    if not samples:
-        return []
-    missing = [f"{s.prompt_uid}/{s.sample_index}" for s in samples if s.token_rewards is None]
-    if missing:
-        raise ValueError(f"samples without token_rewards (failed or unscored): {missing[:5]}")
-    T = max(s.num_tokens for s in samples)
-    rewards, mask = torch.zeros(len(samples), T, dtype=torch.float64), torch.zeros(len(samples), T, dtype=torch.bool)
-    for b, s in enumerate(samples):
-        rewards[b, :s.num_tokens] = torch.tensor(s.token_rewards, dtype=torch.float64)
-        mask[b, :s.num_tokens] = torch.tensor(s.loss_mask, dtype=torch.bool)
-    uids = {uid: i for i, uid in enumerate(dict.fromkeys(s.prompt_uid for s in samples))}
-    group_ids = torch.tensor([uids[s.prompt_uid] for s in samples])
-    fn = compute_turn_token_advantages if baseline == "turn" else compute_token_advantages
-    adv = fn(rewards, mask, group_ids, scale_by_std=scale_by_std, eps=eps)
-    return [adv[b, :s.num_tokens].tolist() for b, s in enumerate(samples)]

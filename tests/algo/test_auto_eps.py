@@ -96,3 +96,38 @@ def test_state_round_trip():
     other.load_state_dict(ctl.state_dict())
     assert other.band() == ctl.band() and other.k == ctl.k
     assert set(ctl.state_dict()) >= {"eps_low", "k"} and math.isfinite(ctl.state_dict()["k"])
+
+
+def _step_metrics(logr_mean=1e-3, logr_sq_mean=2e-6, n_tokens=100.0, n_seqs=10.0, clip=0.2) -> dict[str, float]:
+    return {"train/logr_mean": logr_mean, "train/logr_sq_mean": logr_sq_mean, "train/n_tokens": n_tokens,
+            "train/n_seqs": n_seqs, "train/clip_frac_seq": clip}
+
+
+def test_a_nan_observation_never_reaches_the_band():
+    """One non-finite mini-batch (a skipped step's NaN loss) used to make eps NaN forever, checkpoint included."""
+    ctl = AutoEpsController()
+    assert not ctl.observe_step(_step_metrics(logr_mean=math.nan), reuse=True)
+    assert not ctl.observe_step(_step_metrics(clip=math.inf), reuse=True)
+    assert not ctl.observe_step(_step_metrics(), reuse=True, skipped=True)  # a skipped step trained nothing
+    assert ctl.update() == {}  # nothing observed: the band stays
+    assert ctl.band()[0] == 3e-4
+    assert ctl.observe_step(_step_metrics(), reuse=True)
+    ctl.update()
+    assert math.isfinite(ctl.eps_low) and math.isfinite(ctl.k)
+
+
+def test_on_policy_minibatches_are_not_observed():
+    """The first mini-batch after the anchoring log-probs (sampling, or the trainer's recompute) shows only the
+    engine gap or recompute noise: observing it pinned the band at min_eps with one mini-batch per batch."""
+    ctl = AutoEpsController()
+    assert not ctl.observe_step(_step_metrics(logr_mean=0.0, logr_sq_mean=1e-14, clip=0.0), reuse=False)
+    assert ctl.update() == {}
+    assert ctl.band()[0] == 3e-4
+
+
+def test_a_nan_band_in_an_old_checkpoint_is_not_restored():
+    ctl = AutoEpsController()
+    ctl.load_state_dict({"eps_low": math.nan, "k": math.nan})
+    assert ctl.eps_low == 3e-4 and ctl.k is None
+    ctl.load_state_dict({"eps_low": 1e-2, "k": 1.5})
+    assert (ctl.eps_low, ctl.k) == (1e-2, 1.5)

@@ -26,7 +26,8 @@ from gspo_ray.envs.guess import GuessNumberEnv, build_guess_prompts
 from gspo_ray.envs.multiturn import StepResult, encode_text
 from gspo_ray.models.tiny import make_tiny_model
 from gspo_ray.rollout.engine import SamplingSettings
-from gspo_ray.rollout.episodes import EpisodeRunner, compute_episode_token_advantages
+from gspo_ray.algo.advantages import compute_ragged_token_advantages
+from gspo_ray.rollout.episodes import EpisodeRunner
 from gspo_ray.rollout.partial import apply_stale_policy, filter_stale, group_ready
 from gspo_ray.rollout.weight_sync import (WeightProbe, build_probe_ids, hf_teacher_forced_logprobs, iter_buckets,
                                           read_checkpoint_weights)
@@ -133,7 +134,8 @@ def test_episode_tokens_interleave_and_match_teacher_forcing(setup, env_cls):
     assert m["rollout/num_samples"] == len(samples) and m["rollout/env_errors"] == 0
     assert m["rollout/env_tokens"] == sum(s.num_tokens - sum(s.loss_mask) for s in samples)
     # per-token advantages (reward-to-go, group-normalised): zero on env tokens, one row per sample
-    adv = compute_episode_token_advantages(samples)
+    adv = compute_ragged_token_advantages([s.token_rewards for s in samples], [s.loss_mask for s in samples],
+                                          [s.prompt_uid for s in samples])
     assert [len(a) for a in adv] == [s.num_tokens for s in samples]
     assert all(a[t] == 0.0 for a, s in zip(adv, samples) for t in range(s.num_tokens) if not s.loss_mask[t])
 
