@@ -120,7 +120,6 @@ class RolloutConfig(Strict):
     num_threads: int | None = Field(None, ge=1, description="OpenMP threads of each engine; None = auto: on a "
                                     "local cluster in sync mode the node's cores / rollout workers (rollout and "
                                     "training alternate, so each phase gets the machine), else num_cpus_per_worker")
-    weight_bucket_mb: float = Field(64, gt=0, description="bucket size of weight pushes")
     verify_push: bool = Field(True, description="after each push, check engine log-probs on a probe sequence")
     verify_every: int = Field(1, ge=1, description="with verify_push, check every Nth push (the first push is "
                               "always checked). The check costs a trainer forward and an engine forward of the "

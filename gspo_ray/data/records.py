@@ -24,6 +24,9 @@ class Prompt:
     meta: dict[str, Any] = field(default_factory=dict)
 
 
+FINISH_STOP, FINISH_LENGTH, FINISH_ABORTED = "stop", "length", "aborted"  # Sample.finish_reason
+
+
 @dataclass
 class Sample:
     """One completion of one prompt.

@@ -51,14 +51,32 @@ def copy_reward(completion: str, reference: Any, *, eos_found: bool, bonus: floa
     return {"reward": char_acc + bonus * exact, "char_acc": char_acc, "exact": exact, "stopped": float(eos_found)}
 
 
+def repeat_chars_reward(completion: str, reference: Any, **_: Any) -> dict[str, float]:
+    """The share of the answer's first non-empty line that matches the reference character by character, position
+    by position (over the longer of the two, so extra characters cost); 1.0 only for the bare number.
+        ref "48213":  "48213" -> 1.0;  "48213\nDone." -> 1.0;  "48218" -> 0.8;  "4821" -> 0.8;
+                      "Repeat exactly: 48213" -> 0.0 (no position matches);  "The number is 48213" -> 0.0
+    Why not `repeat_reward`: that one extracts the digits of a chatty line, so echoing the instruction earns 0.5,
+    a plateau SmolLM2-135M-Instruct (which mostly echoes) sits on: inside a group of echoes the advantages are
+    ~0 and the bare number must first appear by chance. Here an echo earns ~0 and every step towards the bare
+    number pays.
+    """
+    ref = str(reference).strip()
+    lines = [line.strip() for line in completion.strip().splitlines() if line.strip()]
+    first = lines[0] if lines else ""
+    char_acc = sum(a == b for a, b in zip(first, ref)) / max(len(first), len(ref), 1)
+    return {"reward": char_acc, "exact": float(first == ref), "char_acc": char_acc}
+
+
 def repeat_reward(completion: str, reference: Any, **_: Any) -> dict[str, float]:
     """1.0 when the completion's first non-empty line is exactly the reference; else 0.5 x the share of positions
     where the digits of that line match the reference's (over the longer of the two, so extra digits cost).
         ref "48213":  "48213" -> 1.0;  "48213\nDone." -> 1.0;  "Repeat exactly: 48213" -> 0.5;  "48218" -> 0.4;
                       "48213 times: 48213" -> 0.5 * 5/10 = 0.25
     For instruction-tuned models ("Repeat exactly: 48213"; SmolLM2-135M-Instruct mostly echoes the instruction):
-    the right digits in a chatty line earn half, the bare number all. The engine stops at the chat template's EOS,
-    so stopping needs no extra credit here.
+    the right digits in a chatty line earn half, the bare number all. Kept as a lesson in reward shaping: the echo's
+    0.5 is a plateau that traps GSPO's group baseline (measured: held-out exact 0.00 after 10 steps at lr 1e-5, while
+    `repeat_chars_reward` reaches 1.00); the packaged recipe uses `repeat_chars_reward`.
     """
     ref = str(reference).strip()
     lines = [line.strip() for line in completion.strip().splitlines() if line.strip()]

@@ -39,9 +39,8 @@ from typing import Callable, Iterable
 import numpy as np
 import torch
 
-from gspo_ray.data.records import Prompt, Sample
+from gspo_ray.data.records import FINISH_ABORTED, FINISH_LENGTH, FINISH_STOP, Prompt, Sample
 
-FINISH_STOP, FINISH_LENGTH, FINISH_ABORTED = "stop", "length", "aborted"
 
 
 @dataclass

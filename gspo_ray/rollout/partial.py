@@ -20,10 +20,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from gspo_ray.data.records import Sample
+from gspo_ray.data.records import FINISH_ABORTED, Sample
 
 STALE_POLICIES = ("keep", "mask", "drop")
-FINISH_ABORTED = "aborted"  # the engine's reason for a sample that can still be continued
 
 
 @dataclass

@@ -22,9 +22,7 @@ from torch import Tensor
 
 from gspo_ray.trainer import checkpoint as ckpt
 from gspo_ray.trainer.bridge import param_map, split_to_hf, unshard_tp, write_hf_dir
-from gspo_ray.trainer.model_spec import ModelSpec, read_hf_config, spec_from_hf_config
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from gspo_ray.trainer.model_spec import DTYPES, ModelSpec, read_hf_config, spec_from_hf_config
 
 
 def checkpoint_spec(ckpt_dir: str | Path, model_dir: str | Path) -> ModelSpec:

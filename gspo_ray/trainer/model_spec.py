@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # config names
 SUPPORTED_ARCHS = ("qwen2", "qwen3", "qwen3_moe", "llama", "mixtral")
 MOE_DISPATCHERS = ("alltoall", "allgather")
 

@@ -23,8 +23,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from gspo_ray.trainer.megatron_cpu_compat import cpu_device_mode
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from gspo_ray.trainer.model_spec import DTYPES
 
 
 def torch_dtype(name: str) -> torch.dtype:

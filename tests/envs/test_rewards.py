@@ -14,6 +14,7 @@ from gspo_ray.envs.rewards import (
     compute_tail_repeats,
     copy_reward,
     exact_match,
+    repeat_chars_reward,
     repeat_reward,
 )
 
@@ -50,6 +51,35 @@ def test_repeat_reward_hand_worked(completion, expected):
     out = repeat_reward(completion, "48213")
     assert out["reward"] == pytest.approx(expected)
     assert out["exact"] == float(expected == 1.0)
+
+
+@pytest.mark.parametrize("completion, expected", [
+    ("48213", 1.0),                     # the bare number
+    ("  48213 \nSure, done.", 1.0),     # only the first non-empty line counts
+    ("48218", 0.8),                     # 4/5 positions right
+    ("4821", 0.8),                      # 4 of max(4, 5)
+    ("482130", 5 / 6),                  # an extra character costs a position
+    ("Repeat exactly: 48213", 0.0),     # the echo: no position matches
+    ("Sure!", 0.0),
+    ("", 0.0),
+])
+def test_repeat_chars_reward_hand_worked(completion, expected):
+    out = repeat_chars_reward(completion, "48213")
+    assert out["reward"] == pytest.approx(expected)
+    assert out["exact"] == float(expected == 1.0)
+
+
+@given(st.text(alphabet="0123456789", min_size=4, max_size=8).filter(lambda r: r[0] != "0"),
+       st.text(alphabet="0123456789 abcxyz\n", max_size=12))
+@settings(max_examples=200, deadline=None)
+def test_the_echo_scores_below_every_answer_that_starts_with_the_number(ref, tail):
+    """The trap of `repeat_reward` (the echoed instruction earns 0.5, more than a near-miss) is gone: under
+    `repeat_chars_reward` the echo scores below every answer that starts with the number."""
+    echo = repeat_chars_reward(f"Repeat exactly: {ref}", ref)["reward"]
+    assert echo < repeat_chars_reward(ref + tail, ref)["reward"]
+    # and the trap is real under the old reward: the echo beats a one-digit miss
+    miss = ref[:-1] + str((int(ref[-1]) + 1) % 10)
+    assert repeat_reward(f"Repeat exactly: {ref}", ref)["reward"] > repeat_reward(miss, ref)["reward"]
 
 
 def test_copy_reward_bonus_and_reference_types():
