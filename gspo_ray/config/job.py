@@ -79,6 +79,23 @@ class JobConfig(Strict):
         return self
 
     @model_validator(mode="after")
+    def _replay_records_the_sampling_policy(self) -> "JobConfig":
+        """R2 records routing on a batch's first trainer forward. That forward runs the sampling policy only in sync
+        mode with whole rollouts: in async mode the batch was sampled one update earlier, and a partial rollout's
+        tokens come from several policies, so what R2 would replay is not the routing that produced them."""
+        if self.trainer.routing_replay == "none":
+            return self
+        if self.coordinator.mode == "async":
+            raise ValueError("trainer.routing_replay 'R2' needs coordinator.mode 'sync': in async mode the trainer "
+                             "has moved on by one update when a batch arrives, so its first forward (what R2 "
+                             "records) is not the policy that sampled the batch")
+        if self.rollout.partial is not None:
+            raise ValueError("trainer.routing_replay 'R2' cannot be combined with rollout.partial: a continued "
+                             "completion's tokens were sampled by several policies, and R2 records one routing "
+                             "per sequence")
+        return self
+
+    @model_validator(mode="after")
     def _guess_task(self) -> "JobConfig":
         """The built-in guess task only makes sense against the guessing game, over the same range."""
         data, mt = self.data, self.rollout.multi_turn

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from gspo_ray.trainer.router_churn import comm_device, find_routers
-from gspo_ray.trainer.routing_replay import gather_sequence, sp_offset, forget_idle
+from gspo_ray.trainer.routing_replay import forget_idle, gather_sequence, share_records, sp_offset
 
 
 class RoutingDrift:
@@ -39,6 +39,7 @@ class RoutingDrift:
             if getattr(cfg, "moe_router_enable_expert_bias", False) or getattr(cfg, "moe_router_group_topk", None):
                 raise ValueError(f"layer {layer}: routing drift assumes plain top-k of the router logits")
         self.store: dict[str, list[torch.Tensor]] = {}
+        self.fresh: set[str] = set()  # stored here since the last `share`
         self.last_used: dict[str, int] = {}
         self.counts = torch.zeros(len(self.routers), 2, dtype=torch.float64)  # (changed choices, k * tokens)
         self._uids: list[str] | None = None
@@ -64,6 +65,7 @@ class RoutingDrift:
                 stored = self.store.setdefault(uid, [])
                 if len(stored) == i and int(lengths[b]) > 0:  # first sight of this uid at this layer: store
                     stored.append(idx[:int(lengths[b]), b].clone())
+                    self.fresh.add(uid)
                 elif len(stored) > i:
                     compare.append(b)
             if not compare:
@@ -94,6 +96,11 @@ class RoutingDrift:
             yield
         finally:
             self._uids = None
+
+    def share(self, group=None) -> int:
+        """Records stored on any DP rank become known on all of them, so a row compares against its first sight
+        whichever rank trains it later (collective; see `share_records`)."""
+        return share_records(self.store, self.fresh, len(self.routers), group)
 
     def metrics(self, group=None) -> dict[str, float]:
         """Drift per layer and the mean over layers since the last call, summed over `group`'s ranks; {} when

@@ -52,6 +52,30 @@ def forget_idle(store: dict, last_used: dict[str, int], version: int) -> None:
         last_used.pop(u)
 
 
+def share_records(store: dict[str, list[torch.Tensor]], fresh: set[str], num_layers: int, group=None) -> int:
+    """Give every rank of `group` (the DP group) the complete records its peers stored since the last call.
+
+    Rows change DP rank between passes (mini-batches are reshuffled, `split_rows` goes by position), so a record
+    kept only where a row was first seen would be missing, or stale, wherever it trains next. Collective: every
+    rank of `group` calls it at the same point (the end of a trainer call). `fresh` (keys stored here since the
+    last share) is emptied. Returns how many records arrived from other ranks."""
+    mine = {k: store[k] for k in fresh if len(store.get(k, ())) == num_layers}
+    fresh.clear()
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return 0
+    everyone: list[dict | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    arrived = 0
+    for rank, records in enumerate(everyone):
+        if rank == dist.get_rank(group):
+            continue
+        for key, layers in (records or {}).items():
+            if len(store.get(key, ())) != num_layers:  # the first sight wins; a key never has two recordings
+                store[key] = layers
+                arrived += 1
+    return arrived
+
+
 def sp_offset(router, s_local: int) -> int:
     """First sequence position of this rank's shard (sequence parallelism splits the sequence over TP)."""
     return parallel_state.get_tensor_model_parallel_rank() * s_local if router.config.sequence_parallel else 0
@@ -76,6 +100,7 @@ class RoutingReplay:
             if r.router_replay is None:
                 raise ValueError(f"router of layer {layer} has no RouterReplay: build the model with routing_replay")
         self.store: dict[str, list[torch.Tensor]] = {}   # uid -> one int16 [length, k] per MoE layer
+        self.fresh: set[str] = set()                      # stored here since the last `share`
         self.last_used: dict[str, int] = {}
         self._uids: list[str] = []
         self._lengths = torch.zeros(0, dtype=torch.long)
@@ -112,6 +137,7 @@ class RoutingReplay:
             for b, uid in enumerate(self._uids[:batch]):
                 if len(self.store.setdefault(uid, [])) == i and int(self._lengths[b]) > 0:
                     self.store[uid].append(idx[:int(self._lengths[b]), b].to(torch.int16))
+                    self.fresh.add(uid)
             rr.recorded_topk_idx = None
         return hook
 
@@ -153,6 +179,10 @@ class RoutingReplay:
         action = RouterReplayAction.RECORD if len(new) == len(uids) else RouterReplayAction.REPLAY_FORWARD
         with self._acting(action, uids, lengths):
             yield action
+
+    def share(self, group=None) -> int:
+        """Records stored on any DP rank become known on all of them (collective; see `share_records`)."""
+        return share_records(self.store, self.fresh, len(self.routers), group)
 
     def _evict(self, version: int) -> None:
         forget_idle(self.store, self.last_used, version)
