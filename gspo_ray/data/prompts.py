@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from gspo_ray.data.records import Prompt
-from gspo_ray.envs.tasks import build_task_splits
+from gspo_ray.data.tasks import build_task_splits
 
 SPLITS = ("train", "eval")
 _MAX_LISTED = 5  # offending rows named in one error message
@@ -99,7 +99,7 @@ def read_jsonl_rows(path: str | Path, prompt_field: str = "prompt", reference_fi
 def task_rows(task: str, split: str, num_train: int = 10_000, num_eval: int = 64, seed: int = 0,
               min_digits: int = 1, max_digits: int = 4, *, guess_low: int = 0, guess_high: int = 9
               ) -> list[PromptRow]:
-    """Rows of a built-in task's train or held-out split (`gspo_ray.envs.tasks`); guess_* only for "guess"."""
+    """Rows of a built-in task's train or held-out split (`gspo_ray.data.tasks`); guess_* only for "guess"."""
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; valid: {', '.join(SPLITS)}")
     train, held_out = build_task_splits(task, num_train, num_eval, seed, min_digits, max_digits,

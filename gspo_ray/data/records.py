@@ -53,6 +53,10 @@ class Sample:
     # the trainer's log-probs of the same tokens under the sampling weights (`recompute_old_logprobs`): then they
     # anchor the ratio and `logprobs` stays the engine's (the behaviour policy of mismatch corrections)
     old_logprobs: list[float] | None = None
+    # multi-turn episodes: where each model turn starts (indices into completion_ids, increasing). Turns then
+    # need no env token between them (an env may answer with an empty observation); None = derive turns from
+    # runs of loss_mask 1
+    turn_starts: list[int] | None = None
 
     @property
     def seq_logprob(self) -> float:

@@ -1,4 +1,5 @@
-"""Reward functions and built-in tasks. Plug-ins are selected by import path (`gspo_ray.envs.plugins`)."""
+"""Reward functions and multi-turn environments (the built-in task generators are data: `gspo_ray.data.tasks`).
+Plug-ins are selected by import path (`gspo_ray.envs.plugins`)."""
 
 from gspo_ray.envs.rewards import (
     cer_reward,
@@ -7,18 +8,17 @@ from gspo_ray.envs.rewards import (
     compute_tail_repeats,
     copy_reward,
     exact_match,
+    repeat_chars_reward,
+    repeat_reward,
 )
-from gspo_ray.envs.tasks import TASKS, TaskExample, build_task_splits, task_space_size
 
 __all__ = [
-    "TASKS",
-    "TaskExample",
-    "build_task_splits",
     "cer_reward",
     "compute_cer",
     "compute_edit_distance",
     "compute_tail_repeats",
     "copy_reward",
     "exact_match",
-    "task_space_size",
+    "repeat_chars_reward",
+    "repeat_reward",
 ]

@@ -17,7 +17,7 @@ from gspo_ray.cli import app
 from gspo_ray.config import ConfigError, load_config
 from gspo_ray.coordinator.job import run_job
 from gspo_ray.coordinator.tracking import read_metrics
-from gspo_ray.envs.tasks import build_task_splits
+from gspo_ray.data.tasks import build_task_splits
 
 RECIPE = "gspo_ray/recipes/tiny_moe.yaml"
 

@@ -4,7 +4,7 @@ from collections import Counter
 
 import pytest
 
-from gspo_ray.envs.tasks import DIGIT_TASKS, TASKS, build_task_splits, task_space_size
+from gspo_ray.data.tasks import DIGIT_TASKS, TASKS, build_task_splits, task_space_size
 from gspo_ray.models.tiny import DEFAULT_ALPHABET
 
 
