@@ -1,6 +1,6 @@
 """Preflight: `config validate` and `train` stop a bad input in one line and exit 2, before Ray or an engine starts.
 
-The issue's table is re-run here through the `train` command (in-process, and once as a real subprocess that
+The table of broken inputs is re-run here through the `train` command (in-process, and once as a real subprocess that
 also proves the preflight imports no Ray, vLLM or Megatron). The generated catalogue is in test_bad_inputs.py.
 """
 import json
@@ -116,7 +116,7 @@ def test_model_dir_passes_and_its_checks_are_listed(tmp_path, qwen2_dir):
     assert not (tmp_path / "runs").exists()  # validating writes nothing, not even the run directory
 
 
-TABLE = {  # the issue's table: (how to break the job, what the one line must name)
+TABLE = {  # the table of broken inputs: (how to break the job, what the one line must name)
     "empty JSONL": (lambda tmp, dirs: write_job(tmp, rows=[]), ["data.path:", "has no rows"]),
     "row without the reference field": (
         lambda tmp, dirs: write_job(tmp, rows=[{"prompt": "copy:12=", "answer": "12"}]),

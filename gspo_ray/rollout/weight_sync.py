@@ -113,7 +113,7 @@ def push_buckets(engine, buckets: Iterable[Any]) -> PushStats:
 
 # Default probe tolerance by engine dtype: (statistic, tol). fp32: per-token max |engine - trainer| (measured
 # ~5e-7 on the tiny models, 6e-5 on SmolLM2); a corrupt expert moves it by ~0.06. bf16: the mean over the probe's
-# tokens, because single tokens jump where a near-tied router flips (up to ~1-4 per token, FACTS); measured here
+# tokens, because single tokens jump where a near-tied router flips (up to ~1-4 per token); measured here
 # mean 1e-3 (tiny MoE, bf16 engine vs fp32 trainer), up to ~0.1 elsewhere, so 0.2 passes bf16 rounding and
 # catches gross errors (stale packed weights, half-loaded layers). Subtle corruption needs an fp32 engine.
 VERIFY_TOL = {"float32": ("max", 1e-4), "bfloat16": ("mean", 0.2)}
