@@ -13,9 +13,10 @@ class DataConfig(Strict):
     """Where prompts come from: a built-in task generator or a JSONL file."""
 
     source: Literal["builtin", "jsonl"] = Field("builtin", description="prompt source kind")
-    task: Literal["copy", "add", "repeat", "guess"] = Field("copy", description="built-in task (source=builtin); "
-                                                            "repeat is for real models with a chat template; guess is "
-                                                  "multi-turn and needs rollout.multi_turn")
+    task: Literal["copy", "add", "repeat", "sum", "sort", "guess"] = Field(
+        "copy", description="built-in task (source=builtin, gspo_ray/data/tasks.py): copy and add for the tiny "
+        "models' tokenizer; repeat, sum (addition in words) and sort (digit sorting) for real models with a chat "
+        "template; guess is multi-turn and needs rollout.multi_turn")
     min_digits: int = Field(3, ge=1, description="shortest operand of the built-in task")
     max_digits: int = Field(4, ge=1, description="longest operand of the built-in task")
     guess_low: int = Field(0, ge=0, description="smallest secret of the guess task")

@@ -6,6 +6,9 @@
 copy  "copy:4821=" -> "4821"   (a string of min..max digits, leading zeros allowed)
 add   "12+34="     -> "46"     (two numbers of min..max digits each, no leading zeros)
 repeat "Repeat exactly: 48213" -> "48213"   (for real models with a chat template; min..max digits, no leading zero)
+sum   "What is 47 + 385? Answer with the number only." -> "432"   (chat models; two numbers of min..max digits)
+sort  "Sort the digits 5 2 9 1 from smallest to largest. Answer with the digits only." -> "1259"
+      (chat models; min..max digits, repeats allowed)
 guess "0-9:"       -> "7"      (multi-turn, `gspo_ray.envs.guess`: the reference is the secret the env hides)
 
 copy/add/guess use only characters of the tiny tokenizer's alphabet ("0123456789copy:=+-*", `gspo_ray.models.tiny`).
@@ -21,7 +24,7 @@ import random
 from dataclasses import dataclass
 from typing import Callable
 
-DIGIT_TASKS = ("copy", "add", "repeat")  # single-turn, scored against the reference by a reward function
+DIGIT_TASKS = ("copy", "add", "repeat", "sum", "sort")  # single-turn, scored against the reference by a reward function
 TASKS = DIGIT_TASKS + ("guess",)
 # Strata up to this size are drawn from a shuffled index list (exact, exhaustible); larger ones by rejection.
 _PERMUTE_LIMIT = 20_000
@@ -63,6 +66,21 @@ def _strata(task: str, min_digits: int, max_digits: int) -> list[tuple[int, Call
         def repeat_at(d: int) -> Callable[[int], TaskExample]:
             return lambda i: TaskExample(f"Repeat exactly: {_num_low(d) + i}", str(_num_low(d) + i))
         return [(_num_count(d), repeat_at(d)) for d in digits]
+    if task == "sort":
+        def sort_at(d: int) -> Callable[[int], TaskExample]:
+            def make(i: int) -> TaskExample:
+                ds = f"{i:0{d}d}"
+                return TaskExample(f"Sort the digits {' '.join(ds)} from smallest to largest. Answer with the "
+                                   "digits only.", "".join(sorted(ds)))
+            return make
+        return [(10 ** d, sort_at(d)) for d in digits]
+    if task == "sum":
+        def sum_at(da: int, db: int) -> Callable[[int], TaskExample]:
+            def make(i: int) -> TaskExample:
+                a, b = _num_low(da) + i // _num_count(db), _num_low(db) + i % _num_count(db)
+                return TaskExample(f"What is {a} + {b}? Answer with the number only.", str(a + b))
+            return make
+        return [(_num_count(da) * _num_count(db), sum_at(da, db)) for da in digits for db in digits]
 
     def add_at(da: int, db: int) -> Callable[[int], TaskExample]:
         def make(i: int) -> TaskExample:

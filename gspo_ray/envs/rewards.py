@@ -68,6 +68,20 @@ def repeat_chars_reward(completion: str, reference: Any, **_: Any) -> dict[str, 
     return {"reward": char_acc, "exact": float(first == ref), "char_acc": char_acc}
 
 
+def answer_number_reward(completion: str, reference: Any, **_: Any) -> dict[str, float]:
+    """1.0 when the last number on the answer's first non-empty line is the reference, else 0.0 (a verifiable
+    reward for arithmetic and digit tasks: "432", "47 + 385 = 432" and "The answer is 432." all count; "1 2 5 9"
+    reads as 9). Digits separated by commas or spaces are separate numbers.
+        ref "432":  "432" -> 1.0;  "47 + 385 = 432." -> 1.0;  "433" -> 0.0;  "432 or 431" -> 0.0;  "" -> 0.0
+    """
+    import re
+
+    lines = [line.strip() for line in completion.strip().splitlines() if line.strip()]
+    numbers = re.findall(r"\d+", lines[0]) if lines else []
+    exact = float(bool(numbers) and numbers[-1] == str(reference).strip())
+    return {"reward": exact, "exact": exact}
+
+
 def repeat_reward(completion: str, reference: Any, **_: Any) -> dict[str, float]:
     """1.0 when the completion's first non-empty line is exactly the reference; else 0.5 x the share of positions
     where the digits of that line match the reference's (over the longer of the two, so extra digits cost).

@@ -48,7 +48,8 @@ def test_deterministic_and_seed_dependent(task):
     assert a != build_task_splits(task, 300, 16, seed=2)
 
 
-@pytest.mark.parametrize("task, min_d, max_d", [("copy", 1, 4), ("add", 1, 2), ("copy", 3, 4), ("add", 3, 4)])
+@pytest.mark.parametrize("task, min_d, max_d", [("copy", 1, 4), ("add", 1, 2), ("copy", 3, 4), ("add", 3, 4),
+                                                ("repeat", 4, 8), ("sum", 2, 3), ("sort", 4, 6)])
 def test_held_out_is_disjoint_and_stable(task, min_d, max_d):
     train, held_out = build_task_splits(task, 5_000, 64, seed=0, min_digits=min_d, max_digits=max_d)
     prompts = [e.prompt for e in train]
@@ -75,7 +76,7 @@ def test_every_length_is_trained_on_and_small_spaces_exhaust():
 
 
 def test_bad_arguments_name_the_field():
-    with pytest.raises(ValueError, match="unknown task 'mul'; valid: copy, add, repeat, guess"):
+    with pytest.raises(ValueError, match="unknown task 'mul'; valid: copy, add, repeat, sum, sort, guess"):
         build_task_splits("mul", 10, 2)
     with pytest.raises(ValueError, match="min_digits"):
         build_task_splits("copy", 10, 2, min_digits=3, max_digits=2)
@@ -106,3 +107,14 @@ def test_guess_prompt_matches_the_environment():
     assert train[0].prompt == build_guess_prompts(build_tokenizer(), 1, low=0, high=9)[0].text == "0-9:"
     with pytest.raises(ValueError, match="guess_low <= data.guess_high, got 5 and 2"):
         build_task_splits("guess", 10, 2, guess_low=5, guess_high=2)
+
+
+def test_chat_tasks_read_as_questions_with_exact_answers():
+    train, _ = build_task_splits("sum", 50, 8, seed=0, min_digits=2, max_digits=3)
+    for e in train:
+        a, b = map(int, e.prompt.removeprefix("What is ").split("?")[0].split(" + "))
+        assert e.reference == str(a + b) and 10 <= min(a, b) and max(a, b) <= 999
+    train, _ = build_task_splits("sort", 50, 8, seed=0, min_digits=5, max_digits=5)
+    for e in train:
+        digits = e.prompt.removeprefix("Sort the digits ").split(" from")[0].split(" ")
+        assert len(digits) == 5 and e.reference == "".join(sorted(digits))

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from gspo_ray.algo import compute_group_advantages
 from gspo_ray.envs.rewards import (
+    answer_number_reward,
     cer_reward,
     compute_cer,
     compute_edit_distance,
@@ -80,6 +81,15 @@ def test_the_echo_scores_below_every_answer_that_starts_with_the_number(ref, tai
     # and the trap is real under the old reward: the echo beats a one-digit miss
     miss = ref[:-1] + str((int(ref[-1]) + 1) % 10)
     assert repeat_reward(f"Repeat exactly: {ref}", ref)["reward"] > repeat_reward(miss, ref)["reward"]
+
+
+@pytest.mark.parametrize("completion, expected", [
+    ("432", 1.0), ("47 + 385 = 432.", 1.0), ("The answer is 432.\nDone", 1.0), ("  432  ", 1.0),
+    ("433", 0.0), ("432 or 431", 0.0), ("4 3 2", 0.0), ("", 0.0), ("\n\n", 0.0), ("4320", 0.0),
+])
+def test_answer_number_reward_reads_the_last_number_of_the_first_line(completion, expected):
+    out = answer_number_reward(completion, "432")
+    assert out["reward"] == out["exact"] == expected
 
 
 def test_copy_reward_bonus_and_reference_types():
