@@ -77,3 +77,20 @@ def test_cli_validate_exit_codes():
     bad = subprocess.run([sys.executable, "-m", "gspo_ray.cli", "config", "validate", str(RECIPE),
                           "rollout.group_size=1"], capture_output=True, text=True)
     assert bad.returncode == 2 and "rollout.group_size" in bad.stderr
+
+
+@pytest.mark.parametrize("value", ["1.0", "1.5"])
+def test_auto_eps_max_eps_of_one_or_more_is_refused(value):
+    """max_eps >= 1 was accepted and crashed the trainer (a clip band reaching 1 - eps_low <= 0)."""
+    with pytest.raises(ConfigError, match=r"algorithm\.auto_eps\.max_eps.*must be < 1"):
+        load_config(RECIPE, [f"algorithm.auto_eps.max_eps={value}"])
+    assert load_config(RECIPE, ["algorithm.auto_eps.max_eps=0.5"]).algorithm.auto_eps.max_eps == 0.5
+
+
+def test_coordinator_staleness_that_partial_rollouts_would_ignore_is_refused():
+    partial = ["rollout.partial.segment_tokens=2", "rollout.partial.stale_policy=mask"]
+    with pytest.raises(ConfigError, match=r"coordinator\.max_staleness \(3\).*rollout\.partial\.max_staleness"):
+        load_config(RECIPE, [*partial, "coordinator.max_staleness=3"])
+    cfg = load_config(RECIPE, [*partial, "rollout.partial.max_staleness=3"])  # the field partial rollouts use
+    assert cfg.rollout.partial.max_staleness == 3
+    assert load_config(RECIPE, ["coordinator.max_staleness=3"]).coordinator.max_staleness == 3  # without partial

@@ -38,7 +38,7 @@ def _runtime_env(value: Optional[str]) -> Optional[dict]:
 
 
 def _follow(job_id: str, address: Optional[str]) -> None:
-    from gspo_ray import jobs
+    from gspo_ray.cli import submission as jobs
 
     for chunk in jobs.logs(job_id, address, follow=True):
         typer.echo(chunk, nl=False)
@@ -53,10 +53,13 @@ def submit(file: Path, overrides: list[str] = typer.Argument(None, help="key.pat
            resume: bool = typer.Option(False, "--resume", help="continue from the run's last checkpoint"),
            validate: bool = typer.Option(True, "--validate/--no-validate",
                                          help="check the job file here first (off: paths exist only on the cluster)"),
-           wait: bool = typer.Option(False, "--wait", help="stream the logs and exit with the job's result")):
+           wait: bool = typer.Option(False, "--wait", help="stream the logs and exit with the job's result"),
+           grace_s: int = typer.Option(60, "--grace-s", min=1, help="`gspo-ray stop`: seconds from SIGTERM (the "
+                                       "job saves a checkpoint at its next step boundary) to SIGKILL; fixed here "
+                                       "because Ray reads it when the job starts")):
     """Validate a job file here (the whole preflight of `config validate`), then run `gspo-ray train FILE
     overrides` on the cluster."""
-    from gspo_ray import jobs
+    from gspo_ray.cli import submission as jobs
     from gspo_ray.cli.errors import preflight_or_exit, user_errors
     from gspo_ray.config import load_config
 
@@ -65,7 +68,7 @@ def submit(file: Path, overrides: list[str] = typer.Argument(None, help="key.pat
             preflight_or_exit(load_config(file, overrides or []))
         jid = jobs.submit(file, address, overrides or [], working_dir=working_dir,
                           runtime_env=_runtime_env(runtime_env), job_id=job_id, resume=resume,
-                          validate=validate)
+                          validate=validate, stop_grace_s=grace_s)
     typer.echo(f"submitted {jid}")
     if not wait:
         typer.echo(f"  gspo-ray logs {jid} --follow    gspo-ray status {jid}    gspo-ray stop {jid}")
@@ -79,7 +82,7 @@ def submit(file: Path, overrides: list[str] = typer.Argument(None, help="key.pat
 @jobs_app.command()
 def status(job_id: str, address: Optional[str] = ADDRESS):
     """Print the job's status (PENDING, RUNNING, SUCCEEDED, FAILED, STOPPED) and Ray's message."""
-    from gspo_ray import jobs
+    from gspo_ray.cli import submission as jobs
 
     details = jobs.info(job_id, address)
     typer.echo(f"{job_id}: {details.status.value}" + (f" ({details.message})" if details.message else ""))
@@ -89,7 +92,7 @@ def status(job_id: str, address: Optional[str] = ADDRESS):
 def logs(job_id: str, address: Optional[str] = ADDRESS,
          follow: bool = typer.Option(False, "--follow", "-f", help="keep streaming until the job ends")):
     """Print the driver's output."""
-    from gspo_ray import jobs
+    from gspo_ray.cli import submission as jobs
 
     if follow:
         _follow(job_id, address)
@@ -99,9 +102,23 @@ def logs(job_id: str, address: Optional[str] = ADDRESS,
 
 
 @jobs_app.command()
-def stop(job_id: str, address: Optional[str] = ADDRESS):
-    """Stop a running job (its actors and the cluster stay up)."""
-    from gspo_ray import jobs
+def stop(job_id: str, address: Optional[str] = ADDRESS,
+         wait: bool = typer.Option(True, "--wait/--no-wait", help="wait until the job has ended")):
+    """Stop a running job: SIGTERM to its driver, which finishes the step in progress, saves a checkpoint and
+    exits 143 (continue it with `submit ... --resume`); SIGKILL only if it has not ended after the grace period
+    given at submission (`submit --grace-s`, default 60 s). The cluster stays up."""
+    from gspo_ray.cli import submission as jobs
 
-    stopped = jobs.stop(job_id, address)
-    typer.echo(f"{job_id}: {'stopping' if stopped else 'already finished'}")
+    if not jobs.stop(job_id, address):
+        typer.echo(f"{job_id}: already finished")
+        return
+    grace = jobs.stop_grace_s(job_id, address)
+    typer.echo(f"{job_id}: stopping (SIGTERM; SIGKILL after {grace} s if it has not ended)")
+    if not wait:
+        return
+    try:
+        final = jobs.wait(job_id, address, timeout_s=grace + 30)
+    except TimeoutError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(1)
+    typer.echo(f"{job_id}: {final.value}")

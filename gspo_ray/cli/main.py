@@ -83,50 +83,67 @@ def train(file: Path, overrides: list[str] = typer.Argument(None, help="key.path
           resume: bool = typer.Option(False, "--resume", help="continue from the run's last checkpoint"),
           fresh: bool = typer.Option(False, "--fresh", help="delete the run directory's checkpoints and metrics "
                                                             "and start over")):
-    """Train one job: start or join Ray, build the pools, run the loop."""
+    """Train one job: start or join Ray, build the pools, run the loop.
+
+    SIGTERM (`gspo-ray stop`, Slurm, Kubernetes) or Ctrl-C: the step in progress finishes, a checkpoint is saved,
+    metrics are flushed, then the job stops; a second signal stops at once (the last checkpoint is kept).
+    One job per run directory (a lock file in it).
+
+    \b
+    Exit codes: 0 done (or early stop); 1 an unexpected error (its type and message; --debug: the traceback);
+    2 a bad input, a run directory in use or unusable, an unusable checkpoint, disk full;
+    3 too many failed samples; 130 stopped by SIGINT (Ctrl-C); 143 stopped by SIGTERM."""
     cfg = _load(file, overrides or [])
     from gspo_ray.coordinator.run_dir import RunDirError, check_run_dir
+    from gspo_ray.coordinator.run_lock import RunLockError
 
     try:
-        check_run_dir(cfg, resume=resume, fresh=fresh)  # an existing run is refused before the preflight
-    except RunDirError as e:
+        check_run_dir(cfg, resume=resume, fresh=fresh)  # an existing or live run is refused before the preflight
+    except (RunDirError, RunLockError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2)
     _preflight(cfg)
     from gspo_ray.coordinator.failures import TooManyFailedSamples
-    from gspo_ray.coordinator.checkpoint import CheckpointError
+    from gspo_ray.coordinator.checkpoint import CheckpointDiskFull, CheckpointError
+    from gspo_ray.coordinator.control import ControlNameTaken
     from gspo_ray.coordinator.job import run_job
 
     try:
         summary = run_job(cfg, resume=resume, fresh=fresh)
-    except (RunDirError, CheckpointError) as e:  # an existing run, an unusable checkpoint: one line, exit 2
+    except (RunDirError, RunLockError, CheckpointError, ControlNameTaken) as e:  # a run dir in use, a bad checkpoint: exit 2
         typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2)
+    except CheckpointDiskFull as e:  # the save's files are gone, the last checkpoint is intact
+        typer.echo(f"error: {e.strerror}", err=True)
         raise typer.Exit(2)
     except TooManyFailedSamples as e:  # a run that cannot learn: one line and exit 3, not a success
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(3)
     typer.echo(summary.describe())
+    if summary.interrupted:  # stopped by a signal: not a success, whatever was saved (128 + the signal)
+        raise typer.Exit(summary.exit_code or 130)
 
 
 @app.command()
-def scale(pool: str = typer.Argument(..., help="rollout (the trainer pool's size changes on --resume)"),
+def scale(pool: str = typer.Argument(..., help="rollout | trainer"),
           num_workers: int = typer.Argument(..., help="new pool size"),
           job: str = typer.Option(..., help="the job's name (config `name`)"),
           address: str = typer.Option("auto", help="Ray address of the cluster running the job"),
           namespace: str = typer.Option("gspo-ray", help="the job's Ray namespace (config cluster.namespace)")):
-    """Resize a running job's rollout pool; applied between steps, new workers get the live weights first."""
+    """Resize a running job's rollout or trainer pool at the next step boundary. New rollout workers get the live
+    weights first; the trainer pool is checkpointed, rebuilt with N ranks (data-parallel size N / tp) and reloaded."""
     import ray
 
     from gspo_ray.coordinator.control import find_control
 
-    if pool != "rollout":
-        typer.echo("error: only the rollout pool scales live; change trainer.num_workers and use --resume", err=True)
+    if pool not in ("rollout", "trainer"):
+        typer.echo(f"error: pool {pool!r}; valid: rollout, trainer", err=True)
         raise typer.Exit(2)
     ray.init(address=address, namespace=namespace, log_to_driver=False)
     try:
         control = find_control(job, namespace)
-        ray.get(control.scale_rollout.remote(num_workers))
-        typer.echo(f"{job}: rollout pool -> {num_workers} workers at the next step boundary "
+        ray.get((control.scale_rollout if pool == "rollout" else control.scale_trainer).remote(num_workers))
+        typer.echo(f"{job}: {pool} pool -> {num_workers} workers at the next step boundary "
                    f"(now: {ray.get(control.status.remote())})")
     except ValueError as e:
         typer.echo(f"error: {e}", err=True)
@@ -157,7 +174,10 @@ def bench(quick: bool = typer.Option(False, help="fewer steps"),
 
 
 def main() -> None:
-    app()
+    """The console script: every error ends in a line naming it (cli/errors.py `run_app`), never `Aborted.`."""
+    from gspo_ray.cli.errors import run_app
+
+    sys.exit(run_app(app))
 
 
 if __name__ == "__main__":

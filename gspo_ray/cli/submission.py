@@ -2,7 +2,7 @@
 
     gspo-ray submit gspo_ray/recipes/tiny_moe.yaml logging.out_dir=/shared/runs --address http://HEAD:8265 --wait
 
-    from gspo_ray import jobs
+    from gspo_ray.cli import submission as jobs
     job_id = jobs.submit("gspo_ray/recipes/tiny_moe.yaml", "http://127.0.0.1:8265", ["coordinator.steps=50"])
     jobs.wait(job_id, "http://127.0.0.1:8265", timeout_s=3600)
 
@@ -33,6 +33,11 @@ DEFAULT_EXCLUDES = [".venv", "venv", ".git", "runs", "build", "dist", "*.egg-inf
                     ".pytest_cache", ".hypothesis", ".mypy_cache", ".ruff_cache"]
 
 TRAIN_ENTRYPOINT = "gspo-ray train"
+# `stop_job` sends SIGTERM to the driver, then SIGKILL after RAY_JOB_STOP_WAIT_TIME_S, read by the job's supervisor
+# actor from the job's runtime_env when the job starts (Ray's default: 3 s, too short for the driver to finish its
+# step and save a checkpoint). The grace period is therefore fixed at submission.
+STOP_GRACE_ENV = "RAY_JOB_STOP_WAIT_TIME_S"
+DEFAULT_STOP_GRACE_S = 60
 
 
 def _client(address: str | None):
@@ -42,13 +47,15 @@ def _client(address: str | None):
 
 
 def build_runtime_env(working_dir: str | Path, runtime_env: dict[str, Any] | None = None,
-                      cfg: JobConfig | None = None) -> dict[str, Any]:
+                      cfg: JobConfig | None = None, stop_grace_s: int = DEFAULT_STOP_GRACE_S) -> dict[str, Any]:
     """The job-level runtime_env: the uploaded project plus the caller's extras.
 
     The driver later calls `ray.init(runtime_env=cluster.runtime_env + its own env_vars)`; Ray merges that with
     this one and, by default, refuses a key set in both. `RAY_OVERRIDE_JOB_RUNTIME_ENV=1` makes the driver's
     values win instead, and a clash between `runtime_env` here and the job file's `cluster.runtime_env` is
-    reported now, naming the field.
+    reported now, naming the field. `stop_grace_s`: seconds between the SIGTERM of `gspo-ray stop` and the
+    SIGKILL (the driver saves a checkpoint at its next step boundary in between); an explicit
+    RAY_JOB_STOP_WAIT_TIME_S in `runtime_env` wins.
     """
     extra = dict(runtime_env or {})
     env_vars = dict(extra.pop("env_vars", {}))
@@ -59,7 +66,7 @@ def build_runtime_env(working_dir: str | Path, runtime_env: dict[str, Any] | Non
         raise ConfigError(f"working_dir: not a directory: {wd}")
     env: dict[str, Any] = {"working_dir": str(wd), "excludes": DEFAULT_EXCLUDES + list(extra.pop("excludes", []))}
     env.update(extra)
-    env["env_vars"] = {"RAY_OVERRIDE_JOB_RUNTIME_ENV": "1", **env_vars}
+    env["env_vars"] = {"RAY_OVERRIDE_JOB_RUNTIME_ENV": "1", STOP_GRACE_ENV: str(int(stop_grace_s)), **env_vars}
     return env
 
 
@@ -90,7 +97,8 @@ def build_entrypoint(config_arg: str, overrides: Sequence[str] = (), entrypoint:
 
 def submit(config_path: str | Path, address: str | None, overrides: Sequence[str] = (), working_dir: str | Path = ".",
            runtime_env: dict[str, Any] | None = None, job_id: str | None = None,
-           entrypoint: str = TRAIN_ENTRYPOINT, resume: bool = False, validate: bool = True) -> str:
+           entrypoint: str = TRAIN_ENTRYPOINT, resume: bool = False, validate: bool = True,
+           stop_grace_s: int = DEFAULT_STOP_GRACE_S) -> str:
     """Validate the job file locally, then submit `<entrypoint> CONFIG overrides` as a Ray job. Returns its id.
 
     `entrypoint` is the command before the config path (`gspo-ray train`; `gspo-ray config validate` for a dry
@@ -102,7 +110,7 @@ def submit(config_path: str | Path, address: str | None, overrides: Sequence[str
     if cfg is not None and not cfg.logging.out_dir.is_absolute():
         log.warning("logging.out_dir %r is relative: the run directory lands in the job's working_dir copy on "
                     "the head and is deleted with the cluster; use shared storage", str(cfg.logging.out_dir))
-    env = build_runtime_env(wd, runtime_env, cfg)
+    env = build_runtime_env(wd, runtime_env, cfg, stop_grace_s)
     cmd = build_entrypoint(_config_arg(config_path, wd), overrides, entrypoint, resume)
     metadata = {"config": config_path.name} | ({"name": cfg.name} if cfg is not None else {})
     job = _client(address).submit_job(entrypoint=cmd, runtime_env=env, submission_id=job_id, metadata=metadata)
@@ -151,8 +159,18 @@ def _iterate_async(agen) -> Iterator[str]:
 
 
 def stop(job_id: str, address: str | None) -> bool:
-    """Ask the job to stop (SIGTERM to the driver, then SIGKILL). False when it had already finished."""
+    """Ask the job to stop: SIGTERM to the driver (it finishes its step, saves a checkpoint and exits 143), then
+    SIGKILL after the grace period set at submission (`stop_grace_s`). False when it had already finished."""
     return _client(address).stop_job(job_id)
+
+
+def stop_grace_s(job_id: str, address: str | None) -> int:
+    """The job's grace period between SIGTERM and SIGKILL (Ray's default 3 s for jobs not submitted here)."""
+    env = (_client(address).get_job_info(job_id).runtime_env or {}).get("env_vars") or {}
+    try:
+        return int(env.get(STOP_GRACE_ENV, 3))
+    except (TypeError, ValueError):
+        return 3
 
 
 def wait(job_id: str, address: str | None, timeout_s: float = 3600.0, poll_s: float = 1.0):

@@ -42,6 +42,9 @@ class AutoEpsConfig(Strict):
     def _check(self) -> "AutoEpsConfig":
         if self.min_eps > self.max_eps:
             raise ValueError(f"algorithm.auto_eps.min_eps ({self.min_eps}) > max_eps ({self.max_eps})")
+        if self.max_eps >= 1:  # the band is [1 - eps_low, 1 + eps_high]: eps_low >= 1 puts log(1 - eps) out of range
+            raise ValueError(f"algorithm.auto_eps.max_eps ({self.max_eps}) must be < 1: it bounds eps_low, and "
+                             "the clip band's lower edge 1 - eps_low must stay above 0")
         return self
 
 

@@ -57,6 +57,13 @@ class JobConfig(Strict):
             if self.rollout.multi_turn is not None:
                 raise ValueError("rollout.partial cannot be combined with rollout.multi_turn: an episode waits on "
                                  "its environment and is not resumable from token ids")
+            default_staleness = type(self.coordinator).model_fields["max_staleness"].default
+            if self.coordinator.max_staleness != default_staleness:  # would be silently ignored
+                raise ValueError(f"coordinator.max_staleness ({self.coordinator.max_staleness}) is not used with "
+                                 "rollout.partial: partial rollouts bound staleness per token with "
+                                 "rollout.partial.max_staleness (counted in policy versions = optimizer steps; a "
+                                 "train step is coordinator.num_iterations x num_minibatches of them). Set that and "
+                                 f"leave coordinator.max_staleness at {default_staleness}")
             if partial.segment_tokens >= self.rollout.max_new_tokens:
                 raise ValueError(f"rollout.partial.segment_tokens ({partial.segment_tokens}) must be below "
                                  f"rollout.max_new_tokens ({self.rollout.max_new_tokens}), else no completion is "

@@ -1,14 +1,18 @@
 """Job checkpoints: `run_dir/checkpoints/step_000050/{trainer/, loop.json}` plus a `latest` pointer.
 
-A save never touches the last good checkpoint: it writes into a fresh `step_N.tmp-<id>` directory, renames it into
-place and then switches `latest` atomically; a save that fails midway leaves only a temp directory that the next
-save removes. `latest()` falls back to the newest complete checkpoint when the pointer names one that is missing
-or incomplete, and refuses a pointer that leaves the checkpoints directory (it lives on a volume that pods
-running user code can write). Older checkpoints beyond `keep` are deleted.
+A save never touches the last good checkpoint: it writes into a fresh `step_N.tmp-<id>` directory, records the
+size and sha256 of every file in its `manifest.json`, fsyncs files and directories, renames it into place and then
+switches `latest` atomically (and durably). A save that fails midway removes its temp directory; a full disk is a
+one-line CheckpointDiskFull. `latest()` returns the newest *verified* checkpoint (every file matching its
+manifest): when the pointer's checkpoint is missing, incomplete or broken (a truncated rank file), it warns naming
+it and falls back to the newest one that verifies. A pointer that leaves the checkpoints directory is refused (it
+lives on a volume that pods running user code can write). Older checkpoints beyond `keep` are deleted.
+Checkpoints written before manifests existed are accepted on their completion markers alone.
 """
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import logging
 import os
@@ -18,6 +22,8 @@ import uuid
 from pathlib import Path
 
 from gspo_ray.coordinator.loop import LoopState
+from gspo_ray.trainer.durable import (MANIFEST, build_manifest, check_manifest, fsync_dir, is_disk_full,
+                                      write_durable)
 from gspo_ray.trainer.safe_paths import META, UnsafeCheckpointError, check_inside
 
 log = logging.getLogger(__name__)
@@ -32,10 +38,15 @@ class CheckpointError(RuntimeError):
     that disagree."""
 
 
+class CheckpointDiskFull(OSError):
+    """A save ran out of disk space (ENOSPC / quota); its partial files are removed, the last checkpoint stays."""
+
+
 class CheckpointManager:
     def __init__(self, run_dir: Path, keep: int = 2):
         self.root = Path(run_dir) / "checkpoints"
         self.keep = keep
+        self._verified: set[str] = set()  # names hashed once in this process (written here, or checked)
 
     def save(self, state: LoopState, save_trainer, extra: dict | None = None) -> Path:
         """`save_trainer(dir)` writes the trainer's part (all ranks); then the loop state; then the pointer.
@@ -44,10 +55,23 @@ class CheckpointManager:
         names the new one."""
         final = self.root / f"step_{state.step:06d}"
         tmp = self.root / f"{final.name}.tmp-{uuid.uuid4().hex[:8]}"
-        (tmp / "trainer").mkdir(parents=True)
-        save_trainer(str(tmp / "trainer"))
-        (tmp / "loop.json").write_text(json.dumps({"state": dataclasses.asdict(state), **(extra or {})}, indent=1))
+        try:
+            (tmp / "trainer").mkdir(parents=True)
+            save_trainer(str(tmp / "trainer"))
+            write_durable(tmp / "loop.json", json.dumps({"state": dataclasses.asdict(state), **(extra or {})},
+                                                        indent=1))
+            # sizes + hashes of what is on disk now (fsyncing the trainer ranks' files too), the last file written
+            write_durable(tmp / MANIFEST, json.dumps(build_manifest(tmp), indent=1))
+            fsync_dir(self.root)
+        except BaseException as e:  # a failed save leaves nothing behind (and never the last good checkpoint)
+            _remove(tmp)
+            if is_disk_full(e):
+                raise CheckpointDiskFull(errno.ENOSPC, f"No space left on device while saving {final.name} under "
+                                         f"{self.root}: free space and --resume (the last checkpoint, "
+                                         f"{self._pointer_name() or 'none'}, is intact)") from None
+            raise
         self._commit(tmp, final)
+        self._verified.add(final.name)
         self._prune(keep_name=final.name)
         return final
 
@@ -61,37 +85,79 @@ class CheckpointManager:
             old = self.root / f".old-{final.name}-{uuid.uuid4().hex[:8]}"
             os.rename(final, old)
         os.rename(tmp, final)
+        fsync_dir(self.root)
         self._point(final.name)
         if old is not None:
             _remove(old)
 
     def _point(self, name: str) -> None:
         tmp = self.root / f"latest.tmp-{uuid.uuid4().hex[:8]}"
-        tmp.write_text(name)
+        with open(tmp, "w") as f:
+            f.write(name)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, self.root / "latest")
+        fsync_dir(self.root)  # the pointer's new target survives a crash
 
     def _pointer_name(self) -> str | None:
         pointer = self.root / "latest"
         return pointer.read_text().strip() if pointer.is_file() else None
 
     def latest(self) -> Path | None:
-        """The checkpoint to resume from: the one `latest` names if complete, else the newest complete one."""
+        """The checkpoint to resume from: the one `latest` names if it verifies, else the newest that does (with
+        a warning naming each one skipped and why)."""
         name = self._pointer_name()
+        candidates = []
         if name is not None:
             if not NAME.fullmatch(name):
                 raise CheckpointError(f"{self.root / 'latest'}: {name!r} is not a checkpoint of this run (expected "
                                       "step_NNNNNN inside this checkpoints directory)")
             path = self.root / name
-            if path.exists() and self.is_complete(path):
+            if path.exists() or path.is_symlink():
+                candidates.append(path)
+            else:
+                log.warning("%s names %s, which is missing", self.root / "latest", name)
+        candidates += [p for p in reversed(self.complete_checkpoints()) if p not in candidates]
+        for path in candidates:
+            problem = self.verify(path)
+            if problem is None:
+                if name is not None and path.name != name:
+                    log.warning("%s names %s; resuming from %s, the newest checkpoint that verifies",
+                                self.root / "latest", name, path.name)
                 return path
-        found = self.complete_checkpoints()
-        if found and name is not None:
-            log.warning("%s names %s, which is missing or incomplete; using %s, the newest complete checkpoint",
-                        self.root / "latest", name, found[-1].name)
-        return found[-1] if found else None
+            log.warning("checkpoint %s is broken or incomplete, skipping it: %s", path, problem)
+        return None
 
-    def is_complete(self, path: Path) -> bool:
-        """Both parts written, and nothing in it leads out of the checkpoints directory."""
+    def verify(self, path: Path) -> str | None:
+        """None when the checkpoint is complete and every file matches its manifest (size and sha256), else the
+        problem in one line. Raises CheckpointError when a part leads out of the checkpoints directory."""
+        if not self.is_complete(path, check_sizes=False):
+            return "incomplete (a part is missing: its save did not finish)"
+        if path.name in self._verified:
+            return self._manifest_problem(path, hashes=False)
+        problem = self._manifest_problem(path, hashes=True)
+        if problem is None:
+            self._verified.add(path.name)
+        return problem
+
+    def _manifest_problem(self, path: Path, hashes: bool) -> str | None:
+        manifest_path = path / MANIFEST
+        if not manifest_path.exists():
+            return None  # written before manifests: its completion markers are all there is to check
+        try:
+            check_inside(manifest_path, self.root)
+            manifest = json.loads(manifest_path.read_text())
+            for rel in manifest.get("files", {}):
+                check_inside(path / rel, self.root)
+        except UnsafeCheckpointError as e:
+            raise CheckpointError(str(e)) from None
+        except (OSError, ValueError, AttributeError) as e:
+            return f"{manifest_path}: unreadable ({e})"
+        return check_manifest(path, manifest, hashes=hashes)
+
+    def is_complete(self, path: Path, check_sizes: bool = True) -> bool:
+        """Both parts written, every file at its recorded size (cheap: no hashing), and nothing in it leads out of
+        the checkpoints directory."""
         try:
             for part in (path, path / "loop.json", path / "trainer", path / "trainer" / META):
                 check_inside(part, self.root)
@@ -99,7 +165,7 @@ class CheckpointManager:
             raise CheckpointError(str(e)) from None
         except OSError:  # a part is missing: a save that did not finish
             return False
-        return True
+        return not check_sizes or self._manifest_problem(path, hashes=False) is None
 
     def complete_checkpoints(self) -> list[Path]:
         """Complete `step_N` checkpoints, oldest first; a symlinked or escaping entry is skipped with a warning."""

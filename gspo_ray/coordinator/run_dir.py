@@ -13,6 +13,7 @@ from typing import Any
 import yaml
 
 from gspo_ray.config import JobConfig
+from gspo_ray.coordinator.run_lock import check_unlocked
 
 REDACTED = "<redacted>"
 # Outputs of a run that a fresh start would silently mix with (metrics appended, checkpoints overwritten).
@@ -34,6 +35,7 @@ def check_run_dir(cfg: JobConfig, resume: bool, fresh: bool) -> list[str]:
     """The run outputs already in the run directory; RunDirError if they are there and neither flag is given."""
     if resume and fresh:
         raise RunDirError("--resume and --fresh exclude each other")
+    check_unlocked(cfg.run_dir)  # a live job's directory is refused before anything is read or deleted
     found = [name for name in RUN_OUTPUTS if (cfg.run_dir / name).exists() or (cfg.run_dir / name).is_symlink()]
     if found and not resume and not fresh:
         raise RunDirError(f"{cfg.run_dir} already holds a run ({', '.join(found)}): pass --resume to continue it "
@@ -42,7 +44,8 @@ def check_run_dir(cfg: JobConfig, resume: bool, fresh: bool) -> list[str]:
 
 
 def prepare_run_dir(cfg: JobConfig, resume: bool, fresh: bool) -> Path:
-    """Check (and with `fresh`, clear) the run directory, then write the redacted config copy."""
+    """Check (and with `fresh`, clear) the run directory, then write the redacted config copy. The caller holds
+    the run directory's lock (run_lock.RunLock) before this deletes anything."""
     run_dir = cfg.run_dir
     found = check_run_dir(cfg, resume, fresh)
     if fresh:
@@ -60,14 +63,20 @@ def redacted_config(cfg: JobConfig) -> str:
     Redacted: values under `cluster.runtime_env` (env_vars and the rest), `rollout.reward.kwargs` and
     `rollout.multi_turn.kwargs` whose key looks like a secret (see SECRET_WORDS), at any depth; and the user:password
     part of any URL anywhere in the config. Everything else is kept, so the copy still documents the run."""
+    header = f"# effective config of this run; values of secret-looking keys are replaced by {REDACTED}\n"
+    return header + yaml.safe_dump(redacted_config_dict(cfg), sort_keys=False)
+
+
+def redacted_config_dict(cfg: JobConfig) -> dict:
+    """The effective config as plain data with secrets redacted (see `redacted_config`): what leaves the job for
+    shared storage or a tracker (the W&B run config)."""
     raw = cfg.model_dump(mode="json")
     raw["cluster"]["runtime_env"] = _redact_keys(raw["cluster"]["runtime_env"])
     rollout = raw["rollout"]
     rollout["reward"]["kwargs"] = _redact_keys(rollout["reward"]["kwargs"])
     if rollout.get("multi_turn"):
         rollout["multi_turn"]["kwargs"] = _redact_keys(rollout["multi_turn"]["kwargs"])
-    header = f"# effective config of this run; values of secret-looking keys are replaced by {REDACTED}\n"
-    return header + yaml.safe_dump(_redact_urls(raw), sort_keys=False)
+    return _redact_urls(raw)
 
 
 def is_secret_key(key: str) -> bool:

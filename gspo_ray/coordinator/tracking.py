@@ -71,9 +71,11 @@ class WandbSink:
         id_file = root / "run_id"
         run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:12]
         id_file.write_text(run_id)
+        # x_disable_meta: W&B otherwise records the command line (sys.argv), and `key=value` overrides can carry
+        # secrets (cluster.runtime_env.env_vars.HF_TOKEN=...); the run's config is the redacted one (job.py)
         self._run = wandb.init(project=cfg.project, entity=cfg.entity, group=cfg.group, tags=list(cfg.tags),
                                mode=cfg.mode, dir=str(run_dir), id=run_id, resume="allow", name=run_dir.name,
-                               config=run_config or {})
+                               config=run_config or {}, settings=wandb.Settings(x_disable_meta=True))
 
     def log(self, step: int, row: dict) -> None:
         self._run.log({k: v for k, v in row.items() if k != "step" and v is not None}, step=step)

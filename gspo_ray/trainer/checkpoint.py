@@ -24,10 +24,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from gspo_ray.trainer.durable import fsync_dir, fsync_file, write_durable
 from gspo_ray.trainer.optim import sub_optimizers
 from gspo_ray.trainer.safe_paths import META, UnsafeCheckpointError, check_inside
 
 EXPERT_KEY = ".experts."  # Megatron names of expert-parallel params contain this
+
+
+class CorruptCheckpointError(ValueError):
+    """A rank file that torch cannot read (truncated, or not a checkpoint): named, never a bare EOFError."""
 
 
 def rank_file(ckpt_dir: str | Path, rank: int) -> Path:
@@ -122,19 +127,24 @@ def load_optimizer_state(optimizer, state: list[dict]) -> None:
 
 # ---- files ---------------------------------------------------------------------------------------------------------
 def save_checkpoint(ckpt_dir: str | Path, rank: int, payload: dict, meta: dict) -> Path:
-    """Write this rank's payload atomically; after all ranks are done, rank 0 writes meta.json. Collective."""
+    """Write this rank's payload atomically and durably (fsync of the file, then of the directory after the
+    rename); after all ranks are done, rank 0 writes meta.json the same way. Collective."""
     ckpt_dir = Path(ckpt_dir)
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     path = rank_file(ckpt_dir, rank)
     tmp = path.with_suffix(".pt.tmp")
-    torch.save(payload, tmp)
-    os.replace(tmp, path)
+    try:
+        torch.save(payload, tmp)
+        fsync_file(tmp)
+        os.replace(tmp, path)
+        fsync_dir(ckpt_dir)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # no half-written rank file left behind (the job removes the directory too)
+        raise
     if dist.is_initialized():
         dist.barrier()
     if rank == 0:
-        tmp_meta = ckpt_dir / (META + ".tmp")
-        tmp_meta.write_text(json.dumps(meta, indent=2))
-        os.replace(tmp_meta, ckpt_dir / META)
+        write_durable(ckpt_dir / META, json.dumps(meta, indent=2))
     if dist.is_initialized():
         dist.barrier()  # nobody returns before the checkpoint is complete
     return ckpt_dir
@@ -162,6 +172,9 @@ def load_rank_payload(ckpt_dir: str | Path, rank: int) -> dict:
         # an older checkpoint (numpy RNG state pickled) or a tampered file: never fall back to full unpickling
         raise UnsafeCheckpointError(f"{path}: refused to load, it holds objects other than tensors and plain values "
                                     f"({str(e).splitlines()[0]})") from None
+    except (EOFError, RuntimeError) as e:  # torch: "Ran out of input", "PytorchStreamReader failed reading ..."
+        raise CorruptCheckpointError(f"{path}: truncated or corrupt ({type(e).__name__}: "
+                                     f"{(str(e).splitlines() or [''])[0]})") from None
 
 
 def find_rank(meta: dict, **want: int) -> int:

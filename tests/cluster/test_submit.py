@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from gspo_ray import jobs
+from gspo_ray.cli import submission as jobs
 from gspo_ray.config import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -50,7 +50,7 @@ def test_runtime_env_and_entrypoint():
     env = jobs.build_runtime_env(ROOT, {"env_vars": {"A": "1"}, "excludes": ["data/"], "pip": ["x"]})
     assert env["working_dir"] == str(ROOT) and env["pip"] == ["x"]
     assert ".venv" in env["excludes"] and "data/" in env["excludes"]
-    assert env["env_vars"] == {"RAY_OVERRIDE_JOB_RUNTIME_ENV": "1", "A": "1"}
+    assert env["env_vars"] == {"RAY_OVERRIDE_JOB_RUNTIME_ENV": "1", "RAY_JOB_STOP_WAIT_TIME_S": "60", "A": "1"}
     cmd = jobs.build_entrypoint(RECIPE, ["rollout.resources={rollout_node: 1}"], resume=True)
     assert cmd == f"gspo-ray train {RECIPE} 'rollout.resources={{rollout_node: 1}}' --resume"
     # The config path is given relative to the uploaded working_dir.

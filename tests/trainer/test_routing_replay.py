@@ -105,7 +105,9 @@ def test_drift_is_zero_before_the_first_update_and_moves_after(runs, mode):
     first, second = runs[mode]["steps"][:2]
     assert first[DRIFT] == 0.0 and first["moe/drift_churn_l0"] == 0.0  # same weights as the sampling forward
     assert second[DRIFT] > 0.0, second  # lr 0.1 moved the routers: under R2 too, though the layers replay
-    assert runs[mode]["steps"][2][DRIFT] >= 0.0
+    # the mixed batch's recorded rows compare against their first sight two updates ago: still moved (its new rows,
+    # first seen by the sampling forward just before, add 0)
+    assert runs[mode]["steps"][2][DRIFT] > 0.0
 
 
 def test_r3_is_refused_with_the_reason():
