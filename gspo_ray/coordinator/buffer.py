@@ -134,7 +134,8 @@ class GroupBuffer:
                              "use rollout.multi_turn episodes or a reward function that returns 'token_rewards'")
         return compute_ragged_token_advantages([s.token_rewards for s in g.samples], [s.loss_mask for s in g.samples],
                                                [s.prompt_uid for s in g.samples], self.scale_by_std, self.adv_eps,
-                                               self.token_baseline)
+                                               self.token_baseline,
+                                               turn_starts=[s.turn_starts for s in g.samples])
 
     def take(self, num_groups: int) -> list[Group]:
         """Remove and return the oldest `num_groups` groups (fewer if the buffer holds fewer)."""

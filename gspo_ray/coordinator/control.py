@@ -1,8 +1,11 @@
 """A running job's control channel: a named Ray actor the coordinator polls between steps.
 
     gspo-ray scale rollout 2 --job tiny-moe-gspo --address auto
+    gspo-ray scale trainer 2 --job tiny-moe-gspo --address auto
 
-Requests are applied at step boundaries only, so a batch in flight is never cut by a membership change.
+Requests are applied at step boundaries only, so a batch in flight is never cut by a membership change (a rollout
+worker removed while an async batch is in flight finishes its part first; a trainer resize saves a checkpoint,
+rebuilds the pool at the new size and reloads it: coordinator/recovery.py).
 """
 from __future__ import annotations
 
@@ -14,10 +17,11 @@ def control_actor_name(job_name: str) -> str:
 
 
 class JobControl:
-    """Holds pending requests (desired rollout pool size) and the job's last reported progress."""
+    """Holds pending requests (desired rollout and trainer pool sizes) and the job's last reported progress."""
 
     def __init__(self):
         self._rollout_workers: int | None = None
+        self._trainer_workers: int | None = None
         self._status: dict = {}
 
     def scale_rollout(self, num_workers: int) -> int:
@@ -26,9 +30,18 @@ class JobControl:
         self._rollout_workers = num_workers
         return num_workers
 
+    def scale_trainer(self, num_workers: int) -> int:
+        """Trainer ranks (= data-parallel size x tp); the job checks the layout and the cluster's room."""
+        if num_workers < 1:
+            raise ValueError(f"trainer pool size must be >= 1, got {num_workers}")
+        self._trainer_workers = num_workers
+        return num_workers
+
     def take_requests(self) -> dict:
         out = {} if self._rollout_workers is None else {"rollout_workers": self._rollout_workers}
-        self._rollout_workers = None
+        if self._trainer_workers is not None:
+            out["trainer_workers"] = self._trainer_workers
+        self._rollout_workers = self._trainer_workers = None
         return out
 
     def report(self, status: dict) -> None:
@@ -38,10 +51,41 @@ class JobControl:
         return dict(self._status)
 
 
-def start_control(job_name: str, namespace: str):
-    """The job's control actor (0 CPUs; named, so other drivers of the namespace can find it)."""
-    return ray.remote(num_cpus=0)(JobControl).options(name=control_actor_name(job_name), namespace=namespace,
-                                                      get_if_exists=True).remote()
+class ControlNameTaken(RuntimeError):
+    """A live job of the same name already runs in the namespace (its control actor answers)."""
+
+
+def start_control(job_name: str, namespace: str, attempts: int = 5):
+    """The job's control actor (0 CPUs; named, so other drivers of the namespace can find it).
+
+    Never shared: a live job of the same name in the namespace holds the name, and this job is refused
+    (ControlNameTaken) instead of silently taking that job's `scale` requests. A dead holder (its driver gone, or
+    a job that ended a moment ago) frees the name within a short retry."""
+    import time
+
+    name = control_actor_name(job_name)
+    for i in range(attempts):
+        try:
+            return ray.remote(num_cpus=0)(JobControl).options(name=name, namespace=namespace).remote()
+        except ValueError:  # "the name is already taken"
+            try:
+                other = ray.get_actor(name, namespace=namespace)
+                ray.get(other.status.remote(), timeout=10)
+            except (ValueError, ray.exceptions.RayError):
+                time.sleep(0.5 * (i + 1))  # gone or dying: the GCS frees the name shortly
+                continue
+            raise ControlNameTaken(f"a job named {job_name!r} is already running in Ray namespace {namespace!r}: "
+                                   "give this run another `name` or `cluster.namespace`") from None
+    raise ControlNameTaken(f"could not register the control actor {name!r} in namespace {namespace!r}")
+
+
+def stop_control(control) -> None:
+    """End this job's control actor so the name is free for the next job (a driver that joined a cluster keeps
+    its actors alive otherwise)."""
+    try:
+        ray.kill(control)
+    except Exception:  # already gone with the cluster: nothing to free
+        pass
 
 
 def find_control(job_name: str, namespace: str):

@@ -12,11 +12,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gspo_ray.config import JobConfig
-from gspo_ray.coordinator.checkpoint import CheckpointError, CheckpointManager
-from gspo_ray.coordinator.control import start_control
+from gspo_ray.coordinator.checkpoint import CheckpointManager
+from gspo_ray.coordinator.control import start_control, stop_control
 from gspo_ray.coordinator.export import export_after_save, export_final
 from gspo_ray.coordinator.loop import Coordinator, LoopState
-from gspo_ray.coordinator.run_dir import RunDirError, prepare_run_dir
+from gspo_ray.coordinator.recovery import RestartsExhausted, TrainerRecovery, restore_checkpoint
+from gspo_ray.coordinator.run_dir import RunDirError, prepare_run_dir, redacted_config_dict
+from gspo_ray.coordinator.run_lock import RunLock
+from gspo_ray.coordinator.signals import StopRequest, exit_code_for
 from gspo_ray.coordinator.tracking import MetricsTracker, plot_metrics
 from gspo_ray.rollout.scoring import check_reward
 from gspo_ray.rollout.weight_sync import build_probe_sequences
@@ -25,7 +28,8 @@ log = logging.getLogger(__name__)
 
 
 class TrainerFailed(RuntimeError):
-    """A trainer worker died; the job stopped with its last checkpoint intact (resume with --resume)."""
+    """A trainer worker died and `trainer.max_restarts` in-job recoveries were spent (or it is 0); the job stopped
+    with its last checkpoint intact (resume with --resume)."""
 
 
 @dataclass
@@ -38,6 +42,7 @@ class RunSummary:
     hf_dir: Path | None = None  # the final policy as a HF model directory (logging.export_hf)
     wall_s: float = 0.0
     interrupted: bool = False
+    exit_code: int = 0  # interrupted: 128 + the signal (SIGTERM 143, SIGINT 130), the `train` command's exit code
 
     def describe(self) -> str:
         evals = ", ".join(f"step {s}: {r:.3f}" for s, r in self.eval_history)
@@ -113,7 +118,14 @@ def run_job(cfg: JobConfig, resume: bool = False, rollout_factory=None, after_st
             fresh: bool = False) -> RunSummary:
     """Run one job. `rollout_factory(worker_id)` overrides how rollout actors are made; `after_step(coord, step)`
     is called after each step's metrics and checkpoint are written (callbacks, fault injection in tests).
-    Without `resume` or `fresh`, a run directory that already holds a run's outputs is refused (RunDirError)."""
+    Without `resume` or `fresh`, a run directory that already holds a run's outputs is refused (RunDirError);
+    one that another live job holds is refused (run_lock.RunLockError), before `fresh` deletes anything.
+    SIGTERM/SIGINT stop the job at the next step boundary with a checkpoint (coordinator/signals.py)."""
+    with RunLock(cfg.run_dir):  # held for the job's life, released however it ends
+        return _run_locked(cfg, resume, rollout_factory, after_step, fresh)
+
+
+def _run_locked(cfg: JobConfig, resume: bool, rollout_factory, after_step, fresh: bool) -> RunSummary:
     import ray
 
     from gspo_ray.coordinator.pools import build_pools
@@ -130,7 +142,9 @@ def run_job(cfg: JobConfig, resume: bool = False, rollout_factory=None, after_st
             raise RunDirError(f"--resume: no complete checkpoint in {ckpts.root}; pass --fresh to start over")
         log.warning("--resume: no checkpoint in %s, starting from scratch", ckpts.root)
     started_ray = init_ray(cfg)
-    trainer = rollout = tracker = None
+    stop = StopRequest().install()  # after ray.init, whose SIGTERM handler aborts the driver
+    after_step = stop.check_after(after_step)
+    trainer = rollout = tracker = control = None
     summary = RunSummary(run_dir=run_dir, steps=0)
     try:
         trainer, rollout = build_pools(cfg, model_path, run_dir, rollout_factory)
@@ -138,23 +152,20 @@ def run_job(cfg: JobConfig, resume: bool = False, rollout_factory=None, after_st
         coord.probe_sequences = build_probe_sequences(  # long enough to reach every expert of an MoE
             len(train_prompts.tokenizer), cfg.rollout.max_model_len - 1,
             json.loads((Path(model_path) / "config.json").read_text()), seed=cfg.seed)
-        if latest is not None:
-            coord.state, extra = ckpts.load_state(latest)
-            train_prompts.load_state_dict(extra["prompts"])
-            coord.load_state_dict(extra.get("coordinator", {}))
-            version = trainer.load(str(latest / "trainer"))
-            if version != coord.state.version:
-                raise CheckpointError(f"{latest}: trainer weights are at version {version}, the loop state at "
-                                      f"{coord.state.version}: not a consistent checkpoint")
-            coord.sync_weights()  # engines start from the base model: give them the resumed policy
+        if latest is not None:  # the same path in-job trainer recovery takes (coordinator/recovery.py)
+            restore_checkpoint(coord, ckpts, latest)
         summary.steps = coord.state.step
         tracker = MetricsTracker(run_dir, cfg.coordinator.steps, coord.state.step, cfg.logging.tensorboard,
                                  cfg.logging.progress, wandb=cfg.logging.wandb,
-                                 run_config=cfg.model_dump(mode="json"))
+                                 run_config=redacted_config_dict(cfg))  # no secrets to the tracker
         control = start_control(cfg.name, cfg.cluster.namespace)
         summary.interrupted = _loop(cfg, coord, eval_prompts, tracker, ckpts, summary, control, after_step,
                                     model_path=model_path)
+        summary.exit_code = exit_code_for(stop.signum) if summary.interrupted else 0
     finally:
+        stop.restore()
+        if control is not None:
+            stop_control(control)  # the name is free for the next job of this name
         if tracker is not None:
             tracker.close()
         for pool in (rollout, trainer):
@@ -174,18 +185,22 @@ def _loop(cfg: JobConfig, coord: Coordinator, eval_prompts, tracker, ckpts, summ
           after_step=None, model_path: Path | None = None) -> bool:
     """Steps until done; evaluates and checkpoints on schedule. Returns True when interrupted by the user.
 
-    Only step boundaries are saved: an interrupt inside a step leaves the last checkpoint as the resume point."""
+    Only step boundaries are saved: an interrupt inside a step leaves the last checkpoint as the resume point.
+    A dead trainer rank is recovered in-job (coordinator/recovery.py: rebuild, rewind to the last checkpoint,
+    replay) up to `trainer.max_restarts` times; then TrainerFailed."""
     from ray.exceptions import RayActorError
 
     c = cfg.coordinator
     saved_at = [coord.state.step if coord.state.step else None]  # a resumed run's step is already checkpointed
+    recovery = TrainerRecovery.for_job(cfg, coord, ckpts)
 
-    def save() -> None:
+    def save() -> Path:
         if saved_at[0] != coord.state.step:  # once per step (early stop right after a checkpoint step, Ctrl-C)
             summary.checkpoint = ckpts.save(coord.state, coord.trainer.save, {
                 "prompts": coord.prompts.state_dict(), "coordinator": coord.state_dict()})
             saved_at[0] = coord.state.step
             export_after_save(cfg.logging, summary.checkpoint, model_path)  # logging.export_hf: every_checkpoint
+        return summary.checkpoint
 
     in_step = False
     if eval_prompts is not None and coord.state.step == 0:
@@ -197,22 +212,34 @@ def _loop(cfg: JobConfig, coord: Coordinator, eval_prompts, tracker, ckpts, summ
             in_step = True
             try:
                 metrics = coord.step()
-            except RayActorError as e:  # rollout deaths are absorbed by the pool: this is a trainer rank
-                raise TrainerFailed(f"a trainer worker died ({e}); last checkpoint: {ckpts.latest()}") from e
-            in_step = False
-            step = coord.state.step
-            last = step == c.steps
-            if eval_prompts is not None and ((c.eval_every and step % c.eval_every == 0) or last):
-                m = evaluate(coord.rollout, eval_prompts, step, cfg.run_dir)
-                metrics.update(m)
-                summary.eval_history.append((step, m["eval/reward"]))
-            _apply_control(coord, control, metrics)
-            tracker.log(step, metrics)
-            if cfg.logging.save_rollouts:
-                write_rollouts(cfg.run_dir / "rollouts" / f"step_{step:06d}.jsonl", coord.last_groups)
-            summary.steps = step
-            if (c.checkpoint_every and step % c.checkpoint_every == 0) or last:
-                save()
+                in_step = False
+                step = coord.state.step
+                last = step == c.steps
+                if eval_prompts is not None and ((c.eval_every and step % c.eval_every == 0) or last):
+                    m = evaluate(coord.rollout, eval_prompts, step, cfg.run_dir)
+                    metrics.update(m)
+                    summary.eval_history.append((step, m["eval/reward"]))
+                metrics.update(recovery.step_metrics(step))
+                _apply_control(coord, control, metrics, lambda n: recovery.rescale(coord, n, save))
+                tracker.log(step, metrics)
+                if cfg.logging.save_rollouts:
+                    write_rollouts(cfg.run_dir / "rollouts" / f"step_{step:06d}.jsonl", coord.last_groups)
+                summary.steps = step
+                if (c.checkpoint_every and step % c.checkpoint_every == 0) or last:
+                    save()
+            except Exception as e:  # rollout deaths are absorbed by the pool: a trainer rank, or not ours
+                if not recovery.is_trainer_death(coord, e):
+                    if isinstance(e, RayActorError):
+                        raise TrainerFailed(f"a trainer worker died ({e}); last checkpoint: {ckpts.latest()}") from e
+                    raise
+                try:
+                    restored = recovery.recover(coord, e, summary)
+                except RestartsExhausted as spent:
+                    raise TrainerFailed(f"a trainer worker died ({e}; {spent}); last checkpoint: "
+                                        f"{ckpts.latest()}") from e
+                saved_at[0] = coord.state.step if restored is not None else None
+                in_step = False
+                continue
             if after_step is not None:
                 after_step(coord, step)
             if c.early_stop_reward is not None and metrics.get("eval/reward", -1e9) >= c.early_stop_reward:
@@ -229,15 +256,20 @@ def _loop(cfg: JobConfig, coord: Coordinator, eval_prompts, tracker, ckpts, summ
     return False
 
 
-def _apply_control(coord: Coordinator, control, metrics: dict) -> None:
-    """Apply requests from `gspo-ray scale ...` between steps and report progress back."""
+def _apply_control(coord: Coordinator, control, metrics: dict, rescale_trainer=None) -> None:
+    """Apply requests from `gspo-ray scale ...` between steps and report progress back. `rescale_trainer(n)`
+    resizes the trainer pool (checkpoint, rebuild, reload: TrainerRecovery.rescale) and returns its metrics."""
     import ray
 
     requests = ray.get(control.take_requests.remote())
     if "rollout_workers" in requests:
         metrics.update(coord.rollout.scale(requests["rollout_workers"]))
+    if "trainer_workers" in requests and rescale_trainer is not None:
+        metrics.update(rescale_trainer(requests["trainer_workers"]))
+    metrics["trainer/workers"] = coord.trainer.num_workers
     control.report.remote({"step": coord.state.step, "version": coord.state.version,
-                           "rollout_workers": coord.rollout.num_workers})
+                           "rollout_workers": coord.rollout.num_workers,
+                           "trainer_workers": coord.trainer.num_workers})
 
 
 def write_rollouts(path: Path, groups) -> None:

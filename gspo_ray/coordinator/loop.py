@@ -44,9 +44,17 @@ class Coordinator:
 
     def __init__(self, cfg: JobConfig, rollout, trainer, prompts, state: LoopState):
         self.cfg, self.rollout, self.trainer, self.prompts, self.state = cfg, rollout, trainer, prompts, state
+        self.versions_per_update = cfg.coordinator.num_iterations * cfg.coordinator.num_minibatches  # per batch
+        self.probe_sequences: list[list[int]] | None = None  # set by the job: fixed sequences to verify pushes
+        self._fresh()
+
+    def _fresh(self) -> None:
+        """Everything a step produces besides LoopState, empty: buffer, partial carry, auto-eps band, failure
+        streak, the async batch in flight, requeued prompts, push count."""
+        cfg = self.cfg
         c, partial, reward = cfg.coordinator, cfg.rollout.partial, cfg.rollout.reward
+        versions_per_update = self.versions_per_update
         self.partial = PartialCarry(partial) if partial is not None else None
-        self.versions_per_update = versions_per_update = c.num_iterations * c.num_minibatches  # per rollout batch
         self.buffer = GroupBuffer(scale_by_std=cfg.algorithm.advantage.scale_by_std,
                                   adv_eps=cfg.algorithm.advantage.eps, filter_zero_adv=c.filter_zero_adv,
                                   max_staleness=None if partial else (c.max_staleness * versions_per_update
@@ -59,7 +67,6 @@ class Coordinator:
         self.failures = FailureGuard(reward.max_failed_share, reward.max_failed_steps)
         self._pending = None  # async: the rollout batch in flight
         self._requeued: list[Prompt] = []  # prompts drawn but never trained (in flight at a checkpoint): served first
-        self.probe_sequences: list[list[int]] | None = None  # set by the job: fixed sequences to verify pushes
         a = cfg.algorithm  # eps auto: the band follows the drift measured on reuse mini-batches (algo/auto_eps.py)
         self.auto_eps = (AutoEpsController(eps_low=a.clip_range()[0], **a.auto_eps.model_dump())
                          if a.eps == "auto" else None)
@@ -157,13 +164,14 @@ class Coordinator:
                     "time/train_s": time.perf_counter() - t0})
         return out
 
-    def sync_weights(self) -> dict[str, float]:
-        """Export the trainer's weights and push them into every rollout engine (verified by a probe)."""
+    def sync_weights(self, verify: bool = False) -> dict[str, float]:
+        """Export the trainer's weights and push them into every rollout engine (verified by a probe on the first
+        push, every `rollout.verify_every`-th, and when `verify`)."""
         t0 = time.perf_counter()
         buckets = self.trainer.export_weights(as_refs=True).buckets  # refs: the weights never pass through here
         t1 = time.perf_counter()
         self._pushes += 1  # the first push is always checked, then every verify_every-th
-        checked = (self._pushes - 1) % self.cfg.rollout.verify_every == 0
+        checked = verify or (self._pushes - 1) % self.cfg.rollout.verify_every == 0
         m = self.rollout.push_weights(self.state.version, buckets, probe=self._probe() if checked else None)
         m.update({"sync/export_s": t1 - t0, "time/sync_s": time.perf_counter() - t0})
         return m
@@ -211,6 +219,16 @@ class Coordinator:
                 "rollout/multi_version_samples": sum(len(set(s.versions)) > 1 for s in samples)}
 
     # -- checkpoints ------------------------------------------------------------------------------------------
+    def reset(self, state: LoopState) -> None:
+        """Forget what was produced since the checkpoint the job is about to restore (trainer recovery): the
+        async batch in flight (discarded by the rollout pool: sampled under versions the checkpoint never saw),
+        waiting groups, partial carry, auto-eps band, failure streak. Then `load_state_dict` the checkpoint's."""
+        if self._pending is not None:
+            self.rollout.discard(self._pending)
+        self.state = state
+        self._fresh()
+        self.last_groups, self.last_version = [], state.version
+
     def state_dict(self) -> dict:
         """What a checkpoint needs besides LoopState and the trainer: prompts drawn but not trained yet (the
         async batch in flight), scored groups waiting in the buffer, and partial rollouts' unfinished groups."""

@@ -30,16 +30,25 @@ def trainer_algorithm(cfg: JobConfig):
     return algo
 
 
-def build_trainer_pool(cfg: JobConfig, model_path: Path, run_dir: Path):
-    from gspo_ray.trainer.pool import TrainerPool
-
+def trainer_pool_config(cfg: JobConfig, num_workers: int | None = None):
+    """The trainer sub-config the pool gets: the LR horizon and `num_threads` resolved; `num_workers` overrides the
+    configured size (live trainer scaling), its thread count re-derived when auto."""
     trainer_cfg = cfg.trainer
+    if num_workers is not None and num_workers != trainer_cfg.num_workers:
+        trainer_cfg = type(trainer_cfg).model_validate({**trainer_cfg.model_dump(), "num_workers": num_workers})
     if trainer_cfg.total_steps is None:  # the LR schedule's horizon: every optimizer step of the job
         c = cfg.coordinator
         trainer_cfg = trainer_cfg.model_copy(update={"total_steps": c.steps * c.num_iterations * c.num_minibatches})
     if trainer_cfg.num_threads is None:
         trainer_cfg = trainer_cfg.model_copy(update={"num_threads": auto_threads(
             cfg, trainer_cfg.num_workers, trainer_cfg.num_cpus_per_worker)})
+    return trainer_cfg
+
+
+def build_trainer_pool(cfg: JobConfig, model_path: Path, run_dir: Path):
+    from gspo_ray.trainer.pool import TrainerPool
+
+    trainer_cfg = trainer_pool_config(cfg)
     # the trainer scores tokens at the rollout's sampling temperature (log-probs of logits / T, as the engine)
     return TrainerPool(str(model_path), trainer_cfg, trainer_algorithm(cfg), str(run_dir),
                        temperature=cfg.rollout.temperature)

@@ -15,6 +15,10 @@ dispatch, re-dispatch and sampling overrides (`temperature=0.0` for greedy eval)
 Partial rollouts: `submit(..., budget=k, carried=[(prompt, samples, budget), ...])` gives fresh completions at
 most k tokens and continues carried ones (`RolloutWorker.continue_samples`, re-prefilled from their token ids,
 on any worker); groups come back with their unfinished ("aborted") members for the coordinator to carry on.
+
+Scaling down never cuts a batch in flight (async mode keeps one in flight across step boundaries): a removed worker
+that still serves calls of a dispatched batch only retires (it gets no new calls and no weight pushes) and is
+stopped once its calls have come back, so its completions finish normally instead of returning "aborted".
 """
 from __future__ import annotations
 
@@ -72,6 +76,8 @@ class RolloutPool:
         self.restarts_left = max_restarts
         self.weights: tuple[int, Any, Any] | None = None  # (version, buckets ref, probe) of the live policy
         self.redispatched = 0
+        self.retiring: dict[int, Any] = {}  # scaled away while serving a dispatched batch: stopped once it is done
+        self._open: list[PendingRollout] = []  # dispatched batches not waited for yet
         for _ in range(num_workers):
             self._start_worker()
         ray.get([w.ping.remote() for w in self.workers.values()])
@@ -104,6 +110,7 @@ class RolloutPool:
                 part = _split(chunk, i, len(ids))
                 if part.prompts:
                     self._send(pending, wid, part)
+        self._open.append(pending)
         return pending
 
     def wait(self, pending: PendingRollout) -> tuple[list[Group], dict[str, float]]:
@@ -124,8 +131,12 @@ class RolloutPool:
                 log.warning("rollout worker %d died (%s); re-dispatching %d prompts", wid, type(e).__name__,
                             len(chunk.prompts))
                 self.workers.pop(wid, None)
+                self.retiring.pop(wid, None)
                 self.redispatched += len(chunk.prompts)
                 self._send(pending, self._surviving_worker(), chunk)
+                continue
+            self._stop_if_retired(wid)
+        self._forget(pending)
         groups = assemble_groups(pending.prompts, samples, pending.n, pending.expected)
         metrics = rollout_metrics(samples, time.perf_counter() - pending.t0, self.multi_turn)
         if pending.carried:  # count only what this batch generated
@@ -137,6 +148,24 @@ class RolloutPool:
     def generate(self, prompts: list[Prompt], n: int, **sampling) -> tuple[list[Group], dict[str, float]]:
         return self.wait(self.submit(prompts, n, **sampling))
 
+    def discard(self, pending: PendingRollout) -> None:
+        """Drop a dispatched batch (trainer recovery: it was sampled under versions the restored checkpoint never
+        saw). Its calls are waited for, at most `call_timeout_s`, so the engines are idle for the next push; the
+        results and any worker deaths are ignored (a dead worker is replaced on next use)."""
+        refs = list(pending.inflight)
+        if refs:
+            ray.wait(refs, num_returns=len(refs), timeout=self.call_timeout_s)
+        for wid in {wid for wid, _ in pending.inflight.values()}:
+            try:
+                ray.get([r for r, (w, _) in pending.inflight.items() if w == wid], timeout=0)
+            except Exception:  # noqa: BLE001 - dead, wedged or failed: nothing of it is kept
+                if wid in self.workers:
+                    ray.kill(self.workers.pop(wid), no_restart=True)
+        pending.inflight.clear()
+        self._forget(pending)
+        for wid in list(self.retiring):
+            self._stop_if_retired(wid)
+
     def _time_left(self, pending: PendingRollout) -> float | None:
         """Seconds until the first busy worker of the batch passes `call_timeout_s` without finishing a call
         (None: only killed workers are left, whose calls fail on their own)."""
@@ -147,11 +176,12 @@ class RolloutPool:
         """Kill every worker of the batch that finished nothing for `call_timeout_s`; their refs then fail."""
         now = time.monotonic()
         for wid in {wid for wid, _ in pending.inflight.values()}:
-            if now - pending.busy_since[wid] >= self.call_timeout_s and wid in self.workers:
+            if now - pending.busy_since[wid] >= self.call_timeout_s and (wid in self.workers or wid in self.retiring):
                 log.warning("rollout worker %d finished no call for %.0f s (rollout.call_timeout_s): killing it as "
                             "wedged; its prompts are re-dispatched", wid, now - pending.busy_since[wid])
                 self.wedged += 1
-                ray.kill(self.workers.pop(wid), no_restart=True)  # never chosen for a re-dispatch again
+                handle = self.workers.pop(wid, None) or self.retiring.pop(wid)
+                ray.kill(handle, no_restart=True)  # never chosen for a re-dispatch again
                 pending.busy_since[wid] = math.inf  # no deadline: its calls now fail with ActorDiedError
 
     # -- weights ----------------------------------------------------------------------------------------------
@@ -186,18 +216,37 @@ class RolloutPool:
 
     # -- membership -------------------------------------------------------------------------------------------
     def scale(self, num_workers: int) -> dict[str, float]:
-        """Add or remove workers between steps; new ones get the live weights before serving."""
+        """Add or remove workers between steps; new ones get the live weights before serving. A removed worker
+        that still serves a dispatched batch (async mode) retires: it finishes those calls, then stops."""
         if num_workers < 1:
             raise ValueError(f"rollout pool needs at least one worker, asked for {num_workers}")
         while self.num_workers < num_workers:
             self._start_worker()
         while self.num_workers > num_workers:
-            self._stop_worker(max(self.workers))
+            wid = max(self.workers)
+            if self._serving(wid):
+                self.retiring[wid] = self.workers.pop(wid)  # no new calls; stopped when its calls are back
+            else:
+                self._stop_worker(wid)
         return {"rollout/workers": self.num_workers}
 
     def shutdown(self) -> None:
+        self.workers.update(self.retiring)
+        self.retiring.clear()
         for wid in list(self.workers):
             self._stop_worker(wid)
+
+    def _serving(self, wid: int) -> bool:
+        """Whether a dispatched, not yet waited-for batch has a call on this worker."""
+        return any(w == wid for p in self._open for w, _ in p.inflight.values())
+
+    def _stop_if_retired(self, wid: int) -> None:
+        if wid in self.retiring and not self._serving(wid):
+            self.workers[wid] = self.retiring.pop(wid)
+            self._stop_worker(wid)
+
+    def _forget(self, pending: PendingRollout) -> None:
+        self._open = [p for p in self._open if p is not pending]
 
     def _stop_worker(self, wid: int) -> None:
         """Let the engine shut down its own processes, then end the actor."""

@@ -62,6 +62,7 @@ class Episode:
     versions: list[int] = field(default_factory=list)
     token_rewards: list[float] = field(default_factory=list)
     turns: int = 0
+    turn_starts: list[int] = field(default_factory=list)  # where each model turn starts in ids
     env_tokens: int = 0
     finish: str | None = None  # set when the episode ended
     failed: str | None = None
@@ -74,6 +75,8 @@ class Episode:
 
     def add_model(self, seg: Segment, version: int) -> None:
         n = len(seg.token_ids)
+        if n:  # an explicit boundary: two model turns with an empty observation between them stay two turns
+            self.turn_starts.append(len(self.ids))
         self.ids += seg.token_ids
         self.logprobs += seg.logprobs
         self.mask += [1] * n
@@ -103,7 +106,7 @@ class Episode:
                       finish_reason=self.finish or FINISH_LENGTH,
                       reward=None if failed else float(sum(self.token_rewards)),
                       token_rewards=None if failed else self.token_rewards, failed=self.failed, reward_info=info,
-                      worker_id=worker_id)
+                      worker_id=worker_id, turn_starts=list(self.turn_starts))
 
 
 class EpisodeRunner:

@@ -9,6 +9,10 @@ The actors are placed in one placement group (bundle i = rank i, packed). The ma
 process group are taken on the node of bundle 0 (rank 0) before any actor starts. Every call fans out to all
 ranks (each rank runs the same collective) and returns rank 0's result; the mini-batch is put into the object
 store once and shared by all ranks.
+
+A rank that dies (its process or node lost) fails the call at once with TrainerRankDied: the surviving ranks, which
+would wait in a collective on it for `collective_timeout_s`, are killed right away, so the job can rebuild the pool
+(`restart`, same or another size) from its last checkpoint without waiting.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import ray
+from ray.exceptions import RayActorError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -44,12 +49,40 @@ def _master_address() -> tuple[str, int]:
     return ray.util.get_node_ip_address(), free_port()
 
 
+class TrainerRankDied(RuntimeError):
+    """A trainer rank's actor died during a pool call; every other rank of the pool has been killed too."""
+
+    def __init__(self, rank: int, method: str, cause: BaseException):
+        super().__init__(f"trainer rank {rank} died during {method} ({type(cause).__name__}); the pool's other ranks "
+                         "were killed")
+        self.rank, self.method = rank, method
+
+
 class TrainerPool:
     """Handles to the trainer ranks; method calls are collective over all of them."""
 
     def __init__(self, model_path: str | Path, trainer_cfg, algo_cfg, run_dir: str | Path | None = None,
                  ready_timeout_s: float = 600, temperature: float = 1.0):
         """temperature: the rollout's sampling temperature; the trainer's log-probs are those of logits / T."""
+        self.model_path, self.algo_cfg, self.run_dir = model_path, algo_cfg, run_dir
+        self.ready_timeout_s, self.temperature = ready_timeout_s, temperature
+        self.workers: list = []
+        self._start(trainer_cfg)
+
+    @property
+    def num_workers(self) -> int:
+        return len(self.workers)
+
+    def restart(self, trainer_cfg=None) -> None:
+        """Replace every rank with a fresh actor (same config, or `trainer_cfg`, e.g. another num_workers), at the
+        model's initial weights: the caller loads a checkpoint next. The old ranks are killed, not asked to shut
+        down: one may be dead and the others stuck in a collective on it."""
+        self._release()
+        self._start(trainer_cfg or self.cfg)
+
+    def _start(self, trainer_cfg) -> None:
+        model_path, algo_cfg, run_dir = self.model_path, self.algo_cfg, self.run_dir
+        ready_timeout_s, temperature = self.ready_timeout_s, self.temperature
         self.cfg = trainer_cfg
         n = trainer_cfg.num_workers
         bundle = {"CPU": trainer_cfg.num_cpus_per_worker, **trainer_cfg.resources}
@@ -82,7 +115,23 @@ class TrainerPool:
         return PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=index)
 
     def _all(self, method: str, *args, **kwargs) -> list:
-        return ray.get([getattr(w, method).remote(*args, **kwargs) for w in self.workers])
+        """Every rank's result. Results are taken as they come, so a dead rank is seen at once even while the
+        others still wait on it in a collective; then they are killed (TrainerRankDied)."""
+        refs = [getattr(w, method).remote(*args, **kwargs) for w in self.workers]
+        waiting = list(refs)
+        while waiting:
+            done, waiting = ray.wait(waiting, num_returns=1)
+            try:
+                ray.get(done[0])
+            except RayActorError as e:
+                rank = refs.index(done[0])
+                log.warning("trainer rank %d died during %s: killing the other %d ranks", rank, method,
+                            len(refs) - 1)
+                self._kill_workers()
+                raise TrainerRankDied(rank, method, e) from e
+            except Exception:  # an error inside a rank: reported below, in rank order, as before
+                break
+        return ray.get(refs)
 
     def _rank0(self, method: str, *args, **kwargs):
         return self._all(method, *args, **kwargs)[0]
@@ -118,8 +167,27 @@ class TrainerPool:
             log.warning("trainer shutdown: %s", e)
         self._release()
 
-    def _release(self) -> None:
+    def dead_ranks(self, timeout_s: float = 10.0) -> list[int]:
+        """Ranks whose actor is dead (a cheap call to each; one that does not answer in time counts as alive)."""
+        refs = [w.version.remote() for w in self.workers]
+        ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        dead = []
+        for rank, ref in enumerate(refs):
+            try:
+                ray.get(ref, timeout=0)
+            except RayActorError:
+                dead.append(rank)
+            except Exception:  # noqa: BLE001 - busy or failed otherwise: not dead
+                pass
+        return dead
+
+    def _kill_workers(self) -> None:
         for w in self.workers:
-            ray.kill(w)
-        remove_placement_group(self.pg)
+            ray.kill(w, no_restart=True)
+
+    def _release(self) -> None:
+        self._kill_workers()
+        if getattr(self, "pg", None) is not None:
+            remove_placement_group(self.pg)
+            self.pg = None
         self.workers = []

@@ -26,7 +26,7 @@ def test_solves_the_copy_task_and_resumes_after_trainer_death(tmp_path):
     steps, early stop at held-out greedy reward 1.95 of 2.0), with a trainer rank killed at step 100 and the job
     resumed."""
     die_at = 100
-    cfg = _cfg(tmp_path, "coordinator.checkpoint_every=60")
+    cfg = _cfg(tmp_path, "coordinator.checkpoint_every=60", "trainer.max_restarts=0")  # no in-job recovery
 
     def kill_trainer(coord, step):
         if step == die_at:
