@@ -1,6 +1,7 @@
 """Two RolloutWorker Ray actors on one machine, each pinned to its own core, serve one batch together: every group
 comes back scored and tagged with its worker; weights pushed as Ray object refs reach both; a pause reaches a
-running `generate` and the aborted samples are finished later by `continue_samples`.
+running `generate` and the aborted samples are finished later by `continue_samples`; an async scale-down lets the
+batch in flight finish (last: it stops worker 1).
 """
 from __future__ import annotations
 
@@ -38,7 +39,11 @@ def pool(tmp_path_factory):
         assert [i["cpu_affinity"] for i in info] == [[0], [1]] and info[0]["pid"] != info[1]["pid"]
         prompts = PromptSource.from_task("copy", model, num_train=200, seed=0).take(64)
         yield workers, prompts, model
-        ray.get([w.shutdown.remote() for w in workers], timeout=60)
+        for w in workers:  # the scale-down test stops worker 1
+            try:
+                ray.get(w.shutdown.remote(), timeout=60)
+            except ray.exceptions.RayActorError:
+                pass
     finally:
         ray.shutdown()
 
@@ -119,3 +124,28 @@ def test_default_cores_split_the_machine_between_workers():
     wide = RolloutConfig(num_workers=2, num_cpus_per_worker=2)
     assert [default_cpu_cores(i, wide, cpu_count=8) for i in range(2)] == ["0,1", "2,3"]
     assert parse_cores("0-2,5") == {0, 1, 2, 5}
+
+
+def test_async_scale_down_lets_the_batch_in_flight_finish(pool):
+    """A worker removed while a dispatched batch is in flight (async mode: the next batch samples while this one
+    trains) finishes its part of that batch: no "aborted" completions, nothing counted failed; then it stops.
+    Runs last in this module: it stops worker 1."""
+    from gspo_ray.coordinator.buffer import GroupBuffer
+    from gspo_ray.coordinator.rollout_pool import RolloutPool
+
+    workers, prompts, _ = pool
+    rollout = RolloutPool(lambda wid: workers[wid], 2)
+    pending = rollout.submit(prompts[:32], GROUP)      # the async batch in flight at a step boundary ...
+    assert rollout.scale(1) == {"rollout/workers": 1}  # ... when `gspo-ray scale rollout 1` is applied
+    assert rollout.num_workers == 1 and list(rollout.retiring) == [1]
+    groups, metrics = rollout.wait(pending)
+    samples = [s for g in groups for s in g.samples]
+    assert len(samples) == 32 * GROUP and metrics["rollout/unfinished"] == 0
+    assert {s.worker_id for s in samples} == {0, 1}    # worker 1 served its half to the end
+    assert all(s.finish_reason in ("stop", "length") and s.reward is not None for s in samples)
+    stats = GroupBuffer(filter_zero_adv=False).admit(groups, current_version=0)
+    assert stats.failed_samples == 0 and stats.admitted == 32
+    assert rollout.retiring == {}                      # stopped once its calls were back
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(workers[1].ping.remote(), timeout=60)
+
