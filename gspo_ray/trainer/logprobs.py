@@ -14,6 +14,10 @@ the time when every position is scored, yet the loss needs only completion token
 whose log-probs are wanted: the output layer then runs on those positions only (unless sequence parallelism shards
 the positions), the log-softmax runs in row chunks so no second [N, V] fp32 tensor is held whole, and the entropy
 (a metric) is computed without a graph.
+
+Shared prefixes. `forward_group_logprobs(model, tokens, lengths, layout)` returns the same [B, L] numbers from one
+forward of the rows' shared-prefix layout (trainer/group_rows.py): each prompt once per group row, its completions
+as segments that attend to the prompt and to themselves.
 """
 from __future__ import annotations
 
@@ -134,36 +138,91 @@ def forward_logprobs(model, tokens: Tensor, lengths: Tensor | None = None, *, wi
     from megatron.core import parallel_state
 
     inner = _unwrap(model)
-    vocab_size = vocab_size or getattr(inner, "hf_vocab_size", inner.vocab_size)
     device = next(inner.parameters()).device
     tokens = tokens.to(device)
     batch, length = tokens.shape
     tp = parallel_state.get_tensor_model_parallel_world_size()
     padded = -(-length // tp) * tp if inner.config.sequence_parallel else length
+    inputs = tokens
     if padded != length:
-        tokens = torch.nn.functional.pad(tokens, (0, padded - length), value=0)
+        inputs = torch.nn.functional.pad(tokens, (0, padded - length), value=0)
     position_ids = torch.arange(padded, device=device).unsqueeze(0).expand(batch, -1)
-    group = parallel_state.get_tensor_model_parallel_group() if tp > 1 else None
     valid = _valid_mask(batch, length, lengths, device)
     if score_mask is not None:
         valid = valid & score_mask.to(device).bool()
     b_idx, t_idx = valid.nonzero(as_tuple=True)  # scored tokens; position t - 1 predicts token t
-    labels = tokens[b_idx, t_idx]
-    if inner.config.sequence_parallel:
-        logits = model(tokens, position_ids, causal_mask(padded, device))[b_idx, t_idx - 1]  # [N, V/tp]
-    else:
-        with output_rows(inner, t_idx - 1, b_idx):
-            logits = model(tokens, position_ids, causal_mask(padded, device))[0]  # [N, V/tp]
+    logits = _scored_logits(model, inner, inputs, position_ids, causal_mask(padded, device), t_idx - 1, b_idx)
+    return _scatter_logprobs(logits, tokens[b_idx, t_idx], b_idx, t_idx, (batch, length), inner, vocab_size,
+                             with_entropy, temperature)
+
+
+def forward_group_logprobs(model, tokens: Tensor, lengths: Tensor, layout, *, with_entropy: bool = False,
+                           vocab_size: int | None = None, score_mask: Tensor | None = None,
+                           temperature: float = 1.0):
+    """forward_logprobs of rows tokens [B, L] / lengths [B], computed on their shared-prefix layout.
+
+    `layout` is the `group_rows.GroupLayout` of exactly these rows: the model runs once on its group rows (prompt
+    once per group row, a [R, 1, W, W] mask, RoPE at the layout's positions) and token t of row b is scored by
+    the output at column `layout.col_of[b, t - 1]` of group row `layout.row_of[b]`, which attends to exactly
+    tokens[b, :t] at positions 0..t-1. Returns logp (, entropy) in the ORIGINAL [B, L] layout, equal to
+    forward_logprobs(model, tokens, lengths, ...) up to float summation order. Under sequence parallelism the
+    layout's width must be a multiple of TP (build_layout's width_multiple).
+    """
+    from megatron.core import parallel_state
+
+    from gspo_ray.trainer.megatron_rope_positions import rope_positions
+
+    inner = _unwrap(model)
+    device = next(inner.parameters()).device
+    tokens = tokens.to(device)
+    batch, length = tokens.shape
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    width = layout.tokens.shape[1]
+    if inner.config.sequence_parallel and width % tp:
+        raise ValueError(f"group layout width {width} is not a multiple of TP {tp} (build it with "
+                         "width_multiple=tp under sequence parallelism)")
+    valid = _valid_mask(batch, length, lengths, device)
+    if score_mask is not None:
+        valid = valid & score_mask.to(device).bool()
+    b_idx, t_idx = valid.nonzero(as_tuple=True)
+    row_of, col_of = layout.row_of.to(device), layout.col_of.to(device)
+    r_idx, s_idx = row_of[b_idx], col_of[b_idx, t_idx - 1]  # the column that predicts tokens[b, t]
+    positions = layout.position_ids.to(device)
+    with rope_positions(model, positions):
+        logits = _scored_logits(model, inner, layout.tokens.to(device), positions,
+                                layout.attention_mask.to(device), s_idx, r_idx)
+    return _scatter_logprobs(logits, tokens[b_idx, t_idx], b_idx, t_idx, (batch, length), inner, vocab_size,
+                             with_entropy, temperature)
+
+
+def _scored_logits(model, inner, inputs: Tensor, position_ids: Tensor, mask: Tensor, seq_idx: Tensor,
+                   batch_idx: Tensor) -> Tensor:
+    """[N, V/tp] logits at (position seq_idx[n], row batch_idx[n]) of a forward of inputs [B, S]."""
+    if inner.config.sequence_parallel:  # the output layer gathers position shards first: score afterwards
+        return model(inputs, position_ids, mask)[batch_idx, seq_idx]
+    with output_rows(inner, seq_idx, batch_idx):
+        return model(inputs, position_ids, mask)[0]
+
+
+def _scatter_logprobs(logits: Tensor, labels: Tensor, b_idx: Tensor, t_idx: Tensor, shape: tuple[int, int], inner,
+                      vocab_size: int | None, with_entropy: bool, temperature: float):
+    """Log-probs (, entropies) of labels [N] under logits [N, V/tp], put at (b_idx, t_idx) of zeros of `shape`."""
+    from megatron.core import parallel_state
+
+    vocab_size = vocab_size or getattr(inner, "hf_vocab_size", inner.vocab_size)
+    device = logits.device
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    group = parallel_state.get_tensor_model_parallel_group() if tp > 1 else None
     if temperature > 0 and temperature != 1.0:  # vLLM divides fp32 logits by T before its log-softmax
         logits = logits.float() / temperature
     if group is None:
         logp_n, ent_n = compute_logprobs_local(logits[:, :vocab_size], labels, with_entropy)
     else:
         logp_n, ent_n = compute_vocab_parallel_logprobs(logits, labels, vocab_size, group, with_entropy)
-    logp = torch.zeros(batch, length, device=device, dtype=logp_n.dtype).index_put((b_idx, t_idx), logp_n)
+    logp = torch.zeros(*shape, device=device, dtype=logp_n.dtype).index_put((b_idx, t_idx), logp_n)
     if not with_entropy:
         return logp
-    entropy = torch.zeros(batch, length, device=device).index_put((b_idx, t_idx), ent_n.detach().float())
+    entropy = torch.zeros(*shape, device=device).index_put((b_idx, t_idx), ent_n.detach().float())
     return logp, entropy
 
 

@@ -14,6 +14,13 @@ seq-mean-token-mean it is `1/N_seq * sum_i mean_t l_it` over the N_seq sequences
 by `n_seq / N_seq` (`n_tok / N_tok`); the scaled micro-batch losses of all micro-batches and all DP ranks sum to the
 mini-batch loss. Megatron DDP then *averages* grads over DP, so each rank backpropagates `dp * scaled loss`.
 N_seq and N_tok come from the full mini-batch, which every rank holds, so no extra collective is needed.
+
+Shared prefixes (trainer.shared_prefix). The completions of one prompt are forwarded as one group row [prompt |
+c_1 | ... | c_G] (trainer/group_rows.py): exact, the prompt computed once. Micro-batches still carry their rows in
+the original [b, L] layout and `forward_group_logprobs` returns log-probs there, so the loss, its scaling and the
+metrics above are unchanged; DP ranks take whole prompt groups and pad with fully masked dummy micro-batches to
+equal forward counts. Policy forwards that record routing per row (Routing Replay R2, routing drift) use padded
+rows (logged once); router churn works on group rows (prefix tokens counted once per row that uses them).
 """
 from __future__ import annotations
 
@@ -42,7 +49,14 @@ from gspo_ray.trainer.optim import (
     zero_grads,
 )
 from gspo_ray.trainer.megatron_cpu_compat import cpu_device_mode
-from gspo_ray.trainer.batch_layout import loss_units, micro_batch_rows, micro_batches, routing_keys, split_rows
+from gspo_ray.trainer.batch_layout import (
+    MicroBatch,
+    group_micro_batches,
+    loss_units,
+    routing_keys,
+    row_micro_batches,
+)
+from gspo_ray.trainer.group_rows import shard_token_order, warn_once
 from gspo_ray.trainer.metric_accumulator import MetricAccumulator
 from gspo_ray.trainer.pg_weights import build_pg_weight
 from gspo_ray.trainer.router_churn import RouterRecorder, comm_device
@@ -102,6 +116,7 @@ class TrainerWorker:
         self.replay = build_routing_replay(self.gpt, trainer_cfg.routing_replay)  # None unless R2 on an MoE
         self.drift = RoutingDrift(self.gpt) if trainer_cfg.routing_drift and self.recorder.routers else None
         self.forward_passes: dict[str, int] = {}  # model forwards since the last train_step returned, by kind
+        self.forward_tokens: dict[str, int] = {}  # and the tokens they computed (padding included)
         self._version = 0
         self.skipped = SkippedSteps(trainer_cfg.max_skipped_steps)  # non-finite steps: skipped, then fatal
         self.temperature = temperature  # the rollout's sampling temperature: log-probs of logits / T
@@ -122,23 +137,49 @@ class TrainerWorker:
                 "ep_rank": ps.get_expert_model_parallel_rank(), "etp_rank": ps.get_expert_tensor_parallel_rank()}
 
     # ---- forward helpers -----------------------------------------------------------------------------------------
-    def _logprobs(self, model, mb: TrainBatch, purpose: str, with_entropy: bool = False,
+    def _logprobs(self, model, mb: MicroBatch, purpose: str, with_entropy: bool = False,
                   loss_tokens_only: bool = False, temperature: float | None = None):
-        """[B, L] log-probs of mb.tokens (and [B, L] entropies, detached, when with_entropy). loss_tokens_only:
-        score only loss-masked tokens (others read 0): the output layer then skips prompt positions.
-        temperature: of the scored distribution (default: the rollout's sampling temperature). purpose: what the
-        forward is for ("train", "reference", "old_logprobs", "probe", "router_churn"), counted in
-        `forward_passes` so benchmarks and tests see every forward a rollout batch costs."""
-        from gspo_ray.trainer.logprobs import forward_logprobs
+        """[B, L] log-probs of mb.batch.tokens (and [B, L] entropies, detached, when with_entropy), computed on its
+        group rows when it has a layout. loss_tokens_only: score only loss-masked tokens (others read 0): the output
+        layer then skips prompt positions. temperature: of the scored distribution (default: the rollout's sampling
+        temperature). purpose: what the forward is for ("train", "reference", "old_logprobs", "probe",
+        "router_churn"), counted in `forward_passes` (and its tokens in `forward_tokens`) so benchmarks and tests
+        see every forward a rollout batch costs."""
+        from gspo_ray.trainer.logprobs import forward_group_logprobs, forward_logprobs
 
-        score_mask = mb.loss_mask.bool() if loss_tokens_only else None
+        rows = mb.batch
+        score_mask = rows.loss_mask.bool() if loss_tokens_only else None
         self.forward_passes[purpose] = self.forward_passes.get(purpose, 0) + 1
-        t = self.temperature if temperature is None else temperature
+        self.forward_tokens[purpose] = self.forward_tokens.get(purpose, 0) + mb.num_tokens
+        kw = dict(with_entropy=with_entropy, score_mask=score_mask,
+                  temperature=self.temperature if temperature is None else temperature)
+        if mb.layout is None:
+            out = forward_logprobs(model, rows.tokens, rows.lengths, **kw)
+        else:
+            out = forward_group_logprobs(model, rows.tokens, rows.lengths, mb.layout, **kw)
         if not with_entropy:
-            return forward_logprobs(model, mb.tokens, mb.lengths, score_mask=score_mask, temperature=t).float()
-        logp, entropy = forward_logprobs(model, mb.tokens, mb.lengths, with_entropy=True, score_mask=score_mask,
-                                         temperature=t)
+            return out.float()
+        logp, entropy = out
         return logp.float(), entropy.detach().float()
+
+    def _plan(self, batch: TrainBatch, policy_routing: bool) -> list[MicroBatch]:
+        """This DP rank's micro-batches of `batch`: shared-prefix group rows when trainer.shared_prefix is on and
+        the batch has prompts to share, else padded rows. policy_routing: a policy forward that Routing Replay /
+        routing drift watch; they record routing per padded row, so that forward keeps padded rows."""
+        cfg = self.cfg
+        share = cfg.shared_prefix
+        if share and policy_routing and (self.replay is not None or self.drift is not None):
+            warn_once("routing_rows", "shared_prefix: policy forwards use padded rows while %s records routing "
+                      "per row", "Routing Replay" if self.replay is not None else "routing drift")
+            share = False
+        if share:
+            tp = parallel_state.get_tensor_model_parallel_world_size()
+            multiple = tp if self.gpt.config.sequence_parallel else 1
+            mbs = group_micro_batches(batch, self.dp_rank, self.dp_size, cfg.micro_batch_size,
+                                      cfg.micro_batch_tokens, multiple)
+            if mbs is not None:
+                return mbs
+        return row_micro_batches(batch, self.dp_rank, self.dp_size, cfg.micro_batch_size, cfg.micro_batch_tokens)
 
     @torch.no_grad()
     def compute_logprobs(self, batch: TrainBatch, reference: bool = False, temperature: float | None = None,
@@ -151,43 +192,43 @@ class TrainerWorker:
             raise ValueError("compute_logprobs(reference=True) needs algorithm.beta > 0 (no reference model)")
         was_training = model.training
         model.eval()
-        local = split_rows(batch, self.dp_rank, self.dp_size)
         width = batch.tokens.shape[1]
-        out = torch.zeros(local.num_sequences, width)
-        start = 0
+        out = torch.zeros(batch.num_sequences, width)
         sampler = purpose == "old_logprobs" and not reference  # the policy that sampled: R2 and drift record
-        for mb in micro_batches(local, micro_batch_rows(batch, self.cfg.micro_batch_size,
-                                                        self.cfg.micro_batch_tokens)):
+        for mb in self._plan(batch, policy_routing=sampler):
             with self._routing_records(mb) if sampler else contextlib.nullcontext():
                 lp = self._logprobs(model, mb, "reference" if reference else purpose,
                                     temperature=temperature).cpu()
-            out[start:start + mb.num_sequences, :lp.shape[1]] = lp
-            start += mb.num_sequences
+            real = [i for i, r in enumerate(mb.rows) if r >= 0]  # padding rows and dummies are dropped
+            out[[mb.rows[i] for i in real], :lp.shape[1]] = lp[real]
         model.train(was_training)
+        if sampler:
+            self._share_routing_records()
         valid = torch.arange(width)[None, :] < batch.lengths.reshape(-1, 1)
-        if self.dp_size > 1:
+        if self.dp_size > 1:  # each row was computed by exactly one DP rank; the others hold 0 there
             out = out.to(comm_device(self.dp_group))
-            parts = [torch.empty_like(out) for _ in range(self.dp_size)]
-            dist.all_gather(parts, out, group=self.dp_group)
-            out = torch.cat(parts).cpu()
-        return torch.where(valid, out[:batch.num_sequences], 0.0)
+            dist.all_reduce(out, group=self.dp_group)
+            out = out.cpu()
+        return torch.where(valid, out, 0.0)
 
     # ---- training ------------------------------------------------------------------------------------------------
     def _churn_now(self) -> bool:
         every = self.cfg.router_churn_every
         return bool(every) and bool(self.recorder.routers) and self._version % every == 0
 
-    def _micro_step(self, mb: TrainBatch, totals: float, norm_len: float, acc: MetricAccumulator,
+    def _micro_step(self, micro: MicroBatch, totals: float, norm_len: float, acc: MetricAccumulator,
                     churn: bool, eps: tuple[float, float]) -> None:
-        """Forward, loss and backward of one micro-batch; grads accumulate in DDP's buffers."""
+        """Forward, loss and backward of one micro-batch; grads accumulate in DDP's buffers. The loss is computed
+        on micro.batch's rows in their original layout, whichever layout the forward used."""
+        mb = micro.batch
         ref_logp = mb.ref_logp
         if ref_logp is None and self.ref_model is not None:
             with torch.no_grad():
-                ref_logp = self._logprobs(self.ref_model, mb, "reference", loss_tokens_only=True)
-        capture = self.recorder.capture(mb.lengths, "before") if churn else contextlib.nullcontext()
+                ref_logp = self._logprobs(self.ref_model, micro, "reference", loss_tokens_only=True)
+        capture = self._churn_capture(micro, "before") if churn else contextlib.nullcontext()
         # replay first: a recording forward it runs is neither captured nor watched
-        with self._routing_records(mb), capture:
-            logp, entropy = self._logprobs(self.gpt, mb, "train", with_entropy=True, loss_tokens_only=True)
+        with self._routing_records(micro), capture:
+            logp, entropy = self._logprobs(self.gpt, micro, "train", with_entropy=True, loss_tokens_only=True)
         a = self.algo
         old_logp, adv, mask = mb.old_logp.to(logp), mb.adv.to(logp), mb.loss_mask.bool().to(logp.device)
         # dilution mask / mismatch correction (None when both are off); their metrics join the loss's
@@ -214,8 +255,7 @@ class TrainerWorker:
         totals = loss_units(batch.loss_mask, a.aggregation)
         norm_len = None if a.norm_len is None else float(a.norm_len)  # a constant (see __init__), never the width
         churn = self._churn_now()
-        rows = micro_batch_rows(batch, self.cfg.micro_batch_size, self.cfg.micro_batch_tokens)
-        mbs = micro_batches(split_rows(batch, self.dp_rank, self.dp_size), rows)
+        mbs = self._plan(batch, policy_routing=True)
         acc = MetricAccumulator(per_sequence_ratio=a.importance_sampling_level != "token")
         self.gpt.train()
         zero_grads(self.ddp, self.optimizer)
@@ -235,43 +275,78 @@ class TrainerWorker:
             metrics |= self._router_churn(mbs)
         if self.drift is not None:
             metrics |= self.drift.metrics()  # all ranks, like churn
+        self._share_routing_records()
         metrics |= {"train/eps_low": eps[0], "train/eps_high": eps[1]}  # the band this step trained with
         metrics |= {f"train/forward_passes_{k}": float(v) for k, v in self.forward_passes.items()}
-        self.forward_passes = {}
+        # tokens this rank's training forwards computed, padding included (shared prefixes lower them)
+        metrics["train/forward_tokens"] = float(self.forward_tokens.get("train", 0))
+        self.forward_passes, self.forward_tokens = {}, {}
         metrics |= {"train/grad_norm": grad_norm, "train/lr": lr, "train/step_ok": float(ok),
                     "train/skipped_steps": float(self.skipped.total),
                     "train/policy_version": float(self._version), "train/step_s": time.perf_counter() - t0}
         return metrics
 
+    def _share_routing_records(self) -> None:
+        """Routing records (R2, drift) stored on this DP rank reach the others (collective): rows change DP rank
+        between passes, and a row must replay (or compare with) its first sight wherever it trains next."""
+        for records in (self.replay, self.drift):
+            if records is not None:
+                records.share(self.dp_group)
+
     @torch.no_grad()
-    def _router_churn(self, mbs: list[TrainBatch]) -> dict[str, float]:
+    def _router_churn(self, mbs: list[MicroBatch]) -> dict[str, float]:
         """Re-run the step's micro-batches with the new weights and compare top-k choices (see router_churn)."""
         self.gpt.eval()
         for mb in mbs:
-            with self._replayed(mb), self.recorder.capture(mb.lengths, "after"):
+            with self._replayed(mb), self._churn_capture(mb, "after"):
                 self._logprobs(self.gpt, mb, "router_churn")
         self.gpt.train()
         metrics = self.recorder.churn_metrics()  # all ranks: DP rows and SP shards are disjoint token sets
         self.recorder.clear()
         return metrics
 
-    def _routing_records(self, mb: TrainBatch) -> contextlib.ExitStack:
-        """Routing Replay, then routing drift, around a policy forward of `mb` (one set of row keys for both)."""
+    @contextlib.contextmanager
+    def _churn_capture(self, mb: MicroBatch, phase: str):
+        """RouterRecorder.capture around a forward of `mb`. After a group-row forward the recorded routing maps
+        (one entry per real group-row token of this rank's shard) are re-expanded to the rows' own tokens, so
+        churn counts each prefix token once per row that uses it, as padded rows do (dummy rows count nothing)."""
+        if mb.layout is None:
+            with self.recorder.capture(mb.batch.lengths, phase):
+                yield
+            return
+        with self.recorder.capture(mb.layout.lengths, phase):
+            yield
+        width = mb.layout.tokens.shape[1]
+        s_local, offset = width, 0
+        if self.gpt.config.sequence_parallel:  # each TP rank's routers see one shard of the positions
+            s_local = width // parallel_state.get_tensor_model_parallel_world_size()
+            offset = parallel_state.get_tensor_model_parallel_rank() * s_local
+        lengths = torch.where(torch.tensor(mb.rows) >= 0, mb.batch.lengths, 0)
+        order = shard_token_order(mb.layout, lengths, s_local, offset)
+        for maps in self.recorder.maps[phase].values():
+            maps[-1] = maps[-1][order]
+
+    def _routing_records(self, micro: MicroBatch) -> contextlib.ExitStack:
+        """Routing Replay, then routing drift, around a policy forward of `micro` (one set of row keys for both;
+        padded rows only, see _plan)."""
         stack = contextlib.ExitStack()
         if self.replay is None and self.drift is None:
             return stack
-        keys = routing_keys(mb)
-        stack.enter_context(self._replayed(mb, keys))  # first: its recording forward is not watched
+        if micro.layout is not None:
+            raise RuntimeError("routing records are per padded row: _plan must not give group rows here")
+        keys = routing_keys(micro.batch)
+        stack.enter_context(self._replayed(micro, keys))  # first: its recording forward is not watched
         if self.drift is not None:
-            stack.enter_context(self.drift.watch(keys, mb.lengths, self._version))
+            stack.enter_context(self.drift.watch(keys, micro.batch.lengths, self._version))
         return stack
 
-    def _replayed(self, mb: TrainBatch, keys: list[str] | None = None):
-        """Routing Replay around a policy forward of `mb` (records its routing the first time; see routing_replay)."""
+    def _replayed(self, micro: MicroBatch, keys: list[str] | None = None):
+        """Routing Replay around a policy forward of `micro` (records its routing the first time; see
+        routing_replay)."""
         if self.replay is None:
             return contextlib.nullcontext()
-        return self.replay.forward(keys or routing_keys(mb), mb.lengths, self._version,
-                                   record_fn=lambda: self._logprobs(self.gpt, mb, "routing_record",
+        return self.replay.forward(keys or routing_keys(micro.batch), micro.batch.lengths, self._version,
+                                   record_fn=lambda: self._logprobs(self.gpt, micro, "routing_record",
                                                                     loss_tokens_only=True))
 
     def _check_batch(self, batch: TrainBatch) -> None:

@@ -1,0 +1,229 @@
+"""Shared-prefix ("group row") layout: the completions of one prompt forwarded as one row, the prompt once.
+
+Rows b_1..b_G of a TrainBatch that belong to one prompt (same prompt_uid in `uids = "prompt_uid/sample_index"`)
+and share their first P tokens become one group row
+
+    [ x_0 .. x_{P-1} | c_1 | c_2 | ... | c_G ]            c_j = tokens[b_j, P:lengths[b_j]]   (may be empty)
+
+with
+  * an attention mask (True = masked, Megatron's convention): a query in the prefix sees the prefix causally; a
+    query in segment j sees the whole prefix and the earlier tokens of segment j, nothing of other segments;
+  * position ids 0..P-1 on the prefix and P, P+1, ... on every segment (each continues from the prefix);
+  * an index map `col_of[b, t]`: the group-row column holding tokens[b, t] (t < P: t; t >= P: start_j + t - P).
+
+So the model output at column col_of[b, t-1] depends on exactly tokens[b, :t] at positions 0..t-1: it *is* the
+unshared row's output at t - 1, and it scores tokens[b, t] (the prefix's last column scores the first token of
+every segment). Correctness needs only that P is a common prefix of the group's rows, never where the prompt
+ends: P is the longest common prefix of the rows (a completion's first tokens may be shared too), nothing is
+guessed from loss_mask (fully masked completions are just rows like the others), and a group whose rows share
+no token is forwarded as separate rows.
+
+Packing. A group row holds at most `max_rows` completions and, when a token cap is given, at most that many
+tokens; it also stays within MAX_GROW x its longest member row, because the dense [W, W] mask makes attention
+cost grow with the group row's width W (a group of 64 long completions is split into several group rows, each
+with its own copy of the prefix). Group rows are then packed into micro-batches (longest first) of at most
+`max_rows` completions and, with a token cap, at most `max_tokens` padded tokens (rows x the longest group row).
+Everything here is pure torch on CPU tensors and deterministic, so every rank derives the same layout.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from gspo_ray.data.records import TrainBatch
+
+log = logging.getLogger(__name__)
+
+MAX_GROW = 4  # a group row is at most this many times as wide as its longest member row (attention cost)
+_warned: set[str] = set()
+
+
+def warn_once(key: str, msg: str, *args) -> None:
+    """log.warning the first time `key` is seen in this process (fallbacks are per-batch decisions)."""
+    if key not in _warned:
+        _warned.add(key)
+        log.warning(msg, *args)
+
+
+@dataclass(frozen=True)
+class GroupRow:
+    """Rows (indices into a batch) forwarded as one group row: a shared prefix of `prefix` tokens, then each
+    row's remaining tokens; `segments[j] = lengths[rows[j]] - prefix`."""
+
+    rows: tuple[int, ...]
+    prefix: int
+    segments: tuple[int, ...]
+
+    @property
+    def length(self) -> int:
+        return self.prefix + sum(self.segments)
+
+
+@dataclass
+class GroupLayout:
+    """The tensors of one micro-batch of group rows (R group rows of width W) for a batch of B rows of width L.
+
+    tokens         [R, W] long   group rows, right padded with 0 (W a multiple of `width_multiple`)
+    position_ids   [R, W] long   prefix 0..P-1, each segment P, P+1, ...; padding: its column index
+    attention_mask [R, 1, W, W] bool, True = masked (see the module docstring); padding queries see all earlier
+                                 columns (their outputs are never read)
+    lengths        [R]    long   real tokens of each group row
+    row_of         [B]    long   the group row holding original row b
+    col_of         [B, L] long   the column of tokens[b, t] in group row row_of[b]; -1 at t >= lengths[b]
+    """
+
+    tokens: Tensor
+    position_ids: Tensor
+    attention_mask: Tensor
+    lengths: Tensor
+    row_of: Tensor
+    col_of: Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens forwarded (padding included)."""
+        return int(self.tokens.numel())
+
+
+def prompt_key(uid: str) -> str:
+    """"prompt_uid/sample_index" -> "prompt_uid" (a uid without "/" is its own prompt)."""
+    return uid.rsplit("/", 1)[0]
+
+
+def find_groups(uids: list[str], num_rows: int) -> list[list[int]] | None:
+    """Row indices per prompt, in order of first appearance; None when the rows carry no (or wrong) uids."""
+    if not uids or len(uids) != num_rows:
+        return None
+    groups: dict[str, list[int]] = {}
+    for i, uid in enumerate(uids):
+        groups.setdefault(prompt_key(uid), []).append(i)
+    return list(groups.values())
+
+
+def common_prefix(tokens: Tensor, lengths: Tensor, rows: list[int]) -> int:
+    """Length of the longest common prefix of tokens[rows[j], :lengths[rows[j]]] (at most the shortest row)."""
+    shortest = min(int(lengths[b]) for b in rows)
+    block = tokens[rows, :shortest]
+    differs = (block != block[:1]).any(dim=0).nonzero()
+    return int(differs[0]) if len(differs) else shortest
+
+
+def split_group(rows: list[int], prefix: int, lengths: list[int], max_rows: int,
+                max_tokens: int | None) -> list[GroupRow]:
+    """One prompt's rows -> group rows of at most max_rows rows, max_tokens tokens (when set) and MAX_GROW x the
+    longest member; each group row has at least one row (a row longer than the caps still trains, alone)."""
+    out, cur, width, longest = [], [], prefix, 0
+    for b in rows:
+        seg = lengths[b] - prefix
+        new_longest = max(longest, lengths[b])
+        cap = MAX_GROW * new_longest if max_tokens is None else min(max_tokens, MAX_GROW * new_longest)
+        if cur and (len(cur) >= max_rows or width + seg > cap):
+            out.append(GroupRow(tuple(cur), prefix, tuple(lengths[c] - prefix for c in cur)))
+            cur, width, new_longest = [], prefix, lengths[b]
+        cur.append(b)
+        width += seg
+        longest = new_longest
+    if cur:
+        out.append(GroupRow(tuple(cur), prefix, tuple(lengths[c] - prefix for c in cur)))
+    return out
+
+
+def plan_group_rows(batch: TrainBatch, max_rows: int, max_tokens: int | None = None) -> list[GroupRow] | None:
+    """The group rows of a whole batch, or None when it has nothing to share (no uids; no prompt with >= 2 rows
+    sharing >= 1 token): then the caller forwards padded rows as before. A prompt whose rows share no token is
+    laid out as one group row per row (causal, nothing shared) and logged once."""
+    groups = find_groups(batch.uids, batch.num_sequences)
+    if groups is None:
+        warn_once("no_uids", "shared_prefix: batch rows carry no prompt uids; forwarding unshared rows")
+        return None
+    lengths = [int(n) for n in batch.lengths.tolist()]
+    out, shared = [], False
+    for rows in groups:
+        prefix = common_prefix(batch.tokens, batch.lengths, rows) if len(rows) > 1 else 0
+        if prefix == 0:
+            if len(rows) > 1:
+                warn_once("no_prefix", "shared_prefix: rows of prompt group %s share no prefix; forwarding them "
+                          "unshared", batch.uids[rows[0]])
+            out += [GroupRow((b,), lengths[b], (0,)) for b in rows]
+            continue
+        parts = split_group(rows, prefix, lengths, max_rows, max_tokens)
+        shared |= any(len(p.rows) > 1 for p in parts)
+        out += parts
+    return out if shared else None
+
+
+def pack_group_rows(units: list[GroupRow], max_rows: int, max_tokens: int | None = None) -> list[list[GroupRow]]:
+    """Group rows -> micro-batches, longest first: at most max_rows completions and (with a token cap) at most
+    max_tokens padded tokens (group rows x the longest one) each; a unit over the caps goes alone."""
+    order = sorted(range(len(units)), key=lambda i: (-units[i].length, i))
+    packs, cur, rows, width = [], [], 0, 0
+    for i in order:
+        u = units[i]
+        w = max(width, u.length)
+        if cur and (rows + len(u.rows) > max_rows or (max_tokens is not None and (len(cur) + 1) * w > max_tokens)):
+            packs.append(cur)
+            cur, rows, w = [], 0, u.length
+        cur.append(u)
+        rows += len(u.rows)
+        width = w
+    if cur:
+        packs.append(cur)
+    return packs
+
+
+def build_layout(batch: TrainBatch, units: list[GroupRow], width_multiple: int = 1) -> GroupLayout:
+    """The GroupLayout of `units`, whose rows index `batch` and together cover each of its rows exactly once."""
+    b, length = batch.tokens.shape
+    widths = [u.length for u in units]
+    width = max(max(widths, default=1), 1)
+    width = -(-width // width_multiple) * width_multiple
+    r = len(units)
+    tokens = torch.zeros(r, width, dtype=torch.long)
+    positions = torch.arange(width).repeat(r, 1)
+    seg = torch.full((r, width), -1, dtype=torch.long)  # 0 = prefix, j + 1 = segment j, -1 = padding
+    row_of = torch.full((b,), -1, dtype=torch.long)
+    col_of = torch.full((b, length), -1, dtype=torch.long)
+    for g, u in enumerate(units):
+        p = u.prefix
+        tokens[g, :p] = batch.tokens[u.rows[0], :p]
+        seg[g, :p] = 0
+        start = p
+        for j, (row, n) in enumerate(zip(u.rows, u.segments)):
+            if row_of[row] >= 0:
+                raise ValueError(f"row {row} is in two group rows")
+            row_of[row] = g
+            col_of[row, :p] = torch.arange(p)
+            tokens[g, start:start + n] = batch.tokens[row, p:p + n]
+            positions[g, start:start + n] = torch.arange(p, p + n)
+            seg[g, start:start + n] = j + 1
+            col_of[row, p:p + n] = torch.arange(start, start + n)
+            start += n
+    if (row_of < 0).any():
+        raise ValueError(f"rows {(row_of < 0).nonzero().flatten().tolist()} are in no group row")
+    causal = torch.ones(width, width, dtype=torch.bool).tril()
+    seg_q, seg_k = seg[:, :, None], seg[:, None, :]
+    visible = causal & ((seg_k == 0) | (seg_k == seg_q) | (seg_q < 0))
+    return GroupLayout(tokens=tokens, position_ids=positions, attention_mask=~visible[:, None],
+                       lengths=torch.tensor(widths, dtype=torch.long), row_of=row_of, col_of=col_of)
+
+
+def shard_token_order(layout: GroupLayout, lengths: Tensor, s_local: int, offset: int) -> Tensor:
+    """Re-expand per-token records of a group forward into the unshared layout's tokens.
+
+    A hook that records one entry per real group-row token of this rank's sequence shard, sequence-major
+    (entry order: column s in [offset, offset + s_local), then group row r, keeping s < layout.lengths[r]; what
+    router_churn.RouterRecorder keeps), gives a list X. Returns idx such that X[idx] holds one entry per real token
+    (b, t < lengths[b]) of the original rows whose column lies in this shard, row-major: prefix tokens appear once
+    per row that uses them, as in an unshared forward.
+    """
+    r = layout.tokens.shape[0]
+    cols = torch.arange(offset, offset + s_local)
+    kept = cols[:, None] < layout.lengths[None, :r]                       # [S_local, R] recorded entries
+    entry = torch.cumsum(kept.reshape(-1).long(), 0).reshape(kept.shape) - 1
+    b_idx, t_idx = (torch.arange(layout.col_of.shape[1])[None] < lengths[:, None]).nonzero(as_tuple=True)
+    col = layout.col_of[b_idx, t_idx]
+    mine = (col >= offset) & (col < offset + s_local)
+    return entry[col[mine] - offset, layout.row_of[b_idx[mine]]]
