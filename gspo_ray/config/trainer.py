@@ -39,9 +39,9 @@ class TrainerConfig(Strict):
     shared_prefix: bool = Field(True, description="lay out each prompt group as one row [prompt | c_1 | ... | "
                                 "c_G] (the prompt forwarded once, each completion attending to the prompt and "
                                 "itself; RoPE positions continue from the prompt): exact, and fewer tokens "
-                                "forwarded (trainer/group_rows.py); false = one padded row per completion. MoE "
-                                "policy forwards stay on padded rows while routing_replay or routing_drift records "
-                                "routing per row")
+                                "forwarded (trainer/group_rows.py); false = one padded row per completion. With "
+                                "routing_replay R2 the policy forwards stay on padded rows (R2 records and replays "
+                                "routing per row)")
     use_distributed_optimizer: bool = Field(False, description="shard optimizer state over DP (ZeRO-1)")
     moe_dispatcher: Literal["alltoall", "allgather"] = Field("alltoall", description="MoE token dispatcher")
     router_churn_every: int = Field(10, ge=0, description="measure router churn every N steps (0 = never): it "

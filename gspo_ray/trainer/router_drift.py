@@ -13,6 +13,10 @@ router's input even when Routing Replay overrides what the layer uses (so under 
 unreplayed routing has moved, while the layer runs on the recorded one). Top-k of the logits equals top-k of the
 softmax scores (monotone); routers with an expert bias or group-limited top-k are refused.
 
+Shared-prefix group rows (trainer.shared_prefix): `watch(..., layout=...)` reads each original row's tokens out of
+its group row (`layout.row_of`, `layout.col_of`), so a shared prompt token counts once per completion that uses it,
+exactly as on padded rows, and records are per original row either way.
+
 Which forward stores: the first one that sees a uid. With `coordinator.recompute_old_logprobs` that is the
 old-log-prob forward over the whole rollout batch, run by the policy that sampled it (exact). Without it, the
 first training forward stores: exact for the first mini-batch, a lower bound for the later ones of pass 1.
@@ -26,6 +30,14 @@ import torch.distributed as dist
 
 from gspo_ray.trainer.router_churn import comm_device, find_routers
 from gspo_ray.trainer.routing_replay import forget_idle, gather_sequence, share_records, sp_offset
+
+
+def rows_of_group_layout(idx: torch.Tensor, layout) -> torch.Tensor:
+    """Top-k ids of a group-row forward [W, R, k] -> those of each original row's tokens [L, B, k]: token t of
+    row b sits at column col_of[b, t] of group row row_of[b] (columns past a row's length read column 0; the
+    callers mask by length)."""
+    cols = layout.col_of.clamp(min=0).to(idx.device)  # [B, L]
+    return idx[cols.T, layout.row_of.to(idx.device)[None, :]]
 
 
 class RoutingDrift:
@@ -44,6 +56,7 @@ class RoutingDrift:
         self.counts = torch.zeros(len(self.routers), 2, dtype=torch.float64)  # (changed choices, k * tokens)
         self._uids: list[str] | None = None
         self._lengths = torch.zeros(0, dtype=torch.long)
+        self._layout = None  # a GroupLayout while a group-row forward is watched
         self._handles = [r.register_forward_pre_hook(self._hook(i)) for i, (_, r) in enumerate(self.routers)]
 
     def _hook(self, i: int):
@@ -58,6 +71,9 @@ class RoutingDrift:
             idx = gather_sequence(idx, module)
             if sp_offset(module, s_local) > 0:
                 return  # under sequence parallelism the first TP rank counts the gathered sequence
+            if self._layout is not None:  # group rows [S, R, k] -> each original row's tokens [L, B, k]
+                idx = rows_of_group_layout(idx, self._layout)
+                batch = idx.shape[1]
             idx = idx.sort(dim=-1).values.cpu().to(torch.int16)  # [S, B, k]
             uids, lengths = self._uids[:batch], self._lengths[:batch]
             compare = []
@@ -81,8 +97,9 @@ class RoutingDrift:
         return hook
 
     @contextlib.contextmanager
-    def watch(self, uids: list[str], lengths: torch.Tensor, version: int):
-        """Forwards inside store (first sight) or compare (later) the routing of rows `uids` (lengths [B])."""
+    def watch(self, uids: list[str], lengths: torch.Tensor, version: int, layout=None):
+        """Forwards inside store (first sight) or compare (later) the routing of rows `uids` (lengths [B]);
+        `layout`: the GroupLayout the forward runs on instead of the padded rows."""
         if not self.routers:
             yield
             return
@@ -91,11 +108,11 @@ class RoutingDrift:
             if len(self.store.get(u, ())) not in (0, len(self.routers)):
                 self.store.pop(u)  # a partial record (an interrupted forward) starts over
             self.last_used[u] = version
-        self._uids, self._lengths = list(uids), lengths.cpu()
+        self._uids, self._lengths, self._layout = list(uids), lengths.cpu(), layout
         try:
             yield
         finally:
-            self._uids = None
+            self._uids, self._layout = None, None
 
     def share(self, group=None) -> int:
         """Records stored on any DP rank become known on all of them, so a row compares against its first sight

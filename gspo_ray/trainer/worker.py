@@ -165,12 +165,13 @@ class TrainerWorker:
     def _plan(self, batch: TrainBatch, policy_routing: bool) -> list[MicroBatch]:
         """This DP rank's micro-batches of `batch`: shared-prefix group rows when trainer.shared_prefix is on and
         the batch has prompts to share, else padded rows. policy_routing: a policy forward that Routing Replay /
-        routing drift watch; they record routing per padded row, so that forward keeps padded rows."""
+        routing drift watch. Routing Replay records and replays per padded row, so with it that forward keeps
+        padded rows; drift reads each row's tokens out of the group rows."""
         cfg = self.cfg
         share = cfg.shared_prefix
-        if share and policy_routing and (self.replay is not None or self.drift is not None):
-            warn_once("routing_rows", "shared_prefix: policy forwards use padded rows while %s records routing "
-                      "per row", "Routing Replay" if self.replay is not None else "routing drift")
+        if share and policy_routing and self.replay is not None:
+            warn_once("routing_rows", "shared_prefix: policy forwards use padded rows while Routing Replay "
+                      "records and replays routing per row")
             share = False
         if share:
             tp = parallel_state.get_tensor_model_parallel_world_size()
@@ -328,16 +329,16 @@ class TrainerWorker:
 
     def _routing_records(self, micro: MicroBatch) -> contextlib.ExitStack:
         """Routing Replay, then routing drift, around a policy forward of `micro` (one set of row keys for both;
-        padded rows only, see _plan)."""
+        Replay on padded rows only, see _plan)."""
         stack = contextlib.ExitStack()
         if self.replay is None and self.drift is None:
             return stack
-        if micro.layout is not None:
-            raise RuntimeError("routing records are per padded row: _plan must not give group rows here")
+        if micro.layout is not None and self.replay is not None:
+            raise RuntimeError("Routing Replay records per padded row: _plan must not give group rows here")
         keys = routing_keys(micro.batch)
         stack.enter_context(self._replayed(micro, keys))  # first: its recording forward is not watched
         if self.drift is not None:
-            stack.enter_context(self.drift.watch(keys, micro.batch.lengths, self._version))
+            stack.enter_context(self.drift.watch(keys, micro.batch.lengths, self._version, layout=micro.layout))
         return stack
 
     def _replayed(self, micro: MicroBatch, keys: list[str] | None = None):

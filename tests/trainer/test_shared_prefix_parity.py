@@ -49,8 +49,9 @@ def ragged_groups(vocab: int, seed: int = 0):
 def _one_step(rank, world_size, port, model_dir, batch, shared, tp, ep, beta, drift=False):
     from gspo_ray.trainer.worker import TrainerWorker
 
-    tcfg = trainer_cfg(world_size, tp=tp, ep=ep, micro_batch_size=6, grad_clip=0.0, lr=1e-3, shared_prefix=shared,
-                       routing_drift=drift, router_churn_every=1)
+    # drift runs take a large step and a second one, so routing moves and drift has something to count
+    tcfg = trainer_cfg(world_size, tp=tp, ep=ep, micro_batch_size=6, grad_clip=0.0, lr=0.05 if drift else 1e-3,
+                       shared_prefix=shared, routing_drift=drift, router_churn_every=1)
     w = TrainerWorker(rank, world_size, "127.0.0.1", port, model_dir, tcfg, algo_cfg(beta=beta))
     logp = w.compute_logprobs(batch)
     if not batch.old_logp.any():  # the sampling policy, nudged per row so some ratios leave the clip band
@@ -59,16 +60,21 @@ def _one_step(rank, world_size, port, model_dir, batch, shared, tp, ep, beta, dr
     ref = w.compute_logprobs(batch, reference=True) if beta > 0 else None
     metrics = w.train_step(batch)
     grads = {n: p.main_grad.detach().clone() for n, p in w.gpt.named_parameters()}
+    extra = {}
+    if drift:
+        extra = {"drift_store": {k: [t.clone() for t in v] for k, v in w.drift.store.items()},
+                 "second": w.train_step(batch)}
     # the next group's port, picked just before it is used (ports picked early get taken on a busy host)
     port = [free_port() if rank == 0 else None]
     torch.distributed.broadcast_object_list(port, src=0)
     w.shutdown()
-    return {"logp": logp, "ref": ref, "metrics": metrics, "grads": grads, "batch": batch, "next_port": port[0]}
+    return {"logp": logp, "ref": ref, "metrics": metrics, "grads": grads, "batch": batch, "next_port": port[0],
+            **extra}
 
 
 def _compare(rank, world_size, ports, cases, drift_case=None):
     """cases: [(model_dir, batch, tp, ep, beta)]: each run with sharing off, then on. drift_case: the index of a
-    case also run with sharing on and routing drift on (which records routing per padded row)."""
+    case also run with routing drift on, sharing off and on."""
     out, port = [], ports[0]
     for i, (model_dir, batch, tp, ep, beta) in enumerate(cases):
         off = _one_step(rank, world_size, port, model_dir, batch, False, tp, ep, beta)
@@ -76,8 +82,9 @@ def _compare(rank, world_size, ports, cases, drift_case=None):
         port = on["next_port"]
         out.append({"off": off, "on": on})
         if i == drift_case:
-            out[-1]["drift"] = _one_step(rank, world_size, port, model_dir, off["batch"], True, tp, ep, beta, True)
-            port = out[-1]["drift"]["next_port"]
+            for name, shared in (("drift_off", False), ("drift_on", True)):
+                out[-1][name] = _one_step(rank, world_size, port, model_dir, off["batch"], shared, tp, ep, beta, True)
+                port = out[-1][name]["next_port"]
     return out
 
 
@@ -128,12 +135,16 @@ def test_shared_prefix_step_equals_padded_rows(results, layout, arch):
                                                                             mo["train/forward_tokens"])
 
 
-def test_routing_drift_keeps_policy_forwards_on_padded_rows(results):
-    """Routing drift stores routing per padded row: with it on, training forwards fall back to padded rows (the
-    same tokens as sharing off, the same numbers), and drift is measured."""
+def test_routing_drift_on_group_rows_equals_padded_rows(results):
+    """Routing drift reads each row's tokens out of the group rows: the records it stores per row, and the drift
+    it measures after an update, equal those of padded rows, while the forwards share the prompt."""
     r = results[("single", "qwen3_moe")][0]
-    off, drift = r["off"], r["drift"]
-    assert drift["metrics"]["train/forward_tokens"] == off["metrics"]["train/forward_tokens"]
-    assert torch.equal(drift["logp"], off["logp"])
-    assert drift["metrics"]["train/loss"] == pytest.approx(off["metrics"]["train/loss"], rel=TOL)
-    assert "moe/drift_churn" in drift["metrics"]  # stored by the old-log-prob forward, compared by the step's
+    off, on = r["drift_off"], r["drift_on"]
+    assert 0 < on["metrics"]["train/forward_tokens"] < off["metrics"]["train/forward_tokens"]
+    assert _rel(on["logp"], off["logp"]) <= TOL
+    assert set(on["drift_store"]) == set(off["drift_store"]) and len(off["drift_store"]) > 0
+    for key, layers in off["drift_store"].items():
+        assert [t.tolist() for t in on["drift_store"][key]] == [t.tolist() for t in layers], key
+    assert off["second"]["moe/drift_churn"] > 0  # lr 0.05 moved the routers
+    for key in [k for k in off["second"] if k.startswith("moe/drift_churn")]:
+        assert on["second"][key] == pytest.approx(off["second"][key], abs=1e-9), key
