@@ -281,6 +281,7 @@ class TrainerWorker:
         metrics |= {f"train/forward_passes_{k}": float(v) for k, v in self.forward_passes.items()}
         # tokens this rank's training forwards computed, padding included (shared prefixes lower them)
         metrics["train/forward_tokens"] = float(self.forward_tokens.get("train", 0))
+        metrics["train/row_tokens"] = float(batch.lengths.sum())  # the mini-batch's tokens as one row per sample
         self.forward_passes, self.forward_tokens = {}, {}
         metrics |= {"train/grad_norm": grad_norm, "train/lr": lr, "train/step_ok": float(ok),
                     "train/skipped_steps": float(self.skipped.total),
