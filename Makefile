@@ -27,7 +27,7 @@ run: $(STAMP)
 	$(BIN)/gspo-ray train $(RECIPE) $(ARGS)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest tests -q -rs --durations=15
+	$(BIN)/python -m pytest tests -q -rs --durations=25
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest tests -q -m "not slow"

@@ -6,12 +6,13 @@
     moe      GRPO / GRPO+R2 / GSPO / GSPO-token on the upcycled SmolLM2 MoE (moe.py; long)
     rollout  one engine's generation tokens/s and the weight push per MB (rollout.py)
     probe    the base SmolLM2's pass@1 / pass@8 on candidate tasks: which one RL can improve (task_probe.py)
+    learn    make run's recipe to solution over seeds: held-out exact at fixed steps, when it is solved (learning.py)
     recovery in-job trainer recovery: a 60-step tiny run with a trainer kill vs one without (recovery.py)
     all      tiny + smollm2
 """
 from __future__ import annotations
 
-SUITES = ("tiny", "smollm2", "moe", "rollout", "probe", "recovery", "all")
+SUITES = ("tiny", "smollm2", "moe", "rollout", "probe", "learn", "recovery", "all")
 
 
 def run(suite: str = "all", *, quick: bool = False, steps: int = 6, seeds: tuple[int, ...] = (0,)) -> None:
@@ -30,6 +31,10 @@ def run(suite: str = "all", *, quick: bool = False, steps: int = 6, seeds: tuple
         from gspo_ray.bench.task_probe import run_probe
 
         run_probe()
+    if suite == "learn":
+        from gspo_ray.bench.learning import run_learning_bench
+
+        run_learning_bench(seeds=seeds if seeds != (0,) else (0, 1, 2))
     if suite == "recovery":
         from gspo_ray.bench.recovery import run_recovery_bench
 

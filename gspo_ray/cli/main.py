@@ -156,7 +156,9 @@ def scale(pool: str = typer.Argument(..., help="rollout | trainer"),
 def bench(quick: bool = typer.Option(False, help="fewer steps"),
           suite: str = typer.Option("all", help="tiny (the tiny-MoE tables) | smollm2 (the real-model table) | "
                                     "moe (GRPO / GRPO+R2 / GSPO / GSPO-token on the upcycled SmolLM2 MoE) | "
-                                    "rollout (generation tokens/s, weight push) | all (tiny + smollm2)"),
+                                    "rollout (generation tokens/s, weight push) | probe (the base model's pass@k per task) | "
+                                    "learn (make run's recipe to solution, seeds 0-2) | recovery (a trainer kill in a "
+                                    "60-step run) | all (tiny + smollm2)"),
           steps: int = typer.Option(6, help="steps per mode (smollm2) or per run (moe)"),
           seeds: str = typer.Option("0", help="moe suite: comma-separated seeds")):
     """Benchmarks (gspo_ray/bench/): per-phase time of training steps and what each suite measures, as tables."""
