@@ -1,6 +1,8 @@
 """In-job trainer recovery: a trainer rank SIGKILLed mid-run is rebuilt from the last complete checkpoint (or the
 initial weights before the first one), the coordinator rewinds to it, the steps since are replayed, and the job
 finishes every step, each once in metrics.jsonl."""
+import json
+import logging
 import os
 import signal
 
@@ -61,8 +63,24 @@ def test_trainer_killed_twice_recovers_in_job(tmp_path):
     assert all(torch.isfinite(t).all() for t in final["model"].values() if torch.is_tensor(t))
 
 
-def test_restart_budget_spent_stops_the_job(tmp_path):
-    cfg = _cfg(tmp_path, "coordinator.steps=3", "coordinator.checkpoint_every=1", "trainer.max_restarts=0",
-               "name=norestart", "coordinator.mode=sync", "algorithm.eps=fixed")
-    with pytest.raises(TrainerFailed, match="step_000001"):
-        run_job(cfg, after_step=kill_at({1}, []))
+def test_restart_budget_spent_stops_the_job_and_resume_skips_a_broken_checkpoint(tmp_path, caplog):
+    """With the restart budget spent a trainer death stops the job with its checkpoints intact; `--resume` then
+    passes over a newest checkpoint whose rank file was truncated (a crash mid-write on a volume without fsync) and
+    continues from the one before (before: EOFError from torch.load, `Aborted.` in the command)."""
+    def cfg(steps):
+        return _cfg(tmp_path, f"coordinator.steps={steps}", "coordinator.checkpoint_every=1", "trainer.max_restarts=0",
+                    "name=norestart", "coordinator.mode=sync", "algorithm.eps=fixed")
+
+    with pytest.raises(TrainerFailed, match="step_000002"):
+        run_job(cfg(4), after_step=kill_at({2}, []))
+    root = tmp_path / "norestart" / "checkpoints"
+    assert (root / "latest").read_text() == "step_000002"
+    rank_file = root / "step_000002" / "trainer" / "rank_0.pt"
+    rank_file.write_bytes(rank_file.read_bytes()[: rank_file.stat().st_size // 2])
+    with caplog.at_level(logging.WARNING):
+        summary = run_job(cfg(3), resume=True)
+    assert "step_000002" in caplog.text and "rank_0.pt" in caplog.text  # the broken one is named
+    assert summary.steps == 3
+    lines = [json.loads(ln) for ln in (tmp_path / "norestart" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [1, 2, 2, 3]  # step 2 redone from step 1's state
+    assert [r["train/version"] for r in lines] == [1, 2, 2, 3]
