@@ -63,24 +63,45 @@ def test_trainer_killed_twice_recovers_in_job(tmp_path):
     assert all(torch.isfinite(t).all() for t in final["model"].values() if torch.is_tensor(t))
 
 
-def test_restart_budget_spent_stops_the_job_and_resume_skips_a_broken_checkpoint(tmp_path, caplog):
-    """With the restart budget spent a trainer death stops the job with its checkpoints intact; `--resume` then
-    passes over a newest checkpoint whose rank file was truncated (a crash mid-write on a volume without fsync) and
-    continues from the one before (before: EOFError from torch.load, `Aborted.` in the command)."""
+def poison_next_step(coord) -> None:
+    """Fault injection: the trainer's next step sees a NaN advantage (a non-finite loss), so it is skipped."""
+    def install(self):
+        original = self._micro_step
+
+        def once(micro, *args, **kwargs):
+            self._micro_step = original
+            micro.batch.adv[:] = float("nan")
+            return original(micro, *args, **kwargs)
+        self._micro_step = once
+    ray.get(coord.trainer.workers[0].__ray_call__.remote(install))
+
+
+def test_skipped_step_budget_spent_and_a_broken_checkpoint(tmp_path, caplog):
+    """Three faults in one job. A skipped (non-finite) step keeps the policy version, and the loop follows the
+    trainer's version, so checkpoints after it stay consistent (before: the loop bumped its version anyway and every
+    later checkpoint was refused on --resume). With the restart budget spent, a trainer death stops the job with its
+    checkpoints intact. `--resume` then passes over a newest checkpoint whose rank file was truncated (a crash
+    mid-write) and continues from the one before (before: EOFError from torch.load, `Aborted.` in the command)."""
     def cfg(steps):
         return _cfg(tmp_path, f"coordinator.steps={steps}", "coordinator.checkpoint_every=1", "trainer.max_restarts=0",
                     "name=norestart", "coordinator.mode=sync", "algorithm.eps=fixed")
 
-    with pytest.raises(TrainerFailed, match="step_000002"):
-        run_job(cfg(4), after_step=kill_at({2}, []))
+    def faults(coord, step):
+        if step == 1:
+            poison_next_step(coord)  # step 2 is skipped
+        if step == 3:
+            os.kill(trainer_pid(coord), signal.SIGKILL)
+
+    with pytest.raises(TrainerFailed, match="step_000003"):
+        run_job(cfg(4), after_step=faults)
     root = tmp_path / "norestart" / "checkpoints"
-    assert (root / "latest").read_text() == "step_000002"
-    rank_file = root / "step_000002" / "trainer" / "rank_0.pt"
+    rank_file = root / "step_000003" / "trainer" / "rank_0.pt"
     rank_file.write_bytes(rank_file.read_bytes()[: rank_file.stat().st_size // 2])
     with caplog.at_level(logging.WARNING):
-        summary = run_job(cfg(3), resume=True)
-    assert "step_000002" in caplog.text and "rank_0.pt" in caplog.text  # the broken one is named
-    assert summary.steps == 3
+        summary = run_job(cfg(4), resume=True)  # from step 2's checkpoint: the one written after the skipped step
+    assert "step_000003" in caplog.text and "rank_0.pt" in caplog.text  # the broken one is named
+    assert summary.steps == 4
     lines = [json.loads(ln) for ln in (tmp_path / "norestart" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in lines] == [1, 2, 2, 3]  # step 2 redone from step 1's state
-    assert [r["train/version"] for r in lines] == [1, 2, 2, 3]
+    assert [r["step"] for r in lines] == [1, 2, 3, 3, 4]  # step 3 redone from step 2's state
+    assert [r["train/skipped_steps"] for r in lines][:2] == [0, 1]
+    assert [r["train/version"] for r in lines] == [1, 1, 2, 2, 3]  # the skipped step did not move the version
