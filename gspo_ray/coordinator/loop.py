@@ -109,7 +109,8 @@ class Coordinator:
         self.last_groups, self.last_version = taken, self.state.version
         lo, hi = _version_span(taken)
         rewards = stats.rewards or [float("nan")]
-        for key in [k for k in rmetrics if k.startswith("rollout/env/")]:  # env outcome sums -> per-episode means
+        # env outcomes and the reward's other returns (sums) -> per-sample means
+        for key in [k for k in rmetrics if k.startswith(("rollout/env/", "rollout/info/"))]:
             rmetrics[key] /= max(rmetrics.get("rollout/samples", 0), 1)
         return taken, {
             **rmetrics,

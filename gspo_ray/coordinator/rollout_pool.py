@@ -290,7 +290,9 @@ class RolloutPool:
 
 def rollout_metrics(samples: list[Sample], seconds: float, multi_turn: bool = False) -> dict[str, float]:
     """Additive quantities only, so several rounds of one step can be summed. Episodes count model tokens as
-    `rollout/tokens` (what the engine generated) and the environment's separately."""
+    `rollout/tokens` (what the engine generated) and the environment's separately. What the reward returned
+    besides `reward` (e.g. `exact`) is summed as `rollout/info/<name>` (the loop turns it into a per-sample mean),
+    so a curve can show the quantity users care about."""
     tokens = sum(s.num_tokens for s in samples)
     out = {"rollout/gen_s": seconds, "rollout/samples": len(samples),
            "rollout/truncated": sum(s.finish_reason == "length" for s in samples)}
@@ -303,6 +305,8 @@ def rollout_metrics(samples: list[Sample], seconds: float, multi_turn: bool = Fa
             out[f"rollout/{key}"] = sum(s.reward_info.get(key, 0.0) for s in samples)  # e.g. env/solved
     else:
         out["rollout/tokens"] = tokens
+    for key in sorted({k for s in samples for k in s.reward_info if not k.startswith("env/") and k != "turns"}):
+        out[f"rollout/info/{key}"] = sum(float(s.reward_info.get(key, 0.0)) for s in samples)
     return out
 
 

@@ -59,11 +59,6 @@ class Sample:
     turn_starts: list[int] | None = None
 
     @property
-    def seq_logprob(self) -> float:
-        """Sum of the engine's log-probs over the completion (equals vLLM's cumulative_logprob)."""
-        return float(sum(self.logprobs))
-
-    @property
     def num_tokens(self) -> int:
         return len(self.completion_ids)
 

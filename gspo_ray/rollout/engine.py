@@ -254,7 +254,8 @@ class RolloutEngine:
         self._abort.set()
 
     # ---- sampling ------------------------------------------------------------------------------------------
-    def _params(self, sampling: SamplingSettings, max_tokens: int, seed: int | None):
+    def sampling_params(self, sampling: SamplingSettings, max_tokens: int, seed: int | None):
+        """vLLM SamplingParams of one request: one sample, its sampled tokens' log-probs, `max_tokens` at most."""
         from vllm import SamplingParams
 
         return SamplingParams(n=1, logprobs=0, max_tokens=max_tokens, temperature=sampling.temperature,
@@ -297,7 +298,7 @@ class RolloutEngine:
             for j in range(n):
                 rid = f"g{call}-{i}-{j}"
                 s = None if seed is None else mix_seed(seed, i, j)
-                requests[rid], owners[rid] = (p.prompt_ids, self._params(sampling, cap, s)), (i, j)
+                requests[rid], owners[rid] = (p.prompt_ids, self.sampling_params(sampling, cap, s)), (i, j)
         samples: list[list[Sample | None]] = [[None] * n for _ in prompts]
 
         def finished(rid: str, seg: Segment) -> None:
@@ -345,7 +346,7 @@ class RolloutEngine:
                 continue
             rid = f"c{call}-{k}"
             rseed = None if seed is None else mix_seed(seed, k, s.num_tokens)
-            requests[rid], owners[rid] = (ids, self._params(sampling, cap, rseed)), k
+            requests[rid], owners[rid] = (ids, self.sampling_params(sampling, cap, rseed)), k
 
         def finished(rid: str, seg: Segment) -> None:
             s = samples[owners[rid]]

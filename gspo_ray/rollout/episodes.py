@@ -265,8 +265,6 @@ class EpisodeRunner:
     def _turn(self, live: list[Episode], prefix: str, sampling: SamplingSettings, version: int,
               seed: int | None, stop_event: threading.Event | None) -> None:
         """One model turn for every live episode (one batched engine run), then their env steps."""
-        from vllm import SamplingParams
-
         requests, owners, calls = {}, {}, {}
         for k, e in enumerate(live):
             cap = min(self.max_tokens_per_turn, self.max_total_tokens - len(e.ids),
@@ -276,9 +274,7 @@ class EpisodeRunner:
                 continue
             rid = f"{prefix}-{k}"  # unique even when a batch repeats a prompt uid
             rseed = None if seed is None else mix_seed(seed, zlib.crc32(e.prompt.uid.encode()), e.index, e.turns)
-            params = SamplingParams(n=1, logprobs=0, max_tokens=cap, temperature=sampling.temperature,
-                                    top_p=sampling.top_p, top_k=sampling.top_k, seed=rseed)
-            requests[rid], owners[rid] = (e.context, params), e
+            requests[rid], owners[rid] = (e.context, self.engine.sampling_params(sampling, cap, rseed)), e
 
         def turn_done(rid: str, seg: Segment) -> None:  # start the env step while others still generate
             if seg.finish_reason == "abort" or not seg.token_ids:

@@ -34,11 +34,6 @@ class StaleStats:
     masked_tokens: int = 0  # trainable tokens turned off by "mask"
     max_staleness: int = 0  # the oldest trainable token seen, in versions behind the current one
 
-    def metrics(self) -> dict[str, float]:
-        return {"rollout/stale_dropped_samples": float(self.dropped_samples),
-                "rollout/stale_masked_tokens": float(self.masked_tokens),
-                "rollout/staleness_max_token": float(self.max_staleness)}
-
 
 def check_stale_policy(policy: str, max_staleness: int) -> None:
     """Raise ValueError naming the valid policies, or when max_staleness is negative."""

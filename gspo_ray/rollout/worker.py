@@ -271,9 +271,6 @@ class RolloutWorker:
     def resume(self) -> None:
         self._paused.clear()
 
-    def is_paused(self) -> bool:
-        return self._paused.is_set()
-
     def ping(self) -> int:
         return self.worker_id
 

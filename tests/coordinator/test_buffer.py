@@ -153,3 +153,9 @@ def test_rollout_metrics_separate_model_and_env_tokens():
     m = rollout_metrics(samples, 2.0, multi_turn=True)
     assert (m["rollout/tokens"], m["rollout/env_tokens"], m["rollout/turns"]) == (6, 3, 3.0)
     assert rollout_metrics(samples, 2.0)["rollout/tokens"] == 9                       # single turn: all tokens
+    assert "rollout/info/turns" not in m  # already rollout/turns
+    # what a reward returns besides `reward` is summed per key (the loop divides by rollout/samples)
+    samples[0].reward_info.update(exact=1.0, char_acc=0.5)
+    samples[1].reward_info.update(exact=0.0, char_acc=0.25)
+    single = rollout_metrics(samples, 2.0)
+    assert (single["rollout/info/exact"], single["rollout/info/char_acc"]) == (1.0, 0.75)
