@@ -136,11 +136,14 @@ class Coordinator:
             return {"train/skipped": 1.0, "time/train_s": 0.0}
         if c.recompute_old_logprobs:
             self._recompute_old_logprobs(groups)
-        metrics, first, steps = {}, {}, 0
+        metrics, first, steps, empty = {}, {}, 0, 0
         # the version whose log-probs anchor the ratio: the trainer's own (recomputed now) or the sampling policy's
         anchor_version = self.state.version if c.recompute_old_logprobs else _version_span(groups)[0]
         for it in range(c.num_iterations):
             for mb_index, batch in enumerate(self.buffer.minibatches(groups, c.num_minibatches)):
+                if not bool(batch.loss_mask.any()):  # every token masked (rollout.partial stale_rule "mask")
+                    empty += 1
+                    continue
                 before = self.state.version
                 if self.auto_eps is None:
                     m = self.trainer.train_step(batch)
@@ -157,11 +160,11 @@ class Coordinator:
                     first[f"moe/drift_churn_at{steps}"] = m["moe/drift_churn"]
                 _accumulate(metrics, m)
                 steps += 1
-        out = {k: v / steps for k, v in metrics.items()}
+        out = {k: v / steps for k, v in metrics.items()} if steps else {"train/skipped": 1.0}
         out.update(first)
         if self.auto_eps is not None:
             out.update(self.auto_eps.update())  # sets the band of the next rollout batch
-        out.update({"train/optimizer_steps": steps, "train/version": self.state.version,
+        out.update({"train/optimizer_steps": steps, "train/empty_minibatches": empty, "train/version": self.state.version,
                     "time/train_s": time.perf_counter() - t0})
         return out
 
