@@ -19,3 +19,13 @@ def bench_cfg(out_dir: Path, name: str, steps: int, *overrides: str, recipe: Pat
                                 "coordinator.checkpoint_every=0", "data.num_eval=0", f"logging.out_dir={out_dir}",
                                 f"name={name}", "logging.progress=false", "logging.tensorboard=false",
                                 "logging.plot=false", *overrides])
+
+
+def markdown_table(rows: list[dict]) -> str:
+    """Rows of equal keys as a Markdown table: floats to 3 decimals, None as "-"."""
+    keys = list(rows[0])
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    for r in rows:
+        lines.append("| " + " | ".join("-" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v)
+                                       for v in r.values()) + " |")
+    return "\n".join(lines)

@@ -11,7 +11,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from gspo_ray.bench.common import TINY_RECIPE
+from gspo_ray.bench.common import TINY_RECIPE, markdown_table
 
 CHECKPOINT_STEPS = (0, 100, 200, 300)
 
@@ -34,18 +34,9 @@ def learn_run(seed: int, out_dir: Path, max_steps: int = 600) -> dict:
             "train_s": sum(r.get("time/step_s") or 0.0 for r in rows), "wall_s": wall, "steps": summary.steps}
 
 
-def format_learning(results: list[dict]) -> str:
-    keys = list(results[0])
-    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-    for r in results:
-        lines.append("| " + " | ".join("-" if v is None else f"{v:.2f}" if isinstance(v, float) else str(v)
-                                       for v in r.values()) + " |")
-    return "\n".join(lines)
-
-
 def run_learning_bench(seeds: tuple[int, ...] = (0, 1, 2)) -> str:
     with tempfile.TemporaryDirectory(prefix="bench-learn-") as tmp:
-        table = format_learning([learn_run(s, Path(tmp)) for s in seeds])
+        table = markdown_table([learn_run(s, Path(tmp)) for s in seeds])
     print("make run's recipe to solution, per seed (held-out greedy exact; solved = first exact >= 0.95)")
     print(table, flush=True)
     return table

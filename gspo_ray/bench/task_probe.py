@@ -15,7 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from gspo_ray.bench.common import SMOLLM2_RECIPE
+from gspo_ray.bench.common import SMOLLM2_RECIPE, markdown_table
 
 # (task, min_digits, max_digits, reward): the repeat demo for scale, then reasoning candidates
 CANDIDATES = [("repeat", 4, 8, "repeat_chars_reward"),
@@ -67,19 +67,11 @@ def probe(model_dir: Path, candidates=CANDIDATES, num_prompts: int = 64, k: int 
     return rows
 
 
-def format_probe(rows: list[dict]) -> str:
-    keys = list(rows[0])
-    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-    for r in rows:
-        lines.append("| " + " | ".join(f"{v:.3f}" if isinstance(v, float) else str(v) for v in r.values()) + " |")
-    return "\n".join(lines)
-
-
 def run_probe() -> str:
     from gspo_ray.models.gguf import ensure_imported
 
     model_dir = ensure_imported(Path("runs/models/smollm2-135m-instruct"))
-    table = format_probe(probe(model_dir))
+    table = markdown_table(probe(model_dir))
     print(table, flush=True)
     return table
 
