@@ -73,7 +73,7 @@ def test_async_keeps_overlapped_batches_then_stops_when_every_sample_fails(plugi
     assert len(rows) <= 3 and "\n" not in message
 
     # the CLI turns it into one clean line and exit code 3, not a traceback or a success
-    from gspo_ray import cli
+    from gspo_ray.cli import main as cli
 
     def fail(*args, **kwargs):
         raise info.value
