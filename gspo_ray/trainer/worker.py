@@ -229,7 +229,10 @@ class TrainerWorker:
         capture = self._churn_capture(micro, "before") if churn else contextlib.nullcontext()
         # replay first: a recording forward it runs is neither captured nor watched
         with self._routing_records(micro), capture:
-            logp, entropy = self._logprobs(self.gpt, micro, "train", with_entropy=True, loss_tokens_only=True)
+            # a micro-batch with nothing to train (a dummy that keeps the ranks' collectives in step) scores
+            # every token, so its loss (times weight 0) still has a graph and its backward runs the same all-to-alls
+            logp, entropy = self._logprobs(self.gpt, micro, "train", with_entropy=True,
+                                           loss_tokens_only=bool(mb.loss_mask.any()))
         a = self.algo
         old_logp, adv, mask = mb.old_logp.to(logp), mb.adv.to(logp), mb.loss_mask.bool().to(logp.device)
         # dilution mask / mismatch correction (None when both are off); their metrics join the loss's
