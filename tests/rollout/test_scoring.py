@@ -248,7 +248,7 @@ def test_import_paths(tmp_path, monkeypatch):
         resolve_import_path("no_such_pkg.rewards.fn", "reward.fn")
     with pytest.raises(PluginError, match=r"reward\.fn: 'nodots' names no module"):
         resolve_import_path("nodots", "reward.fn")
-    with pytest.raises(PluginError, match=r"reward\.fn: 'gspo_ray\.envs\.tasks:TASKS' resolved to a tuple"):
+    with pytest.raises(PluginError, match=r"reward\.fn: 'gspo_ray\.data\.tasks:TASKS' resolved to a tuple"):
         resolve_callable("gspo_ray.data.tasks:TASKS", "reward.fn")
     # A user module whose own import fails is reported as such, not as "no module named my_reward".
     (tmp_path / "my_reward.py").write_text("import not_installed_dep\ndef fn(c, r):\n    return 1.0\n")
