@@ -34,6 +34,7 @@ from gspo_ray.rollout.weight_sync import (WeightProbe, build_probe_ids, hf_teach
 from gspo_ray.rollout.worker import RolloutWorker
 
 TOL = 1e-4  # fp32 engine vs fp32 transformers; measured ~5e-7 on these episodes
+TIE = 1e-4  # a router top-k margin below this may flip between two fp32 kernels (thread count, summation order)
 EOS = 1
 
 
@@ -89,6 +90,20 @@ def _runs(mask: list[int]) -> list[tuple[int, int, int]]:
     return out
 
 
+def first_router_tie(hf, ids: list[int], top_k: int) -> int:
+    """The first position at which some layer's router has its k-th and (k+1)-th logits within TIE, else len(ids).
+
+    There the engine and transformers may pick different experts from a rounding difference alone, and every later
+    position attends to the changed hidden state: the per-token comparison stops there (a near-tie, not a defect)."""
+    with torch.no_grad():
+        router_logits = hf(input_ids=torch.tensor([ids]), output_router_logits=True).router_logits
+    tied = torch.zeros(len(ids), dtype=torch.bool)
+    for logits in router_logits:  # [T, E] per layer
+        top = logits.float().topk(top_k + 1, dim=-1).values
+        tied |= (top[:, top_k - 1] - top[:, top_k]) < TIE
+    return int(tied.nonzero()[0]) if tied.any() else len(ids)
+
+
 def _check_episode(s: Sample, rec: dict, tok, version: int) -> None:
     """Token-level invariants of one episode against the env's own record of it."""
     assert s.completion_ids == rec["ids"], "the episode's tokens are not what the env saw and said"
@@ -118,15 +133,21 @@ def test_episode_tokens_interleave_and_match_teacher_forcing(setup, env_cls):
     assert [(s.prompt_uid, s.sample_index) for s in samples] == [(p.uid, j) for p in prompts for j in range(8)]
     assert len(env.log) == len(samples) and all(s.failed is None for s in samples)
     unmatched = list(env.log)
-    worst = 0.0
+    worst, compared, scored = 0.0, 0, 0
     for s in samples:
         rec = next(r for r in unmatched if r["uid"] == s.prompt_uid and r["ids"] == s.completion_ids)
         unmatched.remove(rec)  # one env per episode, one episode per env
         _check_episode(s, rec, tok, version=7)
         assert s.finish_reason in ("stop", "length") and s.reward_info["turns"] == len(rec["rewards"])
-        ref = hf_teacher_forced_logprobs(hf, [s.prompt_ids + s.completion_ids])[0][len(s.prompt_ids) - 1:]
-        worst = max([worst] + [abs(a - b) for a, b, m in zip(s.logprobs, ref, s.loss_mask) if m])
+        ids = s.prompt_ids + s.completion_ids
+        ref = hf_teacher_forced_logprobs(hf, [ids])[0][len(s.prompt_ids) - 1:]
+        # token t of the completion is predicted at position len(prompt) + t - 1: compared while no router was tied
+        upto = first_router_tie(hf, ids, hf.config.num_experts_per_tok) - len(s.prompt_ids) + 1
+        pairs = [(a, b) for t, (a, b, m) in enumerate(zip(s.logprobs, ref, s.loss_mask)) if m and t < upto]
+        worst = max([worst] + [abs(a - b) for a, b in pairs])
+        compared, scored = compared + len(pairs), scored + sum(s.loss_mask)
     assert worst <= TOL, f"engine vs transformers per-token log-prob max diff {worst:.2e}"
+    assert compared >= 0.8 * scored, f"only {compared} of {scored} model tokens precede a router near-tie"
     if env_cls is GuessNumberEnv:  # a random model rarely guesses right: most episodes use all 3 turns
         assert sum(s.reward_info["turns"] == 3 for s in samples) >= len(samples) // 2
         assert any(0 in s.loss_mask[:-1] for s in samples), "no env tokens between model turns"
@@ -143,7 +164,9 @@ def test_episode_tokens_interleave_and_match_teacher_forcing(setup, env_cls):
 class FaultyEnv:
     """Misbehaves as its prompt's meta["mode"] says; "ok" episodes earn 0.5 per turn and never finish."""
 
-    def __init__(self, tokenizer, hang_s: float = 30.0):  # far past the 0.5 s timeout
+    HANG_S = 30.0  # far past the 0.5 s step timeout
+
+    def __init__(self, tokenizer, hang_s: float = HANG_S):
         self.hang_s = hang_s
 
     def reset(self, prompt, seed):
@@ -182,7 +205,8 @@ def test_env_failures_end_only_their_episode(setup, isolation):
         samples = runner.run(prompts, 2, SamplingSettings(), version=1, seed=0)
     finally:
         runner.close()
-    assert time.monotonic() - start < 15, "a hung env held up the batch"
+    if "hang" in faults:  # the batch ends well before the hung step would have returned (30 s)
+        assert time.monotonic() - start < FaultyEnv.HANG_S / 2, "a hung env held up the batch"
     plus, minus = tok.convert_tokens_to_ids("+"), tok.convert_tokens_to_ids("-")
     for s in samples:
         mode = s.prompt_uid.rstrip("0123456789")
