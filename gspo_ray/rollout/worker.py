@@ -83,7 +83,7 @@ class RolloutWorker:
                                     max_model_len=self.cfg.max_model_len, kv_cache_gb=self.cfg.kv_cache_gb,
                                     enforce_eager=self.cfg.enforce_eager, seed=self.cfg.seed + worker_id,
                                     gpu_memory_utilization=self.cfg.gpu_memory_utilization, cpu_cores=cores,
-                                    worker_id=worker_id, cache_root=Path(run_dir) / "vllm_cache")  # job-wide
+                                    worker_id=worker_id, cache_root=self.cfg.cache_dir)  # machine-wide
         self.reward_runner = _build_reward_runner(reward_runner, str(model_path))
         self._version = 0
         self._lock = threading.Lock()  # one engine operation at a time

@@ -115,8 +115,7 @@ def test_engine_trainer_and_transformers_agree_on_the_upcycled_model(dense_dir, 
     seqs = [[2] + [3 + (i * 7 + t * 5) % 19 for t in range(10 + 3 * i)] for i in range(4)]
     hf = AutoModelForCausalLM.from_pretrained(str(moe), dtype=torch.float32).eval()
     ref = hf_teacher_forced_logprobs(hf, seqs)
-    engine = RolloutEngine(moe, run_dir=tmp_path / "run", max_model_len=64, cpu_cores="0",
-                           cache_root=tmp_path / "vllm_cache")
+    engine = RolloutEngine(moe, run_dir=tmp_path / "run", max_model_len=64, cpu_cores="0")
     try:
         served, _ = engine.probe_logprobs(seqs)
     finally:

@@ -35,10 +35,7 @@ def setup(request, tmp_path_factory):
 
     root = tmp_path_factory.mktemp(request.param)
     model_dir = make_tiny_model(request.param, root / "model", seed=1, hidden=HIDDEN)
-    # vLLM's model-info cache shared by this session's rollout tests (cold: a 5-20 s subprocess per architecture)
-    cache = tmp_path_factory.getbasetemp() / "vllm_cache"
-    engine = RolloutEngine(model_dir, run_dir=root / "run", max_model_len=128, cpu_cores="0", worker_id=3,
-                           cache_root=cache)
+    engine = RolloutEngine(model_dir, run_dir=root / "run", max_model_len=128, cpu_cores="0", worker_id=3)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     yield engine, hf
     engine.shutdown()

@@ -53,8 +53,7 @@ def setup(tmp_path_factory):
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()  # really tied
         ref[name] = hf_teacher_forced_logprobs(hf, [PROBE])[0]
-    engine = RolloutEngine(paths["base"], run_dir=root / "run", max_model_len=128, cpu_cores="0",
-                           cache_root=tmp_path_factory.getbasetemp() / "vllm_cache")  # shared in the session
+    engine = RolloutEngine(paths["base"], run_dir=root / "run", max_model_len=128, cpu_cores="0")
     yield engine, paths, ref
     engine.shutdown()
 

@@ -45,9 +45,7 @@ def setup(request, tmp_path_factory):
     base = make_tiny_model(arch, root / "base", seed=2, hidden=128)
     moved = _perturbed_copy(base, root / "moved")
     cfg = RolloutConfig(max_model_len=128, max_new_tokens=12, group_size=3, dtype=dtype or "float32")
-    # run_dir = the session's base temp: the worker's vLLM cache (run_dir/vllm_cache) is shared with the other
-    # rollout tests (cold: a 5-20 s subprocess per architecture)
-    worker = RolloutWorker(0, base, cfg, run_dir=tmp_path_factory.getbasetemp(), cpu_cores="0")
+    worker = RolloutWorker(0, base, cfg, run_dir=root / "run", cpu_cores="0")
     hf = {name: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
           for name, path in (("base", base), ("moved", moved))}
     yield worker, hf, {"base": base, "moved": moved}

@@ -29,8 +29,7 @@ def pool(tmp_path_factory):
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         Worker = ray.remote(num_cpus=1, max_concurrency=2)(RolloutWorker)
-        # run_dir: the session's base temp, so run_dir/vllm_cache is the one the other rollout tests filled
-        workers = [Worker.remote(i, str(model), cfg, run_dir=str(tmp_path_factory.getbasetemp()),
+        workers = [Worker.remote(i, str(model), cfg, run_dir=str(root / "run"),
                                  reward_runner=RewardConfig(fn="gspo_ray.envs.rewards:copy_reward"))
                    for i in range(2)]
         assert ray.get([w.ping.remote() for w in workers], timeout=300) == [0, 1]
