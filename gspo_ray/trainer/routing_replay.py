@@ -180,6 +180,18 @@ class RoutingReplay:
         with self._acting(action, uids, lengths):
             yield action
 
+    @contextlib.contextmanager
+    def recording(self, uids: list[str], lengths: torch.Tensor, version: int):
+        """Forwards inside route as the routers pick, recording the rows not seen before (the first sight wins);
+        nothing is replayed."""
+        self._evict(version)
+        for u in uids:
+            if not self._known(u):
+                self.store.pop(u, None)
+            self.last_used[u] = version
+        with self._acting(RouterReplayAction.RECORD, uids, lengths):
+            yield
+
     def share(self, group=None) -> int:
         """Records stored on any DP rank become known on all of them (collective; see `share_records`)."""
         return share_records(self.store, self.fresh, len(self.routers), group)

@@ -61,6 +61,7 @@ from gspo_ray.trainer.metric_accumulator import MetricAccumulator
 from gspo_ray.trainer.pg_weights import build_pg_weight
 from gspo_ray.trainer.router_churn import RouterRecorder, comm_device
 from gspo_ray.trainer.router_drift import RoutingDrift
+from gspo_ray.trainer.routing_noise_probe import RoutingNoiseProbe
 from gspo_ray.trainer.routing_replay import build_routing_replay
 
 log = logging.getLogger(__name__)
@@ -101,7 +102,8 @@ class TrainerWorker:
                          seed=trainer_cfg.seed, timeout_s=trainer_cfg.collective_timeout_s)
         dtype = torch_dtype(trainer_cfg.dtype)
         self.gpt, self.spec = build_model(self.model_path, dtype=dtype, moe_dispatcher=trainer_cfg.moe_dispatcher,
-                                          routing_replay=trainer_cfg.routing_replay != "none")
+                                          routing_replay=trainer_cfg.routing_replay != "none"
+                                          or trainer_cfg.routing_noise)
         self.ddp = build_ddp(self.gpt, dtype=trainer_cfg.dtype,
                              use_distributed_optimizer=trainer_cfg.use_distributed_optimizer)
         self.optimizer = build_optimizer(self.ddp, trainer_cfg)
@@ -115,6 +117,7 @@ class TrainerWorker:
         self.recorder = RouterRecorder(self.gpt)
         self.replay = build_routing_replay(self.gpt, trainer_cfg.routing_replay)  # None unless R2 on an MoE
         self.drift = RoutingDrift(self.gpt) if trainer_cfg.routing_drift and self.recorder.routers else None
+        self.noise = RoutingNoiseProbe(self.gpt) if trainer_cfg.routing_noise and self.recorder.routers else None
         self.forward_passes: dict[str, int] = {}  # model forwards since the last train_step returned, by kind
         self.forward_tokens: dict[str, int] = {}  # and the tokens they computed (padding included)
         self._version = 0
@@ -169,9 +172,9 @@ class TrainerWorker:
         padded rows; drift reads each row's tokens out of the group rows."""
         cfg = self.cfg
         share = cfg.shared_prefix
-        if share and policy_routing and self.replay is not None:
-            warn_once("routing_rows", "shared_prefix: policy forwards use padded rows while Routing Replay "
-                      "records and replays routing per row")
+        if share and policy_routing and (self.replay is not None or self.noise is not None):
+            warn_once("routing_rows", "shared_prefix: policy forwards use padded rows while Routing Replay (or "
+                      "the routing-noise probe) records and replays routing per row")
             share = False
         if share:
             tp = parallel_state.get_tensor_model_parallel_world_size()
@@ -197,7 +200,7 @@ class TrainerWorker:
         out = torch.zeros(batch.num_sequences, width)
         sampler = purpose == "old_logprobs" and not reference  # the policy that sampled: R2 and drift record
         for mb in self._plan(batch, policy_routing=sampler):
-            with self._routing_records(mb) if sampler else contextlib.nullcontext():
+            with self._routing_records(mb, sampler=True) if sampler else contextlib.nullcontext():
                 lp = self._logprobs(model, mb, "reference" if reference else purpose,
                                     temperature=temperature).cpu()
             real = [i for i, r in enumerate(mb.rows) if r >= 0]  # padding rows and dummies are dropped
@@ -235,6 +238,10 @@ class TrainerWorker:
                                            loss_tokens_only=bool(mb.loss_mask.any()))
         a = self.algo
         old_logp, adv, mask = mb.old_logp.to(logp), mb.adv.to(logp), mb.loss_mask.bool().to(logp.device)
+        if self.noise is not None and bool(mb.loss_mask.any()):  # the same rows with their recorded routing
+            self.noise.measure(routing_keys(mb), mb.lengths, self._version,
+                               lambda: self._logprobs(self.gpt, micro, "routing_noise", loss_tokens_only=True),
+                               logp, old_logp, adv, mask)
         # dilution mask / mismatch correction (None when both are off); their metrics join the loss's
         rollout_logp = None if mb.rollout_logp is None else mb.rollout_logp.to(logp)
         pg_weight, extra = build_pg_weight(logp, old_logp, rollout_logp, adv, mask, a, *eps)
@@ -279,6 +286,8 @@ class TrainerWorker:
             metrics |= self._router_churn(mbs)
         if self.drift is not None:
             metrics |= self.drift.metrics()  # all ranks, like churn
+        if self.noise is not None:
+            metrics |= self.noise.metrics(self.dp_group)
         self._share_routing_records()
         metrics |= {"train/eps_low": eps[0], "train/eps_high": eps[1]}  # the band this step trained with
         metrics |= {f"train/forward_passes_{k}": float(v) for k, v in self.forward_passes.items()}
@@ -294,7 +303,7 @@ class TrainerWorker:
     def _share_routing_records(self) -> None:
         """Routing records (R2, drift) stored on this DP rank reach the others (collective): rows change DP rank
         between passes, and a row must replay (or compare with) its first sight wherever it trains next."""
-        for records in (self.replay, self.drift):
+        for records in (self.replay, self.drift, self.noise):
             if records is not None:
                 records.share(self.dp_group)
 
@@ -331,15 +340,19 @@ class TrainerWorker:
         for maps in self.recorder.maps[phase].values():
             maps[-1] = maps[-1][order]
 
-    def _routing_records(self, micro: MicroBatch) -> contextlib.ExitStack:
+    def _routing_records(self, micro: MicroBatch, sampler: bool = False) -> contextlib.ExitStack:
         """Routing Replay, then routing drift, around a policy forward of `micro` (one set of row keys for both;
-        Replay on padded rows only, see _plan)."""
+        Replay on padded rows only, see _plan). sampler: the sampling policy's forward (old-log-prob recompute),
+        where the routing-noise probe records too."""
         stack = contextlib.ExitStack()
-        if self.replay is None and self.drift is None:
+        probe = self.noise if sampler else None
+        if self.replay is None and self.drift is None and probe is None:
             return stack
-        if micro.layout is not None and self.replay is not None:
+        if micro.layout is not None and (self.replay is not None or probe is not None):
             raise RuntimeError("Routing Replay records per padded row: _plan must not give group rows here")
         keys = routing_keys(micro.batch)
+        if probe is not None:
+            stack.enter_context(probe.sampler(keys, micro.batch.lengths, self._version))
         stack.enter_context(self._replayed(micro, keys))  # first: its recording forward is not watched
         if self.drift is not None:
             stack.enter_context(self.drift.watch(keys, micro.batch.lengths, self._version, layout=micro.layout))
