@@ -15,7 +15,12 @@ Ray 2.60: `--temp-dir` is honoured per node (a worker node given none falls back
 from the GCS); the session name is the head's. Ports left unset fall back to fixed defaults (dashboard 8265,
 client server 10001, dashboard agent 52365, workers 10002-19999) or to random ones; all are set here.
 `--node-ip-address=127.0.0.1` is not honoured (Ray resolves loopback to the host's address), so nodes register
-under the host IP while the dashboard binds 127.0.0.1. Token auth is switched off explicitly (see `_node_env`).
+under the host IP while the dashboard binds 127.0.0.1. So the GCS and raylets listen on the host's address, and
+the cluster uses Ray token auth with a token of its own: a random 256-bit token in `base_dir/auth_token` (mode 0600),
+given to every node (`RAY_AUTH_MODE=token`, `RAY_AUTH_TOKEN_PATH`). While it runs, the owning process (and what it
+starts: `gspo-ray submit`, job drivers) uses the same token: `start()` points `RAY_AUTH_TOKEN_PATH` at it and
+`stop()` puts the old value back. Ray reads its auth mode once per process, so an owner that had read
+`RAY_AUTH_MODE=disabled` before cannot talk to the cluster: `start()` refuses that with a clear error.
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ import json
 import logging
 import os
 import random
+import secrets
 import shutil
 import signal
 import socket
@@ -155,6 +161,8 @@ class LocalCluster:
         self.nodes: list[_Node] = []
         self.address: str | None = None
         self.dashboard_url: str | None = None
+        self.token_path = self.base_dir / "auth_token"
+        self._owner_env: dict[str, str | None] | None = None  # the owner's auth variables before start()
 
     def _pick_temp_root(self) -> Path:
         # pytest's tmp_path is often too long for Ray's unix sockets: fall back to a short dir of our own.
@@ -177,6 +185,7 @@ class LocalCluster:
         to come up): that node alone is stopped and started again on fresh ports, `attempts` times at most.
         """
         try:
+            self._use_own_token()
             self._with_retries("head", self._start_head, attempts)
             for i in range(self.num_worker_nodes):
                 self._with_retries(f"worker{i}", lambda i=i: self._start_worker(i), attempts)
@@ -184,6 +193,42 @@ class LocalCluster:
             self.stop()
             raise
         return self
+
+    # -- token auth --------------------------------------------------------------------------------------------
+    def _use_own_token(self) -> None:
+        """Write this cluster's token (0600) and make this process (and its children) present it."""
+        from ray._raylet import AuthenticationTokenLoader, get_authentication_mode
+
+        self.base_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.token_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(secrets.token_hex(32))
+        if self._owner_env is None:
+            self._owner_env = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_TOKEN")}
+        os.environ.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(self.token_path)})
+        os.environ.pop("RAY_AUTH_TOKEN", None)  # would win over the path
+        if get_authentication_mode() != 1:  # AuthenticationMode.TOKEN; read once per process, from the env then
+            self._restore_owner_token()
+            raise RuntimeError("this process already runs Ray with token auth disabled (RAY_AUTH_MODE=disabled was "
+                               "read before); a LocalCluster uses token auth: unset RAY_AUTH_MODE or set it to token")
+        AuthenticationTokenLoader.instance().reset_cache()  # the loader caches the token it read first
+
+    def _restore_owner_token(self) -> None:
+        if self._owner_env is None:
+            return
+        for key, value in self._owner_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        self._owner_env = None
+        from ray._raylet import AuthenticationTokenLoader
+
+        AuthenticationTokenLoader.instance().reset_cache()
+
+    def auth_header(self) -> dict[str, str]:
+        """The HTTP header this cluster's dashboard requires."""
+        return {"Authorization": f"Bearer {self.token_path.read_text().strip()}"}
 
     def _with_retries(self, name: str, start_node, attempts: int) -> None:
         started_before = len(self.nodes)
@@ -204,6 +249,7 @@ class LocalCluster:
         # outlive it.
         while self.nodes:
             self._stop_node(self.nodes.pop(), timeout_s)
+        self._restore_owner_token()
         if getattr(self, "_own_temp_root", None) is not None:
             shutil.rmtree(self._own_temp_root, ignore_errors=True)
         if self._own_base:
@@ -255,7 +301,7 @@ class LocalCluster:
                "--disable-usage-stats", *port_args, "--block"]
         with open(log_path, "wb") as fh:
             proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env=_node_env(), preexec_fn=_own_session_tied_to_parent)
+                                    env=_node_env(self.token_path), preexec_fn=_own_session_tied_to_parent)
         node = _Node(name, proc, log_path, temp_dir, ports)
         self.nodes.append(node)
         return node
@@ -266,7 +312,8 @@ class LocalCluster:
                                  "--include-dashboard=true"], ports, self.head_cpus, self.head_resources)
         self.address = f"127.0.0.1:{ports['gcs']}"
         self.dashboard_url = f"http://127.0.0.1:{ports['dashboard']}"
-        self._wait(lambda: _http_ok(f"{self.dashboard_url}/api/version"), "the dashboard to answer")
+        self._wait(lambda: _http_ok(f"{self.dashboard_url}/api/version", self.auth_header()),
+                   "the dashboard to answer")
         self._wait(lambda: len(self.alive_nodes()) >= 1, "the head node to register")
 
     def _start_worker(self, i: int) -> None:
@@ -290,7 +337,8 @@ class LocalCluster:
     def alive_nodes(self) -> list[dict]:
         """Alive nodes as the dashboard's state API reports them (node_id, resources_total, ...)."""
         try:
-            with urllib.request.urlopen(f"{self.dashboard_url}/api/v0/nodes?limit=1000", timeout=5) as r:
+            req = urllib.request.Request(f"{self.dashboard_url}/api/v0/nodes?limit=1000", headers=self.auth_header())
+            with urllib.request.urlopen(req, timeout=5) as r:
                 body = json.loads(r.read())
         except (OSError, ValueError):
             return []
@@ -310,7 +358,7 @@ def ray_executable() -> str:
     return str(exe)
 
 
-def _node_env() -> dict[str, str]:
+def _node_env(token_path: Path) -> dict[str, str]:
     env = dict(os.environ)
     # Job entrypoints inherit the raylet's PATH: put this environment's bin first so `gspo-ray` resolves.
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
@@ -318,15 +366,16 @@ def _node_env() -> dict[str, str]:
     env["RAY_USAGE_STATS_ENABLED"] = "0"
     # Ray 2.60 drains a node for up to 30 s on SIGTERM (for Serve upgrades); a test cluster should stop at once.
     env["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"] = "0"
-    # Ray 2.60 turns token auth on for `ray start` whenever ~/.ray/auth_token exists (the first local ray.init()
-    # writes one), so the mode would depend on the machine's history. A loopback test cluster opts out explicitly.
-    env["RAY_AUTH_MODE"] = "disabled"
+    # The nodes listen on the host's address: token auth, with this cluster's own token (not ~/.ray/auth_token,
+    # which the first local ray.init() leaves readable by every user under the usual umask).
+    env.pop("RAY_AUTH_TOKEN", None)
+    env.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_path)})
     return env
 
 
-def _http_ok(url: str) -> bool:
+def _http_ok(url: str, headers: dict[str, str]) -> bool:
     try:
-        with urllib.request.urlopen(url, timeout=2) as r:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=2) as r:
             return r.status == 200
     except OSError:
         return False
@@ -351,7 +400,8 @@ def main() -> None:
     a = p.parse_args()
     with LocalCluster(a.workers, a.head_cpus, a.worker_cpus, worker_resources=a.worker_resources,
                       base_dir=a.base_dir) as c:
-        print(f"RAY_ADDRESS={c.dashboard_url}  (gcs {c.address}); logs in {c.base_dir}", flush=True)
+        print(f"RAY_ADDRESS={c.dashboard_url}  (gcs {c.address}); logs in {c.base_dir}\n"
+              f"clients: export RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={c.token_path}", flush=True)
         try:
             signal.pause()
         except KeyboardInterrupt:

@@ -296,15 +296,15 @@ class EpisodeRunner:
         model = sum(sum(s.loss_mask) for s in samples)
         env = sum(s.num_tokens for s in samples) - model
         n = max(len(samples), 1)
-        return {"rollout/gen_s": seconds, "rollout/num_tokens": float(model), "rollout/env_tokens": float(env),
+        return {"rollout/gen_s": seconds, "rollout/tokens": float(model), "rollout/env_tokens": float(env),
                 "rollout/tokens_per_s": model / seconds if seconds > 0 else 0.0,
-                "rollout/num_samples": float(len(samples)),
+                "rollout/samples": float(len(samples)),
                 "rollout/turns_mean": sum(s.reward_info["turns"] for s in samples) / n,
                 "rollout/env_errors": float(sum(s.finish_reason == FINISH_ENV_ERROR for s in samples)),
                 "rollout/env_timeouts": float(self._timeouts), "rollout/env_wait_s": self._env_wait_s,
                 "rollout/env_procs_killed": float(self.host.killed),
-                "rollout/num_interrupted": float(sum(s.finish_reason == FINISH_INTERRUPTED for s in samples)),
-                "rollout/num_truncated": float(sum(s.finish_reason == FINISH_LENGTH for s in samples))}
+                "rollout/interrupted": float(sum(s.finish_reason == FINISH_INTERRUPTED for s in samples)),
+                "rollout/truncated": float(sum(s.finish_reason == FINISH_LENGTH for s in samples))}
 
 
 def run_episodes(engine: RolloutEngine, prompts: list[Prompt], n: int, cfg: Any, tokenizer: Any,

@@ -208,11 +208,11 @@ class RolloutWorker:
 
     def _rollout_metrics(self, samples: list[Sample], gen_s: float, reward: dict[str, float]) -> dict[str, float]:
         tokens = sum(s.num_tokens for s in samples)
-        return {"rollout/gen_s": gen_s, "rollout/num_tokens": float(tokens),
+        return {"rollout/gen_s": gen_s, "rollout/tokens": float(tokens),
                 "rollout/tokens_per_s": tokens / gen_s if gen_s > 0 else 0.0,
-                "rollout/num_samples": float(len(samples)),
-                "rollout/num_aborted": float(sum(s.finish_reason == FINISH_ABORTED for s in samples)),
-                "rollout/num_truncated": float(sum(s.finish_reason == "length" for s in samples)), **reward}
+                "rollout/samples": float(len(samples)),
+                "rollout/aborted": float(sum(s.finish_reason == FINISH_ABORTED for s in samples)),
+                "rollout/truncated": float(sum(s.finish_reason == "length" for s in samples)), **reward}
 
     def last_metrics(self) -> dict[str, float]:
         """Metrics of the last generate/continue call (`rollout/*`, `reward/*`)."""

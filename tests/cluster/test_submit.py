@@ -80,6 +80,31 @@ def cluster(tmp_path_factory):
 
 
 @pytest.mark.slow
+def test_the_cluster_answers_only_its_own_token(cluster, tmp_path):
+    """The nodes listen on the host's address: the dashboard and the GCS refuse a client without this cluster's
+    token (none, or the machine's ~/.ray/auth_token), and the token file is the owner's alone."""
+    import stat
+    import urllib.error
+    import urllib.request
+
+    assert stat.S_IMODE(cluster.token_path.stat().st_mode) == 0o600
+    assert os.environ["RAY_AUTH_TOKEN_PATH"] == str(cluster.token_path)  # the owner presents it while it runs
+    url = f"{cluster.dashboard_url}/api/v0/nodes?limit=10"
+    for headers in ({}, {"Authorization": "Bearer " + "0" * 64}):
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=5)
+        assert refused.value.code in (401, 403), refused.value.code
+    assert len(cluster.alive_nodes()) == 2  # with the token
+    wrong = tmp_path / "wrong_token"
+    wrong.write_text("1" * 64)
+    code = "import ray, sys; ray.init(address=sys.argv[1]); print('CONNECTED')"
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(wrong)}
+    proc = subprocess.run([sys.executable, "-c", code, cluster.address], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert proc.returncode != 0 and "CONNECTED" not in proc.stdout, proc.stdout[-500:]
+
+
+@pytest.mark.slow
 def test_config_validate_job_succeeds(cluster):
     job = jobs.submit(ROOT / RECIPE, cluster.dashboard_url, working_dir=ROOT, entrypoint="gspo-ray config validate")
     assert jobs.wait(job, cluster.dashboard_url, timeout_s=300) == "SUCCEEDED"

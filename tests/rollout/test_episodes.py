@@ -152,7 +152,7 @@ def test_episode_tokens_interleave_and_match_teacher_forcing(setup, env_cls):
         assert sum(s.reward_info["turns"] == 3 for s in samples) >= len(samples) // 2
         assert any(0 in s.loss_mask[:-1] for s in samples), "no env tokens between model turns"
     m = runner.metrics
-    assert m["rollout/num_samples"] == len(samples) and m["rollout/env_errors"] == 0
+    assert m["rollout/samples"] == len(samples) and m["rollout/env_errors"] == 0
     assert m["rollout/env_tokens"] == sum(s.num_tokens - sum(s.loss_mask) for s in samples)
     # per-token advantages (reward-to-go, group-normalised): zero on env tokens, one row per sample
     adv = compute_ragged_token_advantages([s.token_rewards for s in samples], [s.loss_mask for s in samples],
@@ -255,7 +255,7 @@ def test_pause_interrupts_episodes(setup):
     for s in interrupted:
         assert s.failed.startswith("interrupted") and s.reward is None and s.reward_info["turns"] <= 1
         assert len(s.logprobs) == len(s.loss_mask) == len(s.versions) == s.num_tokens
-    assert runner.metrics["rollout/num_interrupted"] == len(interrupted)
+    assert runner.metrics["rollout/interrupted"] == len(interrupted)
 
 
 def test_worker_run_episodes(setup):
@@ -267,7 +267,7 @@ def test_worker_run_episodes(setup):
     for s in samples:  # ready for the buffer: scored, stamped with the worker's version and id
         assert s.failed is None and s.reward is not None and len(s.token_rewards) == s.num_tokens
         assert s.versions == [worker.current_version()] * s.num_tokens and s.worker_id == 0
-    assert worker.last_metrics()["rollout/num_samples"] == 8
+    assert worker.last_metrics()["rollout/samples"] == 8
     host = worker._env_host  # the default: envs in child processes, kept for the next batch
     pids = host.pids
     assert worker.run_episodes(prompts, n=1, env_spec=spec, seed=2)[0].failed is None and host.pids == pids

@@ -65,7 +65,7 @@ def test_two_workers_serve_one_batch(pool):
         # copy_reward: 0..2, scored off the engine's critical path but before generate returned
         assert all(s.failed is None and 0.0 <= s.reward <= 2.0 for s in group)
     metrics = ray.get(workers[0].last_metrics.remote())
-    assert metrics["rollout/num_samples"] == 4 * GROUP and metrics["rollout/tokens_per_s"] > 0
+    assert metrics["rollout/samples"] == 4 * GROUP and metrics["rollout/tokens_per_s"] > 0
     assert metrics["reward/num_failed"] == 0
 
 
