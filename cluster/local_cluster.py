@@ -19,8 +19,8 @@ under the host IP while the dashboard binds 127.0.0.1. So the GCS and raylets li
 the cluster uses Ray token auth with a token of its own: a random 256-bit token in `base_dir/auth_token` (mode 0600),
 given to every node (`RAY_AUTH_MODE=token`, `RAY_AUTH_TOKEN_PATH`). While it runs, the owning process (and what it
 starts: `gspo-ray submit`, job drivers) uses the same token: `start()` points `RAY_AUTH_TOKEN_PATH` at it and
-`stop()` puts the old value back. Ray reads its auth mode once per process, so an owner that had read
-`RAY_AUTH_MODE=disabled` before cannot talk to the cluster: `start()` refuses that with a clear error.
+`stop()` puts the old value back. Ray reads its auth mode once per process, so in an owner that used a Ray client
+before `start()` only explicit headers work (`gspo_ray.cli.submission` sends them; so does `alive_nodes`).
 """
 from __future__ import annotations
 
@@ -207,10 +207,9 @@ class LocalCluster:
             self._owner_env = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_TOKEN")}
         os.environ.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(self.token_path)})
         os.environ.pop("RAY_AUTH_TOKEN", None)  # would win over the path
-        if get_authentication_mode() != 1:  # AuthenticationMode.TOKEN; read once per process, from the env then
-            self._restore_owner_token()
-            raise RuntimeError("this process already runs Ray with token auth disabled (RAY_AUTH_MODE=disabled was "
-                               "read before); a LocalCluster uses token auth: unset RAY_AUTH_MODE or set it to token")
+        if get_authentication_mode() != 1:  # AuthenticationMode.TOKEN; Ray reads it once per process
+            log.warning("this process read RAY_AUTH_MODE before the cluster started: its own Ray clients send no "
+                        "token (gspo_ray's job-submission calls send it themselves; child processes are fine)")
         AuthenticationTokenLoader.instance().reset_cache()  # the loader caches the token it read first
 
     def _restore_owner_token(self) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import shlex
 import time
 from pathlib import Path
@@ -40,10 +41,23 @@ STOP_GRACE_ENV = "RAY_JOB_STOP_WAIT_TIME_S"
 DEFAULT_STOP_GRACE_S = 60
 
 
+def auth_headers() -> dict[str, str] | None:
+    """Ray's token header when `RAY_AUTH_MODE=token` is set now: $RAY_AUTH_TOKEN, else the file at
+    $RAY_AUTH_TOKEN_PATH, else ~/.ray/auth_token. Sent explicitly because Ray reads its auth mode once per process:
+    a process that used a Ray client before the variable was set would otherwise send no token."""
+    if os.environ.get("RAY_AUTH_MODE") != "token":
+        return None
+    token = os.environ.get("RAY_AUTH_TOKEN", "").strip()
+    if not token:
+        path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
+        token = path.read_text().strip() if path.is_file() else ""
+    return {"Authorization": f"Bearer {token}"} if token else None
+
+
 def _client(address: str | None):
     from ray.job_submission import JobSubmissionClient
 
-    return JobSubmissionClient(address)
+    return JobSubmissionClient(address, headers=auth_headers())
 
 
 def build_runtime_env(working_dir: str | Path, runtime_env: dict[str, Any] | None = None,
