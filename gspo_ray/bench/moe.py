@@ -55,7 +55,9 @@ def bench_moe_variant(label: str, level: str, replay: str, steps: int, seed: int
         "rollout.group_size=4", "rollout.max_new_tokens=16", f"coordinator.num_iterations={PASSES}",
         f"coordinator.num_minibatches={MINIBATCHES}", "coordinator.recompute_old_logprobs=true",
         "coordinator.filter_zero_adv=false", f"algorithm.importance_sampling_level={level}",
-        f"trainer.routing_replay={replay}", f"trainer.lr={lr}", "trainer.router_churn_every=0", recipe=RECIPE)
+        f"trainer.routing_replay={replay}", f"trainer.lr={lr}", "trainer.router_churn_every=0",
+        f"trainer.routing_noise={str(replay == 'none').lower()}",  # what replay would remove, where it is off
+        recipe=RECIPE)
     start = time.time()
     rows = read_metrics(run_job(cfg).run_dir / "metrics.jsonl")
     rows = [r for r in rows if r.get("step", 0) > 0]
@@ -71,12 +73,21 @@ def bench_moe_variant(label: str, level: str, replay: str, steps: int, seed: int
             "clip_tok": mean("train/clip_frac_tok"), "clip_seq": mean("train/clip_frac_seq"),
             "reward": [r.get("rollout/reward_mean") for r in rows],
             "skipped": max((r.get("train/skipped_steps") or 0.0) for r in rows) if rows else 0.0,
+            # routing-induced log-ratio (trainer.routing_noise; None under R2, whose forwards hold routing)
+            "noise_d": mean("moe/routing_logratio_abs_mean") if replay == "none" else None,
+            "noise_tok_removed": mean("moe/grpo_token_clips_removed") if replay == "none" else None,
+            "noise_seq_removed": mean("moe/gspo_seq_clips_removed") if replay == "none" else None,
             "wall_s": time.time() - start}
+
+
+def _num(x: float | None, digits: int) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
 
 
 def format_moe(results: list[dict]) -> str:
     head = ("| run | seed | steps | drift after 1 update | after 4 | after 7 | drift, all updates | max layer | "
-            "per-token log-ratio std | clip frac token | clip frac seq | reward first -> last step | skipped |")
+            "per-token log-ratio std | clip frac token | clip frac seq | reward first -> last step | skipped | "
+            "routing-induced mean abs log-ratio | GRPO clips routing alone caused | GSPO clips routing alone caused |")
     lines = [head, "|---" * (head.count("|") - 1) + "|"]
     for r in results:
         reward = [x for x in r["reward"] if x is not None]
@@ -84,7 +95,9 @@ def format_moe(results: list[dict]) -> str:
         at = r["drift_at"]
         lines.append(f"| {r['label']} | {r['seed']} | {r['steps']} | {at[1]:.4f} | {at[4]:.4f} | {at[UPDATES - 1]:.4f} | "
                      f"{r['drift']:.4f} | {max(r['drift_layer'], default=0.0):.4f} | {r['logr_std']:.4f} | "
-                     f"{r['clip_tok']:.3f} | {r['clip_seq']:.3f} | {rw} | {r['skipped']:.0f} |")
+                     f"{r['clip_tok']:.3f} | {r['clip_seq']:.3f} | {rw} | {r['skipped']:.0f} | "
+                     f"{_num(r.get('noise_d'), 4)} | {_num(r.get('noise_tok_removed'), 3)} | "
+                     f"{_num(r.get('noise_seq_removed'), 3)} |")
     return "\n".join(lines)
 
 

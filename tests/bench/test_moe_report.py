@@ -17,5 +17,9 @@ def test_table_reads_drift_after_k_updates_and_reward_ends(tmp_path):
     assert cells[:3] == ["GRPO + R2", "0", "3"]
     assert cells[3:6] == ["0.0100", "0.0400", f"{drift_at[UPDATES - 1]:.4f}"]  # after 1, 4 and 7 updates
     assert cells[7] == "0.0300" and cells[11] == "0.100 -> 0.400"           # worst layer; first -> last reward
+    assert cells[13:] == ["-", "-", "-"]  # no routing-noise probe under R2
+    noisy = _result("GRPO", drift_at, [0.1])
+    noisy.update(noise_d=0.0123, noise_tok_removed=0.5, noise_seq_removed=0.25)
+    assert format_moe([noisy]).splitlines()[2].rstrip("|").split("|")[-3:] == [" 0.0123 ", " 0.500 ", " 0.250 "]
     png = plot_moe([_result("GSPO", drift_at, [0.2, 0.3])], tmp_path / "moe.png")
     assert png.stat().st_size > 10_000
