@@ -73,7 +73,9 @@ def test_async_keeps_overlapped_batches_then_stops_when_every_sample_fails(plugi
     assert len(rows) <= 3 and "\n" not in message
 
     # the CLI turns it into one clean line and exit code 3, not a traceback or a success
-    from gspo_ray.cli import main as cli
+    import importlib
+
+    cli = importlib.import_module("gspo_ray.cli.main")  # the module (the package's `main` is its function)
 
     def fail(*args, **kwargs):
         raise info.value
