@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from gspo_ray.data.records import FINISH_ABORTED, FINISH_LENGTH, FINISH_STOP, Prompt, Sample
+from gspo_ray.rollout.vllm_cpu_binding_fix import engine_cores
 
 
 
@@ -175,6 +176,8 @@ class RolloutEngine:
                  enable_prefix_caching: bool = True, max_num_seqs: int | None = None,
                  cache_root: str | Path | None = None):
         on_cuda = torch.cuda.is_available()
+        if not on_cuda:  # one binding for every in-process engine of a process (see vllm_cpu_binding_fix)
+            cpu_cores = engine_cores(cpu_cores)
         env = build_engine_env(run_dir, cpu_cores, on_cuda, cache_root)
         for key in ("VLLM_CACHE_ROOT", "TMPDIR"):
             Path(env[key]).mkdir(parents=True, exist_ok=True)
