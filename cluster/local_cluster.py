@@ -200,9 +200,10 @@ class LocalCluster:
         from ray._raylet import AuthenticationTokenLoader, get_authentication_mode
 
         self.base_dir.mkdir(parents=True, exist_ok=True)
+        self._token = secrets.token_hex(32)
         fd = os.open(self.token_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as fh:
-            fh.write(secrets.token_hex(32))
+            fh.write(self._token)
         if self._owner_env is None:
             self._owner_env = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_TOKEN")}
         os.environ.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(self.token_path)})
@@ -227,7 +228,7 @@ class LocalCluster:
 
     def auth_header(self) -> dict[str, str]:
         """The HTTP header this cluster's dashboard requires."""
-        return {"Authorization": f"Bearer {self.token_path.read_text().strip()}"}
+        return {"Authorization": f"Bearer {self._token}"}  # kept from start(): polled every 0.5 s while waiting
 
     def _with_retries(self, name: str, start_node, attempts: int) -> None:
         started_before = len(self.nodes)
