@@ -12,7 +12,7 @@ LOCK  := requirements/cpu.lock
 RECIPE ?= gspo_ray/recipes/tiny_moe.yaml
 ARGS   ?=
 
-.PHONY: venv run test test-fast bench bench-moe clean
+.PHONY: venv run test test-fast bench bench-moe bench-trl clean
 
 venv: $(STAMP)
 
@@ -34,6 +34,18 @@ test-fast: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/gspo-ray bench
+
+# The peer on this machine: TRL's GRPOTrainer on the SmolLM2 recipe (same prompts, reward, settings), in its own
+# venv; TRL is not a dependency of gspo-ray. Compare with `gspo-ray bench --suite smollm2`. ARGS="--lr 1e-5 --steps 10"
+TRL_VENV := .venv-trl
+$(TRL_VENV)/.installed: $(STAMP)
+	$(PY) -m venv $(TRL_VENV)
+	$(TRL_VENV)/bin/pip install -q torch==2.13.0 && $(TRL_VENV)/bin/pip install -q trl==1.16.0 \
+	  $$(grep -iE '^(transformers|tokenizers|safetensors|huggingface-hub|accelerate|pydantic|pyyaml)==' $(LOCK)) datasets
+	touch $@
+bench-trl: $(TRL_VENV)/.installed
+	$(BIN)/python -c "from gspo_ray.models.gguf import ensure_imported; ensure_imported('runs/models/smollm2-135m-instruct')"
+	PYTHONPATH=. $(TRL_VENV)/bin/python -m gspo_ray.bench.peer_trl $(ARGS)
 
 # GRPO / GRPO+R2 / GSPO / GSPO-token on SmolLM2 upcycled to an MoE (~50 min on 2 cores): table + runs/bench_moe.png
 bench-moe: $(STAMP)

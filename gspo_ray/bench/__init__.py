@@ -2,21 +2,26 @@
 
     tiny     per-phase step time of the tiny-MoE recipe (sync/async x engine/recomputed log-probs), clip
              fractions, partial rollouts, the eps-auto band (tiny.py, eps.py)
-    smollm2  the real SmolLM2-135M job, sync and async (smollm2.py)
+    smollm2  the real SmolLM2-135M job: sync, async, and sync with unshared prompt rows (smollm2.py); the peer
+             beside it: `make bench-trl` (peer_trl.py, TRL in its own venv)
+    profile  the SmolLM2 train step by op class (torch profiler), group rows and one row per sample (train_profile.py)
     moe      GRPO / GRPO+R2 / GSPO / GSPO-token on the upcycled SmolLM2 MoE (moe.py; long)
     rollout  one engine's generation tokens/s and the weight push per MB (rollout.py)
     probe    the base SmolLM2's pass@1 / pass@8 on candidate tasks: which one RL can improve (task_probe.py)
-    learn    make run's recipe to solution over seeds: held-out exact at fixed steps, when it is solved (learning.py)
+    learn    a recipe (--recipe, default make run's) learning over seeds: held-out exact per evaluation, mean and
+             range, when it is solved, wall times, a PNG of the curves (learning.py)
     recovery in-job trainer recovery: a 60-step tiny run with a trainer kill vs one without (recovery.py)
     all      tiny + smollm2
 """
 from __future__ import annotations
 
-SUITES = ("tiny", "smollm2", "moe", "rollout", "probe", "learn", "recovery", "all")
+SUITES = ("tiny", "smollm2", "profile", "moe", "rollout", "probe", "learn", "recovery", "all")
 
 
-def run(suite: str = "all", *, quick: bool = False, steps: int = 6, seeds: tuple[int, ...] = (0,)) -> None:
-    """Run one suite and print its tables. `steps` is per mode (smollm2) or per run (moe)."""
+def run(suite: str = "all", *, quick: bool = False, steps: int = 6, seeds: tuple[int, ...] = (0,),
+        recipe=None) -> None:
+    """Run one suite and print its tables. `steps` is per mode (smollm2) or per run (moe); `recipe` is the learn
+    suite's recipe (default make run's)."""
     if suite not in SUITES:
         raise ValueError(f"--suite {suite!r}; valid: {', '.join(SUITES)}")
     if suite == "moe":
@@ -27,6 +32,10 @@ def run(suite: str = "all", *, quick: bool = False, steps: int = 6, seeds: tuple
         from gspo_ray.bench.rollout import main as run_rollout_bench
 
         run_rollout_bench(["--reps", "1"] if quick else [])
+    if suite == "profile":
+        from gspo_ray.bench.train_profile import run_train_profile
+
+        run_train_profile(steps=1 if quick else 2)
     if suite == "probe":
         from gspo_ray.bench.task_probe import run_probe
 
@@ -34,7 +43,9 @@ def run(suite: str = "all", *, quick: bool = False, steps: int = 6, seeds: tuple
     if suite == "learn":
         from gspo_ray.bench.learning import run_learning_bench
 
-        run_learning_bench(seeds=seeds if seeds != (0,) else (0, 1, 2))
+        from gspo_ray.bench.common import TINY_RECIPE
+
+        run_learning_bench(recipe or TINY_RECIPE, seeds=seeds if seeds != (0,) else (0, 1, 2))
     if suite == "recovery":
         from gspo_ray.bench.recovery import run_recovery_bench
 

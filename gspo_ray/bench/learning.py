@@ -1,42 +1,109 @@
-"""`gspo-ray bench --suite learn`: the default recipe learning its task to solution, over seeds (a table).
+"""`gspo-ray bench --suite learn [--recipe R] [--seeds 0,1,2]`: a recipe learning its task, over seeds (tables + PNG).
 
-The tiny-MoE copy recipe (`make run`) as it ships (async, eps auto, early stop at held-out greedy reward 1.95),
-once per seed with `seed=S model.tiny.seed=S`: held-out greedy exact at fixed steps, the step at which it first
-reaches exact >= 0.95, and the training time (sum of step times) and wall time. Learning curves are of the
-machine they ran on: CPU kernels differ between machines, and so do the paths of the same seed.
+Runs the recipe as it ships (its steps, eval schedule and early stop), once per seed with `seed=S` (and
+`model.tiny.seed=S` when the model is built locally, so the init changes with the seed too), and reports:
+- per seed: held-out greedy exact at each evaluation, the step at which exact first reaches >= 0.95, the training
+  time (sum of step times) and the job's wall time (pool start-up and evaluations included);
+- over seeds: held-out exact at each evaluated step (mean and range) and the job seconds at which it was reached;
+- the curves (held-out exact against job seconds and steps, one line per seed) as a PNG beside the table.
+Learning curves are of the machine they ran on: CPU kernels differ between machines, and so do the paths of the
+same seed.
 """
 from __future__ import annotations
 
+import json
+import statistics
 import tempfile
 import time
 from pathlib import Path
 
 from gspo_ray.bench.common import TINY_RECIPE, markdown_table
 
-CHECKPOINT_STEPS = (0, 100, 200, 300)
+SOLVED = 0.95  # held-out exact that counts as solved
 
 
-def learn_run(seed: int, out_dir: Path, max_steps: int = 600) -> dict:
+def learn_run(recipe: Path, seed: int, out_dir: Path, overrides: tuple[str, ...] = ()) -> dict:
+    """One seeded job of `recipe`; returns its eval curve [(step, job seconds, exact, reward)] and summary."""
     from gspo_ray.config import load_config
     from gspo_ray.coordinator.job import run_job
     from gspo_ray.coordinator.tracking import read_metrics
 
-    cfg = load_config(TINY_RECIPE, [f"seed={seed}", f"model.tiny.seed={seed}", f"coordinator.steps={max_steps}",
-                                    f"logging.out_dir={out_dir}", f"name=learn-s{seed}", "logging.progress=false",
-                                    "logging.plot=false", "logging.tensorboard=false", "logging.export_hf=none"])
+    base = load_config(recipe)
+    seeded = [f"seed={seed}"] + ([f"model.tiny.seed={seed}"] if base.model.tiny is not None else [])
+    cfg = load_config(recipe, [*seeded, f"logging.out_dir={out_dir}", f"name={base.name}-s{seed}",
+                               "logging.progress=false", "logging.plot=false", "logging.tensorboard=false",
+                               "logging.export_hf=none", *overrides])
     start = time.perf_counter()
     summary = run_job(cfg)
     wall = time.perf_counter() - start
     rows = read_metrics(summary.run_dir / "metrics.jsonl")
-    exact = {r["step"]: r["eval/exact"] for r in rows if "eval/exact" in r}
-    solved = next((s for s, e in sorted(exact.items()) if e >= 0.95), None)
-    return {"seed": seed, **{f"exact@{s}": exact.get(s) for s in CHECKPOINT_STEPS}, "solved_at": solved,
-            "train_s": sum(r.get("time/step_s") or 0.0 for r in rows), "wall_s": wall, "steps": summary.steps}
+    curve = [(r["step"], r.get("time/job_s"), r["eval/exact"], r["eval/reward"]) for r in rows if "eval/exact" in r]
+    solved = next(((s, t) for s, t, e, _ in curve if e >= SOLVED), (None, None))
+    return {"seed": seed, "curve": curve, "solved_at": solved[0], "solved_job_s": solved[1],
+            "train_s": sum(r.get("time/step_s") or 0.0 for r in rows), "wall_s": wall, "steps": summary.steps,
+            "rollout_reward": [(r["step"], r["rollout/reward_mean"]) for r in rows if "rollout/reward_mean" in r]}
 
 
-def run_learning_bench(seeds: tuple[int, ...] = (0, 1, 2)) -> str:
+def per_seed_table(runs: list[dict]) -> str:
+    steps = sorted({s for r in runs for s, *_ in r["curve"]})
+    rows = []
+    for r in runs:
+        exact = {s: e for s, _, e, _ in r["curve"]}
+        rows.append({"seed": r["seed"], **{f"exact@{s}": exact.get(s) for s in steps},
+                     f"exact>={SOLVED} at step": r["solved_at"], "at job s": r["solved_job_s"],
+                     "train s": r["train_s"], "job wall s": r["wall_s"], "steps run": r["steps"]})
+    return markdown_table(rows)
+
+
+def over_seeds_table(runs: list[dict]) -> str:
+    """Held-out exact and reward at each evaluated step over the seeds that reached it (an early-stopped seed keeps
+    its last value: it stopped because it had solved the task)."""
+    steps = sorted({s for r in runs for s, *_ in r["curve"]})
+    rows = []
+    for step in steps:
+        at = [next((c for c in reversed(r["curve"]) if c[0] <= step), None) for r in runs]
+        at = [c for c in at if c is not None]
+        exact, reward = [c[2] for c in at], [c[3] for c in at]
+        secs = [c[1] for c in at if c[0] == step and c[1] is not None]
+        rows.append({"step": step, "held-out exact mean": statistics.mean(exact),
+                     "range": f"{min(exact):.2f}-{max(exact):.2f}", "held-out reward mean": statistics.mean(reward),
+                     "job s (mean of seeds evaluated here)": statistics.mean(secs) if secs else None})
+    return markdown_table(rows)
+
+
+def plot_curves(runs: list[dict], path: Path, title: str) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (by_time, by_step) = plt.subplots(1, 2, figsize=(10, 3.6))
+    for r in runs:
+        curve = [c for c in r["curve"] if c[1] is not None]
+        by_time.plot([c[1] for c in curve], [c[2] for c in curve], marker="o", label=f"seed {r['seed']}")
+        by_step.plot([c[0] for c in r["curve"]], [c[2] for c in r["curve"]], marker="o", label=f"seed {r['seed']}")
+    by_time.set(xlabel="job seconds (start-up and evaluations included)", ylabel="held-out greedy exact", ylim=(-0.03, 1.03))
+    by_step.set(xlabel="step", ylim=(-0.03, 1.03))
+    by_step.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def run_learning_bench(recipe: Path = TINY_RECIPE, seeds: tuple[int, ...] = (0, 1, 2),
+                       out: Path = Path("runs/bench")) -> str:
+    from gspo_ray.config import load_config
+
+    name = load_config(recipe).name
     with tempfile.TemporaryDirectory(prefix="bench-learn-") as tmp:
-        table = markdown_table([learn_run(s, Path(tmp)) for s in seeds])
-    print("make run's recipe to solution, per seed (held-out greedy exact; solved = first exact >= 0.95)")
-    print(table, flush=True)
-    return table
+        runs = [learn_run(recipe, s, Path(tmp)) for s in seeds]
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"learn_{name}.json").write_text(json.dumps(runs, indent=1))
+    png = plot_curves(runs, out / f"learn_{name}.png", f"{name}: held-out greedy exact, seeds {list(seeds)}")
+    text = (f"{name} ({recipe}), per seed (held-out greedy exact; solved = first exact >= {SOLVED})\n"
+            f"{per_seed_table(runs)}\n\nover seeds {list(seeds)}\n{over_seeds_table(runs)}\n\ncurves: {png}")
+    print(text, flush=True)
+    return text

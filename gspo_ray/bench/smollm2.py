@@ -78,11 +78,30 @@ class PeakPss:
         self._thread.join()
 
 
+# a mode is the coordinator's mode, optionally with `-unshared`: the trainer's rows one per sample (each carrying
+# its whole prompt), the layout before prompt groups were shared, for the before/after comparison
+MODES = ("sync", "async", "sync-unshared")
+
+
+def nonembedding_params(model_dir: Path) -> tuple[int, int]:
+    """(non-embedding parameters, output-layer parameters) of a Llama-style HF config: what the FLOP count uses."""
+    import json
+
+    c = json.loads((model_dir / "config.json").read_text())
+    h, inter, heads = c["hidden_size"], c["intermediate_size"], c["num_attention_heads"]
+    head_dim = c.get("head_dim") or h // heads
+    kv = c.get("num_key_value_heads", heads) * head_dim
+    per_layer = h * heads * head_dim * 2 + 2 * h * kv + 3 * h * inter + 2 * h  # q, o, k, v, gate/up/down, 2 norms
+    return c["num_hidden_layers"] * per_layer + h, c["vocab_size"] * h
+
+
 def bench_smollm2_mode(mode: str, steps: int, out_dir: Path, model_dir: Path) -> dict:
     from gspo_ray.coordinator.job import run_job
 
+    coordinator_mode, _, variant = mode.partition("-")
     cfg = load_config(RECIPE, [f"model.path={model_dir}", "model.packaged=null", f"coordinator.steps={steps}", "coordinator.eval_every=0",
-                               "coordinator.checkpoint_every=0", "data.num_eval=0", f"coordinator.mode={mode}",
+                               "coordinator.checkpoint_every=0", "data.num_eval=0", f"coordinator.mode={coordinator_mode}",
+                               f"trainer.shared_prefix={variant != 'unshared'}",
                                "coordinator.filter_zero_adv=false", f"logging.out_dir={out_dir}",
                                f"name=bench-smollm2-{mode}", "logging.progress=false", "logging.tensorboard=false",
                                "logging.plot=false", "trainer.router_churn_every=0",
@@ -98,24 +117,32 @@ def bench_smollm2_mode(mode: str, steps: int, out_dir: Path, model_dir: Path) ->
     step = mean("time/step_s")
     completions = cfg.coordinator.prompts_per_step * cfg.rollout.group_size
     push_s, push_mb = mean("sync/push_s"), mean("sync/push_mb")
+    # useful training FLOPs: 6 x non-embedding parameters per forwarded token (forward 2, backward 4) plus the
+    # output layer on the scored (generated) tokens only
+    body, head = nonembedding_params(model_dir)
+    flops = 6 * body * mean("train/forward_tokens") + 6 * head * mean("rollout/tokens")
     return {"mode": mode, "steps": len(steady), "step_s": step, "rollout_s": mean("time/rollout_s"),
             "train_s": mean("time/train_s"), "sync_s": mean("time/sync_s"), "push_s": push_s,
             "push_mb_s": push_mb / push_s if push_s else 0.0, "completions_per_s": completions / step,
             "gen_tokens_per_s": mean("rollout/tokens_per_s"),
             "fwd_train": mean("train/forward_passes_train"), "fwd_old": mean("train/forward_passes_old_logprobs"),
             "fwd_probe": mean("train/forward_passes_probe"),
+            "forward_tokens": mean("train/forward_tokens"), "row_tokens": mean("train/row_tokens"),
+            "train_gflops": flops / mean("time/train_s") / 1e9 if mean("time/train_s") else 0.0,
             "peak_total_gib": mem.total / GIB, "peak_gib": {k: v / GIB for k, v in mem.per_process.items()},
             "wall_s": time.time() - start}
 
 
 def format_smollm2(results: list[dict]) -> str:
     head = ("| mode | s/step | rollout s | train s | sync s | push s (MB/s) | completions/s | gen tok/s | "
-            "trainer forwards per batch: train / old-logp / push probe | peak PSS job GiB |")
+            "trainer forwards per batch: train / old-logp / push probe | tokens forwarded (one row per sample) | "
+            "train GFLOP/s | peak PSS job GiB |")
     lines = [head, "|---" * (head.count("|") - 1) + "|"]
     for r in results:
         lines.append(f"| {r['mode']} | {r['step_s']:.1f} | {r['rollout_s']:.1f} | {r['train_s']:.1f} | "
                      f"{r['sync_s']:.2f} | {r['push_s']:.2f} ({r['push_mb_s']:.0f}) | {r['completions_per_s']:.2f} | "
                      f"{r['gen_tokens_per_s']:.0f} | {r['fwd_train']:.0f} / {r['fwd_old']:.0f} / {r['fwd_probe']:.0f} | "
+                     f"{r['forward_tokens']:.0f} ({r['row_tokens']:.0f}) | {r['train_gflops']:.0f} | "
                      f"{r['peak_total_gib']:.1f} |")
     for r in results:
         procs = ", ".join(f"{k} {v:.2f}" for k, v in sorted(r["peak_gib"].items(), key=lambda kv: -kv[1])[:6])
@@ -123,7 +150,7 @@ def format_smollm2(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def run_smollm2_bench(steps: int = 6, modes: tuple[str, ...] = ("sync", "async"),
+def run_smollm2_bench(steps: int = 6, modes: tuple[str, ...] = MODES,
                       model_dir: Path = Path("runs/models/smollm2-135m-instruct")) -> list[dict]:
     """model_dir: where the packaged model is imported once (the recipe's default place) and reused."""
     from gspo_ray.models.gguf import ensure_imported

@@ -155,12 +155,15 @@ def scale(pool: str = typer.Argument(..., help="rollout | trainer"),
 @app.command()
 def bench(quick: bool = typer.Option(False, help="fewer steps"),
           suite: str = typer.Option("all", help="tiny (the tiny-MoE tables) | smollm2 (the real-model table) | "
-                                    "moe (GRPO / GRPO+R2 / GSPO / GSPO-token on the upcycled SmolLM2 MoE) | "
-                                    "rollout (generation tokens/s, weight push) | probe (the base model's pass@k per task) | "
-                                    "learn (make run's recipe to solution, seeds 0-2) | recovery (a trainer kill in a "
+                                    "profile (the SmolLM2 train step by op class) | moe (GRPO / GRPO+R2 / GSPO / "
+                                    "GSPO-token on the upcycled SmolLM2 MoE) | rollout (generation tokens/s, weight "
+                                    "push) | probe (the base model's pass@k per task) | learn (a recipe learning its "
+                                    "task over seeds; --recipe, default make run's) | recovery (a trainer kill in a "
                                     "60-step run) | all (tiny + smollm2)"),
           steps: int = typer.Option(6, help="steps per mode (smollm2) or per run (moe)"),
-          seeds: str = typer.Option("0", help="moe suite: comma-separated seeds")):
+          seeds: str = typer.Option("0", help="moe and learn suites: comma-separated seeds (learn: default 0,1,2)"),
+          recipe: Optional[Path] = typer.Option(None, help="learn suite: the recipe to learn with (default: make "
+                                                "run's tiny-MoE recipe)")):
     """Benchmarks (gspo_ray/bench/): per-phase time of training steps and what each suite measures, as tables."""
     from gspo_ray.bench import SUITES, run
 
@@ -172,7 +175,10 @@ def bench(quick: bool = typer.Option(False, help="fewer steps"),
     except ValueError:
         typer.echo(f"error: --seeds {seeds!r}: expected comma-separated integers", err=True)
         raise typer.Exit(2)
-    run(suite, quick=quick, steps=steps, seeds=seed_list)
+    if recipe is not None and not recipe.is_file():
+        typer.echo(f"error: --recipe {recipe}: file not found", err=True)
+        raise typer.Exit(2)
+    run(suite, quick=quick, steps=steps, seeds=seed_list, recipe=recipe)
 
 
 def main() -> None:

@@ -160,7 +160,7 @@ def _run_locked(cfg: JobConfig, resume: bool, rollout_factory, after_step, fresh
                                  run_config=redacted_config_dict(cfg))  # no secrets to the tracker
         control = start_control(cfg.name, cfg.cluster.namespace)
         summary.interrupted = _loop(cfg, coord, eval_prompts, tracker, ckpts, summary, control, after_step,
-                                    model_path=model_path)
+                                    model_path=model_path, job_start=t_start)
         summary.exit_code = exit_code_for(stop.signum) if summary.interrupted else 0
     finally:
         stop.restore()
@@ -182,8 +182,10 @@ def _run_locked(cfg: JobConfig, resume: bool, rollout_factory, after_step, fresh
 
 
 def _loop(cfg: JobConfig, coord: Coordinator, eval_prompts, tracker, ckpts, summary: RunSummary, control,
-          after_step=None, model_path: Path | None = None) -> bool:
+          after_step=None, model_path: Path | None = None, job_start: float | None = None) -> bool:
     """Steps until done; evaluates and checkpoints on schedule. Returns True when interrupted by the user.
+    Every logged step carries `time/job_s`, the seconds since the job started (`job_start`, perf_counter; pool
+    start-up and evaluations included), so a curve can be read against wall time.
 
     Only step boundaries are saved: an interrupt inside a step leaves the last checkpoint as the resume point.
     A dead trainer rank is recovered in-job (coordinator/recovery.py: rebuild, rewind to the last checkpoint,
@@ -191,6 +193,7 @@ def _loop(cfg: JobConfig, coord: Coordinator, eval_prompts, tracker, ckpts, summ
     from ray.exceptions import RayActorError
 
     c = cfg.coordinator
+    job_start = time.perf_counter() if job_start is None else job_start
     saved_at = [coord.state.step if coord.state.step else None]  # a resumed run's step is already checkpointed
     recovery = TrainerRecovery.for_job(cfg, coord, ckpts)
 
@@ -206,7 +209,7 @@ def _loop(cfg: JobConfig, coord: Coordinator, eval_prompts, tracker, ckpts, summ
     if eval_prompts is not None and coord.state.step == 0:
         m = evaluate(coord.rollout, eval_prompts, 0, cfg.run_dir)
         summary.eval_history.append((0, m["eval/reward"]))
-        tracker.log(0, m, advance=False)
+        tracker.log(0, {**m, "time/job_s": time.perf_counter() - job_start}, advance=False)
     try:
         while coord.state.step < c.steps:
             in_step = True
@@ -220,6 +223,7 @@ def _loop(cfg: JobConfig, coord: Coordinator, eval_prompts, tracker, ckpts, summ
                     metrics.update(m)
                     summary.eval_history.append((step, m["eval/reward"]))
                 metrics.update(recovery.step_metrics(step))
+                metrics["time/job_s"] = time.perf_counter() - job_start
                 _apply_control(coord, control, metrics, lambda n: recovery.rescale(coord, n, save))
                 tracker.log(step, metrics)
                 if cfg.logging.save_rollouts:

@@ -1,0 +1,38 @@
+"""The learning bench's report from run results, and the train profile's op classes: what `gspo-ray bench --suite
+learn` / `--suite profile` end with (the runs themselves are benchmarks, minutes to hours)."""
+from gspo_ray.bench.learning import over_seeds_table, per_seed_table, plot_curves
+from gspo_ray.bench.train_profile import op_class
+
+
+def _run(seed, curve):
+    solved = next(((s, t) for s, t, e, _ in curve if e >= 0.95), (None, None))
+    return {"seed": seed, "curve": curve, "solved_at": solved[0], "solved_job_s": solved[1], "train_s": 10.0,
+            "wall_s": 60.0, "steps": curve[-1][0]}
+
+
+def _cells(line):
+    return [c.strip() for c in line.strip().strip("|").split("|")]
+
+
+def test_an_early_stopped_seed_keeps_its_last_value_and_times_come_from_seeds_evaluated_there(tmp_path):
+    # seed 0 solves at step 5 and stops; seed 1 goes on to step 10
+    runs = [_run(0, [(0, 5.0, 0.0, 0.1), (5, 40.0, 1.0, 1.0)]),
+            _run(1, [(0, 6.0, 0.0, 0.2), (5, 44.0, 0.5, 0.6), (10, 80.0, 0.75, 0.8)])]
+    lines = over_seeds_table(runs).splitlines()
+    assert _cells(lines[2])[:3] == ["0", "0.000", "0.00-0.00"]
+    assert _cells(lines[3]) == ["5", "0.750", "0.50-1.00", "0.800", "42.000"]
+    # at step 10 seed 0 counts with its final 1.0 (it stopped because it had solved the task); the time is seed 1's
+    assert _cells(lines[4]) == ["10", "0.875", "0.75-1.00", "0.900", "80.000"]
+    per_seed = per_seed_table(runs).splitlines()
+    assert _cells(per_seed[2])[:6] == ["0", "0.000", "1.000", "-", "5", "40.000"]
+    assert _cells(per_seed[3])[4:6] == ["-", "-"]  # never solved
+    assert plot_curves(runs, tmp_path / "c.png", "t").stat().st_size > 10_000
+
+
+def test_profile_op_classes():
+    assert op_class("aten::addmm") == op_class("aten::mm") == "matmul"
+    assert op_class("aten::_softmax") == op_class("aten::baddbmm") == op_class("aten::bmm") == "attention"
+    assert op_class("aten::_foreach_addcdiv_") == "optimizer"
+    assert op_class("aten::copy_") == op_class("aten::index_select") == "copies/layout"
+    assert op_class("aten::silu") == op_class("aten::mul") == "norms/elementwise"
+    assert op_class("aten::something_new") == "other"
