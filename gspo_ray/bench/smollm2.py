@@ -26,9 +26,13 @@ GIB = 1024 ** 3
 class PeakPss:
     """Samples the PSS of this process and all its descendants every `interval_s`; keeps the peak per process
     (by command name) and the peak of the sum. PSS splits shared pages between the processes sharing them, so the
-    per-process numbers add up to the job's footprint (RSS would count shared libraries once per process)."""
+    per-process numbers add up to the job's footprint (RSS would count shared libraries once per process).
+    Reading PSS walks a process's page tables in the kernel: measured here, 0.11 s of system time for a process
+    with 4.8 GB resident, so a sample of this job (trainer ~5 GB, engine ~3.5 GB, driver, Ray) costs ~0.25 s of
+    CPU. Every 0.5 s that took ~a quarter of the two cores from the job it measured; every 10 s it is ~1%, and a
+    peak shorter than the interval can be missed (steps here last 30-80 s)."""
 
-    def __init__(self, interval_s: float = 0.5):
+    def __init__(self, interval_s: float = 10.0):
         self.interval_s = interval_s
         self.per_process: dict[str, float] = {}
         self.total = 0.0

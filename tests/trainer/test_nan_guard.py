@@ -74,3 +74,20 @@ def test_consecutive_non_finite_steps_stop_with_a_clear_error(run):
 
 def test_dr_grpo_needs_a_constant_norm_len(run):
     assert "algorithm.norm_len" in run["norm_len_error"]
+
+
+def test_all_finite_is_exact_when_the_sum_overflows_or_cancels():
+    """The gradient check reads one sum per buffer and looks at every element only when that sum is not finite."""
+    from gspo_ray.trainer.optim import all_finite
+
+    g = torch.randn(1000)
+    assert all_finite(g)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        poisoned = g.clone()
+        poisoned[17] = bad
+        assert not all_finite(poisoned), bad
+    both = g.clone()
+    both[1], both[2] = float("inf"), float("-inf")  # their sum is NaN, still caught
+    assert not all_finite(both)
+    huge = torch.full((4,), 3e38)  # every element finite, the fp32 sum overflows to inf
+    assert not bool(torch.isfinite(huge.sum())) and all_finite(huge)
