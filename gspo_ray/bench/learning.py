@@ -1,7 +1,8 @@
 """`gspo-ray bench --suite learn [--recipe R] [--seeds 0,1,2]`: a recipe learning its task, over seeds (tables + PNG).
 
-Runs the recipe as it ships (its steps, eval schedule and early stop), once per seed with `seed=S` (and
-`model.tiny.seed=S` when the model is built locally, so the init changes with the seed too), and reports:
+Runs the recipe as it ships (its steps, eval schedule and early stop), once per seed with `seed=S
+rollout.seed=S` (the engines' sampling) and `model.tiny.seed=S` when the model is built locally (so the init
+changes too); the prompts and the held-out set stay those of the recipe's data seed. Reports:
 - per seed: held-out greedy exact at each evaluation, the step at which exact first reaches >= 0.95, the training
   time (sum of step times) and the job's wall time (pool start-up and evaluations included);
 - over seeds: held-out exact at each evaluated step (mean and range) and the job seconds at which it was reached;
@@ -29,7 +30,10 @@ def learn_run(recipe: Path, seed: int, out_dir: Path, overrides: tuple[str, ...]
     from gspo_ray.coordinator.tracking import read_metrics
 
     base = load_config(recipe)
-    seeded = [f"seed={seed}"] + ([f"model.tiny.seed={seed}"] if base.model.tiny is not None else [])
+    # the job's `seed` does not reach the engines' sampling seed (rollout.seed): both are set, or every "seed" of a
+    # pretrained model would sample the same completions and repeat one run
+    seeded = [f"seed={seed}", f"rollout.seed={seed}"] + ([f"model.tiny.seed={seed}"] if base.model.tiny is not None
+                                                          else [])
     if base.model.packaged is not None:  # imported once where the recipe's own runs keep it, not per seed
         from gspo_ray.models.gguf import ensure_imported
 
@@ -40,6 +44,8 @@ def learn_run(recipe: Path, seed: int, out_dir: Path, overrides: tuple[str, ...]
                                "logging.export_hf=none", *overrides])
     start = time.perf_counter()
     summary = run_job(cfg)
+    if summary.interrupted:  # SIGTERM / Ctrl-C ends the bench, not only this seed's job
+        raise SystemExit(summary.exit_code)
     wall = time.perf_counter() - start
     rows = read_metrics(summary.run_dir / "metrics.jsonl")
     curve = [(r["step"], r.get("time/job_s"), r["eval/exact"], r["eval/reward"]) for r in rows if "eval/exact" in r]

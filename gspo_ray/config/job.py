@@ -19,7 +19,10 @@ class JobConfig(Strict):
     """One training job."""
 
     name: str = Field("gspo", description="run name; the run directory is out_dir/name")
-    seed: int = Field(0, description="global seed")
+    seed: int = Field(0, description="the job's seed (the buffer's mini-batch shuffles, the push-probe "
+                      "sequences); the engines' sampling is seeded by rollout.seed, the prompt order and held-out "
+                      "split by data.seed, a tiny model's init by model.tiny.seed: set those too for a run that "
+                      "differs by seed")
     model: ModelConfig = Field(default_factory=lambda: ModelConfig(tiny=TinyModelConfig()))
     data: DataConfig = Field(default_factory=DataConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
