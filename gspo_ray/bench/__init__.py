@@ -41,9 +41,8 @@ def run(suite: str = "all", *, quick: bool = False, steps: int = 6, seeds: tuple
 
         run_probe()
     if suite == "learn":
-        from gspo_ray.bench.learning import run_learning_bench
-
         from gspo_ray.bench.common import TINY_RECIPE
+        from gspo_ray.bench.learning import run_learning_bench
 
         run_learning_bench(recipe or TINY_RECIPE, seeds=seeds if seeds != (0,) else (0, 1, 2))
     if suite == "recovery":

@@ -51,8 +51,7 @@ def learn_run(recipe: Path, seed: int, out_dir: Path, overrides: tuple[str, ...]
     curve = [(r["step"], r.get("time/job_s"), r["eval/exact"], r["eval/reward"]) for r in rows if "eval/exact" in r]
     solved = next(((s, t) for s, t, e, _ in curve if e >= SOLVED), (None, None))
     return {"seed": seed, "curve": curve, "solved_at": solved[0], "solved_job_s": solved[1],
-            "train_s": sum(r.get("time/step_s") or 0.0 for r in rows), "wall_s": wall, "steps": summary.steps,
-            "rollout_reward": [(r["step"], r["rollout/reward_mean"]) for r in rows if "rollout/reward_mean" in r]}
+            "train_s": sum(r.get("time/step_s") or 0.0 for r in rows), "wall_s": wall, "steps": summary.steps}
 
 
 def per_seed_table(runs: list[dict]) -> str:
