@@ -12,7 +12,7 @@ LOCK  := requirements/cpu.lock
 RECIPE ?= gspo_ray/recipes/tiny_moe.yaml
 ARGS   ?=
 
-.PHONY: venv run test test-fast bench bench-moe bench-trl clean
+.PHONY: venv run test test-fast bench bench-moe bench-trl learn-real clean
 
 venv: $(STAMP)
 
@@ -46,6 +46,12 @@ $(TRL_VENV)/.installed: $(STAMP)
 bench-trl: $(TRL_VENV)/.installed
 	$(BIN)/python -c "from gspo_ray.models.gguf import ensure_imported; ensure_imported('runs/models/smollm2-135m-instruct')"
 	PYTHONPATH=. $(TRL_VENV)/bin/python -m gspo_ray.bench.peer_trl $(ARGS)
+
+# The real model learning over 3 seeds, each packaged SmolLM2 recipe (repeat ~5-8 min, sum ~15-20 min per seed on
+# 2 cores): per-seed and over-seed tables of held-out exact, job seconds, PNGs in runs/bench
+learn-real: $(STAMP)
+	$(BIN)/gspo-ray bench --suite learn --recipe gspo_ray/recipes/smollm2_repeat.yaml --seeds 0,1,2
+	$(BIN)/gspo-ray bench --suite learn --recipe gspo_ray/recipes/smollm2_sum.yaml --seeds 0,1,2
 
 # GRPO / GRPO+R2 / GSPO / GSPO-token on SmolLM2 upcycled to an MoE (~50 min on 2 cores): table + runs/bench_moe.png
 bench-moe: $(STAMP)
