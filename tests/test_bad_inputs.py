@@ -111,6 +111,8 @@ WRONG_VALUES = {  # field -> values pydantic cannot coerce into a valid one
     "coordinator.steps": st.sampled_from([0, -1, "many", 1.5, None, [3]]),
     "model.tiny.arch": _not_in({"qwen3_moe", "qwen2"}),
     "data.source": _not_in({"builtin", "jsonl"}),
+    "data.task": _not_in({"copy", "add", "repeat", "sum", "sort", "guess"}),  # a task that does not exist
+    "data.min_digits": st.sampled_from([0, -2, "two", None, 1.5]),
     "rollout.reward": st.sampled_from(["copy", 3, [1], True]),
     "rollout.reward.timeout_s": st.sampled_from([0, -1, "slow", None]),
     "rollout.top_p": st.sampled_from([0, 1.5, -0.1, "all"]),
@@ -173,6 +175,15 @@ def test_bad_job_files(workspaces, kind, data):
     for dotted, value in change.items():
         ws.set(dotted, value)
     ws.validate(f"job/{kind}", "job.yaml", *([f"{field}:"] if field else []))
+
+
+def test_an_unknown_task_is_named_with_the_valid_ones(workspaces):
+    from gspo_ray.data.tasks import TASKS
+
+    ws = workspaces()
+    ws.set("data.task", "multiply")
+    err = ws.validate("job/unknown_task", "data.task:", "'multiply'")
+    assert all(f"'{task}'" in err for task in TASKS), err
 
 
 # ---- JSONL data ------------------------------------------------------------------------------------------------------

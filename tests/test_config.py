@@ -94,3 +94,10 @@ def test_coordinator_staleness_that_partial_rollouts_would_ignore_is_refused():
     cfg = load_config(RECIPE, [*partial, "rollout.partial.max_staleness=3"])  # the field partial rollouts use
     assert cfg.rollout.partial.max_staleness == 3
     assert load_config(RECIPE, ["coordinator.max_staleness=3"]).coordinator.max_staleness == 3  # without partial
+
+
+def test_the_job_seed_seeds_the_engines_unless_rollout_seed_is_set():
+    """`seed=1` alone gives other samples (before, every "seed" of a pretrained model repeated one run)."""
+    assert JobConfig().rollout.seed == 0
+    assert JobConfig.model_validate({"seed": 3}).rollout.seed == 3
+    assert JobConfig.model_validate({"seed": 3, "rollout": {"seed": 7}}).rollout.seed == 7

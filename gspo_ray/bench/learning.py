@@ -1,8 +1,8 @@
 """`gspo-ray bench --suite learn [--recipe R] [--seeds 0,1,2]`: a recipe learning its task, over seeds (tables + PNG).
 
-Runs the recipe as it ships (its steps, eval schedule and early stop), once per seed with `seed=S
-rollout.seed=S` (the engines' sampling) and `model.tiny.seed=S` when the model is built locally (so the init
-changes too); the prompts and the held-out set stay those of the recipe's data seed. Reports:
+Runs the recipe as it ships (its steps, eval schedule and early stop), once per seed with `seed=S` (which seeds the
+engines' sampling) and `model.tiny.seed=S` when the model is built locally (so the init changes too); the prompts
+and the held-out set stay those of the recipe's data seed. Reports:
 - per seed: held-out greedy exact at each evaluation, the step at which exact first reaches >= 0.95, the training
   time (sum of step times) and the job's wall time (pool start-up and evaluations included);
 - over seeds: held-out exact at each evaluated step (mean and range) and the job seconds at which it was reached;
@@ -30,10 +30,7 @@ def learn_run(recipe: Path, seed: int, out_dir: Path, overrides: tuple[str, ...]
     from gspo_ray.coordinator.tracking import read_metrics
 
     base = load_config(recipe)
-    # the job's `seed` does not reach the engines' sampling seed (rollout.seed): both are set, or every "seed" of a
-    # pretrained model would sample the same completions and repeat one run
-    seeded = [f"seed={seed}", f"rollout.seed={seed}"] + ([f"model.tiny.seed={seed}"] if base.model.tiny is not None
-                                                          else [])
+    seeded = [f"seed={seed}"] + ([f"model.tiny.seed={seed}"] if base.model.tiny is not None else [])
     if base.model.packaged is not None:  # imported once where the recipe's own runs keep it, not per seed
         from gspo_ray.models.gguf import ensure_imported
 

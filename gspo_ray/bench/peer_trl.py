@@ -2,6 +2,7 @@
 
     make bench-trl                    # builds .venv-trl (TRL outside the project's dependencies) and runs this
     .venv-trl/bin/python -m gspo_ray.bench.peer_trl --steps 6 --lr 1e-6
+    make bench-trl ARGS="--recipe gspo_ray/recipes/smollm2_sum.yaml --steps 10 --lr 1e-5 --eval-every 5 --seed 0"
 
 TRL is not a dependency of gspo-ray: this module runs in its own virtual environment (TRL, accelerate and datasets
 beside the project's torch and transformers pins) and imports from gspo-ray only the pure parts, the config loader,
@@ -11,6 +12,9 @@ tokens, temperature 1.0, fp32, one optimizer step per rollout batch (steps_per_g
 GSPO (sequence-level ratio, eps 3e-4 / 4e-4, beta 0, the paper-index settings of TRL's docs), AdamW at a constant lr,
 grad clip 1.0, HF generate, 2 torch threads. Prints per step: seconds, generation (TRL's generate-and-score, timed
 by wrapping it) and train (the rest), completions/s, and the process's peak RSS (one process: TRL's whole job).
+`--recipe` takes another recipe's task, reward, temperature and batch shape; `--eval-every N` scores the recipe's
+held-out prompts (the same ones gspo-ray evaluates, from the data seed) greedily with HF generate at step 0 and every
+N steps, as gspo-ray's evaluation does: the learning comparison.
 """
 from __future__ import annotations
 
@@ -23,7 +27,33 @@ from pathlib import Path
 from gspo_ray.bench.common import SMOLLM2_RECIPE, markdown_table
 
 
-def run_trl(steps: int, lr: float, model_dir: Path, out_dir: Path, seed: int = 0) -> list[dict]:
+def held_out_exact(model, tokenizer, prompts: list[str], references: list[str], reward_fn, max_new_tokens: int,
+                   batch: int = 16) -> tuple[float, float]:
+    """Greedy completions of the held-out prompts: (mean exact, mean reward), as gspo-ray's evaluation scores them."""
+    import torch
+
+    exact = reward = 0.0
+    side, tokenizer.padding_side = tokenizer.padding_side, "left"
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for i in range(0, len(prompts), batch):
+                enc = tokenizer(prompts[i:i + batch], return_tensors="pt", padding=True, add_special_tokens=False)
+                out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
+                                     pad_token_id=tokenizer.pad_token_id)
+                for row, ref in zip(out[:, enc["input_ids"].shape[1]:], references[i:i + batch]):
+                    scored = reward_fn(tokenizer.decode(row, skip_special_tokens=True), ref)
+                    exact, reward = exact + scored.get("exact", 0.0), reward + scored["reward"]
+    finally:
+        tokenizer.padding_side = side
+        model.train(training)
+    return exact / len(prompts), reward / len(prompts)
+
+
+def run_trl(steps: int, lr: float, model_dir: Path, out_dir: Path, seed: int = 0, recipe: Path = SMOLLM2_RECIPE,
+            eval_every: int = 0) -> tuple[list[dict], list[dict]]:
+    """TRL's GRPOTrainer on `recipe`'s task: (a row per step, the held-out evaluations)."""
     import torch
     from datasets import Dataset
     from transformers import AutoTokenizer, TrainerCallback
@@ -34,13 +64,18 @@ def run_trl(steps: int, lr: float, model_dir: Path, out_dir: Path, seed: int = 0
     from gspo_ray.envs import rewards
 
     torch.set_num_threads(2)
-    cfg = load_config(SMOLLM2_RECIPE, [f"seed={seed}"])
+    cfg = load_config(recipe, [f"seed={seed}"])
     data, rollout = cfg.data, cfg.rollout
-    train, _ = build_task_splits(data.task, num_train=data.num_train, num_eval=data.num_eval, seed=seed,
-                                 min_digits=data.min_digits, max_digits=data.max_digits)
+    # the recipe's data seed, as gspo-ray's learn bench keeps it: the same held-out set for every seed
+    train, held_out = build_task_splits(data.task, num_train=data.num_train, num_eval=data.num_eval, seed=data.seed,
+                                        min_digits=data.min_digits, max_digits=data.max_digits)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": e.prompt}], tokenize=False,
-                                             add_generation_prompt=True) for e in train]
+
+    def chat(text: str) -> str:
+        return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                             add_generation_prompt=True)
+
+    prompts = [chat(e.prompt) for e in train]
     dataset = Dataset.from_dict({"prompt": prompts, "reference": [e.reference for e in train]})
     reward_fn = getattr(rewards, cfg.rollout.reward.fn.rsplit(":", 1)[1])
 
@@ -74,17 +109,33 @@ def run_trl(steps: int, lr: float, model_dir: Path, out_dir: Path, seed: int = 0
 
     trainer._generate_and_score_completions = timed
     rows: list[dict] = []
+    evals: list[dict] = []  # held-out scores at step 0 and every eval_every steps
+    eval_prompts, eval_refs = [chat(e.prompt) for e in held_out], [e.reference for e in held_out]
+    t_start = time.perf_counter()
+
+    def evaluate(model, step: int) -> None:
+        exact, mean_reward = held_out_exact(model, tokenizer, eval_prompts, eval_refs, reward_fn,
+                                            rollout.max_new_tokens)
+        evals.append({"step": step, "eval_exact": exact, "eval_reward": mean_reward,
+                      "job_s": time.perf_counter() - t_start})
+        print(f"step {step}: held-out exact {exact:.3f}, reward {mean_reward:.3f}", flush=True)
 
     class StepTimer(TrainerCallback):
+        def on_train_begin(self, args, state, control, model=None, **kw):
+            if eval_every:
+                evaluate(model, 0)
+
         def on_step_begin(self, *a, **kw):
             self.t0 = time.perf_counter()
 
-        def on_step_end(self, *a, **kw):
+        def on_step_end(self, args, state, control, model=None, **kw):
             step_s = time.perf_counter() - self.t0
             gen = generation[-1] if generation else 0.0
             rows.append({"step": len(rows) + 1, "step_s": step_s, "generation_s": gen, "train_s": step_s - gen,
                          "completions_per_s": per_step / step_s,
                          "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 ** 2})
+            if eval_every and len(rows) % eval_every == 0:
+                evaluate(model, len(rows))
 
         def on_log(self, args, state, control, logs=None, **kw):
             if rows and logs:
@@ -92,7 +143,7 @@ def run_trl(steps: int, lr: float, model_dir: Path, out_dir: Path, seed: int = 0
 
     trainer.add_callback(StepTimer())
     trainer.train()
-    return rows
+    return rows, evals
 
 
 def main() -> None:
@@ -101,16 +152,25 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-6)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", type=Path, default=Path("runs/models/smollm2-135m-instruct"))
+    parser.add_argument("--recipe", type=Path, default=SMOLLM2_RECIPE,
+                        help="the recipe whose task, reward, temperature and batch shape TRL trains with")
+    parser.add_argument("--eval-every", type=int, default=0,
+                        help="score the held-out prompts greedily at step 0 and every N steps (0: never)")
     args = parser.parse_args()
+    if not args.recipe.is_file():
+        raise SystemExit(f"--recipe {args.recipe}: file not found")
     if not (args.model / "config.json").is_file():
         raise SystemExit(f"--model {args.model}: no HF model there; `make bench` (or `gspo-ray models import`) "
                          "imports SmolLM2 there first")
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="bench-trl-") as tmp:
-        rows = run_trl(args.steps, args.lr, args.model, Path(tmp), args.seed)
-    print(f"TRL GRPOTrainer (GSPO settings), SmolLM2 recipe, lr {args.lr}, per step:")
+        rows, evals = run_trl(args.steps, args.lr, args.model, Path(tmp), args.seed, args.recipe, args.eval_every)
+    print(f"TRL GRPOTrainer (GSPO settings), {args.recipe.name}, lr {args.lr}, seed {args.seed}, per step:")
     print(markdown_table(rows))
+    if evals:
+        print("held-out (greedy), seconds since the trainer was built:")
+        print(markdown_table(evals))
     steady = rows[1:] or rows
     med = lambda k: statistics.median(r[k] for r in steady)  # noqa: E731
     print(f"median of steps 2..{len(rows)}: {med('step_s'):.1f} s/step, generation {med('generation_s'):.1f} s, "

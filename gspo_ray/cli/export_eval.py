@@ -2,6 +2,8 @@
 
     gspo-ray export runs/my-run --out my-model [--dtype bfloat16]
     gspo-ray eval runs/my-run --data test.jsonl [--reward module:fn] [--n 8 --temperature 1.0] [--out samples.jsonl]
+    gspo-ray eval runs/my-run                      # the run's own held-out prompts, as the in-training eval scored
+    gspo-ray eval MODEL_DIR --config recipe.yaml   # those prompts before training
 """
 from __future__ import annotations
 
@@ -45,7 +47,9 @@ def export(path: Path = typer.Argument(..., help="run directory (latest checkpoi
 @model_app.command("eval")
 def eval_cmd(model: Path = typer.Argument(..., help="HF model directory, run directory, checkpoints/step_N or "
                                                     "trainer checkpoint"),
-             data: Path = typer.Option(..., help="JSONL of prompts (and references), one object per line"),
+             data: Optional[Path] = typer.Option(None, help="JSONL of prompts (and references), one object per line "
+                                                 "(default: the job's held-out prompts: the built-in task's eval "
+                                                 "split or data.eval_path)"),
              reward: Optional[str] = typer.Option(None, help="reward function module:fn (default: the run's)"),
              reward_kwargs: Optional[str] = typer.Option(None, help="JSON object of reward keyword arguments"),
              n: int = typer.Option(1, min=1, help="samples per prompt"),
@@ -75,7 +79,7 @@ def eval_cmd(model: Path = typer.Argument(..., help="HF model directory, run dir
                            max_new_tokens=max_new_tokens, max_model_len=max_model_len, prompt_field=prompt_field,
                            reference_field=reference_field, chat=chat, pass_threshold=pass_threshold,
                            config=config, model_dir=model_dir)
-        result, written = evaluate_model(model, opts, out or Path(f"eval-{data.stem}.jsonl"))
+        result, written = evaluate_model(model, opts, out or Path(f"eval-{data.stem if data else 'held-out'}.jsonl"))
     except (*USER_ERRORS, PluginError) as e:
         _fail(e)
     typer.echo(describe_eval(result.metrics))

@@ -19,10 +19,10 @@ class JobConfig(Strict):
     """One training job."""
 
     name: str = Field("gspo", description="run name; the run directory is out_dir/name")
-    seed: int = Field(0, description="the job's seed (the buffer's mini-batch shuffles, the push-probe "
-                      "sequences); the engines' sampling is seeded by rollout.seed, the prompt order and held-out "
-                      "split by data.seed, a tiny model's init by model.tiny.seed: set those too for a run that "
-                      "differs by seed")
+    seed: int = Field(0, description="the job's seed: the engines' sampling (unless rollout.seed is set), the "
+                      "buffer's mini-batch shuffles, the push-probe sequences. The prompt order and held-out split "
+                      "are seeded by data.seed and a tiny model's init by model.tiny.seed, so runs that differ by "
+                      "seed train and evaluate on the same prompts")
     model: ModelConfig = Field(default_factory=lambda: ModelConfig(tiny=TinyModelConfig()))
     data: DataConfig = Field(default_factory=DataConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
@@ -40,6 +40,12 @@ class JobConfig(Strict):
             raise ValueError(f"must be one directory name of letters, digits, '.', '_' or '-' starting with a letter "
                              f"or digit (no '/', '\\' or '..'), got {v!r}")
         return v
+
+    @model_validator(mode="after")
+    def _seed_the_engines(self) -> "JobConfig":
+        if self.rollout.seed is None:  # `seed=1` alone must change the samples, or "seeds" repeat one run
+            self.rollout.seed = self.seed
+        return self
 
     @model_validator(mode="after")
     def _cross(self) -> "JobConfig":

@@ -121,7 +121,8 @@ class RolloutConfig(Strict):
                                    "graphs), shared by every job on the machine: on a cold cache each engine "
                                    "start re-imports vLLM in a subprocess (~15-30 s on 2 cores). None = "
                                    "$VLLM_CACHE_ROOT if set, else $XDG_CACHE_HOME/gspo-ray/vllm (~/.cache/...)")
-    seed: int = Field(0, description="sampling seed")
+    seed: int | None = Field(None, description="the engines' sampling seed (worker i samples with seed + i); "
+                             "None = the job's seed")
     num_threads: int | None = Field(None, ge=1, description="OpenMP threads of each engine; None = auto: on a "
                                     "local cluster in sync mode the node's cores / rollout workers (rollout and "
                                     "training alternate, so each phase gets the machine), else num_cpus_per_worker")

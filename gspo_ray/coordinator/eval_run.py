@@ -1,12 +1,16 @@
 """`gspo-ray eval`: score a model or a checkpoint on a JSONL file without training, with vLLM in this process.
 
     gspo-ray eval runs/my-run --data data/test.jsonl                          # latest checkpoint; run's reward
+    gspo-ray eval runs/my-run                                                 # the run's own held-out prompts
+    gspo-ray eval base-model/ --config recipe.yaml                            # the same prompts, before training
     gspo-ray eval exported/ --data test.jsonl --reward my_rewards:score --n 8 --temperature 1.0
 
 MODEL is a HF model directory, a run directory (its latest checkpoint), a `checkpoints/step_N` directory or a
 trainer checkpoint. A checkpoint is served from its `hf/` directory when training exported one, else exported to a
 temporary directory first. Sampling limits, the reward and the prompt fields default to the run's `config.yaml`
 (or `--config FILE`), so a checkpoint is scored exactly as the in-training eval scored it; flags override them.
+Without `--data`, the prompts are the job's held-out set (the built-in task's eval split, or `data.eval_path`): the
+in-training evaluation's prompts, so the figures before and after training can be reproduced from the command line.
 Generation and scoring go through `evaluation.run_eval`, the in-training eval's own path.
 """
 from __future__ import annotations
@@ -30,7 +34,7 @@ from gspo_ray.coordinator.export import HF_DIR, resolve_checkpoint
 class EvalOptions:
     """What `gspo-ray eval` was asked; None = take it from the run's (or --config's) job config."""
 
-    data: Path
+    data: Path | None = None  # None: the job's held-out prompts (built-in eval split or data.eval_path)
     reward: str | None = None
     reward_kwargs: dict[str, Any] | None = None
     n: int = 1
@@ -102,6 +106,20 @@ def settings(target: Path, opts: EvalOptions) -> tuple[RolloutConfig, DataConfig
     return RolloutConfig.model_validate(rollout), DataConfig.model_validate({**data, "source": "builtin"})
 
 
+def held_out_source(target: Path, opts: EvalOptions, model_dir: Path, rollout_cfg: RolloutConfig):
+    """The job's own held-out prompts (its `data:` section, as the job built them), for an eval without --data."""
+    from gspo_ray.data.prompts import PromptSource
+
+    data_cfg = DataConfig.model_validate(_job_section(target, opts).get("data") or {})
+    source = PromptSource.from_config(data_cfg, str(model_dir), split="eval",
+                                      max_new_tokens=rollout_cfg.max_new_tokens,
+                                      max_model_len=rollout_cfg.max_model_len)
+    if source is None:
+        raise ValueError(f"{target}: no --data, and the job has no held-out prompts (data.num_eval is 0 or "
+                         "data.eval_path is not set)")
+    return source
+
+
 def model_to_serve(target: Path, opts: EvalOptions, stack: ExitStack) -> Path:
     """A HF directory as is; a checkpoint's exported `hf/`, or a fresh export in a temporary directory."""
     if (target / "config.json").is_file():
@@ -121,6 +139,9 @@ def evaluate_model(target: str | Path, opts: EvalOptions, out: str | Path) -> tu
     from gspo_ray.rollout.scoring import check_reward
 
     target = Path(target)
+    if opts.data is None and not _job_section(target, opts):
+        raise ValueError(f"{target}: no --data, and no job config to take the held-out prompts from (a run "
+                         "directory's config.yaml, or --config recipe.yaml)")
     rollout_cfg, data_cfg = settings(target, opts)
     check_reward(rollout_cfg.reward.fn, rollout_cfg.reward.kwargs)  # a bad plug-in fails before vLLM starts
     temperature = opts.temperature if opts.temperature is not None else (
@@ -130,10 +151,14 @@ def evaluate_model(target: str | Path, opts: EvalOptions, out: str | Path) -> tu
                          "give --temperature > 0")
     with ExitStack() as stack:
         model_dir = model_to_serve(target, opts, stack)
-        source = PromptSource.from_jsonl(
-            opts.data, str(model_dir), prompt_field=data_cfg.prompt_field, reference_field=data_cfg.reference_field,
-            split="eval", apply_chat_template=data_cfg.apply_chat_template,
-            max_new_tokens=rollout_cfg.max_new_tokens, max_model_len=rollout_cfg.max_model_len)
+        if opts.data is None:
+            source = held_out_source(target, opts, model_dir, rollout_cfg)
+        else:
+            source = PromptSource.from_jsonl(
+                opts.data, str(model_dir), prompt_field=data_cfg.prompt_field,
+                reference_field=data_cfg.reference_field, split="eval",
+                apply_chat_template=data_cfg.apply_chat_template,
+                max_new_tokens=rollout_cfg.max_new_tokens, max_model_len=rollout_cfg.max_model_len)
         prompts = source.prompts()  # tokenised and length-checked before the engine starts
         work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="gspo-eval-engine-")))
         rollout = LocalRollout(model_dir, rollout_cfg, work)
@@ -142,7 +167,8 @@ def evaluate_model(target: str | Path, opts: EvalOptions, out: str | Path) -> tu
                           pass_threshold=opts.pass_threshold)
         decode = lambda ids: source.tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
         out = write_eval_samples(Path(out), result.groups, decode, opts.pass_threshold)
-    summary = {"model": str(target), "data": str(opts.data), "reward": rollout_cfg.reward.fn,
-               "temperature": temperature, "max_new_tokens": rollout_cfg.max_new_tokens, **result.metrics}
+    summary = {"model": str(target), "data": str(opts.data) if opts.data else source.name,
+               "reward": rollout_cfg.reward.fn, "temperature": temperature,
+               "max_new_tokens": rollout_cfg.max_new_tokens, **result.metrics}
     out.with_suffix(".summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     return result, out

@@ -81,7 +81,8 @@ class RolloutWorker:
             torch.set_num_threads(self.cfg.num_threads)
         self.engine = RolloutEngine(model_path, run_dir=Path(run_dir) / f"rollout-{worker_id}", dtype=self.cfg.dtype,
                                     max_model_len=self.cfg.max_model_len, kv_cache_gb=self.cfg.kv_cache_gb,
-                                    enforce_eager=self.cfg.enforce_eager, seed=self.cfg.seed + worker_id,
+                                    # rollout.seed is None outside a job (gspo-ray eval): 0
+                                    enforce_eager=self.cfg.enforce_eager, seed=(self.cfg.seed or 0) + worker_id,
                                     gpu_memory_utilization=self.cfg.gpu_memory_utilization, cpu_cores=cores,
                                     worker_id=worker_id, cache_root=self.cfg.cache_dir)  # machine-wide
         self.reward_runner = _build_reward_runner(reward_runner, str(model_path))

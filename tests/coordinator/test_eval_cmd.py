@@ -7,6 +7,7 @@ same prompts, same reward, same greedy completions, and the engine's log-probs o
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -58,10 +59,12 @@ def test_checkpoints_and_the_run_end_write_hf_directories(run, tmp_path):
     assert all(torch.equal(again[k], final[k]) for k in final)
 
 
-def test_eval_command_reproduces_the_in_training_eval(run, tmp_path):
+@pytest.mark.parametrize("held_out", ["--data", "the run's own"])
+def test_eval_command_reproduces_the_in_training_eval(run, tmp_path, held_out):
     run_dir = run["cfg"].run_dir
     out = tmp_path / "samples.jsonl"
-    res = CliRunner().invoke(app, ["eval", str(run_dir), "--data", str(run["eval_data"]), "--out", str(out)])
+    data = ["--data", str(run["eval_data"])] if held_out == "--data" else []  # default: the run's data.eval_path
+    res = CliRunner().invoke(app, ["eval", str(run_dir), *data, "--out", str(out)])
     assert res.exit_code == 0, res.output
     assert "pass@1" in res.output and "mean reward" in res.output
     summary = json.loads(out.with_suffix(".summary.json").read_text())
@@ -81,6 +84,9 @@ def test_eval_command_reproduces_the_in_training_eval(run, tmp_path):
 
 def test_eval_command_refuses_bad_input_before_starting_an_engine(run, tmp_path):
     runner, run_dir = CliRunner(), str(run["cfg"].run_dir)
+    bare = shutil.copytree(run["cfg"].run_dir / "hf", tmp_path / "bare")  # a model outside any run directory
+    res = runner.invoke(app, ["eval", str(bare)])  # no --data and no job to take the held-out prompts from
+    assert res.exit_code == 2 and "no --data, and no job config" in res.stderr, res.output
     res = runner.invoke(app, ["eval", run_dir, "--data", str(tmp_path / "missing.jsonl")])
     assert res.exit_code == 2 and "missing.jsonl" in res.output
     res = runner.invoke(app, ["eval", run_dir, "--data", str(run["eval_data"]), "--reward", "no_such_module:fn"])
