@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from gspo_ray.trainer.megatron_import import megatron_core  # noqa: F401  (first: megatron without torch.compile)
 from gspo_ray.trainer.bridge import load_hf_weights
 from gspo_ray.trainer.model_spec import ModelSpec, read_hf_config, spec_from_hf_config
 

@@ -17,6 +17,7 @@ import socket
 
 import torch
 import torch.distributed as dist
+from gspo_ray.trainer.megatron_import import megatron_core  # noqa: F401  (first: megatron without torch.compile)
 
 
 def free_port() -> int:

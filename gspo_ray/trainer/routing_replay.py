@@ -24,6 +24,7 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
+from gspo_ray.trainer.megatron_import import megatron_core  # noqa: F401  (first: megatron without torch.compile)
 from megatron.core import parallel_state
 from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
