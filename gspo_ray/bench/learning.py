@@ -78,18 +78,27 @@ def over_seeds_table(runs: list[dict]) -> str:
     return markdown_table(rows)
 
 
-def plot_curves(runs: list[dict], path: Path, title: str) -> Path:
+def peer_runs(out: Path, name: str) -> list[dict]:
+    """The peer's runs of the same recipe, when `make bench-trl ARGS="--recipe R --eval-every N --seed S"` wrote
+    them (out/trl_<name>_s<S>.json, in learn_run's format plus "peer")."""
+    return [json.loads(p.read_text()) for p in sorted(out.glob(f"trl_{name}_s*.json"))]
+
+
+def plot_curves(runs: list[dict], path: Path, title: str, peers: list[dict] = ()) -> Path:
+    """Held-out exact against job seconds and steps: one solid line per seed, the peer's runs dashed."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (by_time, by_step) = plt.subplots(1, 2, figsize=(10, 3.6))
-    for r in runs:
+    for r in [*runs, *peers]:
+        label, style = (f"{r['peer']} seed {r['seed']}", "--") if "peer" in r else (f"seed {r['seed']}", "-")
         curve = [c for c in r["curve"] if c[1] is not None]
-        by_time.plot([c[1] for c in curve], [c[2] for c in curve], marker="o", label=f"seed {r['seed']}")
-        by_step.plot([c[0] for c in r["curve"]], [c[2] for c in r["curve"]], marker="o", label=f"seed {r['seed']}")
-    by_time.set(xlabel="job seconds (start-up and evaluations included)", ylabel="held-out greedy exact", ylim=(-0.03, 1.03))
+        by_time.plot([c[1] for c in curve], [c[2] for c in curve], style, marker="o", label=label)
+        by_step.plot([c[0] for c in r["curve"]], [c[2] for c in r["curve"]], style, marker="o", label=label)
+    by_time.set(xlabel="job seconds (start-up and evaluations included)", ylabel="held-out greedy exact",
+                ylim=(-0.03, 1.03))
     by_step.set(xlabel="step", ylim=(-0.03, 1.03))
     by_step.legend()
     fig.suptitle(title)
@@ -109,8 +118,11 @@ def run_learning_bench(recipe: Path = TINY_RECIPE, seeds: tuple[int, ...] = (0, 
         runs = [learn_run(recipe, s, Path(tmp)) for s in seeds]
     out.mkdir(parents=True, exist_ok=True)
     (out / f"learn_{name}.json").write_text(json.dumps(runs, indent=1))
-    png = plot_curves(runs, out / f"learn_{name}.png", f"{name}: held-out greedy exact, seeds {list(seeds)}")
+    peers = peer_runs(out, name)
+    png = plot_curves(runs, out / f"learn_{name}.png", f"{name}: held-out greedy exact, seeds {list(seeds)}", peers)
     text = (f"{name} ({recipe}), per seed (held-out greedy exact; solved = first exact >= {SOLVED})\n"
             f"{per_seed_table(runs)}\n\nover seeds {list(seeds)}\n{over_seeds_table(runs)}\n\ncurves: {png}")
+    if peers:
+        text += f"\n\n{peers[0]['peer']}, the same recipe (make bench-trl), per seed\n{per_seed_table(peers)}"
     print(text, flush=True)
     return text

@@ -19,6 +19,7 @@ N steps, as gspo-ray's evaluation does: the learning comparison.
 from __future__ import annotations
 
 import argparse
+import json
 import resource
 import statistics
 import time
@@ -146,6 +147,16 @@ def run_trl(steps: int, lr: float, model_dir: Path, out_dir: Path, seed: int = 0
     return rows, evals
 
 
+def as_learn_run(rows: list[dict], evals: list[dict], seed: int) -> dict:
+    """The run in the learn bench's format (bench/learning.py), so its tables and plot show it beside gspo-ray's."""
+    from gspo_ray.bench.learning import SOLVED
+
+    curve = [(e["step"], e["job_s"], e["eval_exact"], e["eval_reward"]) for e in evals]
+    solved = next(((s, t) for s, t, e, _ in curve if e >= SOLVED), (None, None))
+    return {"peer": "TRL 1.16", "seed": seed, "curve": curve, "solved_at": solved[0], "solved_job_s": solved[1],
+            "train_s": sum(r["step_s"] for r in rows), "wall_s": evals[-1]["job_s"], "steps": len(rows)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=6)
@@ -164,6 +175,8 @@ def main() -> None:
                          "imports SmolLM2 there first")
     import tempfile
 
+    from gspo_ray.config import load_config
+
     with tempfile.TemporaryDirectory(prefix="bench-trl-") as tmp:
         rows, evals = run_trl(args.steps, args.lr, args.model, Path(tmp), args.seed, args.recipe, args.eval_every)
     print(f"TRL GRPOTrainer (GSPO settings), {args.recipe.name}, lr {args.lr}, seed {args.seed}, per step:")
@@ -171,6 +184,10 @@ def main() -> None:
     if evals:
         print("held-out (greedy), seconds since the trainer was built:")
         print(markdown_table(evals))
+        out = Path("runs/bench") / f"trl_{load_config(args.recipe).name}_s{args.seed}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(as_learn_run(rows, evals, args.seed), indent=1))
+        print(f"written: {out} (`gspo-ray bench --suite learn --recipe {args.recipe}` draws it beside its seeds)")
     steady = rows[1:] or rows
     med = lambda k: statistics.median(r[k] for r in steady)  # noqa: E731
     print(f"median of steps 2..{len(rows)}: {med('step_s'):.1f} s/step, generation {med('generation_s'):.1f} s, "

@@ -1,6 +1,9 @@
 """The learning bench's report from run results, and the train profile's op classes: what `gspo-ray bench --suite
 learn` / `--suite profile` end with (the runs themselves are benchmarks, minutes to hours)."""
-from gspo_ray.bench.learning import over_seeds_table, per_seed_table, plot_curves
+import json
+
+from gspo_ray.bench.learning import over_seeds_table, peer_runs, per_seed_table, plot_curves
+from gspo_ray.bench.peer_trl import as_learn_run
 from gspo_ray.bench.train_profile import op_class
 
 
@@ -27,6 +30,21 @@ def test_an_early_stopped_seed_keeps_its_last_value_and_times_come_from_seeds_ev
     assert _cells(per_seed[2])[:6] == ["0", "0.000", "1.000", "-", "5", "40.000"]
     assert _cells(per_seed[3])[4:6] == ["-", "-"]  # never solved
     assert plot_curves(runs, tmp_path / "c.png", "t").stat().st_size > 10_000
+
+
+def test_the_peers_runs_join_the_learning_report(tmp_path):
+    # what peer_trl.py writes for a 10-step TRL run evaluated every 5 steps, read back by the learn bench
+    rows = [{"step": i, "step_s": 80.0} for i in range(1, 11)]
+    evals = [{"step": s, "job_s": 30.0 + 85 * s, "eval_exact": e, "eval_reward": e} for s, e in
+             ((0, 0.14), (5, 0.30), (10, 0.97))]
+    (tmp_path / "trl_sum_s0.json").write_text(json.dumps(as_learn_run(rows, evals, 0)))
+    (tmp_path / "trl_other_s0.json").write_text("{}")  # another recipe's: not read
+    peers = peer_runs(tmp_path, "sum")
+    assert len(peers) == 1 and peers[0]["peer"].startswith("TRL")
+    assert (peers[0]["solved_at"], peers[0]["train_s"], peers[0]["steps"]) == (10, 800.0, 10)
+    assert _cells(per_seed_table(peers).splitlines()[2])[:4] == ["0", "0.140", "0.300", "0.970"]
+    ours = [_run(0, [(0, 5.0, 0.14, 0.14), (5, 40.0, 0.6, 0.6)])]
+    assert plot_curves(ours, tmp_path / "c.png", "t", peers).stat().st_size > 10_000
 
 
 def test_profile_op_classes():
