@@ -85,9 +85,9 @@ def _job_section(target: Path, opts: EvalOptions) -> dict:
     return yaml.safe_load(Path(path).read_text()) or {}
 
 
-def settings(target: Path, opts: EvalOptions) -> tuple[RolloutConfig, DataConfig]:
-    """Rollout and data settings: job config defaults, then the command's flags (validated like the job's)."""
-    raw = _job_section(target, opts)
+def settings(raw: dict, opts: EvalOptions) -> tuple[RolloutConfig, DataConfig]:
+    """Rollout and data settings: the job config's (`raw`) defaults, then the command's flags (validated like the
+    job's)."""
     rollout = dict(raw.get("rollout") or {}, num_workers=1)  # one engine, unpinned
     if opts.reward is not None:
         same = (rollout.get("reward") or {}).get("fn") == opts.reward
@@ -106,11 +106,12 @@ def settings(target: Path, opts: EvalOptions) -> tuple[RolloutConfig, DataConfig
     return RolloutConfig.model_validate(rollout), DataConfig.model_validate({**data, "source": "builtin"})
 
 
-def held_out_source(target: Path, opts: EvalOptions, model_dir: Path, rollout_cfg: RolloutConfig):
-    """The job's own held-out prompts (its `data:` section, as the job built them), for an eval without --data."""
+def held_out_source(raw: dict, target: Path, model_dir: Path, rollout_cfg: RolloutConfig):
+    """The job's own held-out prompts (the `data:` section of its config `raw`, as the job built them), for an eval
+    without --data."""
     from gspo_ray.data.prompts import PromptSource
 
-    data_cfg = DataConfig.model_validate(_job_section(target, opts).get("data") or {})
+    data_cfg = DataConfig.model_validate(raw.get("data") or {})
     source = PromptSource.from_config(data_cfg, str(model_dir), split="eval",
                                       max_new_tokens=rollout_cfg.max_new_tokens,
                                       max_model_len=rollout_cfg.max_model_len)
@@ -139,10 +140,11 @@ def evaluate_model(target: str | Path, opts: EvalOptions, out: str | Path) -> tu
     from gspo_ray.rollout.scoring import check_reward
 
     target = Path(target)
-    if opts.data is None and not _job_section(target, opts):
+    raw = _job_section(target, opts)
+    if opts.data is None and not raw:
         raise ValueError(f"{target}: no --data, and no job config to take the held-out prompts from (a run "
                          "directory's config.yaml, or --config recipe.yaml)")
-    rollout_cfg, data_cfg = settings(target, opts)
+    rollout_cfg, data_cfg = settings(raw, opts)
     check_reward(rollout_cfg.reward.fn, rollout_cfg.reward.kwargs)  # a bad plug-in fails before vLLM starts
     temperature = opts.temperature if opts.temperature is not None else (
         0.0 if opts.n == 1 else rollout_cfg.temperature)
@@ -152,7 +154,7 @@ def evaluate_model(target: str | Path, opts: EvalOptions, out: str | Path) -> tu
     with ExitStack() as stack:
         model_dir = model_to_serve(target, opts, stack)
         if opts.data is None:
-            source = held_out_source(target, opts, model_dir, rollout_cfg)
+            source = held_out_source(raw, target, model_dir, rollout_cfg)
         else:
             source = PromptSource.from_jsonl(
                 opts.data, str(model_dir), prompt_field=data_cfg.prompt_field,
