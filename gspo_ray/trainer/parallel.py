@@ -3,7 +3,7 @@
     init_distributed(rank, world_size, master_addr, master_port, *, tp=1, ep=1, backend=None, timeout_s=600,
                      seed=0, init_method=None) -> None
     destroy_distributed() -> None
-    free_port() -> int
+    free_port(exclude=()) -> int
 
 Layout: world = TP x DP (pipeline and context parallelism are 1); experts use EP with expert-TP 1, carved out of
 DP x TP by Megatron (`ep` must divide `world_size`). Backend: gloo on CPU, nccl on GPU (`backend` overrides).
@@ -20,11 +20,39 @@ import torch.distributed as dist
 from gspo_ray.trainer.megatron_import import megatron_core  # noqa: F401  (first: megatron without torch.compile)
 
 
-def free_port() -> int:
-    """A TCP port that was free a moment ago on this host (for MASTER_PORT)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# Ports for MASTER_PORT / TCPStore come from below the kernel's ephemeral range: a port the kernel handed out for
+# bind(0) is handed out again to the next outgoing connection (gloo's full mesh, a store client, Ray), which then
+# takes it between our pick and the store's listen (EADDRINUSE). Ray's worker ports default to 10002-19999.
+_PORT_FLOOR = 20000
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # the Linux default
+
+
+def free_port(exclude: frozenset[int] | set[int] = frozenset()) -> int:
+    """A TCP port, free a moment ago on this host and outside the ephemeral range, not in `exclude` (MASTER_PORT)."""
+    import random
+
+    hi = _ephemeral_low()
+    rng = random.Random()  # own state: seeded global RNGs (tests, jobs) would hand every caller the same port
+    for _ in range(200):
+        port = rng.randrange(_PORT_FLOOR, hi) if hi > _PORT_FLOOR + 100 else 0
+        if port in exclude:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+            picked = s.getsockname()[1]
+        if picked not in exclude:
+            return picked
+    raise RuntimeError(f"no free TCP port in [{_PORT_FLOOR}, {hi}) after 200 tries")
 
 
 def default_backend() -> str:

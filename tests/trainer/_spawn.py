@@ -31,7 +31,9 @@ def _entry(rank: int, fn, world_size: int, ports: list[int], out_dir: str, args:
 
 def run_ranks(fn, world_size: int, args: tuple = (), n_ports: int = 1, timeout_s: float = 600) -> list:
     """Start `world_size` spawned processes running fn; return their results in rank order."""
-    ports = [free_port() for _ in range(n_ports)]
+    ports: list[int] = []
+    for _ in range(n_ports):  # distinct: each process group in turn gets its own store port
+        ports.append(free_port(exclude=set(ports)))
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as out_dir:
         procs = [ctx.Process(target=_entry, args=(r, fn, world_size, ports, out_dir, args), daemon=True)
