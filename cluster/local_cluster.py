@@ -146,8 +146,11 @@ class LocalCluster:
     def __init__(self, num_worker_nodes: int = 1, head_cpus: int = 1, worker_cpus: int = 1,
                  head_resources: dict[str, float] | None = None, worker_resources: dict[str, float] | None = None,
                  base_dir: str | Path | None = None, object_store_mb: int = 256, start_timeout_s: float = 90.0,
-                 seed: int | None = None):
+                 seed: int | None = None, node_death_s: float | None = None):
+        """node_death_s: declare a node dead after about this many seconds without health-check answers (Ray's
+        default is ~15-25 s; a fault test that loses nodes waits that long per loss)."""
         self.num_worker_nodes = num_worker_nodes
+        self.node_death_s = node_death_s
         self.head_cpus, self.worker_cpus = head_cpus, worker_cpus
         self.head_resources = dict(head_resources or {})
         self.worker_resources = dict(worker_resources or {})
@@ -301,7 +304,8 @@ class LocalCluster:
                "--disable-usage-stats", *port_args, "--block"]
         with open(log_path, "wb") as fh:
             proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env=_node_env(self.token_path), preexec_fn=_own_session_tied_to_parent)
+                                    env=_node_env(self.token_path, self.node_death_s),
+                                    preexec_fn=_own_session_tied_to_parent)
         node = _Node(name, proc, log_path, temp_dir, ports)
         self.nodes.append(node)
         return node
@@ -316,11 +320,41 @@ class LocalCluster:
                    "the dashboard to answer")
         self._wait(lambda: len(self.alive_nodes()) >= 1, "the head node to register")
 
-    def _start_worker(self, i: int) -> None:
+    def _start_worker(self, i: int, cpus: int | None = None, resources: dict[str, float] | None = None) -> None:
         ports = self._node_ports(head=False)
-        self._ray_start(f"worker{i}", [f"--address={self.address}"], ports, self.worker_cpus,
-                        self.worker_resources)
+        self._ray_start(f"worker{i}", [f"--address={self.address}"], ports,
+                        self.worker_cpus if cpus is None else cpus,
+                        self.worker_resources if resources is None else resources)
         self._wait(lambda: len(self.alive_nodes()) >= len(self.nodes), f"worker{i} to register")
+
+    def add_worker(self, cpus: int | None = None, resources: dict[str, float] | None = None,
+                   attempts: int = 3) -> str:
+        """Start one more worker node (its own CPUs and custom resources; default: the workers' own), wait until it
+        is alive and return its name: a node added to a running cluster, as an autoscaler adds one."""
+        i = 1 + max([int(n.name[6:]) for n in self.nodes if n.name.startswith("worker")], default=-1)
+        self._with_retries(f"worker{i}", lambda: self._start_worker(i, cpus, resources), attempts)
+        return f"worker{i}"
+
+    def node_hosting(self, pid: int) -> str:
+        """The name of the node whose process tree holds `pid` (e.g. an actor's worker process)."""
+        for node in self.nodes:
+            if node.proc.poll() is None and pid in _descendants([node.proc.pid]):
+                return node.name
+        raise LookupError(f"pid {pid} is on none of this cluster's live nodes")
+
+    def kill_node(self, name: str) -> None:
+        """SIGKILL every process of a worker node at once: a machine lost, not a shutdown (its raylet gets no
+        chance to say goodbye; the GCS finds out from its missed health checks). The node leaves `nodes`."""
+        node = next(n for n in self.nodes if n.name == name)
+        if node.name == "head":
+            raise ValueError("kill_node is for worker nodes: the head holds the GCS")
+        for pid in [node.proc.pid, *_descendants([node.proc.pid])]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        node.proc.wait(timeout=10)
+        self.nodes.remove(node)
 
     def _wait(self, ready, what: str) -> None:
         deadline = time.monotonic() + self.start_timeout_s
@@ -358,8 +392,12 @@ def ray_executable() -> str:
     return str(exe)
 
 
-def _node_env(token_path: Path) -> dict[str, str]:
+def _node_env(token_path: Path, node_death_s: float | None = None) -> dict[str, str]:
     env = dict(os.environ)
+    if node_death_s is not None:  # read by the GCS (head) at start: 5 missed checks, one per node_death_s / 5
+        period_ms = max(int(node_death_s * 1000 / 5), 200)
+        env.update({"RAY_health_check_period_ms": str(period_ms), "RAY_health_check_timeout_ms": str(period_ms),
+                    "RAY_health_check_failure_threshold": "5"})
     # Job entrypoints inherit the raylet's PATH: put this environment's bin first so `gspo-ray` resolves.
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     env.pop("RAY_ADDRESS", None)  # never join someone else's cluster

@@ -56,17 +56,22 @@ class ControlNameTaken(RuntimeError):
 
 
 def start_control(job_name: str, namespace: str, attempts: int = 5):
-    """The job's control actor (0 CPUs; named, so other drivers of the namespace can find it).
+    """The job's control actor (0 CPUs, on the driver's node; named, so other drivers of the namespace can find it).
 
     Never shared: a live job of the same name in the namespace holds the name, and this job is refused
     (ControlNameTaken) instead of silently taking that job's `scale` requests. A dead holder (its driver gone, or
     a job that ended a moment ago) frees the name within a short retry."""
     import time
 
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
     name = control_actor_name(job_name)
+    # on the driver's node: it shares the driver's fate, and a lost worker node cannot take the job's control down
+    here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
     for i in range(attempts):
         try:
-            return ray.remote(num_cpus=0)(JobControl).options(name=name, namespace=namespace).remote()
+            return ray.remote(num_cpus=0)(JobControl).options(name=name, namespace=namespace,
+                                                              scheduling_strategy=here).remote()
         except ValueError:  # "the name is already taken"
             try:
                 other = ray.get_actor(name, namespace=namespace)

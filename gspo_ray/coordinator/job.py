@@ -234,7 +234,8 @@ def _loop(cfg: JobConfig, coord: Coordinator, eval_prompts, tracker, ckpts, summ
             except Exception as e:  # rollout deaths are absorbed by the pool: a trainer rank, or not ours
                 if not recovery.is_trainer_death(coord, e):
                     if isinstance(e, RayActorError):
-                        raise TrainerFailed(f"a trainer worker died ({e}); last checkpoint: {ckpts.latest()}") from e
+                        raise TrainerFailed(f"a worker died and could not be replaced ({e}); last checkpoint: "
+                                            f"{ckpts.latest()}") from e
                     raise
                 try:
                     restored = recovery.recover(coord, e, summary)

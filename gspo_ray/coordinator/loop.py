@@ -117,6 +117,9 @@ class Coordinator:
             "rollout/tokens_per_s": rmetrics.get("rollout/tokens", 0) / max(rmetrics.get("rollout/gen_s", 0), 1e-9),
             "rollout/mean_len": rmetrics.get("rollout/tokens", 0) / max(rmetrics.get("rollout/samples", 0), 1),
             "rollout/workers": self.rollout.num_workers,
+            # job totals: prompts of dead or wedged workers sent again, replacement workers started
+            "rollout/redispatched_prompts": self.rollout.redispatched,
+            "rollout/worker_restarts": self.rollout.max_restarts - self.rollout.restarts_left,
             "rollout/reward_mean": sum(rewards) / len(rewards),
             "rollout/groups_offered": stats.offered, "rollout/groups_trained": len(taken),
             "rollout/filter_rate_zero_adv": stats.zero_adv / max(stats.offered, 1),

@@ -73,7 +73,7 @@ class RolloutPool:
         self.multi_turn = multi_turn  # chunks go to `run_episodes` (the workers' rollout.multi_turn env)
         self.workers: dict[int, Any] = {}
         self._next_id = 0
-        self.restarts_left = max_restarts
+        self.max_restarts = self.restarts_left = max_restarts
         self.weights: tuple[int, Any, Any] | None = None  # (version, buckets ref, probe) of the live policy
         self.redispatched = 0
         self.retiring: dict[int, Any] = {}  # scaled away while serving a dispatched batch: stopped once it is done
@@ -268,11 +268,17 @@ class RolloutPool:
         return wid
 
     def _surviving_worker(self) -> int:
-        if not self.workers:
+        while not self.workers:
             if self.restarts_left <= 0:
                 raise RuntimeError("every rollout worker died and the restart budget is spent")
             self.restarts_left -= 1
-            self._start_worker()
+            try:
+                self._start_worker()
+            except WORKER_DEATH as e:
+                # a lost node is alive to Ray until its health checks lapse (~15 s): a replacement placed there
+                # meanwhile dies before it runs. Another replacement goes to a live node.
+                log.warning("replacement rollout worker died before it started (%s); starting another",
+                            type(e).__name__)
         return min(self.workers)
 
     def _send(self, pending: PendingRollout, wid: int, chunk: RolloutChunk) -> None:
