@@ -118,11 +118,29 @@ def run_learning_bench(recipe: Path = TINY_RECIPE, seeds: tuple[int, ...] = (0, 
         runs = [learn_run(recipe, s, Path(tmp)) for s in seeds]
     out.mkdir(parents=True, exist_ok=True)
     (out / f"learn_{name}.json").write_text(json.dumps(runs, indent=1))
+    return learning_report(recipe, out)
+
+
+def learning_report(recipe: Path, out: Path = Path("runs/bench")) -> str:
+    """Tables and PNG from the saved runs (out/learn_<name>.json) and the peer's (out/trl_<name>_s*.json): what
+    run_learning_bench prints, rebuilt without training, e.g. after more peer seeds were run."""
+    from gspo_ray.config import load_config
+
+    name = load_config(recipe).name
+    runs = json.loads((out / f"learn_{name}.json").read_text())
+    seeds = [r["seed"] for r in runs]
     peers = peer_runs(out, name)
-    png = plot_curves(runs, out / f"learn_{name}.png", f"{name}: held-out greedy exact, seeds {list(seeds)}", peers)
+    png = plot_curves(runs, out / f"learn_{name}.png", f"{name}: held-out greedy exact, seeds {seeds}", peers)
     text = (f"{name} ({recipe}), per seed (held-out greedy exact; solved = first exact >= {SOLVED})\n"
-            f"{per_seed_table(runs)}\n\nover seeds {list(seeds)}\n{over_seeds_table(runs)}\n\ncurves: {png}")
+            f"{per_seed_table(runs)}\n\nover seeds {seeds}\n{over_seeds_table(runs)}\n\ncurves: {png}")
     if peers:
-        text += f"\n\n{peers[0]['peer']}, the same recipe (make bench-trl), per seed\n{per_seed_table(peers)}"
+        text += (f"\n\n{peers[0]['peer']}, the same recipe (make bench-trl), per seed\n{per_seed_table(peers)}"
+                 f"\n\nover its seeds {[p['seed'] for p in peers]}\n{over_seeds_table(peers)}")
     print(text, flush=True)
     return text
+
+
+if __name__ == "__main__":  # python -m gspo_ray.bench.learning RECIPE: the report again, from runs/bench
+    import sys
+
+    learning_report(Path(sys.argv[1]))

@@ -27,7 +27,12 @@ class CoordinatorConfig(Strict):
                                          "using the engine's (to measure the engine-trainer gap)")
     eval_every: int = Field(5, ge=0, description="held-out evaluation every N steps (0 = only start and end)")
     checkpoint_every: int = Field(10, ge=0, description="save a checkpoint every N steps (0 = only at the end)")
-    early_stop_reward: float | None = Field(None, description="stop once held-out mean reward reaches this")
+    early_stop_reward: float | None = Field(None, description="stop once the held-out metric named by "
+                                            "early_stop_metric (default: the mean reward) reaches this")
+    early_stop_metric: str = Field("eval/reward", pattern=r"^eval/\S+$",
+                                   description="the held-out metric early_stop_reward is compared with: "
+                                   "eval/reward, eval/pass@1, or eval/<name> for what the reward returns besides "
+                                   "`reward` (e.g. eval/exact); a key the first evaluation does not log is an error")
 
     @model_validator(mode="after")
     def _check(self) -> "CoordinatorConfig":

@@ -109,3 +109,18 @@ def describe_eval(metrics: dict[str, float]) -> str:
              f"mean length  {metrics['eval/mean_len']:.2f} tokens",
              f"finish       {finish}"]
     return "\n".join(lines)
+
+
+def early_stop_value(metrics: dict[str, float], key: str) -> float | None:
+    """The held-out metric early stopping compares (`coordinator.early_stop_metric`); None on a step without an
+    evaluation. A key the evaluation did not log is an error naming the field and the keys it did log."""
+    if not any(k.startswith("eval/") for k in metrics):
+        return None
+    if key not in metrics:
+        logged = ", ".join(sorted(k for k in metrics if k.startswith("eval/")))
+        from gspo_ray.config import ConfigError
+
+        raise ConfigError(f"coordinator.early_stop_metric: {key!r} is not logged by the evaluation (it logs "
+                          f"{logged})")
+    return metrics[key]
+

@@ -14,6 +14,7 @@ from pathlib import Path
 from gspo_ray.config import JobConfig
 from gspo_ray.coordinator.checkpoint import CheckpointManager
 from gspo_ray.coordinator.control import start_control, stop_control
+from gspo_ray.coordinator.evaluation import early_stop_value
 from gspo_ray.coordinator.export import export_after_save, export_final
 from gspo_ray.coordinator.loop import Coordinator, LoopState
 from gspo_ray.coordinator.recovery import RestartsExhausted, TrainerRecovery, restore_checkpoint
@@ -208,6 +209,8 @@ def _loop(cfg: JobConfig, coord: Coordinator, eval_prompts, tracker, ckpts, summ
     in_step = False
     if eval_prompts is not None and coord.state.step == 0:
         m = evaluate(coord.rollout, eval_prompts, 0, cfg.run_dir)
+        if c.early_stop_reward is not None:  # a metric the evaluation does not log fails here, before training
+            early_stop_value(m, c.early_stop_metric)
         summary.eval_history.append((0, m["eval/reward"]))
         tracker.log(0, {**m, "time/job_s": time.perf_counter() - job_start}, advance=False)
     try:
@@ -247,7 +250,8 @@ def _loop(cfg: JobConfig, coord: Coordinator, eval_prompts, tracker, ckpts, summ
                 continue
             if after_step is not None:
                 after_step(coord, step)
-            if c.early_stop_reward is not None and metrics.get("eval/reward", -1e9) >= c.early_stop_reward:
+            value = early_stop_value(metrics, c.early_stop_metric) if c.early_stop_reward is not None else None
+            if value is not None and value >= c.early_stop_reward:
                 save()
                 break
     except KeyboardInterrupt:

@@ -2,7 +2,8 @@
 learn` / `--suite profile` end with (the runs themselves are benchmarks, minutes to hours)."""
 import json
 
-from gspo_ray.bench.learning import over_seeds_table, peer_runs, per_seed_table, plot_curves
+from gspo_ray.bench.common import TINY_RECIPE
+from gspo_ray.bench.learning import learning_report, over_seeds_table, peer_runs, per_seed_table, plot_curves
 from gspo_ray.bench.peer_trl import as_learn_run
 from gspo_ray.bench.train_profile import op_class
 
@@ -45,6 +46,22 @@ def test_the_peers_runs_join_the_learning_report(tmp_path):
     assert _cells(per_seed_table(peers).splitlines()[2])[:4] == ["0", "0.140", "0.300", "0.970"]
     ours = [_run(0, [(0, 5.0, 0.14, 0.14), (5, 40.0, 0.6, 0.6)])]
     assert plot_curves(ours, tmp_path / "c.png", "t", peers).stat().st_size > 10_000
+
+
+def test_the_report_is_rebuilt_from_saved_runs_with_the_peers_seeds(tmp_path):
+    from gspo_ray.config import load_config
+
+    name = load_config(TINY_RECIPE).name
+    (tmp_path / f"learn_{name}.json").write_text(json.dumps([_run(0, [(0, 5.0, 0.1, 0.1), (5, 40.0, 0.6, 0.6)])]))
+    for seed, exact in ((0, 0.3), (1, 0.5)):  # two peer seeds: their mean and range are tabled too
+        evals = [{"step": 0, "job_s": 30.0, "eval_exact": 0.1, "eval_reward": 0.1},
+                 {"step": 5, "job_s": 400.0, "eval_exact": exact, "eval_reward": exact}]
+        (tmp_path / f"trl_{name}_s{seed}.json").write_text(
+            json.dumps(as_learn_run([{"step": i, "step_s": 80.0} for i in range(1, 6)], evals, seed)))
+    text = learning_report(TINY_RECIPE, tmp_path)
+    assert "over its seeds [0, 1]" in text
+    assert "| 5 | 0.400 | 0.30-0.50 | 0.400 | 400.000 |" in text
+    assert (tmp_path / f"learn_{name}.png").stat().st_size > 10_000
 
 
 def test_profile_op_classes():

@@ -51,3 +51,16 @@ def test_run_eval_refuses_several_greedy_samples_and_writes_lines(tmp_path):
     path = write_eval_samples(tmp_path / "s.jsonl", _groups(), decode=lambda ids: "x" * len(ids))
     rows = [json.loads(line) for line in path.open()]
     assert len(rows) == 12 and rows[1]["completion"] == "xxxx" and rows[0]["passed"] and not rows[1]["passed"]
+
+
+def test_early_stop_reads_the_named_metric_and_names_a_missing_one():
+    from gspo_ray.config import ConfigError, load_config
+    from gspo_ray.coordinator.evaluation import early_stop_value
+
+    logged = {"eval/reward": 0.99, "eval/exact": 0.94, "rollout/reward_mean": 0.5}
+    assert early_stop_value(logged, "eval/exact") == 0.94  # the repeat recipe's stop: exact, not the mean reward
+    assert early_stop_value({"train/loss": 1.0}, "eval/exact") is None  # a step without an evaluation
+    with pytest.raises(ConfigError, match=r"coordinator\.early_stop_metric: 'eval/solved' .*eval/exact, eval/reward"):
+        early_stop_value(logged, "eval/solved")
+    with pytest.raises(ConfigError, match=r"coordinator\.early_stop_metric"):  # not a held-out metric at all
+        load_config("gspo_ray/recipes/tiny_moe.yaml", ["coordinator.early_stop_metric=rollout/reward_mean"])
