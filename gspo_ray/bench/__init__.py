@@ -48,7 +48,8 @@ def run(suite: str = "all", *, quick: bool = False, steps: int = 6, seeds: tuple
     if suite == "recovery":
         from gspo_ray.bench.recovery import run_recovery_bench
 
-        run_recovery_bench(steps=20 if quick else 60, kill_at=7 if quick else 25)
+        run_recovery_bench(steps=20 if quick else 60, kill_at=7 if quick else 25,
+                           seeds=seeds if seeds != (0,) else (0, 1))
     if suite in ("tiny", "all"):
         from gspo_ray.bench.tiny import run_bench
 

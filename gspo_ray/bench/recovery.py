@@ -18,7 +18,8 @@ from pathlib import Path
 FINAL_KEYS = ("train/version", "rollout/reward_mean", "train/loss", "train/kl")
 
 
-def _run(out: Path, name: str, steps: int, checkpoint_every: int, kill_at: int | None) -> tuple[float, list[dict]]:
+def _run(out: Path, name: str, steps: int, checkpoint_every: int, kill_at: int | None,
+         seed: int = 0) -> tuple[float, list[dict]]:
     import ray
 
     from gspo_ray.config import load_config
@@ -28,7 +29,7 @@ def _run(out: Path, name: str, steps: int, checkpoint_every: int, kill_at: int |
     cfg = load_config("gspo_ray/recipes/tiny_moe.yaml", [
         f"logging.out_dir={out}", "logging.progress=false", "logging.plot=false", "logging.tensorboard=false",
         f"coordinator.steps={steps}", f"coordinator.checkpoint_every={checkpoint_every}", "coordinator.eval_every=0",
-        "data.num_eval=0", "coordinator.early_stop_reward=null", f"name={name}"])
+        "data.num_eval=0", "coordinator.early_stop_reward=null", f"name={name}", f"seed={seed}"])
     pending = {kill_at} if kill_at else set()
 
     def hook(coord, step):
@@ -42,20 +43,28 @@ def _run(out: Path, name: str, steps: int, checkpoint_every: int, kill_at: int |
     return time.perf_counter() - t0, read_metrics(cfg.run_dir / "metrics.jsonl")
 
 
-def run_recovery_bench(steps: int = 60, kill_at: int = 25, checkpoint_every: int = 10) -> dict[str, float]:
-    """Both runs, one after the other; returns the numbers it prints."""
+def run_recovery_bench(steps: int = 60, kill_at: int = 25, checkpoint_every: int = 10,
+                       seeds: tuple[int, ...] = (0, 1)) -> list[dict]:
+    """Per seed, the killed run then the uninterrupted one; prints and returns one row per seed. The clean runs of
+    the other seeds give the run-to-run spread the killed run's final metrics are read against."""
+    from gspo_ray.bench.common import markdown_table
+
+    rows = []
     with tempfile.TemporaryDirectory(prefix="gspo-recovery-") as tmp:
-        killed_s, killed = _run(Path(tmp), "recovery-kill", steps, checkpoint_every, kill_at)
-        clean_s, clean = _run(Path(tmp), "recovery-clean", steps, checkpoint_every, None)
-    rec = next(r for r in killed if "job/trainer_restarts" in r)
-    out = {"recovery_s": rec["job/recovery_s"], "pool_rebuild_s": rec["job/recovery_pool_s"],
-           "steps_replayed": rec["job/steps_replayed"], "killed_wall_s": killed_s, "clean_wall_s": clean_s}
-    print(f"trainer killed after step {kill_at} of {steps} (checkpoint_every {checkpoint_every}): recovered in "
-          f"{out['recovery_s']:.1f} s (pool rebuild {out['pool_rebuild_s']:.1f} s), "
-          f"{out['steps_replayed']:.0f} steps replayed")
-    print(f"wall: killed run {killed_s:.1f} s, uninterrupted {clean_s:.1f} s (+{killed_s - clean_s:.1f} s)")
-    for label, rows in (("killed", killed), ("clean", clean)):
-        last = rows[-1]
-        print(f"final {label:7s} step {last['step']}: " + ", ".join(
-            f"{k} {last[k]:.4g}" for k in FINAL_KEYS if k in last))
-    return out
+        for seed in seeds:
+            killed_s, killed = _run(Path(tmp), f"recovery-kill-s{seed}", steps, checkpoint_every, kill_at, seed)
+            clean_s, clean = _run(Path(tmp), f"recovery-clean-s{seed}", steps, checkpoint_every, None, seed)
+            rec = next(r for r in killed if "job/trainer_restarts" in r)
+            row = {"seed": seed, "recovery s": rec["job/recovery_s"], "pool rebuild s": rec["job/recovery_pool_s"],
+                   "steps replayed": int(rec["job/steps_replayed"]), "killed wall s": killed_s,
+                   "clean wall s": clean_s}
+            for key in FINAL_KEYS[1:]:
+                short = key.split("/")[1]
+                row[f"{short} killed"], row[f"{short} clean"] = killed[-1].get(key), clean[-1].get(key)
+            if not killed[-1]["train/version"] == clean[-1]["train/version"] == steps:
+                raise RuntimeError(f"seed {seed}: a run ended before step {steps}")
+            rows.append(row)
+    print(f"trainer rank 0 SIGKILLed after step {kill_at} of {steps} (checkpoint_every {checkpoint_every}), tiny "
+          f"recipe; final metrics at step {steps}, killed run against the uninterrupted one of the same seed")
+    print(markdown_table(rows), flush=True)
+    return rows

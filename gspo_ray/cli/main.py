@@ -161,7 +161,8 @@ def bench(quick: bool = typer.Option(False, help="fewer steps"),
                                     "task over seeds; --recipe, default make run's) | recovery (a trainer kill in a "
                                     "60-step run) | all (tiny + smollm2)"),
           steps: int = typer.Option(6, help="steps per mode (smollm2) or per run (moe)"),
-          seeds: str = typer.Option("0", help="moe and learn suites: comma-separated seeds (learn: default 0,1,2)"),
+          seeds: str = typer.Option("0", help="moe, learn and recovery suites: comma-separated seeds (learn: "
+                                    "default 0,1,2; recovery: 0,1)"),
           recipe: Optional[Path] = typer.Option(None, help="learn suite: the recipe to learn with (default: make "
                                                 "run's tiny-MoE recipe)")):
     """Benchmarks (gspo_ray/bench/): per-phase time of training steps and what each suite measures, as tables."""

@@ -198,24 +198,23 @@ SHIMS = {
 }
 
 
-@pytest.mark.slow
-def test_slurm_script_single_node(tmp_path):
-    """One node: head with both pool resources, the entrypoint run as the driver, then the cluster is stopped."""
+def _slurm_env(tmp_path, entrypoint: str) -> tuple[dict, Path]:
+    """The environment the Slurm script runs with here: stand-in srun/scontrol, free ports, its own token."""
     for name, body in SHIMS.items():
         (tmp_path / name).write_text(body)
         (tmp_path / name).chmod(0o755)
     rng, taken = random.Random(), set()
     gcs, dash, nm, om, agent, agent_grpc, renv, metrics, client = find_free_ports(9, taken, rng)
     lo, hi = find_free_port_block(64, taken, rng)
-    temp = Path(f"/tmp/gspo-slurm-{os.getpid()}")
+    temp = Path(f"/tmp/gspo-slurm-{os.getpid()}-{rng.randrange(1 << 30)}")
     token = tmp_path / "auth_token"  # the script runs Ray with token auth on; ~/.ray/auth_token may be world-readable
     token.write_text("gspo-test-token")
     token.chmod(0o600)
     env = {**os.environ, "PATH": f"{tmp_path}:{VENV_BIN}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "localhost",
            "RAY_AUTH_TOKEN_PATH": str(token),
-           "SLURM_JOB_ID": "t1", "SLURM_CPUS_PER_TASK": "1", "GPUS_PER_NODE": "0", "RAY_PORT": str(gcs),
+           "SLURM_JOB_ID": "t1", "SLURM_CPUS_PER_TASK": "2", "GPUS_PER_NODE": "0", "RAY_PORT": str(gcs),
            "RAY_DASHBOARD_PORT": str(dash), "RAY_TMPDIR": str(temp), "RAY_START_TIMEOUT_S": "120",
-           "GSPO_ENTRYPOINT": "gspo-ray config validate",
+           "GSPO_ENTRYPOINT": entrypoint,
            "RAY_HEAD_ARGS": f"--node-manager-port={nm} --object-manager-port={om} --dashboard-agent-listen-port="
                             f"{agent} --dashboard-agent-grpc-port={agent_grpc} --runtime-env-agent-port={renv} "
                             f"--metrics-export-port={metrics} --ray-client-server-port={client} "
@@ -223,10 +222,18 @@ def test_slurm_script_single_node(tmp_path):
     env.pop("RAY_ADDRESS", None)
     env.pop("RAY_AUTH_MODE", None)  # the script's default (token) is what is tested
     env.pop("RAY_AUTH_TOKEN", None)
-    proc = subprocess.Popen(["bash", str(ROOT / "deploy/slurm/gspo_ray.sbatch"), RECIPE], cwd=ROOT, env=env,
+    return env, temp
+
+
+def _start_slurm_script(env: dict, *args: str) -> subprocess.Popen:
+    return subprocess.Popen(["bash", str(ROOT / "deploy/slurm/gspo_ray.sbatch"), *args], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def _finish_slurm_script(proc: subprocess.Popen, temp: Path, timeout_s: float) -> tuple[str, set[int]]:
+    """Its output and the processes of its cluster that outlived it (killed here, after a grace period)."""
     try:
-        out, _ = proc.communicate(timeout=240)
+        out, _ = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         out = "(timed out)"
     finally:
@@ -242,9 +249,48 @@ def test_slurm_script_single_node(tmp_path):
         for pid in leftovers:
             os.kill(pid, signal.SIGKILL)
         shutil.rmtree(temp, ignore_errors=True)
+    return out, leftovers
+
+
+@pytest.mark.slow
+def test_slurm_script_single_node(tmp_path):
+    """One node: head with both pool resources, the entrypoint run as the driver, then the cluster is stopped."""
+    env, temp = _slurm_env(tmp_path, "gspo-ray config validate")
+    env["SLURM_CPUS_PER_TASK"] = "1"
+    proc = _start_slurm_script(env, RECIPE)
+    out, leftovers = _finish_slurm_script(proc, temp, timeout_s=240)
     assert proc.returncode == 0, out[-4000:]
-    assert "ray: 1/1 nodes alive" in out and f"{RECIPE}: ok" in out and "stopping the Ray cluster" in out
-    assert f"ray auth: token ({token})" in out  # and the node count above went through the token
+    assert "ray: 1/1 nodes alive" in out and f"{RECIPE}: ok" in out and "stopping the Ray cluster" in out, out[-4000:]
+    assert f"ray auth: token ({tmp_path / 'auth_token'})" in out  # and the node count above went through the token
+    assert not leftovers, f"processes of the script's cluster outlived it: {leftovers}"
+
+
+@pytest.mark.slow
+def test_slurm_sigterm_to_the_script_saves_the_step_reached_then_stops_the_cluster(tmp_path):
+    """What Slurm's `--signal=B:TERM@300` (the time limit near) or `scancel --batch --signal=TERM` does: the batch
+    shell alone gets SIGTERM. The driver (a real tiny job) saves at its next step boundary and exits 143, the exit
+    code of the script, and only then is the cluster stopped. Before: bash held the trap until the driver ended."""
+    from gspo_ray.coordinator.checkpoint import CheckpointManager
+
+    env, temp = _slurm_env(tmp_path, "gspo-ray train")
+    runs = tmp_path / "runs"
+    proc = _start_slurm_script(env, RECIPE, f"logging.out_dir={runs}", "name=slurm-term", "logging.progress=false",
+                               "logging.plot=false", "logging.tensorboard=false", "logging.export_hf=none",
+                               "coordinator.eval_every=0", "data.num_eval=0", "coordinator.checkpoint_every=1000",
+                               "coordinator.steps=2000", "coordinator.early_stop_reward=null")
+    metrics = runs / "slurm-term" / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while proc.poll() is None and time.monotonic() < deadline:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+            proc.send_signal(signal.SIGTERM)  # the script only: the driver and the Ray node are its children
+            break
+        time.sleep(0.5)
+    out, leftovers = _finish_slurm_script(proc, temp, timeout_s=240)
+    assert proc.returncode == 143, out[-4000:]
+    assert "asking the driver" in out and "stopping the Ray cluster" in out
+    last = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()][-1]["step"]
+    latest = CheckpointManager(runs / "slurm-term").latest()
+    assert latest is not None and latest.name == f"step_{last:06d}"  # the step reached, not the last scheduled one
     assert not leftovers, f"processes of the script's cluster outlived it: {leftovers}"
 
 
