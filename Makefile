@@ -47,7 +47,7 @@ bench-trl: $(TRL_VENV)/.installed
 	$(BIN)/python -c "from gspo_ray.models.gguf import ensure_imported; ensure_imported('runs/models/smollm2-135m-instruct')"
 	PYTHONPATH=. $(TRL_VENV)/bin/python -m gspo_ray.bench.peer_trl $(ARGS)
 
-# The real model learning over 3 seeds, each packaged SmolLM2 recipe (repeat ~4-8 min, sum ~20-23 min per seed on
+# The real model learning over 3 seeds, each packaged SmolLM2 recipe (repeat ~3-4 min, sum ~20-23 min per seed on
 # 2 cores): per-seed and over-seed tables of held-out exact, job seconds, PNGs in runs/bench
 learn-real: $(STAMP)
 	$(BIN)/gspo-ray bench --suite learn --recipe gspo_ray/recipes/smollm2_repeat.yaml --seeds 0,1,2

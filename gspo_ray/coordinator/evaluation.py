@@ -123,4 +123,3 @@ def early_stop_value(metrics: dict[str, float], key: str) -> float | None:
         raise ConfigError(f"coordinator.early_stop_metric: {key!r} is not logged by the evaluation (it logs "
                           f"{logged})")
     return metrics[key]
-
