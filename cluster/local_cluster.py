@@ -6,6 +6,10 @@
     with LocalCluster(num_worker_nodes=1, worker_resources={"rollout_node": 1}) as c:
         gspo_ray.cli.submission.submit("gspo_ray/recipes/tiny_moe.yaml", c.dashboard_url)
 
+For fault tests: `add_worker(cpus, resources)` joins another node to the running cluster, `node_hosting(pid)` names
+the node an actor's process runs on, `kill_node(name)` loses it (SIGKILL of its whole process tree), and
+`node_death_s` shortens how long Ray takes to declare a silent node dead.
+
 Each node is one `ray start ... --block` process started in its own session (process group), with its own
 `--temp-dir` and its own set of free ports, so it never collides with another Ray on the same machine.
 `stop()` signals exactly those process groups and any process that descended from them (the job entrypoints
