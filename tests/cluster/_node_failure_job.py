@@ -56,7 +56,8 @@ def main() -> None:
 
     def hook(coord, step):
         seen.append(step)
-        (events / "pools_up").touch()  # the pools are placed: spare nodes may join now
+        if step == 1:
+            (events / "pools_up").touch()  # the pools are placed: spare nodes may join now
         if step == 5 and not (events / "kill_trainer.json").exists():
             pid = ray.get(coord.trainer.workers[0].__ray_call__.remote(lambda self: os.getpid()), timeout=60)
             ask_for_kill(events, "trainer", pid)

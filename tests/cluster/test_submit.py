@@ -198,7 +198,7 @@ SHIMS = {
 }
 
 
-def _slurm_env(tmp_path, entrypoint: str) -> tuple[dict, Path]:
+def _slurm_env(tmp_path, entrypoint: str, cpus: int) -> tuple[dict, Path]:
     """The environment the Slurm script runs with here: stand-in srun/scontrol, free ports, its own token."""
     for name, body in SHIMS.items():
         (tmp_path / name).write_text(body)
@@ -212,7 +212,7 @@ def _slurm_env(tmp_path, entrypoint: str) -> tuple[dict, Path]:
     token.chmod(0o600)
     env = {**os.environ, "PATH": f"{tmp_path}:{VENV_BIN}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "localhost",
            "RAY_AUTH_TOKEN_PATH": str(token),
-           "SLURM_JOB_ID": "t1", "SLURM_CPUS_PER_TASK": "2", "GPUS_PER_NODE": "0", "RAY_PORT": str(gcs),
+           "SLURM_JOB_ID": "t1", "SLURM_CPUS_PER_TASK": str(cpus), "GPUS_PER_NODE": "0", "RAY_PORT": str(gcs),
            "RAY_DASHBOARD_PORT": str(dash), "RAY_TMPDIR": str(temp), "RAY_START_TIMEOUT_S": "120",
            "GSPO_ENTRYPOINT": entrypoint,
            "RAY_HEAD_ARGS": f"--node-manager-port={nm} --object-manager-port={om} --dashboard-agent-listen-port="
@@ -255,8 +255,7 @@ def _finish_slurm_script(proc: subprocess.Popen, temp: Path, timeout_s: float) -
 @pytest.mark.slow
 def test_slurm_script_single_node(tmp_path):
     """One node: head with both pool resources, the entrypoint run as the driver, then the cluster is stopped."""
-    env, temp = _slurm_env(tmp_path, "gspo-ray config validate")
-    env["SLURM_CPUS_PER_TASK"] = "1"
+    env, temp = _slurm_env(tmp_path, "gspo-ray config validate", cpus=1)
     proc = _start_slurm_script(env, RECIPE)
     out, leftovers = _finish_slurm_script(proc, temp, timeout_s=240)
     assert proc.returncode == 0, out[-4000:]
@@ -272,7 +271,7 @@ def test_slurm_sigterm_to_the_script_saves_the_step_reached_then_stops_the_clust
     code of the script, and only then is the cluster stopped. Before: bash held the trap until the driver ended."""
     from gspo_ray.coordinator.checkpoint import CheckpointManager
 
-    env, temp = _slurm_env(tmp_path, "gspo-ray train")
+    env, temp = _slurm_env(tmp_path, "gspo-ray train", cpus=2)
     runs = tmp_path / "runs"
     proc = _start_slurm_script(env, RECIPE, f"logging.out_dir={runs}", "name=slurm-term", "logging.progress=false",
                                "logging.plot=false", "logging.tensorboard=false", "logging.export_hf=none",
