@@ -148,6 +148,8 @@ def _run_locked(cfg: JobConfig, resume: bool, rollout_factory, after_step, fresh
     trainer = rollout = tracker = control = None
     summary = RunSummary(run_dir=run_dir, steps=0)
     try:
+        # first: a job whose name a live job holds is refused before any pool starts
+        control = start_control(cfg.name, cfg.cluster.namespace)
         trainer, rollout = build_pools(cfg, model_path, run_dir, rollout_factory)
         coord = Coordinator(cfg, rollout, trainer, train_prompts, state)
         coord.probe_sequences = build_probe_sequences(  # long enough to reach every expert of an MoE
@@ -159,7 +161,6 @@ def _run_locked(cfg: JobConfig, resume: bool, rollout_factory, after_step, fresh
         tracker = MetricsTracker(run_dir, cfg.coordinator.steps, coord.state.step, cfg.logging.tensorboard,
                                  cfg.logging.progress, wandb=cfg.logging.wandb,
                                  run_config=redacted_config_dict(cfg))  # no secrets to the tracker
-        control = start_control(cfg.name, cfg.cluster.namespace)
         summary.interrupted = _loop(cfg, coord, eval_prompts, tracker, ckpts, summary, control, after_step,
                                     model_path=model_path, job_start=t_start)
         summary.exit_code = exit_code_for(stop.signum) if summary.interrupted else 0

