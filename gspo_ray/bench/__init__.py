@@ -6,6 +6,8 @@
              beside it: `make bench-trl` (peer_trl.py, TRL in its own venv)
     profile  the SmolLM2 train step by op class (torch profiler), group rows and one row per sample (train_profile.py)
     moe      GRPO / GRPO+R2 / GSPO / GSPO-token on the upcycled SmolLM2 MoE (moe.py; long)
+    regime   routing drift after one update over a grid of upcycled SmolLM2 MoEs (experts, top-k, router std,
+             expert noise, lr), no job: where routing really moves (moe_regime.py)
     rollout  one engine's generation tokens/s and the weight push per MB (rollout.py)
     probe    the base SmolLM2's pass@1 / pass@8 on candidate tasks: which one RL can improve (task_probe.py)
     learn    a recipe (--recipe, default make run's) learning over seeds: held-out exact per evaluation, mean and
@@ -15,7 +17,7 @@
 """
 from __future__ import annotations
 
-SUITES = ("tiny", "smollm2", "profile", "moe", "rollout", "probe", "learn", "recovery", "all")
+SUITES = ("tiny", "smollm2", "profile", "moe", "regime", "rollout", "probe", "learn", "recovery", "all")
 
 
 def run(suite: str = "all", *, quick: bool = False, steps: int = 6, seeds: tuple[int, ...] = (0,),
@@ -28,6 +30,10 @@ def run(suite: str = "all", *, quick: bool = False, steps: int = 6, seeds: tuple
         from gspo_ray.bench.moe import run_moe_bench
 
         run_moe_bench(steps=3 if quick else steps, seeds=seeds)
+    if suite == "regime":
+        from gspo_ray.bench.moe_regime import main as run_regime_probe
+
+        run_regime_probe(["--experts", "4", "--router-std", "0.02"] if quick else [])
     if suite == "rollout":
         from gspo_ray.bench.rollout import main as run_rollout_bench
 

@@ -156,7 +156,8 @@ def scale(pool: str = typer.Argument(..., help="rollout | trainer"),
 def bench(quick: bool = typer.Option(False, help="fewer steps"),
           suite: str = typer.Option("all", help="tiny (the tiny-MoE tables) | smollm2 (the real-model table) | "
                                     "profile (the SmolLM2 train step by op class) | moe (GRPO / GRPO+R2 / GSPO / "
-                                    "GSPO-token on the upcycled SmolLM2 MoE) | rollout (generation tokens/s, weight "
+                                    "GSPO-token on the upcycled SmolLM2 MoE) | regime (routing drift after one update over a "
+                                    "grid of upcycled MoEs) | rollout (generation tokens/s, weight "
                                     "push) | probe (the base model's pass@k per task) | learn (a recipe learning its "
                                     "task over seeds; --recipe, default make run's) | recovery (a trainer kill in a "
                                     "60-step run) | all (tiny + smollm2)"),
