@@ -1,7 +1,7 @@
 """`gspo-ray bench --suite regime`: where does routing really move? A cheap probe over upcycled SmolLM2 MoEs.
 
-    gspo-ray bench --suite regime            # the grid below, ~1 min a point on 2 cores
-    python -m gspo_ray.bench.moe_regime --experts 4,8 --top-k 2 --router-std 0.02,0.002 --lr 1e-5,1e-4
+    gspo-ray bench --suite regime            # 4 and 8 experts x router std 0.02, 0.002 x 3 lrs, ~5 min on 2 cores
+    python -m gspo_ray.bench.moe_regime --experts 4,8 --top-k 2 --router-std 0.02,0.002 --lr 1e-5,1e-4,1e-3
 
 The MoE bench's model (4 experts, top-2, router N(0, 0.02^2), lr 1e-5) moves 0.3-0.4% of top-k choices per update;
 the GSPO paper reports ~10%. This probe looks for a regime in between without running a job: for each grid point
@@ -112,7 +112,7 @@ def probe_point(model, ids, loss_mask, valid, lrs: list[float]) -> dict[float, t
 
 
 def run_regime_probe(model_dir: Path, experts=(4, 8), top_ks=(2,), router_stds=(0.02, 0.002), noises=(0.01,),
-                     lrs=(1e-5, 1e-4), n: int = 16) -> list[dict]:
+                     lrs=(1e-5, 1e-4, 1e-3), n: int = 16) -> list[dict]:
     """One row per (grid point, lr); each point's rows print as soon as it is measured."""
     import shutil
     import tempfile
@@ -146,7 +146,7 @@ def main(argv=None) -> None:
     ap.add_argument("--top-k", type=ints, default=(2,))
     ap.add_argument("--router-std", type=floats, default=(0.02, 0.002))
     ap.add_argument("--noise", type=floats, default=(0.01,))
-    ap.add_argument("--lr", type=floats, default=(1e-5, 1e-4))
+    ap.add_argument("--lr", type=floats, default=(1e-5, 1e-4, 1e-3))
     args = ap.parse_args(argv)
     rows = run_regime_probe(ensure_imported(Path("runs/models/smollm2-135m-instruct")), args.experts, args.top_k,
                             args.router_std, args.noise, args.lr)
