@@ -5,9 +5,10 @@
 
 The MoE bench's model (4 experts, top-2, router N(0, 0.02^2), lr 1e-5) moves 0.3-0.4% of top-k choices per update;
 the GSPO paper reports ~10%. This probe looks for a regime in between without running a job: for each grid point
-(experts E, top-k k, router std s, expert noise) the dense model is upcycled in memory (`upcycle_state`), a batch of
-the recipe's prompts with their reference answers is forwarded once (the routing "at sampling": every MoE layer's
-top-k experts per token), one policy-gradient update is taken, and the batch is forwarded again, once per lr.
+(experts E, top-k k, router std s, expert noise) the dense model is upcycled (`models/upcycle.py`, into a temporary
+directory), a batch of the recipe's held-out prompts with their reference answers is forwarded once (the routing "at
+sampling": every MoE layer's top-k experts per token), one policy-gradient update is taken, and the batch is
+forwarded again, once per lr.
 Drift = the share of (token, layer) top-k choices that changed, the quantity `moe/drift_churn_at1` measures in a job.
 
 The update is AdamW's first step without weight decay, exact: m = g, v = g^2 after bias correction, so
