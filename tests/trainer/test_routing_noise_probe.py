@@ -57,6 +57,39 @@ def runs(tiny_moe_dir):
     return on, off, dp2, batch
 
 
+def test_no_update_no_routing_noise_then_routing_moves_the_log_ratio(runs):
+    on, _, _, batch = runs
+    tokens = float(batch.loss_mask.sum())
+    first, later = on[0], on[1:]
+    assert first["moe/routing_noise_tokens"] == tokens and first["moe/routing_noise_seqs"] == 8
+    # step 1 runs on the weights that recorded the routing: held = free up to the replayed-softmax rounding
+    assert first["moe/routing_logratio_max"] <= 1e-5
+    assert first["moe/grpo_token_clips_removed"] == first["moe/gspo_seq_clips_removed"] == 0.0
+    for m in later:  # after lr-0.1 steps routing moved: part of log r is routing alone
+        assert m["moe/routing_logratio_max"] > 1e-2 and m["moe/routing_logratio_abs_mean"] > 1e-4, m
+        assert 0 < m["moe/routing_logratio_share"] <= 10
+        for key in NOISE_KEYS:
+            assert key in m and m[key] >= 0, key
+
+
+def test_the_probe_does_not_change_training(runs):
+    on, off, _, _ = runs
+    for a, b in zip(on, off):
+        assert a["train/loss"] == b["train/loss"] and a["train/grad_norm"] == b["train/grad_norm"]
+        assert a["train/forward_passes_routing_noise"] >= 1 and "train/forward_passes_routing_noise" not in b
+        assert not any(k.startswith("moe/routing_") for k in b)
+
+
+def test_dp2_records_follow_the_rows_and_counts_add_up(runs):
+    on, _, dp2, _ = runs
+    for r in dp2:  # every rank reports the mini-batch's metrics
+        for step, (m, single) in enumerate(zip(r, on)):
+            assert m["moe/routing_noise_tokens"] == single["moe/routing_noise_tokens"], step
+            assert m["moe/routing_noise_seqs"] == single["moe/routing_noise_seqs"], step
+            for key in NOISE_KEYS:  # after two lr-0.1 steps the DP2 weights differ from 1 process by rounding
+                assert m[key] == pytest.approx(single[key], rel=2e-3, abs=1e-6), (step, key)
+
+
 def test_a_router_only_update_is_routing_noise_alone(tiny_moe_dir):
     """Routers unchanged: held and free routing are one routing, d = 0 exactly. Only the routers moved (noise of
     their own std; no expert, attention or embedding weight changed): the held forward keeps the recorded expert
