@@ -22,16 +22,19 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 from gspo_ray.bench.common import SMOLLM2_RECIPE, markdown_table
 
 
-def record_topk(model) -> tuple[list, callable]:
-    """Forward hooks on every Mixtral router: each forward appends the [tokens, k] expert indices per layer."""
+def record_topk(model) -> tuple[list, Callable[[], None]]:
+    """Forward hooks on every Mixtral router: each forward appends the [tokens, k] expert indices per layer.
+    (trainer/router_churn.py counts the same changes on Megatron's boolean routing maps, inside a trainer.)"""
     from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
 
     seen: list[torch.Tensor] = []
@@ -115,20 +118,15 @@ def probe_point(model, ids, loss_mask, valid, lrs: list[float]) -> dict[float, t
 def run_regime_probe(model_dir: Path, experts=(4, 8), top_ks=(2,), router_stds=(0.02, 0.002), noises=(0.01,),
                      lrs=(1e-5, 1e-4, 1e-3), n: int = 16) -> list[dict]:
     """One row per (grid point, lr); each point's rows print as soon as it is measured."""
-    import shutil
-    import tempfile
-
     ids, loss_mask, valid = sequence_batch(model_dir, n=n)
     rows = []
     for e, k, s, noise in itertools.product(experts, top_ks, router_stds, noises):
         if not 2 <= k <= e:
             continue
         t = time.perf_counter()
-        tmp = Path(tempfile.mkdtemp(prefix="regime-"))
-        try:
-            drift = probe_point(moe_model(model_dir, tmp / "moe", e, k, s, noise), ids, loss_mask, valid, list(lrs))
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        with tempfile.TemporaryDirectory(prefix="regime-") as tmp:
+            drift = probe_point(moe_model(model_dir, Path(tmp) / "moe", e, k, s, noise), ids, loss_mask, valid,
+                                list(lrs))
         for lr, (mean, worst) in drift.items():
             rows.append({"experts": e, "top-k": k, "router std": s, "expert noise": noise, "lr": f"{lr:g}",
                          "drift after 1 update": round(mean, 4), "worst layer": round(worst, 4),
