@@ -41,6 +41,7 @@ import torch
 
 from gspo_ray.data.records import FINISH_ABORTED, FINISH_LENGTH, FINISH_STOP, Prompt, Sample
 from gspo_ray.rollout.vllm_cpu_binding_fix import engine_cores
+from gspo_ray.rollout.vllm_cpu_startup_fix import apply_startup_fix
 
 
 
@@ -198,6 +199,7 @@ class RolloutEngine:
         if max_num_seqs is not None:  # sequences per engine step; vllm-cpu's default is 256
             kwargs["max_num_seqs"] = max_num_seqs
         set_num_threads = torch.set_num_threads
+        apply_startup_fix()  # no token-rank compile at the first generation, no full-heap collections at load
         with scoped_env(env):
             self.llm = LLM(model=str(model_path), dtype=dtype, max_model_len=max_model_len, seed=seed,
                            enforce_eager=enforce_eager or not on_cuda, skip_tokenizer_init=True,
