@@ -3,11 +3,23 @@ import pytest
 import ray
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    """One Ray instance for a test module: run_job joins an initialised Ray instead of starting its own.
-    3 logical CPUs: a trainer plus up to two rollout workers (the scaling test) on this 2-core machine."""
-    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1", "VLLM_LOGGING_LEVEL": "WARNING"}})
+@pytest.fixture(scope="package")
+def _ray_of_the_package():
+    """Ends the shared Ray instance (if one is up) once the package's last test has run."""
     yield
-    ray.shutdown()
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def local_ray(_ray_of_the_package):
+    """One Ray instance shared by this package's job tests: run_job joins an initialised Ray instead of starting
+    its own. Started by the first module that asks for it and kept for the next ones (a start costs ~7 s and
+    ~10 CPU-seconds here); a module that needs other settings shuts it down and starts its own, and the next
+    module that asks starts a fresh one. 3 logical CPUs: a trainer plus up to two rollout workers (the scaling
+    test) on this 2-core machine. Each job stops its own actors, which the job-name test checks (every CPU free)."""
+    if not ray.is_initialized():
+        ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False,
+                 runtime_env={"env_vars": {"RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1",
+                                           "VLLM_LOGGING_LEVEL": "WARNING"}})
+    yield

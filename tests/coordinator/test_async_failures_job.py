@@ -33,6 +33,8 @@ def plugins(tmp_path_factory):
     path = tmp_path_factory.mktemp("plugins")
     (path / "flaky_reward.py").write_text(FLAKY)
     sys.path.insert(0, str(path))
+    if ray.is_initialized():  # the package's shared instance (conftest.local_ray): this module needs its own
+        ray.shutdown()
     ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1", "VLLM_LOGGING_LEVEL": "WARNING",
                                        "PYTHONPATH": str(path)}})

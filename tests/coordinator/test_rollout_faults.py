@@ -29,6 +29,8 @@ class DyingRolloutWorker(RolloutWorker):
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("faults")
     model = make_tiny_model("qwen3_moe", root / "model", seed=0)
+    if ray.is_initialized():  # the package's shared instance (conftest.local_ray): this module needs its own
+        ray.shutdown()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the test class travels to the actors
     yield root, model

@@ -77,6 +77,8 @@ class WedgingRolloutWorker(RolloutWorker):
 def pool(tmp_path_factory):
     root = tmp_path_factory.mktemp("wedge")
     model = make_tiny_model("qwen3_moe", root / "model", seed=0)
+    if ray.is_initialized():  # the package's shared instance (conftest.local_ray): this module needs its own
+        ray.shutdown()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the test class travels to the actors
     cfg = RolloutConfig(num_workers=2, group_size=4, max_new_tokens=6, max_model_len=64)
