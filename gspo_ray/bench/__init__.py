@@ -6,6 +6,8 @@
              beside it: `make bench-trl` (peer_trl.py, TRL in its own venv)
     profile  the SmolLM2 train step by op class (torch profiler), group rows and one row per sample (train_profile.py)
     moe      GRPO / GRPO+R2 / GSPO / GSPO-token on the upcycled SmolLM2 MoE (moe.py; long)
+    moe-tiny the same four and GSPO with eps auto, 3 seeds x 320 updates, on make run's tiny MoE widened to 8
+             experts, where routing moves by several per cent per update (moe_tiny.py)
     regime   routing drift after one update over a grid of upcycled SmolLM2 MoEs (experts, top-k, router std,
              expert noise, lr), no job: where routing really moves (moe_regime.py)
     rollout  one engine's generation tokens/s and the weight push per MB (rollout.py)
@@ -17,7 +19,7 @@
 """
 from __future__ import annotations
 
-SUITES = ("tiny", "smollm2", "profile", "moe", "regime", "rollout", "probe", "learn", "recovery", "all")
+SUITES = ("tiny", "smollm2", "profile", "moe", "moe-tiny", "regime", "rollout", "probe", "learn", "recovery", "all")
 
 
 def run(suite: str = "all", *, quick: bool = False, steps: int = 6, seeds: tuple[int, ...] = (0,),
@@ -30,6 +32,10 @@ def run(suite: str = "all", *, quick: bool = False, steps: int = 6, seeds: tuple
         from gspo_ray.bench.moe import run_moe_bench
 
         run_moe_bench(steps=3 if quick else steps, seeds=seeds)
+    if suite == "moe-tiny":
+        from gspo_ray.bench.moe_tiny import run_moe_tiny_bench
+
+        run_moe_tiny_bench(steps=5 if quick else 40, seeds=seeds if seeds != (0,) else (0, 1, 2))
     if suite == "regime":
         from gspo_ray.bench.moe_regime import main as run_regime_probe
 

@@ -32,6 +32,12 @@ VARIANTS = [  # (label, importance_sampling_level, routing_replay)
 ]
 PASSES, MINIBATCHES = 2, 4
 UPDATES = PASSES * MINIBATCHES
+SMOLLM2_BATCH = ("coordinator.prompts_per_step=8", "rollout.group_size=4", "rollout.max_new_tokens=16")
+
+
+def smollm2_model(model_dir: Path) -> tuple[str, ...]:
+    """The overrides that train the upcycled SmolLM2 in `model_dir`."""
+    return f"model.path={model_dir}", "model.packaged=null"
 
 
 def ensure_moe_model(out: Path = MOE_DIR, experts: int = 4, top_k: int = 2, noise: float = 0.01) -> Path:
@@ -44,30 +50,33 @@ def ensure_moe_model(out: Path = MOE_DIR, experts: int = 4, top_k: int = 2, nois
     return out
 
 
-def bench_moe_variant(label: str, level: str, replay: str, steps: int, seed: int, out_dir: Path,
-                      model_dir: Path, lr: float) -> dict:
+def bench_moe_variant(label: str, level: str, replay: str, steps: int, seed: int, out_dir: Path, lr: float, *,
+                      model: tuple[str, ...], recipe: Path = RECIPE, passes: int = PASSES,
+                      minibatches: int = MINIBATCHES, overrides: tuple[str, ...] = ()) -> dict:
+    """One run: `model` are the overrides that pick the model (a path, or a tiny model's shape); `overrides`
+    anything else (the SmolLM2 setting's batch shape, an eps mode)."""
     from gspo_ray.bench.common import bench_cfg
     from gspo_ray.coordinator.job import run_job
 
     cfg = bench_cfg(
-        out_dir, f"bench-moe-{level}-{replay}-s{seed}", steps,
-        f"model.path={model_dir}", "model.packaged=null", f"seed={seed}", "coordinator.prompts_per_step=8",
-        "rollout.group_size=4", "rollout.max_new_tokens=16", f"coordinator.num_iterations={PASSES}",
-        f"coordinator.num_minibatches={MINIBATCHES}", "coordinator.recompute_old_logprobs=true",
-        "coordinator.filter_zero_adv=false", f"algorithm.importance_sampling_level={level}",
-        f"trainer.routing_replay={replay}", f"trainer.lr={lr}", "trainer.router_churn_every=0",
+        out_dir, f"bench-moe-{label.replace(' ', '').replace('+', '-')}-s{seed}", steps, *model, f"seed={seed}",
+        f"coordinator.num_iterations={passes}", f"coordinator.num_minibatches={minibatches}",
+        "coordinator.recompute_old_logprobs=true", "coordinator.filter_zero_adv=false",
+        f"algorithm.importance_sampling_level={level}", f"trainer.routing_replay={replay}", f"trainer.lr={lr}",
+        "trainer.router_churn_every=0",
         f"trainer.routing_noise={str(replay == 'none').lower()}",  # what replay would remove, where it is off
-        recipe=RECIPE)
+        *overrides, recipe=recipe)
     start = time.time()
-    rows = read_metrics(run_job(cfg).run_dir / "metrics.jsonl")
-    rows = [r for r in rows if r.get("step", 0) > 0]
+    summary = run_job(cfg)
+    rows = read_metrics(summary.run_dir / "metrics.jsonl")
+    rows = [r for r in rows if r.get("step", 0) > 0 and "train/grad_norm" in r]
     mean = lambda key: sum(r.get(key) or 0.0 for r in rows) / max(len(rows), 1)  # noqa: E731
     layers = sorted({int(k.rsplit("_l", 1)[1]) for r in rows for k in r if k.startswith("moe/drift_churn_l")})
     spread = [math.sqrt(max(r["train/logr_sq_mean"] - r["train/logr_mean"] ** 2, 0.0)) for r in rows
               if "train/logr_sq_mean" in r]
     return {"label": label, "level": level, "replay": replay, "seed": seed, "steps": len(rows),
             "drift": mean("moe/drift_churn"),
-            "drift_at": [mean(f"moe/drift_churn_at{k}") for k in range(UPDATES)],
+            "drift_at": [mean(f"moe/drift_churn_at{k}") for k in range(passes * minibatches)],
             "drift_layer": [mean(f"moe/drift_churn_l{i}") for i in layers], "layers": layers,
             "logr_std": sum(spread) / max(len(spread), 1),
             "clip_tok": mean("train/clip_frac_tok"), "clip_seq": mean("train/clip_frac_seq"),
@@ -77,6 +86,7 @@ def bench_moe_variant(label: str, level: str, replay: str, steps: int, seed: int
             "noise_d": mean("moe/routing_logratio_abs_mean") if replay == "none" else None,
             "noise_tok_removed": mean("moe/grpo_token_clips_removed") if replay == "none" else None,
             "noise_seq_removed": mean("moe/gspo_seq_clips_removed") if replay == "none" else None,
+            "grad_norm": [r["train/grad_norm"] for r in rows], "eval": list(summary.eval_history),
             "wall_s": time.time() - start}
 
 
@@ -85,7 +95,7 @@ def _num(x: float | None, digits: int) -> str:
 
 
 def format_moe(results: list[dict]) -> str:
-    head = ("| run | seed | steps | drift after 1 update | after 4 | after 7 | drift, all updates | max layer | "
+    head = ("| run | seed | steps | drift after 1 update | after 4 | after the last | drift, all updates | max layer | "
             "per-token log-ratio std | clip frac token | clip frac seq | reward first -> last step | skipped | "
             "routing-induced mean abs log-ratio | GRPO clips routing alone caused | GSPO clips routing alone caused |")
     lines = [head, "|---" * (head.count("|") - 1) + "|"]
@@ -93,7 +103,7 @@ def format_moe(results: list[dict]) -> str:
         reward = [x for x in r["reward"] if x is not None]
         rw = f"{reward[0]:.3f} -> {reward[-1]:.3f}" if reward else "-"
         at = r["drift_at"]
-        lines.append(f"| {r['label']} | {r['seed']} | {r['steps']} | {at[1]:.4f} | {at[4]:.4f} | {at[UPDATES - 1]:.4f} | "
+        lines.append(f"| {r['label']} | {r['seed']} | {r['steps']} | {at[1]:.4f} | {at[4]:.4f} | {at[-1]:.4f} | "
                      f"{r['drift']:.4f} | {max(r['drift_layer'], default=0.0):.4f} | {r['logr_std']:.4f} | "
                      f"{r['clip_tok']:.3f} | {r['clip_seq']:.3f} | {rw} | {r['skipped']:.0f} | "
                      f"{_num(r.get('noise_d'), 4)} | {_num(r.get('noise_tok_removed'), 3)} | "
@@ -110,7 +120,7 @@ def plot_moe(results: list[dict], path: Path) -> Path:
     fig, (a, b, c) = plt.subplots(1, 3, figsize=(15, 4))
     for r in results:
         tag = f"{r['label']} (seed {r['seed']})"
-        a.plot(range(UPDATES), r["drift_at"], marker="o", label=tag)
+        a.plot(range(len(r["drift_at"])), r["drift_at"], marker="o", label=tag)
         b.plot(r["layers"], r["drift_layer"], label=tag)
         c.plot(range(1, len(r["reward"]) + 1), [x if x is not None else float("nan") for x in r["reward"]],
                marker=".", label=tag)
@@ -132,7 +142,8 @@ def run_moe_bench(steps: int = 6, seeds: tuple[int, ...] = (0,), lr: float = 1e-
     with tempfile.TemporaryDirectory(prefix="gspo-bench-moe-") as tmp:
         for seed in seeds:
             for label, level, replay in VARIANTS:
-                results.append(bench_moe_variant(label, level, replay, steps, seed, Path(tmp), model_dir, lr))
+                results.append(bench_moe_variant(label, level, replay, steps, seed, Path(tmp), lr,
+                                                 model=smollm2_model(model_dir), overrides=SMOLLM2_BATCH))
                 print(format_moe(results[-1:]).splitlines()[-1], flush=True)
     png.parent.mkdir(parents=True, exist_ok=True)
     plot_moe(results, png)

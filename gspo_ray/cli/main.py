@@ -156,14 +156,15 @@ def scale(pool: str = typer.Argument(..., help="rollout | trainer"),
 def bench(quick: bool = typer.Option(False, help="fewer steps"),
           suite: str = typer.Option("all", help="tiny (the tiny-MoE tables) | smollm2 (the real-model table) | "
                                     "profile (the SmolLM2 train step by op class) | moe (GRPO / GRPO+R2 / GSPO / "
-                                    "GSPO-token on the upcycled SmolLM2 MoE) | regime (routing drift after one update over a "
+                                    "GSPO-token on the upcycled SmolLM2 MoE) | moe-tiny (those and GSPO eps auto over 3 seeds on the tiny "
+                                    "MoE, where routing moves) | regime (routing drift after one update over a "
                                     "grid of upcycled MoEs) | rollout (generation tokens/s, weight "
                                     "push) | probe (the base model's pass@k per task) | learn (a recipe learning its "
                                     "task over seeds; --recipe, default make run's) | recovery (a trainer kill in a "
                                     "60-step run) | all (tiny + smollm2)"),
           steps: int = typer.Option(6, help="steps per mode (smollm2) or per run (moe)"),
-          seeds: str = typer.Option("0", help="moe, learn and recovery suites: comma-separated seeds (learn: "
-                                    "default 0,1,2; recovery: 0,1)"),
+          seeds: str = typer.Option("0", help="moe, moe-tiny, learn and recovery suites: comma-separated seeds "
+                                    "(moe-tiny and learn: default 0,1,2; recovery: 0,1)"),
           recipe: Optional[Path] = typer.Option(None, help="learn suite: the recipe to learn with (default: make "
                                                 "run's tiny-MoE recipe)")):
     """Benchmarks (gspo_ray/bench/): per-phase time of training steps and what each suite measures, as tables."""

@@ -1,4 +1,6 @@
 """The MoE bench's report (table and plot) from run results: what a ~50-minute `make bench-moe` ends with."""
+import pytest
+
 from gspo_ray.bench.moe import UPDATES, format_moe, plot_moe
 
 
@@ -23,3 +25,29 @@ def test_table_reads_drift_after_k_updates_and_reward_ends(tmp_path):
     assert format_moe([noisy]).splitlines()[2].rstrip("|").split("|")[-3:] == [" 0.0123 ", " 0.500 ", " 0.250 "]
     png = plot_moe([_result("GSPO", drift_at, [0.2, 0.3])], tmp_path / "moe.png")
     assert png.stat().st_size > 10_000
+
+
+def test_the_over_seed_summary_averages_each_variant_and_shows_the_seeds_range(tmp_path):
+    from gspo_ray.bench.moe_tiny import format_summary, plot_rewards, summarise
+
+    runs = []
+    for seed, (last, end) in enumerate([(1.0, 1.5), (1.4, 1.9)]):
+        r = _result("GSPO", [0.0, 0.06, 0.1], [0.2] * 5 + [last] * 5)
+        r.update(seed=seed, drift=0.08, grad_norm=[1.0, 1.0, 4.0 + seed], eval=[(0, 0.0), (10, end)],
+                 noise_d=0.01 * (seed + 1), noise_tok_removed=0.4, noise_seq_removed=0.2)
+        runs.append(r)
+    r2 = _result("GRPO + R2", [0.0, 0.02, 0.03], [0.1] * 10)
+    r2.update(grad_norm=[2.0, 2.0], eval=[(0, 0.0), (10, 0.5)])
+    rows = summarise(runs + [r2])
+    assert [r["label"] for r in rows] == ["GSPO", "GRPO + R2"]
+    gspo = rows[0]
+    assert gspo["seeds"] == 2 and gspo["updates"] == 10 * 3
+    assert gspo["drift_1"] == 0.06 and gspo["noise_d"] == pytest.approx(0.015)
+    assert gspo["reward_first"] == pytest.approx(0.2) and gspo["reward_last"] == pytest.approx((1.2, 1.0, 1.4))
+    assert gspo["eval_end"] == pytest.approx((1.7, 1.5, 1.9))
+    assert gspo["grad_norm_peak"] == 5.0  # the worse seed's peak over its median
+    assert rows[1]["noise_d"] is None  # no routing-noise probe under R2
+    table = format_summary(rows).splitlines()
+    assert len(table) == 4 and "| GSPO | 2 | 30 | 0.0600 |" in table[2]
+    assert "1.200 (1.000-1.400)" in table[2] and "1.700 (1.500-1.900)" in table[2]
+    assert plot_rewards(runs + [r2], tmp_path / "tiny.png").stat().st_size > 10_000
