@@ -5,9 +5,15 @@
 `scenario(rank, world_size, ports, *args)` must be importable (module level); `ports` holds `n_ports` free ports
 (one per process group the scenario builds in turn); its return value comes back through a file (torch.save), so
 tensors and nested dicts are fine. A failing rank's traceback is raised here.
+
+Ranks are forked from a fork server (one per test session) that has imported torch, megatron-core (through the
+guarded import) and the trainer once: a spawned rank spent ~7 s of CPU importing them, on each of ~40 calls. The
+server is a fresh interpreter, not the pytest process, so no engine, thread pool or process group of a test leaks
+into a rank; each rank gets the caller's environment as it is at the call.
 """
 from __future__ import annotations
 
+import os
 import tempfile
 import time
 import traceback
@@ -19,7 +25,19 @@ import torch.multiprocessing as mp
 from gspo_ray.trainer.parallel import free_port
 
 
-def _entry(rank: int, fn, world_size: int, ports: list[int], out_dir: str, args: tuple) -> None:
+# what every rank imports, in this order (the guarded megatron import first: megatron without torch.compile)
+PRELOAD = ["torch", "gspo_ray.trainer.megatron_import", "gspo_ray.trainer.worker", "gspo_ray.trainer.bridge"]
+
+
+def _context():
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)  # read when the server first starts
+    return ctx
+
+
+def _entry(rank: int, fn, world_size: int, ports: list[int], out_dir: str, args: tuple, environ: dict) -> None:
+    os.environ.clear()
+    os.environ.update(environ)  # the caller's, not the fork server's (started by an earlier test)
     torch.set_num_threads(1)  # two ranks share two cores: more threads per rank only contend
     out = Path(out_dir) / f"rank_{rank}.pt"
     try:
@@ -34,9 +52,10 @@ def run_ranks(fn, world_size: int, args: tuple = (), n_ports: int = 1, timeout_s
     ports: list[int] = []
     for _ in range(n_ports):  # distinct: each process group in turn gets its own store port
         ports.append(free_port(exclude=set(ports)))
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     with tempfile.TemporaryDirectory() as out_dir:
-        procs = [ctx.Process(target=_entry, args=(r, fn, world_size, ports, out_dir, args), daemon=True)
+        procs = [ctx.Process(target=_entry, args=(r, fn, world_size, ports, out_dir, args, dict(os.environ)),
+                             daemon=True)
                  for r in range(world_size)]
         for p in procs:
             p.start()
