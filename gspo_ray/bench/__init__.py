@@ -6,7 +6,7 @@
              beside it: `make bench-trl` (peer_trl.py, TRL in its own venv)
     profile  the SmolLM2 train step by op class (torch profiler), group rows and one row per sample (train_profile.py)
     moe      GRPO / GRPO+R2 / GSPO / GSPO-token on the upcycled SmolLM2 MoE (moe.py; long)
-    moe-tiny the same four and GSPO with eps auto, 3 seeds x 320 updates, on make run's tiny MoE widened to 8
+    moe-tiny the same four and GSPO with eps auto, 3 seeds x 320 updates, on make run's tiny MoE widened to 16
              experts, where routing moves by several per cent per update (moe_tiny.py)
     regime   routing drift after one update over a grid of upcycled SmolLM2 MoEs (experts, top-k, router std,
              expert noise, lr), no job: where routing really moves (moe_regime.py)

@@ -6,7 +6,7 @@
 nothing to repair there. The regime probe (`--suite regime`) puts the GSPO paper's ~10% at 8 experts and lr 1e-4,
 on a 0.7B model that 2 cores train at about one update a minute: hundreds of updates over five variants and three
 seeds are out of reach. This suite runs the experiment on the model `make run` trains from scratch (a locally built
-Qwen3-MoE: 2 layers, hidden 64, random init), widened to 8 experts top-2, on its copy task at its lr (3e-4): there
+Qwen3-MoE: 2 layers, hidden 64, random init), widened to 16 experts top-2, on its copy task at its lr (3e-4): there
 routing moves by several per cent per update (the table's first drift column says how much, per run).
 
 Five variants per seed: GRPO (token ratios, no replay), GRPO + R2 (replaying the sampling policy's routing), GSPO,
@@ -25,7 +25,7 @@ from pathlib import Path
 from gspo_ray.bench.common import TINY_RECIPE
 from gspo_ray.bench.moe import bench_moe_variant, format_moe
 
-EXPERTS, TOP_K, LR = 8, 2, 3e-4
+EXPERTS, TOP_K, LR = 16, 2, 3e-4
 PASSES, MINIBATCHES = 2, 4
 VARIANTS = [  # (label, importance_sampling_level, routing_replay, extra overrides)
     ("GRPO", "token", "none", ()),
