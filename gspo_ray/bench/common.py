@@ -21,6 +21,16 @@ def bench_cfg(out_dir: Path, name: str, steps: int, *overrides: str, recipe: Pat
                                 "logging.plot=false", *overrides])
 
 
+def table_head(head: str) -> list[str]:
+    """A Markdown table's header row (written out in full) and its separator line."""
+    return [head, "|---" * (head.count("|") - 1) + "|"]
+
+
+def optional_number(x: float | None, digits: int) -> str:
+    """`x` to `digits` decimals, or "-" where there is no value (a metric a variant does not measure)."""
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
 def markdown_table(rows: list[dict]) -> str:
     """Rows of equal keys as a Markdown table: floats to 3 decimals, None as "-"."""
     keys = list(rows[0])

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from gspo_ray.bench.common import SMOLLM2_RECIPE as RECIPE
+from gspo_ray.bench.common import optional_number, table_head
 from gspo_ray.coordinator.tracking import read_metrics
 
 DENSE_DIR = Path("runs/models/smollm2-135m-instruct")
@@ -90,15 +91,11 @@ def bench_moe_variant(label: str, level: str, replay: str, steps: int, seed: int
             "wall_s": time.time() - start}
 
 
-def _num(x: float | None, digits: int) -> str:
-    return "-" if x is None else f"{x:.{digits}f}"
-
-
 def format_moe(results: list[dict]) -> str:
     head = ("| run | seed | steps | drift after 1 update | after 4 | after the last | drift, all updates | max layer | "
             "per-token log-ratio std | clip frac token | clip frac seq | reward first -> last step | skipped | "
             "routing-induced mean abs log-ratio | GRPO clips routing alone caused | GSPO clips routing alone caused |")
-    lines = [head, "|---" * (head.count("|") - 1) + "|"]
+    lines = table_head(head)
     for r in results:
         reward = [x for x in r["reward"] if x is not None]
         rw = f"{reward[0]:.3f} -> {reward[-1]:.3f}" if reward else "-"
@@ -106,8 +103,8 @@ def format_moe(results: list[dict]) -> str:
         lines.append(f"| {r['label']} | {r['seed']} | {r['steps']} | {at[1]:.4f} | {at[4]:.4f} | {at[-1]:.4f} | "
                      f"{r['drift']:.4f} | {max(r['drift_layer'], default=0.0):.4f} | {r['logr_std']:.4f} | "
                      f"{r['clip_tok']:.3f} | {r['clip_seq']:.3f} | {rw} | {r['skipped']:.0f} | "
-                     f"{_num(r.get('noise_d'), 4)} | {_num(r.get('noise_tok_removed'), 3)} | "
-                     f"{_num(r.get('noise_seq_removed'), 3)} |")
+                     f"{optional_number(r.get('noise_d'), 4)} | {optional_number(r.get('noise_tok_removed'), 3)} | "
+                     f"{optional_number(r.get('noise_seq_removed'), 3)} |")
     return "\n".join(lines)
 
 

@@ -22,7 +22,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from gspo_ray.bench.common import TINY_RECIPE
+from gspo_ray.bench.common import TINY_RECIPE, optional_number, table_head
 from gspo_ray.bench.moe import bench_moe_variant, format_moe
 
 EXPERTS, TOP_K, LR = 16, 2, 3e-4
@@ -81,19 +81,15 @@ def _span(x) -> str:
     return "-" if x is None else f"{x[0]:.3f} ({x[1]:.3f}-{x[2]:.3f})"
 
 
-def _opt(x, digits: int) -> str:
-    return "-" if x is None else f"{x:.{digits}f}"
-
-
 def format_summary(rows: list[dict]) -> str:
     head = ("| run | seeds | updates per run | drift after 1 update | drift, all updates | routing-induced mean abs "
             "log-ratio | GRPO clips routing alone caused | GSPO clips routing alone caused | clip frac token | "
             "clip frac seq | training reward, first 5 steps | last 5 steps: mean (range) | held-out greedy reward "
             "at the end: mean (range) | grad-norm peak / median | skipped steps | s per run |")
-    lines = [head, "|---" * (head.count("|") - 1) + "|"]
+    lines = table_head(head)
     for r in rows:
         lines.append(f"| {r['label']} | {r['seeds']} | {r['updates']} | {r['drift_1']:.4f} | {r['drift_all']:.4f} | "
-                     f"{_opt(r['noise_d'], 4)} | {_opt(r['tok_removed'], 3)} | {_opt(r['seq_removed'], 3)} | "
+                     f"{optional_number(r['noise_d'], 4)} | {optional_number(r['tok_removed'], 3)} | {optional_number(r['seq_removed'], 3)} | "
                      f"{r['clip_tok']:.3f} | {r['clip_seq']:.3f} | {r['reward_first']:.3f} | "
                      f"{_span(r['reward_last'])} | {_span(r['eval_end'])} | {r['grad_norm_peak']:.1f} | "
                      f"{r['skipped']:.0f} | {r['wall_s']:.0f} |")

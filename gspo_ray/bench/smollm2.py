@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from gspo_ray.bench.common import SMOLLM2_RECIPE as RECIPE
+from gspo_ray.bench.common import table_head
 from gspo_ray.config import load_config
 from gspo_ray.coordinator.tracking import read_metrics
 
@@ -141,7 +142,7 @@ def format_smollm2(results: list[dict]) -> str:
     head = ("| mode | s/step | rollout s | train s | sync s | push s (MB/s) | completions/s | gen tok/s | "
             "trainer forwards per batch: train / old-logp / push probe | tokens forwarded (one row per sample) | "
             "train GFLOP/s | peak PSS job GiB |")
-    lines = [head, "|---" * (head.count("|") - 1) + "|"]
+    lines = table_head(head)
     for r in results:
         lines.append(f"| {r['mode']} | {r['step_s']:.1f} | {r['rollout_s']:.1f} | {r['train_s']:.1f} | "
                      f"{r['sync_s']:.2f} | {r['push_s']:.2f} ({r['push_mb_s']:.0f}) | {r['completions_per_s']:.2f} | "
