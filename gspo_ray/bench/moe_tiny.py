@@ -89,7 +89,8 @@ def format_summary(rows: list[dict]) -> str:
     lines = table_head(head)
     for r in rows:
         lines.append(f"| {r['label']} | {r['seeds']} | {r['updates']} | {r['drift_1']:.4f} | {r['drift_all']:.4f} | "
-                     f"{optional_number(r['noise_d'], 4)} | {optional_number(r['tok_removed'], 3)} | {optional_number(r['seq_removed'], 3)} | "
+                     f"{optional_number(r['noise_d'], 4)} | {optional_number(r['tok_removed'], 3)} | "
+                     f"{optional_number(r['seq_removed'], 3)} | "
                      f"{r['clip_tok']:.3f} | {r['clip_seq']:.3f} | {r['reward_first']:.3f} | "
                      f"{_span(r['reward_last'])} | {_span(r['eval_end'])} | {r['grad_norm_peak']:.1f} | "
                      f"{r['skipped']:.0f} | {r['wall_s']:.0f} |")
