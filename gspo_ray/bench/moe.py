@@ -70,7 +70,7 @@ def bench_moe_variant(label: str, level: str, replay: str, steps: int, seed: int
     start = time.time()
     summary = run_job(cfg)
     rows = read_metrics(summary.run_dir / "metrics.jsonl")
-    rows = [r for r in rows if r.get("step", 0) > 0 and "train/grad_norm" in r]
+    rows = [r for r in rows if r.get("step", 0) > 0]  # step 0's row is the evaluation before training
     mean = lambda key: sum(r.get(key) or 0.0 for r in rows) / max(len(rows), 1)  # noqa: E731
     layers = sorted({int(k.rsplit("_l", 1)[1]) for r in rows for k in r if k.startswith("moe/drift_churn_l")})
     spread = [math.sqrt(max(r["train/logr_sq_mean"] - r["train/logr_mean"] ** 2, 0.0)) for r in rows
@@ -87,7 +87,8 @@ def bench_moe_variant(label: str, level: str, replay: str, steps: int, seed: int
             "noise_d": mean("moe/routing_logratio_abs_mean") if replay == "none" else None,
             "noise_tok_removed": mean("moe/grpo_token_clips_removed") if replay == "none" else None,
             "noise_seq_removed": mean("moe/gspo_seq_clips_removed") if replay == "none" else None,
-            "grad_norm": [r["train/grad_norm"] for r in rows], "eval": list(summary.eval_history),
+            "grad_norm": [r["train/grad_norm"] for r in rows if "train/grad_norm" in r],  # a skipped step has none
+            "eval": list(summary.eval_history),
             "wall_s": time.time() - start}
 
 

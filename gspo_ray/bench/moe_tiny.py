@@ -23,10 +23,9 @@ import tempfile
 from pathlib import Path
 
 from gspo_ray.bench.common import TINY_RECIPE, optional_number, table_head
-from gspo_ray.bench.moe import bench_moe_variant, format_moe
+from gspo_ray.bench.moe import MINIBATCHES, PASSES, bench_moe_variant, format_moe
 
-EXPERTS, TOP_K, LR = 16, 2, 3e-4
-PASSES, MINIBATCHES = 2, 4
+EXPERTS, TOP_K, LR = 16, 2, 3e-4  # the reuse shape, 2 passes x 4 mini-batches, is moe's
 VARIANTS = [  # (label, importance_sampling_level, routing_replay, extra overrides)
     ("GRPO", "token", "none", ()),
     ("GRPO + R2", "token", "R2", ()),
@@ -46,17 +45,20 @@ def _window_mean(values: list, n: int, last: bool) -> float:
     return sum(vals) / len(vals) if vals else float("nan")
 
 
+def _mean_and_range(xs: list[float]) -> tuple[float, float, float]:
+    return statistics.fmean(xs), min(xs), max(xs)
+
+
 def summarise(results: list[dict]) -> list[dict]:
     """One row per variant over its seeds: means, with the seeds' range where it says something."""
     rows = []
     for label in dict.fromkeys(r["label"] for r in results):
         runs = [r for r in results if r["label"] == label]
-        span = lambda xs: (statistics.fmean(xs), min(xs), max(xs))  # noqa: E731
         last_reward = [_window_mean(r["reward"], 5, last=True) for r in runs]
         eval_end = [r["eval"][-1][1] for r in runs if r["eval"]]
         rows.append({
-            "label": label, "seeds": len(runs), "updates": sum(r["steps"] for r in runs) // len(runs) * len(
-                runs[0]["drift_at"]),
+            "label": label, "seeds": len(runs),
+            "updates": sum(r["steps"] for r in runs) // len(runs) * len(runs[0]["drift_at"]),  # per run
             "drift_1": statistics.fmean(r["drift_at"][1] for r in runs),
             "drift_all": statistics.fmean(r["drift"] for r in runs),
             "noise_d": (statistics.fmean(r["noise_d"] for r in runs) if runs[0].get("noise_d") is not None
@@ -68,8 +70,8 @@ def summarise(results: list[dict]) -> list[dict]:
             "clip_tok": statistics.fmean(r["clip_tok"] for r in runs),
             "clip_seq": statistics.fmean(r["clip_seq"] for r in runs),
             "reward_first": statistics.fmean(_window_mean(r["reward"], 5, last=False) for r in runs),
-            "reward_last": span(last_reward),
-            "eval_end": span(eval_end) if eval_end else None,
+            "reward_last": _mean_and_range(last_reward),
+            "eval_end": _mean_and_range(eval_end) if eval_end else None,
             "grad_norm_peak": max(max(r["grad_norm"]) / statistics.median(r["grad_norm"]) for r in runs),
             "skipped": max(r["skipped"] for r in runs),
             "wall_s": statistics.fmean(r["wall_s"] for r in runs),
