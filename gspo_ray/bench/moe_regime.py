@@ -34,7 +34,7 @@ from gspo_ray.bench.common import SMOLLM2_RECIPE, markdown_table
 
 def record_topk(model) -> tuple[list, Callable[[], None]]:
     """Forward hooks on every Mixtral router: each forward appends the [tokens, k] expert indices per layer.
-    (trainer/router_churn.py counts the same changes on Megatron's boolean routing maps, inside a trainer.)"""
+    (trainer/routing/churn.py counts the same changes on Megatron's boolean routing maps, inside a trainer.)"""
     from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
 
     seen: list[torch.Tensor] = []

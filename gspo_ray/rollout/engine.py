@@ -40,8 +40,8 @@ import numpy as np
 import torch
 
 from gspo_ray.data.records import FINISH_ABORTED, FINISH_LENGTH, FINISH_STOP, Prompt, Sample
-from gspo_ray.rollout.vllm_cpu_binding_fix import engine_cores
-from gspo_ray.rollout.vllm_cpu_startup_fix import apply_startup_fix
+from gspo_ray.compat.vllm_cpu_binding import engine_cores
+from gspo_ray.compat.vllm_cpu_startup import apply_startup_fix
 
 
 
@@ -177,7 +177,7 @@ class RolloutEngine:
                  enable_prefix_caching: bool = True, max_num_seqs: int | None = None,
                  cache_root: str | Path | None = None):
         on_cuda = torch.cuda.is_available()
-        if not on_cuda:  # one binding for every in-process engine of a process (see vllm_cpu_binding_fix)
+        if not on_cuda:  # one binding for every in-process engine of a process (see compat.vllm_cpu_binding)
             cpu_cores = engine_cores(cpu_cores)
         env = build_engine_env(run_dir, cpu_cores, on_cuda, cache_root)
         for key in ("VLLM_CACHE_ROOT", "TMPDIR"):
@@ -419,7 +419,7 @@ class RolloutEngine:
         only some of its tensors is re-processed with the rest undefined, and a failed reload leaves layers on
         the meta device; both raise WeightSyncError, and only a later complete push repairs the engine.
         """
-        from gspo_ray.rollout.vllm_cpu_reload_fix import apply_reload_fix
+        from gspo_ray.compat.vllm_cpu_reload import apply_reload_fix
         from gspo_ray.rollout.weight_sync import WeightSyncError, expert_names
 
         seen: set[str] = set()

@@ -215,7 +215,7 @@ def shard_token_order(layout: GroupLayout, lengths: Tensor, s_local: int, offset
 
     A hook that records one entry per real group-row token of this rank's sequence shard, sequence-major
     (entry order: column s in [offset, offset + s_local), then group row r, keeping s < layout.lengths[r]; what
-    router_churn.RouterRecorder keeps), gives a list X. Returns idx such that X[idx] holds one entry per real token
+    routing.churn.RouterRecorder keeps), gives a list X. Returns idx such that X[idx] holds one entry per real token
     (b, t < lengths[b]) of the original rows whose column lies in this shard, row-major: prefix tokens appear once
     per row that uses them, as in an unshared forward.
     """

@@ -170,7 +170,7 @@ def forward_group_logprobs(model, tokens: Tensor, lengths: Tensor, layout, *, wi
     """
     from megatron.core import parallel_state
 
-    from gspo_ray.trainer.megatron_rope_positions import rope_positions
+    from gspo_ray.compat.megatron_rope_positions import rope_positions
 
     inner = _unwrap(model)
     device = next(inner.parameters()).device

@@ -6,7 +6,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from gspo_ray.trainer.router_churn import comm_device
+from gspo_ray.trainer.routing.churn import comm_device
 
 
 class MetricAccumulator:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from gspo_ray.trainer.megatron_import import megatron_core  # noqa: F401  (first: megatron without torch.compile)
+from gspo_ray.compat.megatron_import import megatron_core  # noqa: F401  (first: megatron without torch.compile)
 from gspo_ray.trainer.bridge import load_hf_weights
 from gspo_ray.trainer.model_spec import ModelSpec, read_hf_config, spec_from_hf_config
 
@@ -76,18 +76,18 @@ def build_model(hf_dir: str, *, dtype: torch.dtype = torch.float32, sequence_par
 
     With load_weights the HF safetensors are loaded into this rank's TP/EP shards (and random init is skipped);
     without, the model keeps Megatron's random init. routing_replay: routers can record/replay top-k choices
-    (see routing_replay.py).
+    (see routing/replay.py).
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
-    from gspo_ray.trainer import megatron_cpu_compat
+    from gspo_ray.compat import megatron_cpu
 
     if not parallel_state.model_parallel_is_initialized():
         raise RuntimeError("build_model needs Megatron's parallel state: call parallel.init_distributed() first")
     if use_te and not te_available():
         raise RuntimeError("use_te=True needs CUDA and an importable transformer_engine")
-    megatron_cpu_compat.apply()
+    megatron_cpu.apply()
     spec = spec_from_hf_config(
         read_hf_config(hf_dir), hf_dir, tp=parallel_state.get_tensor_model_parallel_world_size(),
         ep=parallel_state.get_expert_model_parallel_world_size(), sequence_parallel=sequence_parallel,

@@ -18,12 +18,12 @@ end of warm-up to `min_lr` at `total_steps`.
 from __future__ import annotations
 
 import torch
-from gspo_ray.trainer.megatron_import import megatron_core  # noqa: F401  (first: megatron without torch.compile)
+from gspo_ray.compat.megatron_import import megatron_core  # noqa: F401  (first: megatron without torch.compile)
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from gspo_ray.trainer.megatron_cpu_compat import cpu_device_mode
+from gspo_ray.compat.megatron_cpu import cpu_device_mode
 from gspo_ray.trainer.model_spec import DTYPES
 
 

@@ -7,7 +7,7 @@
 
 Layout: world = TP x DP (pipeline and context parallelism are 1); experts use EP with expert-TP 1, carved out of
 DP x TP by Megatron (`ep` must divide `world_size`). Backend: gloo on CPU, nccl on GPU (`backend` overrides).
-On a machine without CUDA the megatron CPU workarounds are applied first (megatron_cpu_compat.apply()).
+On a machine without CUDA the megatron CPU workarounds are applied first (megatron_cpu.apply()).
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import socket
 
 import torch
 import torch.distributed as dist
-from gspo_ray.trainer.megatron_import import megatron_core  # noqa: F401  (first: megatron without torch.compile)
+from gspo_ray.compat.megatron_import import megatron_core  # noqa: F401  (first: megatron without torch.compile)
 
 
 # Ports for MASTER_PORT / TCPStore come from below the kernel's ephemeral range: a port the kernel handed out for
@@ -82,10 +82,10 @@ def init_distributed(rank: int, world_size: int, master_addr: str, master_port: 
     """
     from megatron.core import parallel_state, tensor_parallel
 
-    from gspo_ray.trainer import megatron_cpu_compat
+    from gspo_ray.compat import megatron_cpu
 
     check_layout(world_size, tp, ep)
-    megatron_cpu_compat.apply()
+    megatron_cpu.apply()
     backend = backend or default_backend()
     if backend == "nccl":
         local_rank = int(os.environ.get("LOCAL_RANK", rank % max(torch.cuda.device_count(), 1)))

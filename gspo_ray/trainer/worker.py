@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from gspo_ray.trainer.megatron_import import megatron_core  # noqa: F401  (first: megatron without torch.compile)
+from gspo_ray.compat.megatron_import import megatron_core  # noqa: F401  (first: megatron without torch.compile)
 from megatron.core import parallel_state
 
 from gspo_ray.algo import compute_policy_loss
@@ -49,7 +49,7 @@ from gspo_ray.trainer.optim import (
     torch_dtype,
     zero_grads,
 )
-from gspo_ray.trainer.megatron_cpu_compat import cpu_device_mode
+from gspo_ray.compat.megatron_cpu import cpu_device_mode
 from gspo_ray.trainer.batch_layout import (
     MicroBatch,
     group_micro_batches,
@@ -60,10 +60,10 @@ from gspo_ray.trainer.batch_layout import (
 from gspo_ray.trainer.group_rows import shard_token_order, warn_once
 from gspo_ray.trainer.metric_accumulator import MetricAccumulator
 from gspo_ray.trainer.pg_weights import build_pg_weight
-from gspo_ray.trainer.router_churn import RouterRecorder, comm_device
-from gspo_ray.trainer.router_drift import RoutingDrift
-from gspo_ray.trainer.routing_noise_probe import RoutingNoiseProbe
-from gspo_ray.trainer.routing_replay import build_routing_replay
+from gspo_ray.trainer.routing.churn import RouterRecorder, comm_device
+from gspo_ray.trainer.routing.drift import RoutingDrift
+from gspo_ray.trainer.routing.noise_probe import RoutingNoiseProbe
+from gspo_ray.trainer.routing.replay import build_routing_replay
 
 log = logging.getLogger(__name__)
 

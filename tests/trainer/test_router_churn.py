@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from _spawn import algo_cfg, make_batch, run_ranks, trainer_cfg
-from gspo_ray.trainer.router_churn import RouterRecorder, compute_router_churn, token_valid_mask
+from gspo_ray.trainer.routing.churn import RouterRecorder, compute_router_churn, token_valid_mask
 
 CHURN_KEYS = ("moe/router_churn_l0", "moe/router_churn_l1", "moe/router_churn")
 

@@ -32,7 +32,7 @@ def _router_only(rank, world_size, ports, model_dir, batch, scale: float):
     of `scale` x their std, every other weight as sampled); the next step's probe runs before its update."""
     import torch
 
-    from gspo_ray.trainer.router_churn import find_routers
+    from gspo_ray.trainer.routing.churn import find_routers
     from gspo_ray.trainer.worker import TrainerWorker
 
     w = TrainerWorker(rank, world_size, "127.0.0.1", ports[0], model_dir,

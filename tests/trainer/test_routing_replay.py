@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from _spawn import algo_cfg, make_batch, run_ranks, trainer_cfg
-from gspo_ray.trainer.router_churn import find_routers
+from gspo_ray.trainer.routing.churn import find_routers
 
 CHURN = "moe/router_churn"
 

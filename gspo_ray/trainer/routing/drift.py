@@ -28,8 +28,8 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from gspo_ray.trainer.router_churn import comm_device, find_routers
-from gspo_ray.trainer.routing_replay import forget_idle, gather_sequence, share_records, sp_offset
+from gspo_ray.trainer.routing.churn import comm_device, find_routers
+from gspo_ray.trainer.routing.replay import forget_idle, gather_sequence, share_records, sp_offset
 
 
 def rows_of_group_layout(idx: torch.Tensor, layout) -> torch.Tensor:

@@ -1,10 +1,10 @@
 """CPU workarounds for megatron-core 0.16.1 (no CUDA, no Transformer Engine, no apex).
 
-    from gspo_ray.trainer import megatron_cpu_compat
-    megatron_cpu_compat.apply()                    # no-op when CUDA is available; idempotent
-    with megatron_cpu_compat.cpu_device_mode():    # around Megatron DDP/optimizer construction and every step
+    from gspo_ray.compat import megatron_cpu
+    megatron_cpu.apply()                    # no-op when CUDA is available; idempotent
+    with megatron_cpu.cpu_device_mode():    # around Megatron DDP/optimizer construction and every step
         optimizer = get_megatron_optimizer(...)
-    with megatron_cpu_compat.unapplied("rng_tracker"):   # tests: lift one patch to see the original failure
+    with megatron_cpu.unapplied("rng_tracker"):   # tests: lift one patch to see the original failure
         ...
 
 `apply()` installs the global patches listed in `WORKAROUNDS` (name -> installer; init_distributed and build_model
@@ -30,7 +30,7 @@ process:
    `param.type() == 'torch.cuda.FloatTensor'` checks -> a `TorchFunctionMode` rewrites cuda devices to CPU, makes
    `.cuda()` a no-op and reports CPU tensor types under their CUDA names.
 
-Each one is proven still needed and still correct by tests/trainer/test_cpu_compat.py.
+Each one is proven still needed and still correct by tests/compat/test_megatron_cpu.py.
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ from torch.overrides import TorchFunctionMode
 
 log = logging.getLogger(__name__)
 
-# Versions these patches were verified against (tests/trainer/test_cpu_compat.py); others get a warning.
+# Versions these patches were verified against (tests/compat/test_megatron_cpu.py); others get a warning.
 TESTED_MCORE_VERSIONS = ("0.16.1",)
 _applied: set[str] = set()
 _MISSING = object()
@@ -236,7 +236,7 @@ def apply() -> list[str]:
     version = mcore_version()
     if version not in TESTED_MCORE_VERSIONS and not _applied:
         warnings.warn(f"megatron-core {version}: the CPU workarounds were verified for {TESTED_MCORE_VERSIONS}; "
-                      "run tests/trainer/test_cpu_compat.py to see which are still needed", stacklevel=2)
+                      "run tests/compat/test_megatron_cpu.py to see which are still needed", stacklevel=2)
     done = []
     for name, install in WORKAROUNDS.items():
         if name in _applied:

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from gspo_ray.models.tiny import make_tiny_model
-from gspo_ray.rollout import vllm_cpu_reload_fix as fix
+from gspo_ray.compat import vllm_cpu_reload as fix
 from gspo_ray.rollout.engine import RolloutEngine
 from gspo_ray.rollout.weight_sync import hf_teacher_forced_logprobs, read_checkpoint_weights
 

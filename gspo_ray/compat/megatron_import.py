@@ -1,6 +1,6 @@
 """megatron-core 0.16 imported without `torch.compile`: ~3.6 s less CPU in every trainer process, the same model.
 
-    from gspo_ray.trainer.megatron_import import megatron_core  # before the module's first `from megatron...`
+    from gspo_ray.compat.megatron_import import megatron_core  # before the module's first `from megatron...`
 
 `megatron.core.jit` binds `jit_fuser = torch.compile` when it loads, and the fused kernels (`fusions/`,
 `activations.py`, the L2 norm, the flex dispatcher's preprocessing, ...) are decorated with it as their modules
@@ -12,7 +12,7 @@ while `torch.compile` is the identity leaves them plain eager functions (the sam
 restores `torch.compile` right after.
 
 Version-guarded: megatron-core 0.16.x only (read from the package metadata, before importing it); any other version,
-or a process that imported megatron.core already, imports it as is. `tests/trainer/test_megatron_import.py` fails
+or a process that imported megatron.core already, imports it as is. `tests/compat/test_megatron_import.py` fails
 when the saving is gone (megatron.core no longer imports torch._dynamo) or the guarded import stops working.
 """
 from __future__ import annotations

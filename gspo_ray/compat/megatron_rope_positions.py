@@ -18,7 +18,7 @@ Under sequence parallelism attention runs on the gathered sequence, so the full 
 
 Guard. Only the plain `RotaryEmbedding` (rope, rope scaling folded into inv_freq) is handled; YaRN, mrope,
 context parallelism and fused RoPE are refused. Other megatron-core versions get a warning: the test
-tests/trainer/test_rope_positions.py fails both when the workaround stops being needed (GPTModel honours
+tests/compat/test_megatron_rope_positions.py fails both when the workaround stops being needed (GPTModel honours
 position_ids) and when it stops being correct (it no longer reproduces transformers at shifted positions).
 """
 from __future__ import annotations
@@ -42,7 +42,7 @@ def check_version() -> str:
     version = getattr(megatron.core, "__version__", "unknown")
     if version not in TESTED_VERSIONS and version not in _checked:
         log.warning("megatron_rope_positions: tested with megatron-core %s, found %s; run "
-                    "tests/trainer/test_rope_positions.py", ", ".join(TESTED_VERSIONS), version)
+                    "tests/compat/test_megatron_rope_positions.py", ", ".join(TESTED_VERSIONS), version)
     if version not in _checked:
         _checked.append(version)
     return version

@@ -23,7 +23,7 @@ def _scenario(rank, world_size, ports, models):
     from transformers import AutoModelForCausalLM
 
     from gspo_ray.trainer.logprobs import causal_mask
-    from gspo_ray.trainer.megatron_rope_positions import check_version, rope_positions
+    from gspo_ray.compat.megatron_rope_positions import check_version, rope_positions
     from gspo_ray.trainer.model import build_model
     from gspo_ray.trainer.parallel import destroy_distributed, init_distributed
 
@@ -80,7 +80,7 @@ def res(tiny_qwen2_dir, tiny_llama_dir):
 
 
 def test_megatron_version_is_the_tested_one(res):
-    from gspo_ray.trainer.megatron_rope_positions import TESTED_VERSIONS
+    from gspo_ray.compat.megatron_rope_positions import TESTED_VERSIONS
 
     assert res["version"] in TESTED_VERSIONS  # a new version: re-check the asserts below, then extend the list
 

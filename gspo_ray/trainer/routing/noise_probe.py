@@ -9,7 +9,7 @@ every mini-batch of a run that trains *without* Routing Replay.
     metrics = probe.metrics(dp_group)                   # moe/routing_logratio_*, moe/*_clips_removed, ...
 
 `measure` runs one more no-grad forward with the current weights and the routing recorded at each sequence's
-first forward (R2's records: `routing_replay.RoutingReplay`), so logp_free - logp_held is the routing-induced
+first forward (R2's records: `routing.replay.RoutingReplay`), so logp_free - logp_held is the routing-induced
 part of the log-ratio (algo/routing_noise.py). First sight: with `coordinator.recompute_old_logprobs` the
 old-log-prob pass (the sampling policy, exact); without, the first mini-batch's probe forward (exact for it, a
 lower bound for the later mini-batches of pass 1, as for R2 and routing drift). Records follow a sequence across
@@ -24,8 +24,8 @@ import torch.distributed as dist
 
 from gspo_ray.algo.routing_noise import (COUNT_KEYS, merge_routing_noise_counts, routing_noise_counts,
                                          routing_noise_metrics)
-from gspo_ray.trainer.router_churn import comm_device, find_routers
-from gspo_ray.trainer.routing_replay import RoutingReplay
+from gspo_ray.trainer.routing.churn import comm_device, find_routers
+from gspo_ray.trainer.routing.replay import RoutingReplay
 
 
 class RoutingNoiseProbe:
@@ -65,5 +65,5 @@ class RoutingNoiseProbe:
         return routing_noise_metrics(total)
 
     def share(self, group=None) -> int:
-        """Records stored on this DP rank reach the others (collective; see routing_replay.share_records)."""
+        """Records stored on this DP rank reach the others (collective; see routing.replay.share_records)."""
         return self.replay.share(group)

@@ -24,7 +24,7 @@ from collections import defaultdict
 
 import torch
 import torch.distributed as dist
-from gspo_ray.trainer.megatron_import import megatron_core  # noqa: F401  (first: megatron without torch.compile)
+from gspo_ray.compat.megatron_import import megatron_core  # noqa: F401  (first: megatron without torch.compile)
 from megatron.core import parallel_state
 from megatron.core.transformer.moe.router import TopKRouter
 

@@ -1,7 +1,7 @@
 """Each megatron-core CPU workaround is still needed (the original call fails as recorded) and still correct.
 
 One pair of spawned ranks (gloo, EP=2, tiny Qwen3-MoE with the alltoall dispatcher, tiny Qwen2 for the optimizer)
-first checks what each patch does, then lifts the patches one at a time (`megatron_cpu_compat.unapplied`) and
+first checks what each patch does, then lifts the patches one at a time (`megatron_cpu.unapplied`) and
 records the failure. When a megatron-core upgrade fixes one of them, its `needed` case fails here: drop the patch.
 The exact match of whole-model log-probs with transformers (test_bridge_logprobs.py) is the end-to-end proof of
 patches 1-6 under DP, TP+SP and EP.
@@ -130,7 +130,7 @@ def _check_optimizer_step(qwen2_dir: str, rank: int) -> dict:
     from megatron.core.distributed import finalize_model_grads
 
     from gspo_ray.trainer.logprobs import forward_logprobs
-    from gspo_ray.trainer.megatron_cpu_compat import cpu_device_mode
+    from gspo_ray.compat.megatron_cpu import cpu_device_mode
     from gspo_ray.trainer.model import build_model
 
     model, _ = build_model(qwen2_dir)
@@ -156,7 +156,7 @@ def _scenario(rank, world_size, ports, moe_dir, qwen2_dir, rdzv):
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    from gspo_ray.trainer import megatron_cpu_compat as compat
+    from gspo_ray.compat import megatron_cpu as compat
     from gspo_ray.trainer.logprobs import forward_logprobs
     from gspo_ray.trainer.model import build_model
     from gspo_ray.trainer.parallel import destroy_distributed, init_distributed
@@ -194,7 +194,7 @@ def ranks(tiny_moe_dir, tiny_qwen2_dir, tmp_path_factory):
 
 
 def test_all_patches_applied_and_model_runs(ranks):
-    from gspo_ray.trainer.megatron_cpu_compat import WORKAROUNDS
+    from gspo_ray.compat.megatron_cpu import WORKAROUNDS
 
     for r in ranks:
         assert r["applied"] == sorted(WORKAROUNDS)
@@ -246,7 +246,7 @@ def test_optimizer_step_in_cpu_device_mode(ranks):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU rewriting")
 def test_cpu_device_mode_rewrites_only_inside():
-    from gspo_ray.trainer.megatron_cpu_compat import CpuDeviceMode
+    from gspo_ray.compat.megatron_cpu import CpuDeviceMode
 
     t = torch.zeros(2)
     with CpuDeviceMode():
@@ -259,7 +259,7 @@ def test_cpu_device_mode_rewrites_only_inside():
 
 
 def test_unapplied_rejects_unknown_names():
-    from gspo_ray.trainer.megatron_cpu_compat import unapplied
+    from gspo_ray.compat.megatron_cpu import unapplied
 
     with pytest.raises(ValueError, match="valid: current_device"):
         with unapplied("no_such_patch"):

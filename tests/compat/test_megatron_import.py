@@ -1,4 +1,4 @@
-"""The megatron-core import workaround (gspo_ray/trainer/megatron_import.py), in fresh processes: still needed (a
+"""The megatron-core import workaround (gspo_ray/compat/megatron_import.py), in fresh processes: still needed (a
 plain import pulls torch._dynamo in), still working (the guarded one does not, and leaves torch.compile as it was),
 and still harmless (the trainer's Megatron config keeps every fused kernel off, so no jit_fuser kernel runs)."""
 import json
@@ -17,7 +17,7 @@ GUARDED = """
 import json, sys
 import torch
 compile_ = torch.compile
-from gspo_ray.trainer.megatron_import import megatron_core
+from gspo_ray.compat.megatron_import import megatron_core
 from megatron.core.jit import jit_fuser
 from megatron.core.fusions.fused_bias_swiglu import bias_swiglu
 from gspo_ray.trainer.model import build_transformer_config

@@ -14,7 +14,7 @@
    start of a worker).
 
 Only where this was measured: the CPU platform and vLLM 0.32.x (`needs_startup_fix()`); on CUDA the compiled kernel
-is what avoids a vocabulary-sized copy per token. tests/rollout/test_vllm_cpu_startup_fix.py fails when vLLM stops
+is what avoids a vocabulary-sized copy per token. tests/compat/test_vllm_cpu_startup.py fails when vLLM stops
 compiling the kernel or collecting at load (drop that half then), or when the eager count differs from the
 compiled one.
 """

@@ -24,11 +24,11 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-from gspo_ray.trainer.megatron_import import megatron_core  # noqa: F401  (first: megatron without torch.compile)
+from gspo_ray.compat.megatron_import import megatron_core  # noqa: F401  (first: megatron without torch.compile)
 from megatron.core import parallel_state
 from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
-from gspo_ray.trainer.router_churn import find_routers
+from gspo_ray.trainer.routing.churn import find_routers
 
 MODES = ("none", "R2", "R3")
 MAX_IDLE_STEPS = 64  # a stored routing unused for this many optimizer steps belongs to a finished rollout batch

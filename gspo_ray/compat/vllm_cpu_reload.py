@@ -12,7 +12,7 @@ After `reload_weights(...)` into a live engine (how rollout workers receive new 
 
 `apply_reload_fix(model)` re-packs (1) and re-dispatches (2) in place. It runs only where both bugs were
 observed: the CPU platform and vLLM 0.32.x (`needs_reload_fix()`); elsewhere it is a no-op, since re-packing
-already packed weights would corrupt them. tests/rollout/test_vllm_cpu_reload_fix.py fails when either fix stops
+already packed weights would corrupt them. tests/compat/test_vllm_cpu_reload.py fails when either fix stops
 being needed or stops being correct, which is the signal to widen or drop the version guard.
 """
 from __future__ import annotations

