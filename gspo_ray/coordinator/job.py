@@ -38,6 +38,9 @@ class RunSummary:
     run_dir: Path
     steps: int
     eval_history: list[tuple[int, float]] = field(default_factory=list)
+    eval_failed: dict[int, int] = field(default_factory=dict)  # step -> held-out samples whose scoring failed
+    failed_samples: int = 0  # training samples whose reward or environment failed, this process's steps
+    samples: int = 0
     checkpoint: Path | None = None
     plot: Path | None = None
     hf_dir: Path | None = None  # the final policy as a HF model directory (logging.export_hf)
@@ -46,9 +49,11 @@ class RunSummary:
     exit_code: int = 0  # interrupted: 128 + the signal (SIGTERM 143, SIGINT 130), the `train` command's exit code
 
     def describe(self) -> str:
-        evals = ", ".join(f"step {s}: {r:.3f}" for s, r in self.eval_history)
+        evals = ", ".join(f"step {s}: {r:.3f}" + (f" ({self.eval_failed[s]} failed)" if self.eval_failed.get(s)
+                                                  else "") for s, r in self.eval_history)
         return (f"run dir     {self.run_dir}\n"
                 f"steps       {self.steps} ({self.wall_s:.0f} s){' (interrupted)' if self.interrupted else ''}\n"
+                f"failed      {self.failed_samples} of {self.samples} training samples\n"
                 f"eval reward {evals or 'n/a'}\n"
                 f"metrics     {self.run_dir / 'metrics.jsonl'} (TensorBoard: {self.run_dir / 'tensorboard'})\n"
                 f"checkpoint  {self.checkpoint}\n"
@@ -103,12 +108,18 @@ def init_ray(cfg: JobConfig) -> bool:
     return True
 
 
-def evaluate(rollout, prompts, step: int, run_dir: Path | None = None) -> dict[str, float]:
+def evaluate(rollout, prompts, step: int, run_dir: Path | None = None, note=None) -> dict[str, float]:
     """Greedy completions of the held-out prompts (`evaluation.run_eval`, the path `gspo-ray eval` takes too):
-    mean reward, pass@1, exact-match rate, lengths; with run_dir, per-sample lines in eval/step_N.jsonl."""
-    from gspo_ray.coordinator.evaluation import run_eval, write_eval_samples
+    mean reward, pass@1, exact-match rate, lengths; with run_dir, per-sample lines in eval/step_N.jsonl.
+    `note(line)`: where the line about samples whose scoring failed goes (their share and first reason)."""
+    from gspo_ray.coordinator.evaluation import failed_reasons, run_eval, write_eval_samples
+    from gspo_ray.coordinator.failures import failure_line
 
     result = run_eval(rollout.generate, prompts.prompts(), n=1, temperature=0.0)
+    samples = [s for g in result.groups for s in g.samples]
+    line = failure_line(step, int(result.metrics["eval/failed"]), len(samples), failed_reasons(samples))
+    if note is not None and line is not None:
+        note(f"eval {line}")
     if run_dir is not None:
         decode = lambda ids: prompts.tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
         write_eval_samples(run_dir / "eval" / f"step_{step:06d}.jsonl", result.groups, decode)
@@ -209,10 +220,10 @@ def _loop(cfg: JobConfig, coord: Coordinator, eval_prompts, tracker, ckpts, summ
 
     in_step = False
     if eval_prompts is not None and coord.state.step == 0:
-        m = evaluate(coord.rollout, eval_prompts, 0, cfg.run_dir)
+        m = evaluate(coord.rollout, eval_prompts, 0, cfg.run_dir, tracker.note)
         if c.early_stop_reward is not None:  # a metric the evaluation does not log fails here, before training
             early_stop_value(m, c.early_stop_metric)
-        summary.eval_history.append((0, m["eval/reward"]))
+        _record_eval(summary, 0, m)
         tracker.log(0, {**m, "time/job_s": time.perf_counter() - job_start}, advance=False)
     try:
         while coord.state.step < c.steps:
@@ -221,11 +232,12 @@ def _loop(cfg: JobConfig, coord: Coordinator, eval_prompts, tracker, ckpts, summ
                 metrics = coord.step()
                 in_step = False
                 step = coord.state.step
+                _note_failures(summary, tracker, step, coord.last_failures)
                 last = step == c.steps
                 if eval_prompts is not None and ((c.eval_every and step % c.eval_every == 0) or last):
-                    m = evaluate(coord.rollout, eval_prompts, step, cfg.run_dir)
+                    m = evaluate(coord.rollout, eval_prompts, step, cfg.run_dir, tracker.note)
                     metrics.update(m)
-                    summary.eval_history.append((step, m["eval/reward"]))
+                    _record_eval(summary, step, m)
                 metrics.update(recovery.step_metrics(step))
                 metrics["time/job_s"] = time.perf_counter() - job_start
                 _apply_control(coord, control, metrics, lambda n: recovery.rescale(coord, n, save))
@@ -263,7 +275,26 @@ def _loop(cfg: JobConfig, coord: Coordinator, eval_prompts, tracker, ckpts, summ
         else:
             save()
         return True
+    coord.failures.check_end()  # a run whose every step failed too often is not a success, however short
     return False
+
+
+def _note_failures(summary: RunSummary, tracker, step: int, tally: tuple[int, int, dict[str, int]]) -> None:
+    """Count a step's failed samples into the summary; one console line when any failed."""
+    from gspo_ray.coordinator.failures import failure_line
+
+    failed, total, reasons = tally
+    summary.failed_samples += failed
+    summary.samples += total
+    line = failure_line(step, failed, total, reasons)
+    if line is not None:
+        tracker.note(line)
+
+
+def _record_eval(summary: RunSummary, step: int, m: dict[str, float]) -> None:
+    summary.eval_history.append((step, m["eval/reward"]))
+    if m.get("eval/failed"):
+        summary.eval_failed[step] = int(m["eval/failed"])
 
 
 def _apply_control(coord: Coordinator, control, metrics: dict, rescale_trainer=None) -> None:

@@ -10,7 +10,12 @@ typo in a YAML fails with `reward.fn: ...` before any Ray actor or engine is sta
 from __future__ import annotations
 
 import importlib
+import os
+import re
+import traceback
 from typing import Any, Callable
+
+_FRAME = re.compile(r'File "([^"]+)", line (\d+)')
 
 
 class PluginError(ValueError):
@@ -87,3 +92,16 @@ def resolve_callable(fn_or_path: str | Callable, field: str = "import path") -> 
     if not callable(fn):
         raise PluginError(f"{field}: {fn_or_path!r} resolved to a {type(fn).__name__}, which is not callable")
     return fn
+
+
+def raise_site(e: BaseException) -> str | None:
+    """`file.py:LINE` of the frame that raised `e` (the innermost one), or None without a traceback. Failure
+    reasons carry it so one bug is one group whatever its message says (coordinator/failures.py)."""
+    frames = traceback.extract_tb(e.__traceback__)
+    return f"{os.path.basename(frames[-1].filename)}:{frames[-1].lineno}" if frames else None
+
+
+def traceback_site(text: str | None) -> str | None:
+    """`raise_site` read back from a formatted traceback (what a child process sends)."""
+    found = _FRAME.findall(text or "")
+    return f"{os.path.basename(found[-1][0])}:{found[-1][1]}" if found else None

@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 from gspo_ray.data.prompts import load_tokenizer
 from gspo_ray.data.records import Prompt, Sample
-from gspo_ray.envs.plugins import PluginError, resolve_callable
+from gspo_ray.envs.plugins import PluginError, resolve_callable, traceback_site
 from gspo_ray.rollout.reward_procs import Outcome, ProcessCallPool
 
 log = logging.getLogger(__name__)
@@ -303,8 +303,9 @@ class RewardRunner:
         s.reward, s.reward_info, s.token_rewards = None, {}, None
         if outcome.timed_out:
             return f"reward timed out after {self.timeout_s:g}s"
-        if outcome.error_type is not None:
-            return f"reward raised {outcome.error_type}: {outcome.error}"
+        if outcome.error_type is not None:  # "at file.py:LINE": reasons are grouped by type and raising frame
+            site = traceback_site(outcome.traceback)
+            return f"reward raised {outcome.error_type}{f' at {site}' if site else ''}: {outcome.error}"
         try:
             s.reward, s.reward_info, s.token_rewards = to_outcome(outcome.value, len(s.completion_ids))
         except (TypeError, ValueError) as e:
