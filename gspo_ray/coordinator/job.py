@@ -16,6 +16,7 @@ from gspo_ray.coordinator.checkpoint import CheckpointManager
 from gspo_ray.coordinator.control import start_control, stop_control
 from gspo_ray.coordinator.evaluation import early_stop_value
 from gspo_ray.coordinator.export import export_after_save, export_final
+from gspo_ray.coordinator.failures import TooManyFailedSamples, failure_line
 from gspo_ray.coordinator.loop import Coordinator, LoopState
 from gspo_ray.coordinator.recovery import RestartsExhausted, TrainerRecovery, restore_checkpoint
 from gspo_ray.coordinator.run_dir import RunDirError, prepare_run_dir, redacted_config_dict
@@ -113,7 +114,6 @@ def evaluate(rollout, prompts, step: int, run_dir: Path | None = None, note=None
     mean reward, pass@1, exact-match rate, lengths; with run_dir, per-sample lines in eval/step_N.jsonl.
     `note(line)`: where the line about samples whose scoring failed goes (their share and first reason)."""
     from gspo_ray.coordinator.evaluation import failed_reasons, run_eval, write_eval_samples
-    from gspo_ray.coordinator.failures import failure_line
 
     result = run_eval(rollout.generate, prompts.prompts(), n=1, temperature=0.0)
     samples = [s for g in result.groups for s in g.samples]
@@ -248,6 +248,8 @@ def _loop(cfg: JobConfig, coord: Coordinator, eval_prompts, tracker, ckpts, summ
                 if (c.checkpoint_every and step % c.checkpoint_every == 0) or last:
                     save()
             except Exception as e:  # rollout deaths are absorbed by the pool: a trainer rank, or not ours
+                if isinstance(e, TooManyFailedSamples):  # the step's line first, then the stop's
+                    _note_failures(summary, tracker, coord.state.step + 1, coord.last_failures)
                 if not recovery.is_trainer_death(coord, e):
                     if isinstance(e, RayActorError):
                         raise TrainerFailed(f"a worker died and could not be replaced ({e}); last checkpoint: "
@@ -281,8 +283,6 @@ def _loop(cfg: JobConfig, coord: Coordinator, eval_prompts, tracker, ckpts, summ
 
 def _note_failures(summary: RunSummary, tracker, step: int, tally: tuple[int, int, dict[str, int]]) -> None:
     """Count a step's failed samples into the summary; one console line when any failed."""
-    from gspo_ray.coordinator.failures import failure_line
-
     failed, total, reasons = tally
     summary.failed_samples += failed
     summary.samples += total

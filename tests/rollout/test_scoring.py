@@ -269,3 +269,25 @@ def test_score_async_and_from_config(tok):
         future = runner.score_async(samples, _prompts("12"))
         metrics = future.result(timeout=10)
         assert [s.reward for s in samples] == [1.5] * 16 and metrics["reward/num_failed"] == 0.0
+
+
+WORDY = '''
+def wordy(completion, reference):
+    raise ValueError(f"cannot read {completion!r}: {len(completion)} characters, expected {len(reference)}")
+'''
+
+
+def test_differently_worded_errors_from_one_line_are_one_group(tok, tmp_path, monkeypatch):
+    """20 messages from one line of a reward in its real child process: one group, named by type and frame."""
+    from gspo_ray.coordinator.failures import count_reason
+
+    (tmp_path / "wordy_reward.py").write_text(WORDY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    samples = [_sample(tok, "4821", "1" * n, idx=n) for n in range(1, 21)]
+    with RewardRunner("wordy_reward:wordy", tok, timeout_s=HANG_TIMEOUT, num_procs=1) as runner:
+        runner.score(samples, _prompts("4821"))
+    assert len({s.failed for s in samples}) == 20  # every message differs
+    reasons = {}
+    for s in samples:
+        count_reason(reasons, s.failed)
+    assert reasons == {"reward raised ValueError at wordy_reward.py:3: cannot read '1': 1 characters, expected 4": 20}
