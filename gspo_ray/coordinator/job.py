@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gspo_ray.config import JobConfig
-from gspo_ray.coordinator.checkpoint import CheckpointManager
+from gspo_ray.coordinator.checkpoint import CheckpointManager, checkpoint_bytes
 from gspo_ray.coordinator.control import start_control, stop_control
 from gspo_ray.coordinator.evaluation import early_stop_value
 from gspo_ray.coordinator.export import export_after_save, export_final
@@ -147,7 +147,7 @@ def _run_locked(cfg: JobConfig, resume: bool, rollout_factory, after_step, fresh
     model_path = prepare_model(cfg)
     train_prompts, eval_prompts = build_prompt_sources(cfg, model_path)
     check_reward(cfg.rollout.reward.fn, cfg.rollout.reward.kwargs)  # a bad plug-in fails before any actor starts
-    ckpts = CheckpointManager(run_dir)
+    ckpts = CheckpointManager(run_dir, keep=cfg.coordinator.keep_checkpoints)
     state, latest = LoopState(), ckpts.latest() if resume else None
     if resume and latest is None:
         if (run_dir / "metrics.jsonl").exists():  # never append a second run to the first one's metrics
@@ -209,12 +209,16 @@ def _loop(cfg: JobConfig, coord: Coordinator, eval_prompts, tracker, ckpts, summ
     job_start = time.perf_counter() if job_start is None else job_start
     saved_at = [coord.state.step if coord.state.step else None]  # a resumed run's step is already checkpointed
     recovery = TrainerRecovery.for_job(cfg, coord, ckpts)
+    sized: list[bool] = []  # the first save of this process printed its size
 
     def save() -> Path:
         if saved_at[0] != coord.state.step:  # once per step (early stop right after a checkpoint step, Ctrl-C)
             summary.checkpoint = ckpts.save(coord.state, coord.trainer.save, {
                 "prompts": coord.prompts.state_dict(), "coordinator": coord.state_dict()})
             saved_at[0] = coord.state.step
+            if not sized:  # once per job: what a checkpoint costs on disk, and what retention keeps
+                sized.append(True)
+                tracker.note(checkpoint_size_line(summary.checkpoint, c.keep_checkpoints))
             export_after_save(cfg.logging, summary.checkpoint, model_path)  # logging.export_hf: every_checkpoint
         return summary.checkpoint
 
@@ -279,6 +283,18 @@ def _loop(cfg: JobConfig, coord: Coordinator, eval_prompts, tracker, ckpts, summ
         return True
     coord.failures.check_end()  # a run whose every step failed too often is not a success, however short
     return False
+
+
+def checkpoint_size_line(path: Path, keep: int | None) -> str:
+    """`checkpoint step_000010: 2.10 GB on disk; coordinator.keep_checkpoints 2 keeps ~4.20 GB`."""
+    size = checkpoint_bytes(path)
+    kept = (f"coordinator.keep_checkpoints {keep} keeps ~{_size(keep * size)}" if keep is not None else
+            "coordinator.keep_checkpoints null keeps every one")
+    return f"checkpoint {Path(path).name}: {_size(size)} on disk; {kept}"
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
 
 
 def _note_failures(summary: RunSummary, tracker, step: int, tally: tuple[int, int, dict[str, int]]) -> None:
