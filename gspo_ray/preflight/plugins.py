@@ -24,8 +24,8 @@ def import_reward(cfg: JobConfig, import_timeout_s: float) -> Callable:
     try:
         build_call_kwargs(fn, dict(r.kwargs), "rollout.reward")
     except PluginError as e:
-        raise PreflightError(f"{one_line(e)}; protocol: fn(completion, reference, **context) -> float | dict "
-                             "(gspo_ray/envs/rewards.py)") from None
+        raise PreflightError(f"{one_line(e, 600)}; protocol: fn(completion, reference, **context) -> float | dict "
+                             "(docs/real-models.md#the-reward-protocol)") from None
     return fn
 
 

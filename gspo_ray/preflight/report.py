@@ -62,7 +62,7 @@ def call_with_timeout(fn: Callable[[], Any], timeout_s: float, what: str, timeou
                              + (f" ({timeout_field})" if timeout_field else ""))
     error = box.get("error")
     if isinstance(error, (PreflightError, PluginError)):
-        raise PreflightError(one_line(error)) from error
+        raise PreflightError(one_line(error, 2 * MAX_LINE)) from error  # the plug-in's message is the point
     if error is not None:
         site = raise_site(error)
         raise PreflightError(f"{what} raised {type(error).__name__}{f' at {site}' if site else ''}: "
