@@ -64,13 +64,14 @@ class RunSummary:
 
 def prepare_model(cfg: JobConfig) -> Path:
     """The HF checkpoint to train: the configured directory, the packaged pretrained model (imported once into
-    out_dir/models/), or the tiny model built into the run dir."""
+    the model cache shared by all runs, models/cache.py), or the tiny model built into the run dir."""
     if cfg.model.path is not None:
         return cfg.model.path
     if cfg.model.packaged is not None:
+        from gspo_ray.models.cache import packaged_model_dir
         from gspo_ray.models.gguf import ensure_imported
 
-        return ensure_imported(cfg.logging.out_dir / "models" / cfg.model.packaged)
+        return ensure_imported(packaged_model_dir(cfg.model.packaged, cfg.model.cache_dir))
     from gspo_ray.models.tiny import ensure_tiny_model
 
     t = cfg.model.tiny
