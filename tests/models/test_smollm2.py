@@ -38,8 +38,8 @@ def test_two_run_directories_share_one_import(smollm2, tmp_path, monkeypatch):
 
     out, report = smollm2
     stamp = (out / "gguf_import.json").stat().st_mtime_ns
-    monkeypatch.chdir(tmp_path)
     cfg = load_config(RECIPE, [f"model.cache_dir={out.parent.parent}", "name=second"])
+    monkeypatch.chdir(tmp_path)  # its run directory (logging.out_dir "runs", relative) is under another cwd
     start = time.perf_counter()
     assert prepare_model(cfg) == out and cfg.run_dir.absolute() != out.parent.parent / "runs" / "second"
     assert time.perf_counter() - start < 5 and (out / "gguf_import.json").stat().st_mtime_ns == stamp
