@@ -238,3 +238,16 @@ def test_a_reward_that_raises_on_real_completions_is_refused_naming_the_input(tm
         "error: rollout.reward.fn: 'pf_plugins:letter' on a dry call with an empty completion (completion '', "
         "reference '7') raised TypeError at pf_plugins.py:7: ord() expected a character, but string of length 0 "
         "found"), proc.stderr
+
+
+def test_the_dry_calls_try_what_models_write():
+    """The texts the reward sees, as the tiny model's character tokenizer renders them (letters outside its
+    alphabet drop out, so the sentence is the bare reference here; with a real tokenizer it is the sentence)."""
+    from gspo_ray.models.tiny import build_tokenizer
+    from gspo_ray.preflight.plugins import dry_inputs
+
+    tok = build_tokenizer()
+    eos = tok.eos_token_id
+    assert [(text, ids[-1] == eos, stopped) for _, text, ids, stopped in dry_inputs(tok, "42", 6)] == [
+        ("42", True, True), ("", True, True), ("42", True, True), ("pypopy", False, False),
+        ("42<eos>", True, True)]

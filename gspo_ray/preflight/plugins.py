@@ -42,24 +42,27 @@ def import_env(cfg: JobConfig, import_timeout_s: float) -> type | None:
 
 
 # What the dry calls feed the reward besides the reference answer: what models really write. (label, text,
-# stopped): text "{ref}" is the reference; "{eos}" the tokenizer's end-of-sequence text.
+# stopped); "{ref}" is the reference. The last one is the text of eval's JSONL, which keeps the EOS text.
 DRY_COMPLETIONS = (("an empty completion", "", True),
                    ("a sentence", "The answer is {ref}.", True),
                    ("a long line cut at max_new_tokens", "Let me think step by step about this. " * 64, False),
-                   ("the reference followed by the end-of-sequence text", "{ref}{eos}", True))
+                   ("the reference followed by the end-of-sequence text", "{ref}", True))
 
 
-def dry_inputs(tokenizer, reference, max_new_tokens: int) -> list[tuple[str, list[int], bool]]:
-    """(label, completion ids, eos found) of every dry call: the reference answered and stopped first, then
-    DRY_COMPLETIONS as the model's tokenizer encodes them, cut to `max_new_tokens` like a real completion."""
+def dry_inputs(tokenizer, reference, max_new_tokens: int) -> list[tuple[str, str, list[int], bool]]:
+    """(label, completion text, completion ids, eos found) of every dry call: the reference answered and
+    stopped first, then DRY_COMPLETIONS as the model's tokenizer encodes them, cut to `max_new_tokens` like a
+    real completion; the text is what the runner decodes (up to the first EOS, special tokens kept)."""
     ref = "" if reference is None else str(reference)
-    out = [("the reference answer", ref, True)] + [
-        (label, text.format(ref=ref, eos=tokenizer.eos_token or ""), stopped) for label, text, stopped in DRY_COMPLETIONS]
     calls = []
-    for label, text, stopped in out:
-        ids = list(tokenizer.encode(text, add_special_tokens=False))
+    for label, text, stopped in [("the reference answer", ref, True), *DRY_COMPLETIONS]:
+        ids = list(tokenizer.encode(text.format(ref=ref), add_special_tokens=False))
         ids = ids[: max_new_tokens - 1] + [tokenizer.eos_token_id] if stopped else ids[:max_new_tokens]
-        calls.append((label, ids, stopped))
+        body = ids[:-1] if stopped else ids
+        decoded = tokenizer.decode(body, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        if label == DRY_COMPLETIONS[-1][0]:
+            decoded += tokenizer.eos_token or ""
+        calls.append((label, decoded, ids, stopped))
     return calls
 
 
@@ -72,9 +75,7 @@ def dry_reward(cfg: JobConfig, fn: Callable, tokenizer: Any, prompt: Prompt, rep
     r = cfg.rollout.reward
     call_kwargs = build_call_kwargs(fn, dict(r.kwargs), "rollout.reward")
     start, first = time.perf_counter(), None
-    for label, ids, stopped in dry_inputs(tokenizer, prompt.reference, cfg.rollout.max_new_tokens):
-        body = ids[:-1] if stopped else ids  # the runner decodes up to (not including) the first EOS
-        text = tokenizer.decode(body, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    for label, text, ids, stopped in dry_inputs(tokenizer, prompt.reference, cfg.rollout.max_new_tokens):
         context = {"completion_ids": ids, "finish_reason": "stop" if stopped else "length", "eos_found": stopped,
                    "prompt_text": prompt.text, "meta": prompt.meta}
         kwargs = call_kwargs(context)
