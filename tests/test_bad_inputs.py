@@ -371,7 +371,7 @@ ENV_CASES = {  # kind -> (class source, what the error says)
     "constructor_signature": ("class Env:\n    def __init__(self):\n        pass\n{methods}",
                               ["rollout.multi_turn.kwargs:", "does not fit its signature"]),
     "constructor_raises": ("class Env:\n    def __init__(self, tokenizer):\n        raise ValueError('no env')\n"
-                           "{methods}", [ENV, "raised ValueError: no env"]),
+                           "{methods}", [ENV, "raised ValueError at ", ": no env"]),
     "reset_signature": ("class Env:\n    def __init__(self, tokenizer):\n        pass\n"
                         "    def reset(self):\n        return []\n    def step(self, a, t):\n        pass\n",
                         [ENV, "does not take the protocol's arguments"]),

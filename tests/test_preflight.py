@@ -64,6 +64,7 @@ def plugins(tmp_path_factory, monkeypatch_module):
         "import time\n"
         "def returns_str(completion, reference, **kw):\n    return 'good'\n"
         "def exact(completion, reference, **kw):\n    return float(completion == reference)\n"
+        "def letter(completion, reference):\n    return float(ord(completion.strip()) == ord(reference))\n"
         "class ListEnv:\n"
         "    def __init__(self, tokenizer, **kw):\n        self.tokenizer = tokenizer\n"
         "    def reset(self, prompt, seed):\n        return {'obs': 1}\n"
@@ -222,3 +223,31 @@ def test_engine_and_converter_lists_agree():
         assert f'"{cls}": ("{model_type}", "{cls}")' in registry, cls
     cpu_attn = (root / "v1" / "attention" / "backends" / "cpu_attn.py").read_text()
     assert f"return {list(CPU_HEAD_SIZES)}" in cpu_attn
+
+
+def test_a_reward_that_raises_on_real_completions_is_refused_naming_the_input(tmp_path, plugins):
+    """`ord(completion.strip())` scores the one-letter reference fine but raises on what a model really writes:
+    the real command refuses it in one line naming that input (before: the dry call passed, the run exited 0)."""
+    job = write_job(tmp_path, {"rollout": {"reward": {"fn": "pf_plugins:letter"}}},
+                    rows=[{"prompt": "copy:7=", "reference": "7"}] * 3)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(plugins), str(ROOT)])}
+    proc = subprocess.run([sys.executable, "-m", "gspo_ray.cli", "train", str(job)], capture_output=True,
+                          text=True, env=env, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    assert proc.stderr.strip() == (
+        "error: rollout.reward.fn: 'pf_plugins:letter' on a dry call with an empty completion (completion '', "
+        "reference '7') raised TypeError at pf_plugins.py:7: ord() expected a character, but string of length 0 "
+        "found"), proc.stderr
+
+
+def test_the_dry_calls_try_what_models_write():
+    """The texts the reward sees, as the tiny model's character tokenizer renders them (letters outside its
+    alphabet drop out, so the sentence is the bare reference here; with a real tokenizer it is the sentence)."""
+    from gspo_ray.models.tiny import build_tokenizer
+    from gspo_ray.preflight.plugins import dry_inputs
+
+    tok = build_tokenizer()
+    eos = tok.eos_token_id
+    assert [(text, ids[-1] == eos, stopped) for _, text, ids, stopped in dry_inputs(tok, "42", 6)] == [
+        ("42", True, True), ("", True, True), ("42", True, True), ("pypopy", False, False),
+        ("42<eos>", True, True)]

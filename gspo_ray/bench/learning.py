@@ -32,9 +32,10 @@ def learn_run(recipe: Path, seed: int, out_dir: Path, overrides: tuple[str, ...]
     base = load_config(recipe)
     seeded = [f"seed={seed}"] + ([f"model.tiny.seed={seed}"] if base.model.tiny is not None else [])
     if base.model.packaged is not None:  # imported once where the recipe's own runs keep it, not per seed
+        from gspo_ray.models.cache import packaged_model_dir
         from gspo_ray.models.gguf import ensure_imported
 
-        model_dir = ensure_imported(base.logging.out_dir / "models" / base.model.packaged)
+        model_dir = ensure_imported(packaged_model_dir(base.model.packaged, base.model.cache_dir))
         seeded += ["model.packaged=null", f"model.path={model_dir}"]
     cfg = load_config(recipe, [*seeded, f"logging.out_dir={out_dir}", f"name={base.name}-s{seed}",
                                "logging.progress=false", "logging.plot=false", "logging.tensorboard=false",

@@ -64,7 +64,9 @@ def eval_cmd(model: Path = typer.Argument(..., help="HF model directory, run dir
                                                   "(no `exact`) its reward >= this"),
              config: Optional[Path] = typer.Option(None, help="job YAML to take defaults from (default: the run's)"),
              model_dir: Optional[Path] = typer.Option(None, help="the HF model a bare checkpoint trained from"),
-             out: Optional[Path] = typer.Option(None, help="per-sample JSONL (default: eval-<data name>.jsonl)")):
+             out: Optional[Path] = typer.Option(None, help="per-sample JSONL (default: <run_dir>/eval/cli_<data "
+                                                "name>_step_N.jsonl when MODEL is in a run directory, else "
+                                                "eval-<data name>.jsonl here)")):
     """Generate with vLLM and score with the training reward; print mean reward, pass@1, pass@n, mean length and
     finish reasons; write one JSON line per sample (and a .summary.json)."""
     from gspo_ray.coordinator.eval_run import EvalOptions, evaluate_model
@@ -79,8 +81,11 @@ def eval_cmd(model: Path = typer.Argument(..., help="HF model directory, run dir
                            max_new_tokens=max_new_tokens, max_model_len=max_model_len, prompt_field=prompt_field,
                            reference_field=reference_field, chat=chat, pass_threshold=pass_threshold,
                            config=config, model_dir=model_dir)
-        result, written = evaluate_model(model, opts, out or Path(f"eval-{data.stem if data else 'held-out'}.jsonl"))
+        result, written = evaluate_model(model, opts, out)
     except (*USER_ERRORS, PluginError) as e:
         _fail(e)
+    summary = json.loads(written.with_suffix(".summary.json").read_text())
+    step = f" (checkpoint step {summary['step']})" if summary["step"] is not None else ""
+    typer.echo(f"model        {summary['model']}{step}\ndata         {summary['data']}")
     typer.echo(describe_eval(result.metrics))
     typer.echo(f"samples      {written} (summary: {written.with_suffix('.summary.json')})")

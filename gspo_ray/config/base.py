@@ -27,13 +27,16 @@ class ConfigError(ValueError):
     """A job file that cannot run; the message names the file and the field. `problems` holds one
     (field, message) pair per invalid field when the file parsed but did not validate."""
 
-    def __init__(self, message: str, where: str = "", problems: list[tuple[str, str]] | None = None):
+    def __init__(self, message: str, where: str = "", problems: list[tuple[str, str]] | None = None,
+                 sources: list[str] | None = None):
         super().__init__(message)
         self.where, self.problems = where, list(problems or [])
+        self.sources = list(sources or [where] * len(self.problems))  # per problem: the file or the override
 
     def lines(self) -> list[str]:
-        """One self-contained line per problem: `file: field: what is wrong (what would be valid)`."""
+        """One self-contained line per problem: `file: field: what is wrong (what would be valid)`, or
+        `command-line override 'k=v': field: ...` when an override set it."""
         if not self.problems:
             return [" ".join(str(self).split())]
-        return [f"{self.where}: {msg}" if loc == "(job)" else f"{self.where}: {loc}: {msg}"
-                for loc, msg in self.problems]
+        return [f"{src}: {msg}" if loc == "(job)" else f"{src}: {loc}: {msg}"
+                for src, (loc, msg) in zip(self.sources, self.problems)]

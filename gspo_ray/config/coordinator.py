@@ -27,6 +27,9 @@ class CoordinatorConfig(Strict):
                                          "using the engine's (to measure the engine-trainer gap)")
     eval_every: int = Field(5, ge=0, description="held-out evaluation every N steps (0 = only start and end)")
     checkpoint_every: int = Field(10, ge=0, description="save a checkpoint every N steps (0 = only at the end)")
+    keep_checkpoints: int | None = Field(2, ge=1, description="complete checkpoints kept, newest first (None = "
+                                         "all; TRL's save_total_limit). 2: the newest plus the one --resume falls "
+                                         "back to when the newest is broken, which is never deleted")
     early_stop_reward: float | None = Field(None, description="stop once the held-out metric named by "
                                             "early_stop_metric (default: the mean reward) reaches this")
     early_stop_metric: str = Field("eval/reward", pattern=r"^eval/\S+$",

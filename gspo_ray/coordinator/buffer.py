@@ -52,8 +52,7 @@ class AdmitStats:
             setattr(self, k, getattr(self, k) + getattr(other, k))
         self.rewards += other.rewards
         for reason, n in other.failure_reasons.items():
-            for _ in range(n):
-                count_reason(self.failure_reasons, reason)
+            count_reason(self.failure_reasons, reason, n)
 
 
 def group_advantages(group: Group, scale_by_std: bool, eps: float,

@@ -6,7 +6,9 @@ switches `latest` atomically (and durably). A save that fails midway removes its
 one-line CheckpointDiskFull. `latest()` returns the newest *verified* checkpoint (every file matching its
 manifest): when the pointer's checkpoint is missing, incomplete or broken (a truncated rank file), it warns naming
 it and falls back to the newest one that verifies. A pointer that leaves the checkpoints directory is refused (it
-lives on a volume that pods running user code can write). Older checkpoints beyond `keep` are deleted.
+lives on a volume that pods running user code can write). Older checkpoints beyond `keep` (the newest `keep`
+complete ones stay; None keeps all) are deleted after each save; a checkpoint found broken does not count among
+them, so the one `latest()` falls back to is never the one deleted.
 Checkpoints written before manifests existed are accepted on their completion markers alone.
 """
 from __future__ import annotations
@@ -43,10 +45,11 @@ class CheckpointDiskFull(OSError):
 
 
 class CheckpointManager:
-    def __init__(self, run_dir: Path, keep: int = 2):
+    def __init__(self, run_dir: Path, keep: int | None = 2):
         self.root = Path(run_dir) / "checkpoints"
         self.keep = keep
         self._verified: set[str] = set()  # names hashed once in this process (written here, or checked)
+        self._broken: set[str] = set()  # names `latest()` skipped: they never count among the kept
 
     def save(self, state: LoopState, save_trainer, extra: dict | None = None) -> Path:
         """`save_trainer(dir)` writes the trainer's part (all ranks); then the loop state; then the pointer.
@@ -72,6 +75,7 @@ class CheckpointManager:
             raise
         self._commit(tmp, final)
         self._verified.add(final.name)
+        self._broken.discard(final.name)  # written again: good now
         self._prune(keep_name=final.name)
         return final
 
@@ -126,6 +130,7 @@ class CheckpointManager:
                                 self.root / "latest", name, path.name)
                 return path
             log.warning("checkpoint %s is broken or incomplete, skipping it: %s", path, problem)
+            self._broken.add(path.name)
         return None
 
     def verify(self, path: Path) -> str | None:
@@ -186,10 +191,10 @@ class CheckpointManager:
         return LoopState(**raw.pop("state")), raw
 
     def _prune(self, keep_name: str) -> None:
-        """Keep the newest `keep` complete checkpoints (and the one just written); drop the rest and any leftover
-        temp directories of failed saves."""
-        complete = self.complete_checkpoints()
-        keep = {p.name for p in complete[-self.keep:]} | {keep_name}
+        """Keep the newest `keep` complete checkpoints not known broken (and the one just written); drop the rest
+        and any leftover temp directories of failed saves. keep None: only the temp directories go."""
+        complete = [p for p in self.complete_checkpoints() if p.name not in self._broken]
+        keep = {p.name for p in (complete if self.keep is None else complete[-self.keep:])} | {keep_name}
         for p in self.root.iterdir():
             if p.name in keep or p.name == "latest":
                 continue
@@ -203,3 +208,8 @@ def _remove(path: Path) -> None:
         path.unlink(missing_ok=True)
     else:
         shutil.rmtree(path, ignore_errors=True)
+
+
+def checkpoint_bytes(path: Path) -> int:
+    """Bytes a checkpoint takes on disk (every file in it)."""
+    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file() and not p.is_symlink())

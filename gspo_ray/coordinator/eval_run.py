@@ -12,11 +12,17 @@ temporary directory first. Sampling limits, the reward and the prompt fields def
 Without `--data`, the prompts are the job's held-out set (the built-in task's eval split, or `data.eval_path`): the
 in-training evaluation's prompts, so the figures before and after training can be reproduced from the command line.
 Generation and scoring go through `evaluation.run_eval`, the in-training eval's own path.
+
+Output: `--out FILE`, else inside the run directory when MODEL is in one (`<run_dir>/eval/cli_<data>_step_N.jsonl`),
+else `eval-<data>.jsonl` in the current directory; its `.summary.json` records the model, the checkpoint step
+(None for a model directory that is not a checkpoint) and the data it scored. vLLM's two warnings about its missing
+tokenizer (the engine takes ids, on purpose) are filtered out (rollout/vllm_quiet.py).
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -53,8 +59,10 @@ class LocalRollout:
     """One RolloutWorker in this process behind the `generate` interface of the rollout pool (no Ray)."""
 
     def __init__(self, model_dir: Path, cfg: RolloutConfig, work_dir: Path):
+        from gspo_ray.rollout.vllm_quiet import quiet_tokenizerless_engine
         from gspo_ray.rollout.worker import RolloutWorker
 
+        quiet_tokenizerless_engine()
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # as in training: the summary, not vLLM's start-up
         self.worker = RolloutWorker(0, str(model_dir), cfg, str(work_dir), reward_runner=cfg.reward)
         self.multi_turn = cfg.multi_turn is not None
@@ -70,14 +78,36 @@ class LocalRollout:
         self.worker.shutdown()
 
 
+def run_dir_of(target: Path) -> Path | None:
+    """The run directory MODEL is in (itself, a checkpoint of it, its hf/ export), or None."""
+    for parent in (target, *target.parents):
+        if (parent / "config.yaml").is_file() and (parent / "checkpoints").is_dir():
+            return parent
+    return None
+
+
+def default_out(target: Path, data: Path | None, step: int | None) -> Path:
+    """Where the samples go without --out: the run directory's eval/ when MODEL is in one, else the cwd."""
+    name = data.stem if data is not None else "held-out"
+    run_dir = run_dir_of(target)
+    if run_dir is None:
+        return Path(f"eval-{name}.jsonl")
+    return run_dir / "eval" / (f"cli_{name}" + ("" if step is None else f"_step_{step:06d}") + ".jsonl")
+
+
+def _step_of(path: Path) -> int | None:
+    """The checkpoint step a served directory belongs to (checkpoints/step_N/...), else None."""
+    found = next((re.fullmatch(r"step_(\d+)", p.name) for p in (path, *path.parents)
+                  if re.fullmatch(r"step_(\d+)", p.name)), None)
+    return int(found.group(1)) if found else None
+
+
 def _job_section(target: Path, opts: EvalOptions) -> dict:
     """The raw job config the defaults come from: --config, else the run's config.yaml, else nothing."""
     path = opts.config
     if path is None:
-        for parent in (target, *target.parents):
-            if (parent / "config.yaml").is_file() and (parent / "checkpoints").is_dir():
-                path = parent / "config.yaml"
-                break
+        run_dir = run_dir_of(target)
+        path = run_dir / "config.yaml" if run_dir is not None else None
     if path is None:
         return {}
     if not Path(path).is_file():
@@ -121,21 +151,24 @@ def held_out_source(raw: dict, target: Path, model_dir: Path, rollout_cfg: Rollo
     return source
 
 
-def model_to_serve(target: Path, opts: EvalOptions, stack: ExitStack) -> Path:
-    """A HF directory as is; a checkpoint's exported `hf/`, or a fresh export in a temporary directory."""
+def model_to_serve(target: Path, opts: EvalOptions, stack: ExitStack) -> tuple[Path, int | None]:
+    """(HF directory, checkpoint step): a HF directory as is; a checkpoint's exported `hf/`, or a fresh export in
+    a temporary directory."""
     if (target / "config.json").is_file():
-        return target
+        return target, _step_of(target.absolute())
     ref = resolve_checkpoint(target, opts.model_dir)
+    step = _step_of(ref.trainer_dir.absolute())
     if ref.step_dir is not None and (ref.step_dir / HF_DIR / "config.json").is_file():
-        return ref.step_dir / HF_DIR
+        return ref.step_dir / HF_DIR, step
     from gspo_ray.trainer.hf_export import export_checkpoint
 
     tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="gspo-eval-")))
-    return export_checkpoint(ref.trainer_dir, ref.model_dir, tmp / "model")
+    return export_checkpoint(ref.trainer_dir, ref.model_dir, tmp / "model"), step
 
 
-def evaluate_model(target: str | Path, opts: EvalOptions, out: str | Path) -> tuple[EvalResult, Path]:
-    """Run the evaluation; write per-sample lines to `out` and the summary to `out` with .summary.json."""
+def evaluate_model(target: str | Path, opts: EvalOptions, out: str | Path | None = None) -> tuple[EvalResult, Path]:
+    """Run the evaluation; write per-sample lines to `out` (None: `default_out`) and the summary to `out` with
+    .summary.json."""
     from gspo_ray.data.prompts import PromptSource
     from gspo_ray.rollout.scoring import check_reward
 
@@ -152,7 +185,7 @@ def evaluate_model(target: str | Path, opts: EvalOptions, out: str | Path) -> tu
         raise ValueError(f"--n {opts.n} at temperature 0 gives {opts.n} copies of the greedy completion; "
                          "give --temperature > 0")
     with ExitStack() as stack:
-        model_dir = model_to_serve(target, opts, stack)
+        model_dir, step = model_to_serve(target, opts, stack)
         if opts.data is None:
             source = held_out_source(raw, target, model_dir, rollout_cfg)
         else:
@@ -168,8 +201,10 @@ def evaluate_model(target: str | Path, opts: EvalOptions, out: str | Path) -> tu
         result = run_eval(rollout.generate, prompts, n=opts.n, temperature=temperature,
                           pass_threshold=opts.pass_threshold)
         decode = lambda ids: source.tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
-        out = write_eval_samples(Path(out), result.groups, decode, opts.pass_threshold)
-    summary = {"model": str(target), "data": str(opts.data) if opts.data else source.name,
+        out = Path(out) if out is not None else default_out(target, opts.data, step)
+        out = write_eval_samples(out, result.groups, decode, opts.pass_threshold)
+    summary = {"model": str(target), "served": str(model_dir) if model_dir.exists() else "a temporary export of the checkpoint",
+               "step": step, "data": str(opts.data) if opts.data else source.name, "prompts": len(prompts),
                "reward": rollout_cfg.reward.fn, "temperature": temperature,
                "max_new_tokens": rollout_cfg.max_new_tokens, **result.metrics}
     out.with_suffix(".summary.json").write_text(json.dumps(summary, indent=1) + "\n")

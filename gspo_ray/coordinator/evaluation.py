@@ -58,6 +58,17 @@ def eval_metrics(groups: list[Group], pass_threshold: float = 1.0) -> dict[str, 
     return out
 
 
+def failed_reasons(samples: list[Sample]) -> dict[str, int]:
+    """Failure reasons of the samples, grouped as training groups them (coordinator/failures.py)."""
+    from gspo_ray.coordinator.failures import count_reason
+
+    reasons: dict[str, int] = {}
+    for s in samples:
+        if s.failed is not None:
+            count_reason(reasons, s.failed)
+    return reasons
+
+
 def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else 0.0
 

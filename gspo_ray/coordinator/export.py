@@ -44,8 +44,12 @@ def run_model_dir(run_dir: Path) -> Path:
     model = raw.get("model") or {}
     if model.get("path"):
         path = Path(model["path"])
-    elif model.get("packaged"):  # imported once under <logging.out_dir>/models/ (see models/gguf.py)
-        path = Path((raw.get("logging") or {}).get("out_dir", "runs")) / "models" / model["packaged"]
+    elif model.get("packaged"):  # imported once into the model cache (models/cache.py); older runs: out_dir/models
+        from gspo_ray.models.cache import packaged_model_dir
+
+        path = packaged_model_dir(model["packaged"], model.get("cache_dir"))
+        old = Path((raw.get("logging") or {}).get("out_dir", "runs")) / "models" / model["packaged"]
+        path = old if not (path / "config.json").is_file() and (old / "config.json").is_file() else path
     else:
         path = run_dir / "model"
     if not (path / "config.json").is_file():

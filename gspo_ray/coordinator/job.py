@@ -12,10 +12,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gspo_ray.config import JobConfig
-from gspo_ray.coordinator.checkpoint import CheckpointManager
+from gspo_ray.coordinator.checkpoint import CheckpointManager, checkpoint_bytes
 from gspo_ray.coordinator.control import start_control, stop_control
 from gspo_ray.coordinator.evaluation import early_stop_value
 from gspo_ray.coordinator.export import export_after_save, export_final
+from gspo_ray.coordinator.failures import TooManyFailedSamples, failure_line
 from gspo_ray.coordinator.loop import Coordinator, LoopState
 from gspo_ray.coordinator.recovery import RestartsExhausted, TrainerRecovery, restore_checkpoint
 from gspo_ray.coordinator.run_dir import RunDirError, prepare_run_dir, redacted_config_dict
@@ -38,6 +39,9 @@ class RunSummary:
     run_dir: Path
     steps: int
     eval_history: list[tuple[int, float]] = field(default_factory=list)
+    eval_failed: dict[int, int] = field(default_factory=dict)  # step -> held-out samples whose scoring failed
+    failed_samples: int = 0  # training samples whose reward or environment failed, this process's steps
+    samples: int = 0
     checkpoint: Path | None = None
     plot: Path | None = None
     hf_dir: Path | None = None  # the final policy as a HF model directory (logging.export_hf)
@@ -46,9 +50,11 @@ class RunSummary:
     exit_code: int = 0  # interrupted: 128 + the signal (SIGTERM 143, SIGINT 130), the `train` command's exit code
 
     def describe(self) -> str:
-        evals = ", ".join(f"step {s}: {r:.3f}" for s, r in self.eval_history)
+        evals = ", ".join(f"step {s}: {r:.3f}" + (f" ({self.eval_failed[s]} failed)" if self.eval_failed.get(s)
+                                                  else "") for s, r in self.eval_history)
         return (f"run dir     {self.run_dir}\n"
                 f"steps       {self.steps} ({self.wall_s:.0f} s){' (interrupted)' if self.interrupted else ''}\n"
+                f"failed      {self.failed_samples} of {self.samples} training samples\n"
                 f"eval reward {evals or 'n/a'}\n"
                 f"metrics     {self.run_dir / 'metrics.jsonl'} (TensorBoard: {self.run_dir / 'tensorboard'})\n"
                 f"checkpoint  {self.checkpoint}\n"
@@ -58,13 +64,14 @@ class RunSummary:
 
 def prepare_model(cfg: JobConfig) -> Path:
     """The HF checkpoint to train: the configured directory, the packaged pretrained model (imported once into
-    out_dir/models/), or the tiny model built into the run dir."""
+    the model cache shared by all runs, models/cache.py), or the tiny model built into the run dir."""
     if cfg.model.path is not None:
         return cfg.model.path
     if cfg.model.packaged is not None:
+        from gspo_ray.models.cache import packaged_model_dir
         from gspo_ray.models.gguf import ensure_imported
 
-        return ensure_imported(cfg.logging.out_dir / "models" / cfg.model.packaged)
+        return ensure_imported(packaged_model_dir(cfg.model.packaged, cfg.model.cache_dir))
     from gspo_ray.models.tiny import ensure_tiny_model
 
     t = cfg.model.tiny
@@ -103,12 +110,17 @@ def init_ray(cfg: JobConfig) -> bool:
     return True
 
 
-def evaluate(rollout, prompts, step: int, run_dir: Path | None = None) -> dict[str, float]:
+def evaluate(rollout, prompts, step: int, run_dir: Path | None = None, note=None) -> dict[str, float]:
     """Greedy completions of the held-out prompts (`evaluation.run_eval`, the path `gspo-ray eval` takes too):
-    mean reward, pass@1, exact-match rate, lengths; with run_dir, per-sample lines in eval/step_N.jsonl."""
-    from gspo_ray.coordinator.evaluation import run_eval, write_eval_samples
+    mean reward, pass@1, exact-match rate, lengths; with run_dir, per-sample lines in eval/step_N.jsonl.
+    `note(line)`: where the line about samples whose scoring failed goes (their share and first reason)."""
+    from gspo_ray.coordinator.evaluation import failed_reasons, run_eval, write_eval_samples
 
     result = run_eval(rollout.generate, prompts.prompts(), n=1, temperature=0.0)
+    samples = [s for g in result.groups for s in g.samples]
+    line = failure_line(step, int(result.metrics["eval/failed"]), len(samples), failed_reasons(samples))
+    if note is not None and line is not None:
+        note(f"eval {line}")
     if run_dir is not None:
         decode = lambda ids: prompts.tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
         write_eval_samples(run_dir / "eval" / f"step_{step:06d}.jsonl", result.groups, decode)
@@ -136,7 +148,7 @@ def _run_locked(cfg: JobConfig, resume: bool, rollout_factory, after_step, fresh
     model_path = prepare_model(cfg)
     train_prompts, eval_prompts = build_prompt_sources(cfg, model_path)
     check_reward(cfg.rollout.reward.fn, cfg.rollout.reward.kwargs)  # a bad plug-in fails before any actor starts
-    ckpts = CheckpointManager(run_dir)
+    ckpts = CheckpointManager(run_dir, keep=cfg.coordinator.keep_checkpoints)
     state, latest = LoopState(), ckpts.latest() if resume else None
     if resume and latest is None:
         if (run_dir / "metrics.jsonl").exists():  # never append a second run to the first one's metrics
@@ -198,21 +210,25 @@ def _loop(cfg: JobConfig, coord: Coordinator, eval_prompts, tracker, ckpts, summ
     job_start = time.perf_counter() if job_start is None else job_start
     saved_at = [coord.state.step if coord.state.step else None]  # a resumed run's step is already checkpointed
     recovery = TrainerRecovery.for_job(cfg, coord, ckpts)
+    sized: list[bool] = []  # the first save of this process printed its size
 
     def save() -> Path:
         if saved_at[0] != coord.state.step:  # once per step (early stop right after a checkpoint step, Ctrl-C)
             summary.checkpoint = ckpts.save(coord.state, coord.trainer.save, {
                 "prompts": coord.prompts.state_dict(), "coordinator": coord.state_dict()})
             saved_at[0] = coord.state.step
+            if not sized:  # once per job: what a checkpoint costs on disk, and what retention keeps
+                sized.append(True)
+                tracker.note(checkpoint_size_line(summary.checkpoint, c.keep_checkpoints))
             export_after_save(cfg.logging, summary.checkpoint, model_path)  # logging.export_hf: every_checkpoint
         return summary.checkpoint
 
     in_step = False
     if eval_prompts is not None and coord.state.step == 0:
-        m = evaluate(coord.rollout, eval_prompts, 0, cfg.run_dir)
+        m = evaluate(coord.rollout, eval_prompts, 0, cfg.run_dir, tracker.note)
         if c.early_stop_reward is not None:  # a metric the evaluation does not log fails here, before training
             early_stop_value(m, c.early_stop_metric)
-        summary.eval_history.append((0, m["eval/reward"]))
+        _record_eval(summary, 0, m)
         tracker.log(0, {**m, "time/job_s": time.perf_counter() - job_start}, advance=False)
     try:
         while coord.state.step < c.steps:
@@ -221,11 +237,12 @@ def _loop(cfg: JobConfig, coord: Coordinator, eval_prompts, tracker, ckpts, summ
                 metrics = coord.step()
                 in_step = False
                 step = coord.state.step
+                _note_failures(summary, tracker, step, coord.last_failures)
                 last = step == c.steps
                 if eval_prompts is not None and ((c.eval_every and step % c.eval_every == 0) or last):
-                    m = evaluate(coord.rollout, eval_prompts, step, cfg.run_dir)
+                    m = evaluate(coord.rollout, eval_prompts, step, cfg.run_dir, tracker.note)
                     metrics.update(m)
-                    summary.eval_history.append((step, m["eval/reward"]))
+                    _record_eval(summary, step, m)
                 metrics.update(recovery.step_metrics(step))
                 metrics["time/job_s"] = time.perf_counter() - job_start
                 _apply_control(coord, control, metrics, lambda n: recovery.rescale(coord, n, save))
@@ -236,6 +253,8 @@ def _loop(cfg: JobConfig, coord: Coordinator, eval_prompts, tracker, ckpts, summ
                 if (c.checkpoint_every and step % c.checkpoint_every == 0) or last:
                     save()
             except Exception as e:  # rollout deaths are absorbed by the pool: a trainer rank, or not ours
+                if isinstance(e, TooManyFailedSamples):  # the step's line first, then the stop's
+                    _note_failures(summary, tracker, coord.state.step + 1, coord.last_failures)
                 if not recovery.is_trainer_death(coord, e):
                     if isinstance(e, RayActorError):
                         raise TrainerFailed(f"a worker died and could not be replaced ({e}); last checkpoint: "
@@ -263,7 +282,36 @@ def _loop(cfg: JobConfig, coord: Coordinator, eval_prompts, tracker, ckpts, summ
         else:
             save()
         return True
+    coord.failures.check_end()  # a run whose every step failed too often is not a success, however short
     return False
+
+
+def checkpoint_size_line(path: Path, keep: int | None) -> str:
+    """`checkpoint step_000010: 2.10 GB on disk; coordinator.keep_checkpoints 2 keeps ~4.20 GB`."""
+    size = checkpoint_bytes(path)
+    kept = (f"coordinator.keep_checkpoints {keep} keeps ~{_size(keep * size)}" if keep is not None else
+            "coordinator.keep_checkpoints null keeps every one")
+    return f"checkpoint {Path(path).name}: {_size(size)} on disk; {kept}"
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
+
+
+def _note_failures(summary: RunSummary, tracker, step: int, tally: tuple[int, int, dict[str, int]]) -> None:
+    """Count a step's failed samples into the summary; one console line when any failed."""
+    failed, total, reasons = tally
+    summary.failed_samples += failed
+    summary.samples += total
+    line = failure_line(step, failed, total, reasons)
+    if line is not None:
+        tracker.note(line)
+
+
+def _record_eval(summary: RunSummary, step: int, m: dict[str, float]) -> None:
+    summary.eval_history.append((step, m["eval/reward"]))
+    if m.get("eval/failed"):
+        summary.eval_failed[step] = int(m["eval/failed"])
 
 
 def _apply_control(coord: Coordinator, control, metrics: dict, rescale_trainer=None) -> None:

@@ -65,6 +65,7 @@ class Coordinator:
                                   token_baseline=cfg.algorithm.advantage.token_baseline,
                                   stale_rule=(partial.stale_policy, partial.max_staleness) if partial else None)
         self.failures = FailureGuard(reward.max_failed_share, reward.max_failed_steps)
+        self.last_failures: tuple[int, int, dict[str, int]] = (0, 0, {})  # the last step's (failed, samples, reasons)
         self._pending = None  # async: the rollout batch in flight
         self._requeued: list[Prompt] = []  # prompts drawn but never trained (in flight at a checkpoint): served first
         a = cfg.algorithm  # eps auto: the band follows the drift measured on reuse mini-batches (algo/auto_eps.py)
@@ -104,6 +105,7 @@ class Coordinator:
             stats.merge(self.buffer.admit(groups, self.state.version))
         if stats.offered:
             self.state.filter_rate = 1 - stats.admitted / stats.offered
+        self.last_failures = (stats.failed_samples, stats.samples, dict(stats.failure_reasons))  # the console line
         self.failures.check(self.state.step + 1, stats.failed_samples, stats.samples, stats.failure_reasons)
         taken = self.buffer.take(want)
         self.last_groups, self.last_version = taken, self.state.version

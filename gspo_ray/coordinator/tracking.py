@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import uuid
 from pathlib import Path
 
+# the progress bar's fields (docs/real-models.md explains them); "failed" only on a step where samples failed
 PROGRESS_KEYS = {"eval/reward": "eval", "rollout/reward_mean": "R", "train/clip_frac_seq": "clip",
-                 "train/kl": "kl", "rollout/tokens_per_s": "tok/s"}
+                 "train/kl": "kl", "rollout/tokens_per_s": "tok/s", "rollout/failed_samples": "failed"}
 
 
 class MetricsTracker:
@@ -42,9 +44,17 @@ class MetricsTracker:
         if self._wandb is not None:
             self._wandb.log(step, row)
         if self._bar is not None:
-            shown = {short: f"{metrics[k]:.3g}" for k, short in PROGRESS_KEYS.items() if k in metrics}
+            shown = {short: f"{metrics[k]:.3g}" for k, short in PROGRESS_KEYS.items()
+                     if k in metrics and (short != "failed" or metrics[k])}
             self._bar.set_postfix(shown, refresh=False)
             self._bar.update(1 if advance else 0)
+
+    def note(self, line: str) -> None:
+        """One console line (stderr) that does not break the progress bar."""
+        if self._bar is not None:
+            self._bar.write(line, file=sys.stderr)
+        else:
+            print(line, file=sys.stderr, flush=True)
 
     def close(self) -> None:
         if self._tb is not None:

@@ -10,7 +10,12 @@ typo in a YAML fails with `reward.fn: ...` before any Ray actor or engine is sta
 from __future__ import annotations
 
 import importlib
+import os
+import re
+import traceback
 from typing import Any, Callable
+
+_FRAME = re.compile(r'File "([^"]+)", line (\d+)')
 
 
 class PluginError(ValueError):
@@ -22,9 +27,20 @@ def _is_missing(e: ModuleNotFoundError, name: str) -> bool:
     return e.name is not None and (name == e.name or name.startswith(e.name + "."))
 
 
+def missing_module_hint(name: str) -> str:
+    """Why a plug-in's module is not found, and what makes it importable (`gspo-ray` does not search the current
+    directory: its sys.path starts at the console script's directory)."""
+    top = name.split(".")[0]
+    here = next((p for p in (f"{top}.py", f"{top}/__init__.py") if os.path.exists(p)), None)
+    where = (f"{here} is in the current directory, which gspo-ray does not search: run with PYTHONPATH=." if here
+             else "put its directory on PYTHONPATH")
+    return (f"the module must be importable: {where} (on a cluster: cluster.runtime_env working_dir or "
+            "env_vars.PYTHONPATH), or pip install it")
+
+
 def _import_error(name: str, path: str, field: str, e: BaseException) -> PluginError:
     if isinstance(e, ModuleNotFoundError) and _is_missing(e, name):
-        return PluginError(f"{field}: no module named {e.name!r} (from {path!r})")
+        return PluginError(f"{field}: no module named {e.name!r} (from {path!r}); {missing_module_hint(e.name)}")
     return PluginError(f"{field}: importing module {name!r} (from {path!r}) failed: {type(e).__name__}: {e}")
 
 
@@ -59,7 +75,7 @@ def _split_dotted(path: str, field: str) -> tuple[Any, str, list[str]]:
             raise _import_error(name, path, field, e) from e
         except Exception as e:
             raise _import_error(name, path, field, e) from e
-    raise PluginError(f"{field}: no module named {parts[0]!r} (from {path!r})")
+    raise PluginError(f"{field}: no module named {parts[0]!r} (from {path!r}); {missing_module_hint(parts[0])}")
 
 
 def resolve_import_path(path: str, field: str = "import path") -> Any:
@@ -87,3 +103,16 @@ def resolve_callable(fn_or_path: str | Callable, field: str = "import path") -> 
     if not callable(fn):
         raise PluginError(f"{field}: {fn_or_path!r} resolved to a {type(fn).__name__}, which is not callable")
     return fn
+
+
+def raise_site(e: BaseException) -> str | None:
+    """`file.py:LINE` of the frame that raised `e` (the innermost one), or None without a traceback. Failure
+    reasons carry it so one bug is one group whatever its message says (coordinator/failures.py)."""
+    frames = traceback.extract_tb(e.__traceback__)
+    return f"{os.path.basename(frames[-1].filename)}:{frames[-1].lineno}" if frames else None
+
+
+def traceback_site(text: str | None) -> str | None:
+    """`raise_site` read back from a formatted traceback (what a child process sends)."""
+    found = _FRAME.findall(text or "")
+    return f"{os.path.basename(found[-1][0])}:{found[-1][1]}" if found else None

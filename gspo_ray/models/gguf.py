@@ -90,9 +90,11 @@ def max_logit_diff(a, b, tokenizer, prompts=CHECK_PROMPTS) -> float:
     return worst
 
 
-def import_gguf(out: str | Path, gguf: str | Path | None = None, tol: float = 1e-4) -> ImportReport:
+def import_gguf(out: str | Path, gguf: str | Path | None = None, tol: float = 1e-4,
+                recorded_as: Path | None = None) -> ImportReport:
     """Write an HF directory for `gguf` (default: the packaged SmolLM2-135M-Instruct) to `out` and check that it
-    reproduces the GGUF-loaded logits within `tol`. Returns the report (also written to out/gguf_import.json)."""
+    reproduces the GGUF-loaded logits within `tol`. Returns the report (also written to out/gguf_import.json;
+    `recorded_as`: the directory it names, when `out` is a temp directory renamed there afterwards)."""
     from transformers import AutoModelForCausalLM
 
     start = time.time()
@@ -110,15 +112,21 @@ def import_gguf(out: str | Path, gguf: str | Path | None = None, tol: float = 1e
     diff = max_logit_diff(model, saved, tokenizer)
     if not diff <= tol:
         raise RuntimeError(f"{out}: saved model differs from the GGUF-loaded one (max |logit diff| {diff:.3g} > {tol})")
-    report = ImportReport(out=str(out), source=str(gguf), params=sum(p.numel() for p in saved.parameters()),
+    report = ImportReport(out=str(recorded_as or out), source=str(gguf), params=sum(p.numel() for p in saved.parameters()),
                           max_abs_logit_diff=diff, seconds=round(time.time() - start, 1))
     (out / STAMP).write_text(json.dumps(asdict(report), indent=1))
     return report
 
 
+def is_imported(out: str | Path) -> bool:
+    """A checked import is in `out` (the stamp is written last)."""
+    return (Path(out) / STAMP).is_file() and (Path(out) / "model.safetensors").is_file()
+
+
 def ensure_imported(out: str | Path) -> Path:
-    """Import the packaged model to `out` unless a checked import is already there."""
-    out = Path(out)
-    if not ((out / STAMP).is_file() and (out / "model.safetensors").is_file()):
-        import_gguf(out)
-    return out
+    """Import the packaged model to `out` unless a checked import is already there; once, however many jobs
+    ask at the same time (`models/cache.py`: a lock, a temp directory renamed into place)."""
+    from gspo_ray.models.cache import atomic_import
+
+    out = Path(out).absolute()
+    return atomic_import(out, lambda tmp: import_gguf(tmp, recorded_as=out), is_imported)

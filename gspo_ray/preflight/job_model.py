@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from gspo_ray.config import JobConfig
+from gspo_ray.models.cache import packaged_model_dir
 from gspo_ray.preflight.model import (PreflightError, check_architecture, check_converter_spec, check_engine_limits,
                                      check_model_dir, check_tokenizer, load_checked_tokenizer)
 from gspo_ray.preflight.report import PreflightReport, one_line
@@ -13,10 +14,10 @@ from gspo_ray.preflight.report import PreflightReport, one_line
 
 def _packaged_dir(cfg: JobConfig) -> Path | None:
     """Where model.packaged is imported (models/gguf.py), once that import is complete; else None."""
-    from gspo_ray.models.gguf import STAMP
+    from gspo_ray.models.gguf import is_imported
 
-    out = cfg.logging.out_dir / "models" / cfg.model.packaged
-    return out if (out / STAMP).is_file() and (out / "model.safetensors").is_file() else None
+    out = packaged_model_dir(cfg.model.packaged, cfg.model.cache_dir)
+    return out if is_imported(out) else None
 
 
 def model_facts(cfg: JobConfig, report: PreflightReport):
@@ -26,9 +27,10 @@ def model_facts(cfg: JobConfig, report: PreflightReport):
     if getattr(cfg.model, "packaged", None) is not None:
         path = _packaged_dir(cfg)
         if path is None:
-            report.add("model", "skipped", f"model.packaged ({cfg.model.packaged}) is imported into "
-                                           f"{cfg.logging.out_dir / 'models'} when training starts: directory "
-                                           "checks skipped, its tokenizer read from the GGUF file")
+            where = packaged_model_dir(cfg.model.packaged, cfg.model.cache_dir)
+            report.add("model", "skipped", f"model.packaged ({cfg.model.packaged}) is imported once into {where} "
+                                           "(the model cache) when training starts: directory checks skipped, its "
+                                           "tokenizer read from the GGUF file")
             return None
     elif path is None:  # model.tiny: its config is checked last, after the dry calls (see run_preflight)
         report.add("model", "skipped", f"model.tiny ({cfg.model.tiny.arch}) is built into {cfg.run_dir / 'model'} "

@@ -24,8 +24,8 @@ def import_reward(cfg: JobConfig, import_timeout_s: float) -> Callable:
     try:
         build_call_kwargs(fn, dict(r.kwargs), "rollout.reward")
     except PluginError as e:
-        raise PreflightError(f"{one_line(e)}; protocol: fn(completion, reference, **context) -> float | dict "
-                             "(gspo_ray/envs/rewards.py)") from None
+        raise PreflightError(f"{one_line(e, 600)}; protocol: fn(completion, reference, **context) -> float | dict "
+                             "(docs/real-models.md#the-reward-protocol)") from None
     return fn
 
 
@@ -41,28 +41,56 @@ def import_env(cfg: JobConfig, import_timeout_s: float) -> type | None:
                              f"rollout.multi_turn.env: importing {mt.env!r}")
 
 
+# What the dry calls feed the reward besides the reference answer: what models really write. (label, text,
+# stopped); "{ref}" is the reference. The last one is the text of eval's JSONL, which keeps the EOS text.
+DRY_COMPLETIONS = (("an empty completion", "", True),
+                   ("a sentence", "The answer is {ref}.", True),
+                   ("a long line cut at max_new_tokens", "Let me think step by step about this. " * 64, False),
+                   ("the reference followed by the end-of-sequence text", "{ref}", True))
+
+
+def dry_inputs(tokenizer, reference, max_new_tokens: int) -> list[tuple[str, str, list[int], bool]]:
+    """(label, completion text, completion ids, eos found) of every dry call: the reference answered and
+    stopped first, then DRY_COMPLETIONS as the model's tokenizer encodes them, cut to `max_new_tokens` like a
+    real completion; the text is what the runner decodes (up to the first EOS, special tokens kept)."""
+    ref = "" if reference is None else str(reference)
+    calls = []
+    for label, text, stopped in [("the reference answer", ref, True), *DRY_COMPLETIONS]:
+        ids = list(tokenizer.encode(text.format(ref=ref), add_special_tokens=False))
+        ids = ids[: max_new_tokens - 1] + [tokenizer.eos_token_id] if stopped else ids[:max_new_tokens]
+        body = ids[:-1] if stopped else ids
+        decoded = tokenizer.decode(body, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        if label == DRY_COMPLETIONS[-1][0]:
+            decoded += tokenizer.eos_token or ""
+        calls.append((label, decoded, ids, stopped))
+    return calls
+
+
 def dry_reward(cfg: JobConfig, fn: Callable, tokenizer: Any, prompt: Prompt, report: PreflightReport) -> None:
-    """Score the first prompt's reference as if the model had answered it and stopped."""
+    """Score the first prompt's reference as if the model had answered it and stopped, then a few completions
+    a model really writes (empty, a sentence, a long line, the reference with the EOS text): a reward that
+    raises on one of them, or returns no number, is an error naming that input."""
     from gspo_ray.rollout.scoring import build_call_kwargs, to_outcome
 
     r = cfg.rollout.reward
-    ref = prompt.reference
-    ids = list(tokenizer.encode("" if ref is None else str(ref), add_special_tokens=False))
-    ids = ids[: cfg.rollout.max_new_tokens - 1] + [tokenizer.eos_token_id]
-    text = tokenizer.decode(ids[:-1], skip_special_tokens=False, clean_up_tokenization_spaces=False)
-    context = {"completion_ids": ids, "finish_reason": "stop", "eos_found": True, "prompt_text": prompt.text,
-               "meta": prompt.meta}
-    kwargs = build_call_kwargs(fn, dict(r.kwargs), "rollout.reward")(context)
-    where = f"rollout.reward.fn: {r.fn!r} on a dry call (completion {text[:40]!r}, reference {str(ref)[:40]!r})"
-    start = time.perf_counter()
-    value = call_with_timeout(lambda: fn(text, ref, **kwargs), r.timeout_s,
-                              f"{where} (rollout.reward.timeout_s)")
-    try:
-        reward, _, _ = to_outcome(value, len(ids))
-    except (TypeError, ValueError) as e:
-        raise PreflightError(f"{where}: {one_line(e)}") from None
-    report.add("reward", "ok", f"{r.fn}: {reward:g} for the reference answer "
-                               f"({time.perf_counter() - start:.2f} s of {r.timeout_s:g} s allowed)")
+    call_kwargs = build_call_kwargs(fn, dict(r.kwargs), "rollout.reward")
+    start, first = time.perf_counter(), None
+    for label, text, ids, stopped in dry_inputs(tokenizer, prompt.reference, cfg.rollout.max_new_tokens):
+        context = {"completion_ids": ids, "finish_reason": "stop" if stopped else "length", "eos_found": stopped,
+                   "prompt_text": prompt.text, "meta": prompt.meta}
+        kwargs = call_kwargs(context)
+        where = (f"rollout.reward.fn: {r.fn!r} on a dry call with {label} (completion {text[:40]!r}, reference "
+                 f"{str(prompt.reference)[:40]!r})")
+        value = call_with_timeout(lambda: fn(text, prompt.reference, **kwargs), r.timeout_s, where,
+                                  "rollout.reward.timeout_s")
+        try:
+            reward, _, _ = to_outcome(value, len(ids))
+        except (TypeError, ValueError) as e:
+            raise PreflightError(f"{where}: {one_line(e)}") from None
+        first = reward if first is None else first
+    report.add("reward", "ok", f"{r.fn}: {first:g} for the reference answer; {len(DRY_COMPLETIONS)} more dry calls "
+                               f"(empty, a sentence, a long line, EOS text) scored "
+                               f"({time.perf_counter() - start:.2f} s, {r.timeout_s:g} s allowed per call)")
 
 
 def dry_env(cfg: JobConfig, env_cls: type, tokenizer: Any, prompt: Prompt, report: PreflightReport) -> None:
@@ -79,7 +107,7 @@ def dry_env(cfg: JobConfig, env_cls: type, tokenizer: Any, prompt: Prompt, repor
     except ValueError:  # no signature to inspect (builtins): the call below tells
         pass
     env = call_with_timeout(lambda: env_cls(tokenizer=tokenizer, **mt.kwargs), mt.step_timeout_s,
-                            f"{name}: building it (rollout.multi_turn.step_timeout_s)")
+                            f"{name}: building it", "rollout.multi_turn.step_timeout_s")
     for method, args in (("reset", (prompt, 0)), ("step", ([0], ""))):
         try:
             inspect.signature(getattr(env, method)).bind(*args)
@@ -90,7 +118,7 @@ def dry_env(cfg: JobConfig, env_cls: type, tokenizer: Any, prompt: Prompt, repor
         except ValueError:
             pass
     obs = call_with_timeout(lambda: env.reset(prompt, 0), mt.step_timeout_s,
-                            f"{name}: reset on a dry call (rollout.multi_turn.step_timeout_s)")
+                            f"{name}: reset on a dry call", "rollout.multi_turn.step_timeout_s")
     try:
         ids = check_observation(obs, tokenizer, len(tokenizer), "reset")  # the vocabulary bound the runner uses
     except EnvError as e:

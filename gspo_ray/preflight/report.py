@@ -6,7 +6,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from gspo_ray.envs.plugins import PluginError
+from gspo_ray.envs.plugins import PluginError, raise_site
 from gspo_ray.preflight.model import PreflightError
 
 IMPORT_TIMEOUT_S = 60.0  # a plug-in module may import heavy libraries; one that hangs still ends the preflight
@@ -42,9 +42,10 @@ class PreflightReport:
         return f"preflight ok in {self.seconds:.1f} s" + (f" ({', '.join(notes)})" if notes else "")
 
 
-def call_with_timeout(fn: Callable[[], Any], timeout_s: float, what: str) -> Any:
+def call_with_timeout(fn: Callable[[], Any], timeout_s: float, what: str, timeout_field: str = "") -> Any:
     """fn() on a daemon thread. PreflightError when it raises (plug-in errors keep their own message) or runs
-    past `timeout_s` (the thread cannot be killed; it is left behind and never blocks the process's exit)."""
+    past `timeout_s` (the thread cannot be killed; it is left behind and never blocks the process's exit).
+    `timeout_field`: the config field that sets the limit, named only when the call ran out of time."""
     box: dict[str, Any] = {}
 
     def run() -> None:
@@ -57,10 +58,13 @@ def call_with_timeout(fn: Callable[[], Any], timeout_s: float, what: str) -> Any
     thread.start()
     thread.join(timeout_s)
     if thread.is_alive():
-        raise PreflightError(f"{what} did not return within {timeout_s:g} s")
+        raise PreflightError(f"{what} did not return within {timeout_s:g} s"
+                             + (f" ({timeout_field})" if timeout_field else ""))
     error = box.get("error")
     if isinstance(error, (PreflightError, PluginError)):
-        raise PreflightError(one_line(error)) from error
+        raise PreflightError(one_line(error, 2 * MAX_LINE)) from error  # the plug-in's message is the point
     if error is not None:
-        raise PreflightError(f"{what} raised {type(error).__name__}: {one_line(error, 200)}") from error
+        site = raise_site(error)
+        raise PreflightError(f"{what} raised {type(error).__name__}{f' at {site}' if site else ''}: "
+                             f"{one_line(error, 200)}") from error
     return box["value"]

@@ -28,6 +28,7 @@ import time
 from collections import deque
 from typing import Any
 
+from gspo_ray.envs.plugins import raise_site
 from gspo_ray.rollout.child_procs import child_env, end_children, enter_child, kill_child, spawn_child
 
 START_TIMEOUT_S = 120.0  # loading the env class and tokenizer in a fresh child; calls wait for it untimed
@@ -119,7 +120,7 @@ class _Child:
                 if msg[0] == "ok":
                     call._finish(value=msg[1])
                 else:
-                    call._finish(error=_UserError(msg[1], msg[2]))
+                    call._finish(error=_UserError(*msg[1:]))
                 if self.queue:
                     self.queue[0].started = time.monotonic()
 
@@ -135,11 +136,11 @@ class _Child:
 
 
 class _UserError(Exception):
-    """An exception the env raised in its child, carried back by type name and message."""
+    """An exception the env raised in its child, carried back by type name, message and raising frame."""
 
-    def __init__(self, type_name: str, message: str):
+    def __init__(self, type_name: str, message: str, site: str | None = None):
         super().__init__(message)
-        self.type_name = type_name
+        self.type_name, self.site = type_name, site
 
 
 def _no_env(episode: int) -> EnvProcessError:
@@ -147,8 +148,10 @@ def _no_env(episode: int) -> EnvProcessError:
 
 
 def error_name(err: BaseException) -> str:
-    """The name to report for an env error (the user's own exception type when it came from a child)."""
-    return err.type_name if isinstance(err, _UserError) else type(err).__name__
+    """The name to report for an env error (the user's own exception type when it came from a child) and, when
+    known, where it was raised (`ValueError at my_env.py:31`: failure reasons are grouped by both)."""
+    name, site = (err.type_name, err.site) if isinstance(err, _UserError) else (type(err).__name__, raise_site(err))
+    return f"{name} at {site}" if site else name
 
 
 class EnvProcessPool:
@@ -321,7 +324,7 @@ def child_main(read_fd: int, write_fd: int, parent_pid: int) -> None:
             else:
                 value = envs[episode].step(msg[2], msg[3])
         except BaseException as e:  # the env may raise anything; it fails only its episode
-            send.send(("err", type(e).__name__, str(e)))
+            send.send(("err", type(e).__name__, str(e), raise_site(e)))
             continue
         try:
             send.send(("ok", value))

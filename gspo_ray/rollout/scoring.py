@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 from gspo_ray.data.prompts import load_tokenizer
 from gspo_ray.data.records import Prompt, Sample
-from gspo_ray.envs.plugins import PluginError, resolve_callable
+from gspo_ray.envs.plugins import PluginError, resolve_callable, traceback_site
 from gspo_ray.rollout.reward_procs import Outcome, ProcessCallPool
 
 log = logging.getLogger(__name__)
@@ -173,10 +173,20 @@ def build_call_kwargs(fn: Callable, fn_kwargs: dict[str, Any], field_name: str =
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):  # some builtins have no signature: pass what the protocol promises
         return lambda context: {**context, **fn_kwargs}
-    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    if len(positional) < 2 and not any(p.kind == p.VAR_POSITIONAL for p in params):
-        raise PluginError(f"{field_name}.fn: {getattr(fn, '__name__', fn)!r} must take (completion, reference) "
-                          f"positionally; its signature is {inspect.signature(fn)}")
+    positional = [p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.POSITIONAL_ONLY)]
+    name = getattr(fn, "__name__", fn)
+    unfilled = [p for p in positional[2:] if p.default is p.empty and p.name not in fn_kwargs
+                and p.name not in CONTEXT_KWARGS]  # positional arguments no call would give
+    if unfilled:
+        raise PluginError(f"{field_name}.fn: {name!r} is called as fn(completion, reference, **context), once per "
+                          f"sample; its signature {inspect.signature(fn)} needs more positional arguments (verl's "
+                          "compute_score(data_source, solution_str, ground_truth, extra_info) becomes "
+                          "fn(solution_str, ground_truth, *, meta): docs/real-models.md)")
+    batch = {p.name for p in params} & {"completions", "prompts"}
+    if batch or (len(positional) < 2 and not any(p.kind == p.VAR_POSITIONAL for p in params)):
+        raise PluginError(f"{field_name}.fn: {name!r} must take (completion, reference) "
+                          f"positionally and is called once per sample (one completion's text, not a batch "
+                          f"of them as TRL passes); its signature is {inspect.signature(fn)}")
     if any(p.kind == p.VAR_KEYWORD for p in params):
         return lambda context: {**context, **fn_kwargs}
     names = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
@@ -303,8 +313,9 @@ class RewardRunner:
         s.reward, s.reward_info, s.token_rewards = None, {}, None
         if outcome.timed_out:
             return f"reward timed out after {self.timeout_s:g}s"
-        if outcome.error_type is not None:
-            return f"reward raised {outcome.error_type}: {outcome.error}"
+        if outcome.error_type is not None:  # "at file.py:LINE": reasons are grouped by type and raising frame
+            site = traceback_site(outcome.traceback)
+            return f"reward raised {outcome.error_type}{f' at {site}' if site else ''}: {outcome.error}"
         try:
             s.reward, s.reward_info, s.token_rewards = to_outcome(outcome.value, len(s.completion_ids))
         except (TypeError, ValueError) as e:

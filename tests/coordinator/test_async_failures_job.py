@@ -71,7 +71,7 @@ def test_async_keeps_overlapped_batches_then_stops_when_every_sample_fails(plugi
 
     # every sample of a later step failed: the run stops there, naming the reward's own error
     message = str(info.value)
-    assert "every sample failed" in message and "reward raised ValueError: scorer crashed on purpose" in message
+    assert "every sample failed" in message and "reward raised ValueError at flaky_reward.py:9: scorer crashed on purpose" in message
     assert len(rows) <= 3 and "\n" not in message
 
     # the CLI turns it into one clean line and exit code 3, not a traceback or a success

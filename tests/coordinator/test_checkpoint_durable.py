@@ -87,3 +87,58 @@ def test_disk_full_is_one_clear_line_and_cleans_up(tmp_path):
     assert info.value.errno == errno.ENOSPC and "\n" not in info.value.strerror
     assert "step_000002" in info.value.strerror and "step_000001" in info.value.strerror  # what failed, what is kept
     assert sorted(p.name for p in ckpts.root.iterdir()) == ["latest", "step_000001"]
+
+
+def _names(ckpts):
+    return [p.name for p in ckpts.complete_checkpoints()]
+
+
+def test_keep_checkpoints_over_six_saves_keeps_the_two_newest(tmp_path):
+    ckpts = CheckpointManager(tmp_path / "two", keep=2)
+    every = CheckpointManager(tmp_path / "all", keep=None)
+    for step in range(1, 7):
+        ckpts.save(LoopState(step=step, version=step), _trainer_part(float(step)))
+        every.save(LoopState(step=step, version=step), _trainer_part(float(step)))
+    assert sorted(p.name for p in ckpts.root.iterdir()) == ["latest", "step_000005", "step_000006"]
+    assert _names(every) == [f"step_{s:06d}" for s in range(1, 7)]
+
+
+def test_retention_never_deletes_the_fallback_in_use(tmp_path):
+    # keep 2 holds steps 5 and 6; step 6 is altered (same size: only its hash tells), so --resume falls back to 5.
+    # The resumed run's next save is step 8 (checkpoint_every changed): 5 is the checkpoint in use and stays; the
+    # broken 6 does not count among the kept (before: 6 and 8 kept, 5 deleted).
+    ckpts = CheckpointManager(tmp_path, keep=2)
+    for step in (5, 6):
+        ckpts.save(LoopState(step=step, version=step), _trainer_part(float(step)))
+    rank = ckpts.root / "step_000006" / "trainer" / "rank_0.pt"
+    data = bytearray(rank.read_bytes())
+    data[-100] ^= 0xFF
+    rank.write_bytes(bytes(data))
+    resumed = CheckpointManager(tmp_path, keep=2)
+    assert resumed.latest().name == "step_000005"
+    resumed.save(LoopState(step=8, version=8), _trainer_part(8.0))
+    assert _names(resumed) == ["step_000005", "step_000008"]
+
+
+def test_resume_after_a_truncated_newest_checkpoint_with_retention_on(tmp_path):
+    ckpts = CheckpointManager(tmp_path, keep=2)
+    for step in range(1, 7):
+        ckpts.save(LoopState(step=step, version=step), _trainer_part(float(step)))
+    _truncate(ckpts.root / "step_000006" / "trainer" / "rank_0.pt")
+    resumed = CheckpointManager(tmp_path, keep=2)
+    latest = resumed.latest()
+    state, _ = resumed.load_state(latest)
+    assert (latest.name, state.step, load_rank_payload(latest / "trainer", 0)["version"]) == ("step_000005", 5, 5)
+    again = resumed.save(LoopState(step=6, version=6), _trainer_part(6.5))  # step 6 trained again from 5
+    assert _names(resumed) == ["step_000005", "step_000006"] and CheckpointManager(tmp_path).latest() == again
+    assert float(load_rank_payload(again / "trainer", 0)["model"]["w"][0]) == 6.5
+
+
+def test_the_first_save_says_what_a_checkpoint_costs(tmp_path):
+    from gspo_ray.coordinator.job import checkpoint_size_line
+
+    path = CheckpointManager(tmp_path).save(LoopState(step=1, version=1), _trainer_part(1.0))
+    size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    assert checkpoint_size_line(path, 2) == (f"checkpoint step_000001: {size / 1e6:.1f} MB on disk; "
+                                             f"coordinator.keep_checkpoints 2 keeps ~{2 * size / 1e6:.1f} MB")
+    assert checkpoint_size_line(path, None).endswith("coordinator.keep_checkpoints null keeps every one")

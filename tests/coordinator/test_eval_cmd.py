@@ -60,14 +60,23 @@ def test_checkpoints_and_the_run_end_write_hf_directories(run, tmp_path):
 
 
 @pytest.mark.parametrize("held_out", ["--data", "the run's own"])
-def test_eval_command_reproduces_the_in_training_eval(run, tmp_path, held_out):
-    run_dir = run["cfg"].run_dir
-    out = tmp_path / "samples.jsonl"
-    data = ["--data", str(run["eval_data"])] if held_out == "--data" else []  # default: the run's data.eval_path
-    res = CliRunner().invoke(app, ["eval", str(run_dir), *data, "--out", str(out)])
+def test_eval_command_reproduces_the_in_training_eval(run, tmp_path, held_out, capfd, monkeypatch):
+    run_dir = run["cfg"].run_dir.absolute()
+    monkeypatch.chdir(tmp_path)
+    if held_out == "--data":
+        out = tmp_path / "samples.jsonl"
+        args = ["--data", str(run["eval_data"]), "--out", str(out)]
+    else:  # default: the run's data.eval_path, written into the run directory
+        out, args = run_dir / "eval" / "cli_held-out_step_000001.jsonl", []
+    res = CliRunner().invoke(app, ["eval", str(run_dir), *args])
     assert res.exit_code == 0, res.output
     assert "pass@1" in res.output and "mean reward" in res.output
+    assert f"model        {run_dir} (checkpoint step 1)" in res.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == (["samples.jsonl", "samples.summary.json"] if args else [])
+    noise = capfd.readouterr()
+    assert "Chat template warmup failed" not in noise.out + noise.err and "Using None for EOS" not in noise.err
     summary = json.loads(out.with_suffix(".summary.json").read_text())
+    assert (summary["model"], summary["step"]) == (str(run_dir), 1) and summary["prompts"] == 32
     rows = read_metrics(run_dir / "metrics.jsonl")
     assert summary["eval/reward"] == pytest.approx(rows[-1]["eval/reward"], abs=1e-9)
     assert summary["eval/pass@1"] == pytest.approx(rows[-1]["eval/exact"], abs=1e-9)

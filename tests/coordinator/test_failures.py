@@ -3,7 +3,8 @@ import pytest
 
 from gspo_ray.config import JobConfig, RewardConfig
 from gspo_ray.coordinator.buffer import GroupBuffer
-from gspo_ray.coordinator.failures import FailureGuard, FailurePolicy, TooManyFailedSamples
+from gspo_ray.coordinator.failures import (FailureGuard, FailurePolicy, TooManyFailedSamples, count_reason,
+                                            failure_line, reason_group)
 from gspo_ray.data.records import Group, Prompt, Sample
 
 
@@ -85,3 +86,42 @@ def test_async_staleness_counts_policy_updates_not_optimizer_steps():
     assert coord.buffer.max_staleness == 8
     assert coord.buffer.admit([_group("a", [1.0, 0.0], version=8)], current_version=16).admitted == 1
     assert coord.buffer.admit([_group("b", [1.0, 0.0], version=8)], current_version=24).stale == 1
+
+
+def test_one_bug_is_one_group_whatever_its_messages_say():
+    # 20 messages from one line of code, each embedding another length: before, 20 groups (exact text)
+    reasons = {}
+    for n in range(2, 22):
+        count_reason(reasons, f"reward raised TypeError at letter_reward.py:4: ord() expected a character, but "
+                              f"string of length {n} found")
+    count_reason(reasons, "reward raised TypeError at letter_reward.py:9: unsupported operand")  # another line
+    count_reason(reasons, "reward timed out after 5s")
+    count_reason(reasons, "reward timed out after 5s")
+    assert reasons == {"reward raised TypeError at letter_reward.py:4: ord() expected a character, but string of "
+                       "length 2 found": 20,
+                       "reward raised TypeError at letter_reward.py:9: unsupported operand": 1,
+                       "reward timed out after 5s": 2}
+    # no raising frame: grouped with numbers masked
+    assert reason_group("reward returned 3.5, expected a finite float") == "reward returned #, expected a finite float"
+
+
+def test_failure_line_shows_the_share_and_the_first_reason():
+    line = failure_line(1, 159, 160, {"reward raised TypeError at r.py:4: ord() expected a character": 159})
+    assert line == "step 1: 159/160 samples failed (99%): 'reward raised TypeError at r.py:4: ord() expected a " \
+                   "character' x159"
+    assert failure_line(2, 0, 160, {}) is None
+
+
+def test_a_short_run_whose_every_step_failed_too_often_is_not_a_success():
+    # 2 steps, max_failed_steps 3: the streak rule never fires; the end check does
+    guard = FailureGuard(max_failed_share=0.2, max_failed_steps=3)
+    guard.check(1, 100, 128, {"x": 100})
+    guard.check(2, 90, 128, {"y": 90})
+    with pytest.raises(TooManyFailedSamples, match=r"every one of the run's 2 step\(s\) had more than "
+                                                    r"rollout.reward.max_failed_share \(0.2\) of its samples "
+                                                    r"failed; last reasons: 'y' x90"):
+        guard.check_end()
+    guard = FailureGuard(max_failed_share=0.2, max_failed_steps=3)
+    guard.check(1, 100, 128, {"x": 100})
+    guard.check(2, 10, 128, {"x": 10})  # one step below the share: the run learned from something
+    guard.check_end()

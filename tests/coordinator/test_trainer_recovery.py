@@ -84,7 +84,8 @@ def test_skipped_step_budget_spent_and_a_broken_checkpoint(tmp_path, caplog):
     mid-write) and continues from the one before (before: EOFError from torch.load, `Aborted.` in the command)."""
     def cfg(steps):
         return _cfg(tmp_path, f"coordinator.steps={steps}", "coordinator.checkpoint_every=1", "trainer.max_restarts=0",
-                    "name=norestart", "coordinator.mode=sync", "algorithm.eps=fixed")
+                    "name=norestart", "coordinator.mode=sync", "algorithm.eps=fixed",
+                    "coordinator.keep_checkpoints=2")
 
     def faults(coord, step):
         if step == 1:
@@ -105,3 +106,4 @@ def test_skipped_step_budget_spent_and_a_broken_checkpoint(tmp_path, caplog):
     assert [r["step"] for r in lines] == [1, 2, 3, 3, 4]  # step 3 redone from step 2's state
     assert [r["train/skipped_steps"] for r in lines][:2] == [0, 1]
     assert [r["train/version"] for r in lines] == [1, 1, 2, 2, 3]  # the skipped step did not move the version
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_000003", "step_000004"]  # retention: the 2 newest

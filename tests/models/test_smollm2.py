@@ -7,6 +7,7 @@ recipes (the repeat recipe samples at 1.0; both pass preflight in tests/test_pre
 `gspo-ray bench --suite learn` runs each to solution). Speed is measured by `gspo-ray bench --suite smollm2`.
 """
 import json
+import time
 
 import pytest
 import ray
@@ -21,10 +22,28 @@ RECIPE = "gspo_ray/recipes/smollm2_sum.yaml"
 
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory):
-    from gspo_ray.models.gguf import import_gguf
+    """The one import of this module, the way a job makes it: `model.packaged` into the model cache."""
+    from gspo_ray.coordinator.job import prepare_model
+    from gspo_ray.models.gguf import STAMP, ImportReport
 
-    out = tmp_path_factory.mktemp("smollm2") / "hf"
-    return out, import_gguf(out)
+    cache = tmp_path_factory.mktemp("cache")
+    out = prepare_model(load_config(RECIPE, [f"model.cache_dir={cache}"]))
+    return out, ImportReport(**json.loads((out / STAMP).read_text()))
+
+
+def test_two_run_directories_share_one_import(smollm2, tmp_path, monkeypatch):
+    """Another job, in another working directory with its own run directory: the cached model, not a new import
+    (before: each working directory imported its own 517 MB copy into <out_dir>/models/)."""
+    from gspo_ray.coordinator.job import prepare_model
+
+    out, report = smollm2
+    stamp = (out / "gguf_import.json").stat().st_mtime_ns
+    cfg = load_config(RECIPE, [f"model.cache_dir={out.parent.parent}", "name=second"])
+    monkeypatch.chdir(tmp_path)  # its run directory (logging.out_dir "runs", relative) is under another cwd
+    start = time.perf_counter()
+    assert prepare_model(cfg) == out and cfg.run_dir.absolute() != out.parent.parent / "runs" / "second"
+    assert time.perf_counter() - start < 5 and (out / "gguf_import.json").stat().st_mtime_ns == stamp
+    assert report.out == str(out)  # the report names the cache directory, not the temp directory it was written in
 
 
 def test_gguf_import_is_a_plain_hf_directory_with_the_gguf_logits(smollm2):

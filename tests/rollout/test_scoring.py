@@ -2,6 +2,7 @@
 Calls run in child processes (the default) unless a test needs the thread backend's shared memory."""
 import math
 import os
+import re
 import threading
 import time
 
@@ -85,7 +86,8 @@ def test_failing_and_hanging_rewards_fail_only_their_samples(tok):
         # ~1-3 s in all, not the 30 s the calls hang (the bound leaves room for a loaded 2-core machine).
         assert elapsed < 15
         by_ref = {s.prompt_uid: s for s in samples}
-        assert by_ref["13"].failed == "reward raised ValueError: bad reference 13" and by_ref["13"].reward is None
+        assert re.fullmatch(r"reward raised ValueError at test_scoring\.py:\d+: bad reference 13", by_ref["13"].failed)
+        assert by_ref["13"].reward is None
         hung = [s for s in samples if s.prompt_uid == "99"]
         assert all(s.failed == "reward timed out after 1.2s" and s.reward is None for s in hung)
         assert [s.reward for s in samples if s.prompt_uid not in ("13", "99")] == [2.0] * 5
@@ -135,7 +137,7 @@ def test_runaway_reward_process_is_killed_and_replaced(tok, tmp_path, monkeypatc
         assert time.monotonic() - start < 15   # not forever: the others are served by the other child
         by_ref = {s.prompt_uid: s for s in samples}
         assert by_ref["99"].failed == "reward timed out after 1.2s" and by_ref["99"].reward is None
-        assert by_ref["13"].failed == "reward raised ValueError: bad reference 13"
+        assert by_ref["13"].failed == "reward raised ValueError at runaway_reward.py:13: bad reference 13"
         assert [s.reward for s in samples if s.prompt_uid not in ("13", "99")] == [1.0] * 4
         assert metrics["reward/num_timeouts"] == 1 and metrics["reward/killed_procs"] == 1
         (pid_file,) = tmp_path.glob("*.pid")
@@ -267,3 +269,25 @@ def test_score_async_and_from_config(tok):
         future = runner.score_async(samples, _prompts("12"))
         metrics = future.result(timeout=10)
         assert [s.reward for s in samples] == [1.5] * 16 and metrics["reward/num_failed"] == 0.0
+
+
+WORDY = '''
+def wordy(completion, reference):
+    raise ValueError(f"cannot read {completion!r}: {len(completion)} characters, expected {len(reference)}")
+'''
+
+
+def test_differently_worded_errors_from_one_line_are_one_group(tok, tmp_path, monkeypatch):
+    """20 messages from one line of a reward in its real child process: one group, named by type and frame."""
+    from gspo_ray.coordinator.failures import count_reason
+
+    (tmp_path / "wordy_reward.py").write_text(WORDY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    samples = [_sample(tok, "4821", "1" * n, idx=n) for n in range(1, 21)]
+    with RewardRunner("wordy_reward:wordy", tok, timeout_s=HANG_TIMEOUT, num_procs=1) as runner:
+        runner.score(samples, _prompts("4821"))
+    assert len({s.failed for s in samples}) == 20  # every message differs
+    reasons = {}
+    for s in samples:
+        count_reason(reasons, s.failed)
+    assert reasons == {"reward raised ValueError at wordy_reward.py:3: cannot read '1': 1 characters, expected 4": 20}
