@@ -165,8 +165,8 @@ class PromptSource:
         """Every prompt has 1..limit tokens, as rendered (chat template included); one line per row that has not."""
         limit, why = self._length_limit()
         template = " after the chat template" if self.apply_chat_template else ""
-        problems = [f"{r.origin}: prompt has {len(x)} tokens{template}; "
-                    + ("it must not be empty" if not x else f"at most {limit} fit ({why})")
+        problems = [f"{r.origin}: prompt has {len(x)} tokens{template}, out of bounds: "
+                    + ("it must not be empty" if not x else f"at most {limit} tokens fit ({why})")
                     for r, x in zip(self.rows, ids) if not x or (limit is not None and len(x) > limit)]
         if problems:
             raise DataRowsError(problems)

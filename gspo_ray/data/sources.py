@@ -87,7 +87,7 @@ def check_row(row: Any, origin: str, prompt_field: str, reference_field: str | N
               problems: list[str]) -> PromptRow | None:
     """One row checked: its problems appended (each naming origin and field), or its PromptRow."""
     if not isinstance(row, dict):
-        problems.append(f"{origin}: expected an object per row, got {type(row).__name__}")
+        problems.append(f"{origin}: expected a JSON object per row, got {type(row).__name__}")
         return None
     before = len(problems)
     values = {}
@@ -114,16 +114,23 @@ def _shards(path: Path, suffix: str) -> list[Path]:
 
 
 def _jsonl_records(path: Path) -> Iterator[tuple[str, Any]]:
-    """(origin, row or a problem string) per non-blank line of each file."""
+    """(origin, row or a ProblemText) per non-blank line of each file."""
     for file in [path] if path.is_file() else _shards(path, ".jsonl"):
-        with file.open(encoding="utf-8") as f:
-            for line_no, line in enumerate(f, 1):
+        with file.open("rb") as f:
+            for line_no, raw in enumerate(f, 1):
+                origin = f"{file}:{line_no}"
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    yield origin, ProblemText(f"not UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1}); "
+                                              "save the file as UTF-8")
+                    continue
                 if not line.strip():
                     continue
                 try:
-                    yield f"{file}:{line_no}", json.loads(line)
+                    yield origin, json.loads(line)
                 except json.JSONDecodeError as e:
-                    yield f"{file}:{line_no}", ProblemText(f"not valid JSON: {e}")
+                    yield origin, ProblemText(f"not valid JSON: {e}")
 
 
 class ProblemText(str):

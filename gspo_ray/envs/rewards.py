@@ -233,18 +233,20 @@ def _last_boxed(text: str) -> str | None:
 def extract_final_answer(text: str) -> str | None:
     """The final answer of a completion, by the first rule that finds one:
     1. the content of the last `\\boxed{...}` (LaTeX; `\\fbox{...}` too), braces balanced;
-    2. the rest of the line after the last `####` (GSM8K's answer marker);
+    2. the rest of the line after the last `####` (GSM8K's answer marker): the number it starts with, if any;
     3. the last number in the text (integer, decimal, thousands commas, or a fraction a/b).
     None when no rule finds anything non-empty.
-        "so \\boxed{\\frac{3}{4}}." -> "\\frac{3}{4}";  "... #### 1,200" -> "1,200";  "3 + 4 = 7 apples" -> "7"
+        "so \\boxed{\\frac{3}{4}}." -> "\\frac{3}{4}";  "#### 1,200 dollars" -> "1,200";  "3 + 4 = 7 apples" -> "7"
     """
     boxed = _last_boxed(text)
     if boxed is not None and boxed.strip():
         return boxed.strip()
     if _GSM8K_MARK in text:
         after = text.rsplit(_GSM8K_MARK, 1)[1].strip().splitlines()
-        if after and after[0].strip():
-            return after[0].strip()
+        rest = after[0].strip() if after else ""
+        number = _NUMBER.match(rest.lstrip("$"))
+        if rest:
+            return number.group().replace(" ", "") if number else rest
     numbers = _NUMBER.findall(text)
     return numbers[-1].replace(" ", "") if numbers else None
 

@@ -109,14 +109,15 @@ def test_length_checks_name_rows_and_counts(tmp_path, tok):
     # validate() checks the whole file up front: the 4th row has 5 + 20 + 1 = 26 tokens.
     with pytest.raises(DataRowsError) as e:
         src.validate()
-    assert e.value.lines() == [f"{path}:4: prompt has 26 tokens; at most 16 fit (max_prompt_tokens=16)"]
+    assert e.value.lines() == [f"{path}:4: prompt has 26 tokens, out of bounds: at most 16 tokens fit "
+                              "(max_prompt_tokens=16)"]
     # copy:1= is 7 tokens; max_model_len 16 - max_new_tokens 10 leaves 6: every row is too long, one line each.
     src = PromptSource.from_jsonl(path, tok, max_model_len=16, max_new_tokens=10)
     with pytest.raises(DataRowsError) as e:
         src.take(1)                                                            # iteration validates first
     why = "rollout.max_model_len=16 - rollout.max_new_tokens=10 = 6"
-    assert e.value.lines() == [f"{path}:{i}: prompt has 7 tokens; at most 6 fit ({why})" for i in (1, 2, 3)] + [
-        f"{path}:4: prompt has 26 tokens; at most 6 fit ({why})"]
+    assert e.value.lines() == [f"{path}:{i}: prompt has {n} tokens, out of bounds: at most 6 tokens fit ({why})"
+                               for i, n in ((1, 7), (2, 7), (3, 7), (4, 26))]
     assert len(PromptSource.from_jsonl(path, tok, max_prompt_tokens=26).validate()) == 4
 
 
