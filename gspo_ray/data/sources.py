@@ -97,8 +97,10 @@ def check_row(row: Any, origin: str, prompt_field: str, reference_field: str | N
         values[name] = get_field(row, name)
         if values[name] is _MISSING:
             problems.append(f"{origin}: row has no field {name!r} ({cfg_key}); its fields: {', '.join(row) or 'none'}")
+        elif values[name] is None:  # parquet and Arrow keep one schema: a key some rows lack is null in them
+            problems.append(f"{origin}: field {name!r} ({cfg_key}) is null in this row")
     prompt = values.get(prompt_field, _MISSING)
-    if prompt is not _MISSING:
+    if prompt is not _MISSING and prompt is not None:
         problem = describe_prompt_problem(prompt, chat)
         if problem is not None:
             problems.append(f"{origin}: field {prompt_field!r} (data.prompt_field) {problem}")
