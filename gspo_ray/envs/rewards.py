@@ -18,12 +18,17 @@ Protocol
 - `reference` is `Prompt.reference` as given by the prompt source (a string for the built-in tasks and JSONL).
 - `completion_ids`: the raw completion token ids (EOS and anything after it included).
 - `finish_reason`: the engine's, "stop" | "length" | "aborted". `eos_found`: an EOS token id is in the ids.
-- `prompt_text`, `meta`: `Prompt.text` and `Prompt.meta` (JSONL rows put their extra fields in `meta["fields"]`).
-- `**kwargs`: the YAML's `reward.kwargs`, passed on every call. The runner passes only the keyword arguments a
-  function declares, so `def fn(completion, reference): ...` is a valid reward; declare `**kwargs` to get all.
+- `prompt_text`, `meta`: `Prompt.text` and `Prompt.meta` (file rows put their other fields in `meta["fields"]`).
+- `**kwargs`: the YAML's `reward.kwargs`, passed on every call, and the row's other fields (columns besides the
+  prompt and the reference, nested as they are: `data_source`, `extra_info`, ...), as TRL passes dataset columns;
+  context and `reward.kwargs` win over a field of the same name (`gspo_ray.envs.reward_calls`). The runner passes
+  only the keyword arguments a function declares, so `def fn(completion, reference): ...` is a valid reward;
+  declare `**kwargs` to get all, or a field by name with a default (`extra_info=None`).
 - Return a float, or a dict `{"reward": float, "<name>": float, ...}`: the other entries are logged per sample in
   `Sample.reward_info` (e.g. `char_acc`, `exact`). A dict may also carry `"token_rewards": list[float]` with one
   entry per completion token. A non-finite reward marks the sample failed instead of poisoning its group.
+- Optional: a `check_reference(reference) -> str | None` attribute on the function; the preflight calls it on every
+  row's reference and reports the rows it returns a problem for (`math_verify_reward` has one).
 - Functions run in worker threads (several at once): keep them free of shared mutable state. A function that
   raises or exceeds `reward.timeout_s` fails only its own sample (see `gspo_ray.rollout.scoring`).
 """
