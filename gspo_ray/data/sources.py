@@ -159,7 +159,10 @@ def _hf_disk_records(path: Path) -> Iterator[tuple[str, Any]]:
                          f"data.eval_path at one split's directory, e.g. {path / (splits[0] if splits else 'train')}")
     import datasets
 
-    table = datasets.load_from_disk(str(path)).data.table  # the Arrow table: rows as plain Python objects
+    try:
+        table = datasets.load_from_disk(str(path)).data.table  # the Arrow table: rows as plain Python objects
+    except Exception as e:  # datasets raises FileNotFoundError, ArrowInvalid, JSONDecodeError, ... for a broken one
+        raise ValueError(f"{path}: not a readable save_to_disk dataset ({type(e).__name__}: {e})") from e
     for i, row in enumerate(table.to_pylist()):
         yield f"{path} row {i}", row
 

@@ -54,6 +54,9 @@ def test_trl_save_to_disk_dataset(tmp_path):
     with pytest.raises(ValueError, match=r"a DatasetDict \(splits train\); point data.path / data.eval_path at one "
                                          r"split's directory, e.g. .*dd/train$"):
         read_rows(tmp_path / "dd", "hf_disk")
+    (tmp_path / "ds" / "data-00000-of-00001.arrow").write_bytes(b"truncated")  # a broken save_to_disk directory
+    with pytest.raises(ValueError, match=r"ds: not a readable save_to_disk dataset \("):
+        read_rows(tmp_path / "ds", "hf_disk")
 
 
 def test_a_directory_that_is_neither_parquet_nor_save_to_disk(tmp_path):
