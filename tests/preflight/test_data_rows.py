@@ -37,7 +37,7 @@ def job(tmp: Path, rows, *, reward=COPY, fmt="parquet", data=None) -> Path:
     return out
 
 
-def errors(job_path: Path, cwd=None) -> list[str]:
+def errors(job_path: Path) -> list[str]:
     result = CliRunner().invoke(app, ["config", "validate", str(job_path)])
     assert result.exit_code == 2 and "Traceback" not in result.output, (result.exit_code, result.output)
     return result.stderr.strip().splitlines()
@@ -109,3 +109,13 @@ def test_a_missing_data_file_names_the_absolute_path_tried(tmp_path, monkeypatch
     monkeypatch.chdir(tmp_path)
     assert errors(path) == [f"error: {path}: data.path: file not found: data/train.parquet (relative paths resolve "
                             f"against the current directory; tried {tmp_path}/data/train.parquet)"]
+
+
+def test_reward_fn_mapping_is_checked(tmp_path):
+    path = job(tmp_path, [verl_row(1)], reward={})
+    result = CliRunner().invoke(app, ["config", "validate", str(path)])
+    assert result.exit_code == 2 and "rollout.reward.fn: an empty mapping" in result.stderr, result.output
+    path = job(tmp_path, [verl_row(1)], reward={"copy": "gspo_ray.envs.rewards:no_such_reward"})
+    lines = errors(path)
+    assert len(lines) == 1 and lines[0].startswith("error: rollout.reward.fn.copy: 'gspo_ray.envs.rewards' has no "
+                                                   "attribute 'no_such_reward'"), lines
