@@ -148,7 +148,9 @@ def _parquet_records(path: Path) -> Iterator[tuple[str, Any]]:
         except Exception as e:  # pyarrow raises ArrowInvalid, OSError, ... for a file that is not parquet
             yield str(file), ProblemText(f"not a readable parquet file ({type(e).__name__}: {e})")
             continue
-        for i, row in enumerate(table.to_pylist()):
+        # a DataFrame written by pandas keeps a non-default index as a column: it is not the user's data
+        index = [c for c in (table.schema.pandas_metadata or {}).get("index_columns", []) if isinstance(c, str)]
+        for i, row in enumerate(table.drop_columns(index).to_pylist() if index else table.to_pylist()):
             yield f"{file} row {i}", row
 
 

@@ -34,6 +34,14 @@ def test_verl_parquet_dotted_reference_and_fields_as_they_are(tmp_path):
                               "reward_model": {"style": "rule", "ground_truth": "1"}}
 
 
+def test_a_pandas_index_is_not_a_field(tmp_path):
+    import pandas as pd
+
+    pd.DataFrame(verl_rows(3)).iloc[[2, 0]].to_parquet(tmp_path / "shuffled.parquet")  # verl writes with pandas
+    rows = read_rows(tmp_path / "shuffled.parquet", "parquet", "prompt", "reward_model.ground_truth", True)
+    assert [r.reference for r in rows] == ["2", "0"] and "__index_level_0__" not in rows[0].fields
+
+
 def test_a_directory_of_shards_is_read_in_order(tmp_path):
     write_parquet(tmp_path / "data" / "train-00001-of-00002.parquet", verl_rows(2, start=2))
     write_parquet(tmp_path / "data" / "train-00000-of-00002.parquet", verl_rows(2))
