@@ -24,7 +24,7 @@ CANDIDATES = [("repeat", 4, 8, "repeat_chars_reward"),
               ("sum", 2, 2, "answer_number_reward"), ("sum", 2, 3, "answer_number_reward"),
               ("sort", 4, 4, "answer_number_reward"), ("sort", 6, 6, "answer_number_reward")]
 # word-problem settings (min_ops, max_ops, max_value), scored by math_verify_reward with 128 new tokens
-WORDPROBLEM_CANDIDATES = [(2, 2, 5), (2, 2, 9), (2, 3, 9)]
+WORDPROBLEM_CANDIDATES = [(2, 2, 5), (2, 3, 5), (2, 2, 9), (2, 3, 9)]
 WORDPROBLEM_NEW_TOKENS = 128
 
 

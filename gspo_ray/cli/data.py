@@ -20,7 +20,7 @@ def data_make(task: str = typer.Argument(..., help="wordproblems"),
               seed: int = typer.Option(0, help="generator seed"),
               min_ops: int = typer.Option(2, help="fewest arithmetic operations a problem takes (2-3)"),
               max_ops: int = typer.Option(3, help="most arithmetic operations a problem takes (2-3)"),
-              max_value: int = typer.Option(9, help="largest quantity in a problem")):
+              max_value: int = typer.Option(5, help="largest quantity in a problem")):
     """Write TASK's train and held-out splits as verl-layout parquet (OUT/train.parquet, OUT/test.parquet) and
     TRL-style `datasets` directories (OUT/trl/train, OUT/trl/test)."""
     from gspo_ray.data.wordproblems import write_wordproblems

@@ -112,7 +112,7 @@ def _draw(n: int, rng: random.Random, ops: list[int], max_value: int, exclude: s
 
 
 def build_wordproblem_splits(num_train: int = 4000, num_eval: int = 64, seed: int = 0, min_ops: int = 2,
-                             max_ops: int = 3, max_value: int = 9) -> tuple[list[WordProblem], list[WordProblem]]:
+                             max_ops: int = 3, max_value: int = 5) -> tuple[list[WordProblem], list[WordProblem]]:
     """(train, held-out) problems, disjoint by text; each problem takes min_ops..max_ops operations (chosen
     uniformly, then a template of that many uniformly) over quantities of at most `max_value`."""
     if not 2 <= min_ops <= max_ops <= 3:
@@ -146,7 +146,7 @@ def trl_rows(problems: list[WordProblem]) -> list[dict]:
 
 
 def write_wordproblems(out: str | Path, num_train: int = 4000, num_eval: int = 64, seed: int = 0, min_ops: int = 2,
-                       max_ops: int = 3, max_value: int = 9) -> dict[str, Path]:
+                       max_ops: int = 3, max_value: int = 5) -> dict[str, Path]:
     """Write both splits as verl parquet files and TRL save_to_disk directories under `out`; returns the paths."""
     import datasets
     import pyarrow as pa
