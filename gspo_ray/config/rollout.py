@@ -17,8 +17,12 @@ class RewardConfig(Strict):
     group sees; the failed-share limit stops a run that cannot learn instead of letting it end as a success.
     """
 
-    fn: str = Field("gspo_ray.envs.rewards:copy_reward", description="dotted import path `module:function`")
-    kwargs: dict[str, Any] = Field(default_factory=dict, description="extra keyword arguments for the function")
+    fn: str | dict[str, str] = Field(
+        "gspo_ray.envs.rewards:copy_reward", description="dotted import path `module:function`, or a mapping "
+        "data_source -> import path: each row's `data_source` field picks its function ('*' = any other; "
+        "docs/data.md)")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="extra keyword arguments for the function "
+                                   "(with a mapping: each passed to the functions that declare it)")
     timeout_s: float = Field(5.0, gt=0, description="a call slower than this fails its sample; under process "
                              "isolation the call's process is killed and replaced")
     num_procs: int = Field(2, ge=1, description="reward calls running at once per rollout worker (processes, or "
@@ -44,6 +48,9 @@ class RewardConfig(Strict):
 
     @model_validator(mode="after")
     def _check(self) -> "RewardConfig":
+        if isinstance(self.fn, dict) and not self.fn:
+            raise ValueError("rollout.reward.fn: an empty mapping; map each data_source to an import path, or give "
+                             "one import path")
         if self.on_failure == "score" and self.failure_reward is None:
             raise ValueError("rollout.reward.on_failure 'score' needs rollout.reward.failure_reward (a reward at "
                              "or below the function's worst score)")

@@ -1,7 +1,10 @@
-"""Prompt sources: a built-in task generator or a JSONL file, tokenised once, iterated forever in seeded epochs.
+"""Prompt sources: a built-in task generator or files (JSONL, parquet, a save_to_disk dataset: `sources`),
+tokenised once, iterated forever in seeded epochs.
 
     source = PromptSource.from_jsonl("data/train.jsonl", "runs/models/tiny-moe", prompt_field="question",
                                      reference_field="answer", max_prompt_tokens=512)
+    source = PromptSource.from_files("data/train.parquet", tok, source="parquet", apply_chat_template=True,
+                                     reference_field="reward_model.ground_truth", system_prompt="Think first.")
     source.validate()          # reads and tokenises every row now; errors name file:line and the field
     batch = source.take(16)    # list[Prompt]; uids "train-<row>-e<epoch>", unique within a job
     held_out = PromptSource.from_task("copy", tokenizer, split="eval", num_eval=64).prompts()
@@ -9,33 +12,27 @@
 
 Every problem with the data is found before any actor or engine starts: a missing file (named), a row without
 the configured field (file:line and field), a prompt that is empty or too long for `max_prompt_tokens` or for
-`max_model_len - max_new_tokens` (file:line and its token count). Token ids are made here, once: nothing
+`max_model_len - max_new_tokens` after the chat template (file:line and its token count): one line per row. Token ids are made here, once: nothing
 downstream re-tokenises. No special tokens are added, unless the tokenizer's chat template is requested.
 """
 from __future__ import annotations
 
-import json
 import random
 import warnings
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
 from gspo_ray.data.records import Prompt
+from gspo_ray.data.sources import DataRowsError, PromptRow, read_rows
 from gspo_ray.data.tasks import build_task_splits
 
 SPLITS = ("train", "eval")
-_MAX_LISTED = 5  # offending rows named in one error message
 
 
-@dataclass(frozen=True)
-class PromptRow:
-    """One prompt before tokenisation: a string, or chat messages when a chat template is applied."""
-
-    prompt: str | list[dict[str, Any]]
-    reference: Any
-    origin: str  # where it came from, for error messages: "data/train.jsonl:12" or "builtin:copy/train#12"
-    fields: dict[str, Any] = field(default_factory=dict)  # the row's other fields, given to the reward as meta
+def read_jsonl_rows(path: str | Path, prompt_field: str = "prompt", reference_field: str | None = "reference",
+                    apply_chat_template: bool = False) -> list[PromptRow]:
+    """Parse and check every row of a JSONL file (or directory of shards): `sources.read_rows` for JSONL."""
+    return read_rows(path, "jsonl", prompt_field, reference_field, apply_chat_template)
 
 
 def load_tokenizer(tokenizer: Any) -> Any:
@@ -48,52 +45,6 @@ def load_tokenizer(tokenizer: Any) -> Any:
         return AutoTokenizer.from_pretrained(str(tokenizer))
     except Exception as e:
         raise ValueError(f"cannot load a tokenizer from {str(tokenizer)!r}: {type(e).__name__}: {e}") from e
-
-
-def _check_prompt_value(value: Any, origin: str, prompt_field: str, chat: bool) -> None:
-    if isinstance(value, str):
-        if not value:
-            raise ValueError(f"{origin}: field {prompt_field!r} (data.prompt_field) is an empty string")
-        return
-    is_messages = isinstance(value, list) and value and all(isinstance(m, dict) and "content" in m for m in value)
-    if is_messages and not chat:
-        raise ValueError(f"{origin}: field {prompt_field!r} holds chat messages; set data.apply_chat_template: "
-                         "true to render them with the tokenizer's chat template")
-    if not is_messages:
-        raise ValueError(f"{origin}: field {prompt_field!r} (data.prompt_field) must be a string or a list of "
-                         f"chat messages, got {type(value).__name__}")
-
-
-def read_jsonl_rows(path: str | Path, prompt_field: str = "prompt", reference_field: str | None = "reference",
-                    apply_chat_template: bool = False) -> list[PromptRow]:
-    """Parse and check every row of a JSONL file; errors name the file, the line and the config field."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"prompt file {str(path)!r} does not exist" if not path.exists()
-                                else f"prompt file {str(path)!r} is not a file")
-    rows = []
-    with path.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            origin = f"{path}:{line_no}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{origin}: not valid JSON: {e}") from e
-            if not isinstance(row, dict):
-                raise ValueError(f"{origin}: expected a JSON object per line, got {type(row).__name__}")
-            for name, cfg_key in ((prompt_field, "data.prompt_field"), (reference_field, "data.reference_field")):
-                if name is not None and name not in row:
-                    raise ValueError(f"{origin}: row has no field {name!r} ({cfg_key}); "
-                                     f"its fields: {', '.join(row) or 'none'}")
-            _check_prompt_value(row[prompt_field], origin, prompt_field, apply_chat_template)
-            reference = row.get(reference_field) if reference_field is not None else None
-            extra = {k: v for k, v in row.items() if k not in (prompt_field, reference_field)}
-            rows.append(PromptRow(row[prompt_field], reference, origin, extra))
-    if not rows:
-        raise ValueError(f"prompt file {str(path)!r} has no rows")
-    return rows
 
 
 def task_rows(task: str, split: str, num_train: int = 10_000, num_eval: int = 64, seed: int = 0,
@@ -115,7 +66,7 @@ class PromptSource:
     def __init__(self, rows: list[PromptRow], tokenizer: Any, *, split: str = "train", seed: int = 0,
                  shuffle: bool | None = None, max_prompt_tokens: int | None = None,
                  max_new_tokens: int | None = None, max_model_len: int | None = None,
-                 apply_chat_template: bool = False, name: str = "prompts"):
+                 apply_chat_template: bool = False, system_prompt: str | None = None, name: str = "prompts"):
         if not rows:
             raise ValueError(f"{name}: no prompts")
         self.rows, self.split, self.seed, self.name = rows, split, seed, name
@@ -123,7 +74,7 @@ class PromptSource:
         self.tokenizer = load_tokenizer(tokenizer)
         self.max_prompt_tokens = max_prompt_tokens
         self.max_new_tokens, self.max_model_len = max_new_tokens, max_model_len  # prompt room = len - new
-        self.apply_chat_template = apply_chat_template
+        self.apply_chat_template, self.system_prompt = apply_chat_template, system_prompt
         self._ids: list[list[int]] | None = None
         self._texts: list[str] | None = None
         self._epoch, self._pos = 0, 0
@@ -132,7 +83,14 @@ class PromptSource:
     @classmethod
     def from_jsonl(cls, path: str | Path, tokenizer: Any, *, prompt_field: str = "prompt",
                    reference_field: str | None = "reference", split: str = "train", **kwargs: Any) -> PromptSource:
-        rows = read_jsonl_rows(path, prompt_field, reference_field, kwargs.get("apply_chat_template", False))
+        return cls.from_files(path, tokenizer, source="jsonl", prompt_field=prompt_field,
+                              reference_field=reference_field, split=split, **kwargs)
+
+    @classmethod
+    def from_files(cls, path: str | Path, tokenizer: Any, *, source: str = "jsonl", prompt_field: str = "prompt",
+                   reference_field: str | None = "reference", split: str = "train", **kwargs: Any) -> PromptSource:
+        """Rows of a JSONL / parquet file or directory, or a save_to_disk directory (source hf_disk)."""
+        rows = read_rows(path, source, prompt_field, reference_field, kwargs.get("apply_chat_template", False))
         return cls(rows, tokenizer, split=split, name=str(path), **kwargs)
 
     @classmethod
@@ -148,7 +106,7 @@ class PromptSource:
         """From a `DataConfig`; None for an eval split that has no data (no eval_path, or num_eval == 0).
         `kwargs` carries the limits that live in other sub-configs (max_new_tokens, max_model_len, ...)."""
         num_train = kwargs.pop("num_train", None) or getattr(cfg, "num_train", None) or 10_000
-        common = dict(apply_chat_template=cfg.apply_chat_template, **kwargs)
+        common = dict(apply_chat_template=cfg.apply_chat_template, system_prompt=cfg.system_prompt, **kwargs)
         if cfg.source == "builtin":
             if split == "eval" and not cfg.num_eval:
                 return None
@@ -158,9 +116,9 @@ class PromptSource:
         path = cfg.path if split == "train" else cfg.eval_path
         if path is None:
             if split == "train":
-                raise ValueError("data.path is required when data.source is 'jsonl'")
+                raise ValueError(f"data.path is required when data.source is {cfg.source!r}")
             return None
-        return cls.from_jsonl(path, tokenizer, prompt_field=cfg.prompt_field,
+        return cls.from_files(path, tokenizer, source=cfg.source, prompt_field=cfg.prompt_field,
                               reference_field=cfg.reference_field, split=split, seed=cfg.seed, **common)
 
     def __len__(self) -> int:
@@ -188,6 +146,8 @@ class PromptSource:
             raise ValueError(f"{self.name}: data.apply_chat_template is true but the tokenizer "
                              f"({getattr(self.tokenizer, 'name_or_path', '?')}) has no chat template")
         messages = row.prompt if isinstance(row.prompt, list) else [{"role": "user", "content": row.prompt}]
+        if self.system_prompt is not None and not any(m.get("role") == "system" for m in messages):
+            messages = [{"role": "system", "content": self.system_prompt}, *messages]
         # Render to text, then encode without adding specials: the template already writes them out.
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
@@ -202,14 +162,14 @@ class PromptSource:
         return min(limits) if limits else (None, "")
 
     def _check_lengths(self, ids: list[list[int]]) -> None:
+        """Every prompt has 1..limit tokens, as rendered (chat template included); one line per row that has not."""
         limit, why = self._length_limit()
-        bad = [(r.origin, len(x)) for r, x in zip(self.rows, ids) if not x or (limit is not None and len(x) > limit)]
-        if bad:
-            listed = "; ".join(f"{origin} has {n} tokens" for origin, n in bad[:_MAX_LISTED])
-            more = f" (and {len(bad) - _MAX_LISTED} more)" if len(bad) > _MAX_LISTED else ""
-            rule = f"must have 1..{limit} tokens ({why})" if limit is not None else "must not be empty"
-            raise ValueError(f"{len(bad)} prompt(s) of {self.name} are out of bounds: prompts {rule}: "
-                             f"{listed}{more}")
+        template = " after the chat template" if self.apply_chat_template else ""
+        problems = [f"{r.origin}: prompt has {len(x)} tokens{template}, out of bounds: "
+                    + ("it must not be empty" if not x else f"at most {limit} tokens fit ({why})")
+                    for r, x in zip(self.rows, ids) if not x or (limit is not None and len(x) > limit)]
+        if problems:
+            raise DataRowsError(problems)
 
     def _check_round_trip(self, texts: list[str], ids: list[list[int]]) -> None:
         """Warn when text is lost in tokenisation (characters outside the vocabulary are silently dropped by

@@ -8,6 +8,8 @@ from gspo_ray.envs.rewards import (
     compute_tail_repeats,
     copy_reward,
     exact_match,
+    extract_final_answer,
+    math_verify_reward,
     repeat_chars_reward,
     repeat_reward,
 )
@@ -19,6 +21,8 @@ __all__ = [
     "compute_tail_repeats",
     "copy_reward",
     "exact_match",
+    "extract_final_answer",
+    "math_verify_reward",
     "repeat_chars_reward",
     "repeat_reward",
 ]

@@ -18,17 +18,24 @@ Protocol
 - `reference` is `Prompt.reference` as given by the prompt source (a string for the built-in tasks and JSONL).
 - `completion_ids`: the raw completion token ids (EOS and anything after it included).
 - `finish_reason`: the engine's, "stop" | "length" | "aborted". `eos_found`: an EOS token id is in the ids.
-- `prompt_text`, `meta`: `Prompt.text` and `Prompt.meta` (JSONL rows put their extra fields in `meta["fields"]`).
-- `**kwargs`: the YAML's `reward.kwargs`, passed on every call. The runner passes only the keyword arguments a
-  function declares, so `def fn(completion, reference): ...` is a valid reward; declare `**kwargs` to get all.
+- `prompt_text`, `meta`: `Prompt.text` and `Prompt.meta` (file rows put their other fields in `meta["fields"]`).
+- `**kwargs`: the YAML's `reward.kwargs`, passed on every call, and the row's other fields (columns besides the
+  prompt and the reference, nested as they are: `data_source`, `extra_info`, ...), as TRL passes dataset columns;
+  context and `reward.kwargs` win over a field of the same name (`gspo_ray.envs.reward_calls`). The runner passes
+  only the keyword arguments a function declares, so `def fn(completion, reference): ...` is a valid reward;
+  declare `**kwargs` to get all, or a field by name with a default (`extra_info=None`).
 - Return a float, or a dict `{"reward": float, "<name>": float, ...}`: the other entries are logged per sample in
   `Sample.reward_info` (e.g. `char_acc`, `exact`). A dict may also carry `"token_rewards": list[float]` with one
   entry per completion token. A non-finite reward marks the sample failed instead of poisoning its group.
+- Optional: a `check_reference(reference) -> str | None` attribute on the function; the preflight calls it on every
+  row's reference and reports the rows it returns a problem for (`math_verify_reward` has one).
 - Functions run in worker threads (several at once): keep them free of shared mutable state. A function that
   raises or exceeds `reward.timeout_s` fails only its own sample (see `gspo_ray.rollout.scoring`).
 """
 from __future__ import annotations
 
+import functools
+import re
 from typing import Any, Iterable
 
 
@@ -74,7 +81,6 @@ def answer_number_reward(completion: str, reference: Any, **_: Any) -> dict[str,
     reads as 9). Digits separated by commas or spaces are separate numbers.
         ref "432":  "432" -> 1.0;  "47 + 385 = 432." -> 1.0;  "433" -> 0.0;  "432 or 431" -> 0.0;  "" -> 0.0
     """
-    import re
 
     lines = [line.strip() for line in completion.strip().splitlines() if line.strip()]
     numbers = re.findall(r"\d+", lines[0]) if lines else []
@@ -208,3 +214,100 @@ def cer_reward(completion: str, reference: Any, *, finish_reason: str = "stop", 
     halluc = -(length_penalty * truncated + loop_penalty * looping)
     return {"reward": accuracy + hotword + halluc, "cer": cer, "accuracy": accuracy, "hotword": hotword,
             "halluc": halluc, "truncated": float(truncated), "loop_repeats": float(repeats)}
+
+
+# ---- math answers, verified with math-verify ---------------------------------------------------------------------
+# A number as written in an answer: an integer or decimal (thousands commas allowed), optionally a fraction a/b.
+_NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:\s*/\s*\d+(?:\.\d+)?)?")
+_GSM8K_MARK = "####"
+
+
+def _last_boxed(text: str) -> str | None:
+    """The content of the last \\boxed{...} (or \\fbox{...}), braces balanced; None when there is none."""
+    start = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
+    if start < 0:
+        return None
+    i = text.index("{", start) + 1
+    depth, begin = 1, i
+    while i < len(text) and depth:
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        i += 1
+    return text[begin:i - 1] if depth == 0 else None
+
+
+def extract_final_answer(text: str) -> str | None:
+    """The final answer of a completion, by the first rule that finds one:
+    1. the content of the last `\\boxed{...}` (LaTeX; `\\fbox{...}` too), braces balanced;
+    2. the rest of the line after the last `####` (GSM8K's answer marker): the number it starts with, if any;
+    3. the last number in the text (integer, decimal, thousands commas, or a fraction a/b).
+    None when no rule finds anything non-empty.
+        "so \\boxed{\\frac{3}{4}}." -> "\\frac{3}{4}";  "#### 1,200 dollars" -> "1,200";  "3 + 4 = 7 apples" -> "7"
+    """
+    boxed = _last_boxed(text)
+    if boxed is not None and boxed.strip():
+        return boxed.strip()
+    if _GSM8K_MARK in text:
+        after = text.rsplit(_GSM8K_MARK, 1)[1].strip().splitlines()
+        rest = after[0].strip() if after else ""
+        number = _NUMBER.match(rest.lstrip("$"))
+        if rest:
+            return number.group().replace(" ", "") if number else rest
+    numbers = _NUMBER.findall(text)
+    return numbers[-1].replace(" ", "") if numbers else None
+
+
+def _math_parse(answer: str) -> list:
+    """math-verify's parse of one answer as LaTeX or a plain expression ([] when it finds nothing). No timeout of
+    its own (its signal alarm works only on a main thread): the reward process's timeout bounds the call."""
+    import math_verify.grader
+    import math_verify.parser
+    from math_verify import parse
+
+    # The warning that parse/verify run without their own timeout is shown once per process; ours is the
+    # reward runner's (a process killed at rollout.reward.timeout_s).
+    math_verify.parser.TIMEOUT_WARNING_SHOWN = math_verify.grader.TIMEOUT_WARNING_SHOWN = True
+    return parse(f"${answer.strip().strip('$')}$", parsing_timeout=None)
+
+
+@functools.lru_cache(maxsize=4096)
+def parse_math_reference(reference: str) -> tuple:
+    """The reference parsed by math-verify, () when it cannot be (math-verify then gives back only the string).
+    A reference with a `\\boxed{}` or a `####` marker (a GSM8K solution) is reduced to its final answer first
+    (`extract_final_answer` rules 1 and 2)."""
+    text = reference.strip()
+    if _last_boxed(text) is not None or _GSM8K_MARK in text:
+        text = extract_final_answer(text) or ""
+    parsed = tuple(_math_parse(text)) if text else ()
+    return parsed if any(not isinstance(x, str) for x in parsed) else ()
+
+
+def math_reference_problem(reference: Any) -> str | None:
+    """Why math-verify cannot use this reference (None when it can): the preflight's check of every row."""
+    if reference is None or not str(reference).strip():
+        return "the reference is empty; math_verify_reward needs an answer to verify against"
+    if not parse_math_reference(str(reference)):
+        return f"math-verify cannot parse the reference {str(reference)[:60]!r}"
+    return None
+
+
+def math_verify_reward(completion: str, reference: Any, **_: Any) -> dict[str, float]:
+    """1.0 when the completion's final answer equals the reference mathematically (math-verify: 0.75 = 3/4 =
+    \\frac{6}{8}), else 0.0. The final answer is found by `extract_final_answer`: the last `\\boxed{}`, else what
+    follows the last `####`, else the last number. `has_answer` says whether one was found at all.
+        ref "18":  "... \\boxed{18}" -> 1.0;  "#### 18" -> 1.0;  "so she has 18 eggs." -> 1.0;  "17" -> 0.0;  "" -> 0.0
+    Run it under `rollout.reward.isolation: process` (the default): math-verify's sympy can take long on odd input,
+    and only a process is stopped at `rollout.reward.timeout_s`. The preflight checks that every reference parses.
+    """
+    from math_verify import verify
+
+    gold = parse_math_reference(str(reference))
+    answer = extract_final_answer(completion)
+    if not gold or answer is None:
+        return {"reward": 0.0, "exact": 0.0, "has_answer": float(answer is not None)}
+    target = _math_parse(answer)
+    ok = bool(target) and verify(list(gold), target, timeout_seconds=None)
+    return {"reward": float(ok), "exact": float(ok), "has_answer": 1.0}
+
+
+# The preflight calls this on every row's reference before training starts (gspo_ray/preflight/data.py).
+math_verify_reward.check_reference = math_reference_problem

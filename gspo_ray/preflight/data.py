@@ -1,53 +1,101 @@
-"""The job's data: every JSONL row parsed (cheap, before a tokenizer), then both splits tokenised whole."""
+"""The job's data: every row of its files read and checked (cheap, before a tokenizer), then both splits tokenised
+whole. Every bad row is reported, one line each naming the field, the file, the row (first ten, then a count)."""
 from __future__ import annotations
 
 import warnings
 from contextlib import contextmanager
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
 from gspo_ray.config import JobConfig
 from gspo_ray.preflight.model import PreflightError
 from gspo_ray.preflight.report import PreflightReport, one_line
 
+MAX_PROBLEMS = 10  # problems listed one per line; the rest are counted
+
 if TYPE_CHECKING:  # gspo_ray.data imports torch: a bad model type or plug-in path is reported before that
     from gspo_ray.data.records import Prompt
 
 
-def _first_bad_utf8_line(path: Path) -> str:
-    with Path(path).open("rb") as f:
-        for line_no, raw in enumerate(f, 1):
-            try:
-                raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                return f"{path}:{line_no}: not UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1})"
-    return f"{path}: not UTF-8"
+class PreflightRowsError(PreflightError):
+    """Rows that cannot be used: one line per problem naming the field, file, row (the first ten, then a count)."""
+
+    def __init__(self, problems: list[str], total: int):
+        shown = problems[:MAX_PROBLEMS]
+        self._lines = shown + ([f"... and {total - len(shown)} more problem(s) like these"]
+                               if total > len(shown) else [])
+        super().__init__("\n".join(self._lines))
+
+    def lines(self) -> list[str]:
+        return list(self._lines)
+
+
+def _split_field(cfg: JobConfig, split: str) -> str:
+    if cfg.data.source == "builtin":
+        return "data.task"
+    return "data.path" if split == "train" else "data.eval_path"
 
 
 @contextmanager
 def _data_errors(cfg: JobConfig, split: str) -> Iterator[None]:
     """The prompt loader's errors (they name file:line and the data.* field) as PreflightErrors naming the field
-    of the file they come from."""
-    d = cfg.data
-    fld = ("data.path" if split == "train" else "data.eval_path") if d.source == "jsonl" else "data.task"
+    of the file they come from: one line per bad row."""
+    from gspo_ray.data.sources import DataRowsError
+
+    fld = _split_field(cfg, split)
     try:
         yield
-    except UnicodeDecodeError:
-        path = d.path if split == "train" else d.eval_path
-        raise PreflightError(f"{fld}: {_first_bad_utf8_line(path)}; save the file as UTF-8") from None
+    except DataRowsError as e:
+        raise PreflightRowsError([f"{fld}: {line}" for line in e.problems], e.total) from None
     except (ValueError, OSError) as e:
         raise PreflightError(f"{fld}: {one_line(e)}") from None
 
 
-def parse_data(cfg: JobConfig) -> None:
-    """Every JSONL row parsed and its fields checked, before any tokenizer is loaded (the cheap half)."""
-    from gspo_ray.data.prompts import read_jsonl_rows
+def _reward_problem(reward_fn: Any, row: Any, reference_field: str) -> str | None:
+    """The reward's view of one row: its data_source maps to a function (rollout.reward.fn as a mapping), and that
+    function's `check_reference` (math_verify_reward: math-verify parses it) accepts the row's reference."""
+    from gspo_ray.envs.reward_calls import DATA_SOURCE_FIELD, RoutedReward
+
+    fn = reward_fn
+    if isinstance(reward_fn, RoutedReward):
+        source = row.fields.get(DATA_SOURCE_FIELD)
+        key = reward_fn.route(source)
+        if key is None:
+            got = f"is {source!r}" if DATA_SOURCE_FIELD in row.fields else "is missing"
+            return (f"{row.origin}: field {DATA_SOURCE_FIELD!r} {got}, which rollout.reward.fn maps to no reward "
+                    f"function (mapped: {', '.join(reward_fn.routes)}; '*' maps any other)")
+        fn = reward_fn.fns[key]
+    check = getattr(fn, "check_reference", None)
+    problem = check(row.reference) if callable(check) else None
+    return f"{row.origin}: field {reference_field!r} (data.reference_field): {problem}" if problem else None
+
+
+def parse_data(cfg: JobConfig, reward_fn: Any = None) -> None:
+    """Every row of the data files read and checked, before any tokenizer is loaded (the cheap half): the fields,
+    the prompts' types, messages and roles, and the reward's view of each row (`_reward_problem`). Every problem of
+    both files is collected: one line each, then exit 2."""
+    from gspo_ray.data.sources import DataRowsError, read_rows
 
     d = cfg.data
+    if d.source == "builtin":
+        return
+    problems, total = [], 0
     for split, path in (("train", d.path), ("eval", d.eval_path)):
-        if d.source == "jsonl" and path is not None:
-            with _data_errors(cfg, split):
-                read_jsonl_rows(path, d.prompt_field, d.reference_field, d.apply_chat_template)
+        if path is None:
+            continue
+        fld = _split_field(cfg, split)
+        with _data_errors(cfg, split):
+            try:
+                rows = read_rows(path, d.source, d.prompt_field, d.reference_field, d.apply_chat_template)
+            except DataRowsError as e:
+                problems += [f"{fld}: {line}" for line in e.problems]
+                total += e.total
+                continue
+        if reward_fn is not None and cfg.rollout.multi_turn is None:
+            found = [p for p in (_reward_problem(reward_fn, row, d.reference_field) for row in rows) if p]
+            problems += [f"{fld}: {line}" for line in found]
+            total += len(found)
+    if total:
+        raise PreflightRowsError(problems, total)
 
 
 def _load_split(cfg: JobConfig, tokenizer: Any, split: str):
@@ -73,8 +121,7 @@ def check_data(cfg: JobConfig, tokenizer: Any, vocab_size: int, report: Prefligh
             continue
         past = [p for p in prompts if max(p.prompt_ids) >= vocab_size]
         if past:
-            fld = "data.task" if cfg.data.source == "builtin" else ("data.path" if split == "train"
-                                                                     else "data.eval_path")
+            fld = _split_field(cfg, split)
             raise PreflightError(f"{fld}: {past[0].meta['origin']}: token id {max(past[0].prompt_ids)} has no "
                                  f"embedding (the model's vocab_size is {vocab_size}; {len(past)} prompt(s) "
                                  "affected): tokenizer and model do not agree")

@@ -8,7 +8,9 @@
 
 Cheapest first, so the common mistakes end in a second or two: the model directory's config.json and safetensors
 headers (architecture supported by the converter and the engine, weights present and sized to the vocabulary),
-the plug-ins (reward function / environment class import, with the protocol's signature), every JSONL row parsed;
+the plug-ins (reward function / environment class import, with the protocol's signature), every data row read
+(JSONL, parquet, save_to_disk: fields, prompt types, messages, a data_source mapped to a reward, references the
+reward can parse);
 then what imports torch / transformers: the converter's TP x EP layout, the tokenizer (loads, EOS, fits the
 embedding, chat template when asked), the data tokenised whole (prompts longer than `max_model_len -
 max_new_tokens` named), one dry call of the reward on a dummy completion (the first prompt's reference, stopped)
@@ -36,7 +38,7 @@ def run_preflight(cfg: JobConfig, *, import_timeout_s: float = IMPORT_TIMEOUT_S)
     facts = model_facts(cfg, report)
     reward_fn = import_reward(cfg, import_timeout_s)
     env_cls = import_env(cfg, import_timeout_s)
-    parse_data(cfg)
+    parse_data(cfg, reward_fn)
     tokenizer, vocab_size = checked_tokenizer(cfg, facts, report)
     prompt = check_data(cfg, tokenizer, vocab_size, report)
     if env_cls is None:

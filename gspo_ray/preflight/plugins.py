@@ -7,7 +7,8 @@ import time
 from typing import TYPE_CHECKING, Any, Callable
 
 from gspo_ray.config import JobConfig
-from gspo_ray.envs.plugins import PluginError, resolve_callable
+from gspo_ray.envs.plugins import PluginError
+from gspo_ray.envs.reward_calls import resolve_reward
 from gspo_ray.preflight.model import PreflightError
 from gspo_ray.preflight.report import PreflightReport, call_with_timeout, one_line
 
@@ -17,7 +18,7 @@ if TYPE_CHECKING:
 
 def import_reward(cfg: JobConfig, import_timeout_s: float) -> Callable:
     r = cfg.rollout.reward
-    fn = call_with_timeout(lambda: resolve_callable(r.fn, "rollout.reward.fn"), import_timeout_s,
+    fn = call_with_timeout(lambda: resolve_reward(r.fn, "rollout.reward", dict(r.kwargs)), import_timeout_s,
                            f"rollout.reward.fn: importing {r.fn!r}")
     from gspo_ray.rollout.scoring import build_call_kwargs  # no engine; after the user's import (this one is torch)
 

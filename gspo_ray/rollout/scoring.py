@@ -18,7 +18,6 @@ at once and a fresh thread takes its place); the stuck thread lives on until its
 """
 from __future__ import annotations
 
-import inspect
 import logging
 import math
 import numbers
@@ -32,13 +31,11 @@ from typing import Any, Callable
 
 from gspo_ray.data.prompts import load_tokenizer
 from gspo_ray.data.records import Prompt, Sample
-from gspo_ray.envs.plugins import PluginError, resolve_callable, traceback_site
+from gspo_ray.envs.plugins import traceback_site
+from gspo_ray.envs.reward_calls import build_call_kwargs, resolve_reward
 from gspo_ray.rollout.reward_procs import Outcome, ProcessCallPool
 
 log = logging.getLogger(__name__)
-
-# Passed by the runner on every call (protocol in gspo_ray.envs.rewards); reward.kwargs may not override them.
-CONTEXT_KWARGS = ("completion_ids", "finish_reason", "eos_found", "prompt_text", "meta")
 
 
 @dataclass
@@ -163,45 +160,6 @@ class _ProcessBackend:
         self.pool.close()
 
 
-def build_call_kwargs(fn: Callable, fn_kwargs: dict[str, Any], field_name: str = "reward") -> Callable[[dict], dict]:
-    """Check `fn` against the reward protocol once, up front; return a filter that keeps only the context keyword
-    arguments `fn` declares (all of them when it takes **kwargs). Errors name `<field_name>.fn` / `.kwargs`."""
-    clash = sorted(set(fn_kwargs) & set(CONTEXT_KWARGS))
-    if clash:
-        raise PluginError(f"{field_name}.kwargs may not set {clash}: the runner passes them on every call")
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):  # some builtins have no signature: pass what the protocol promises
-        return lambda context: {**context, **fn_kwargs}
-    positional = [p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.POSITIONAL_ONLY)]
-    name = getattr(fn, "__name__", fn)
-    unfilled = [p for p in positional[2:] if p.default is p.empty and p.name not in fn_kwargs
-                and p.name not in CONTEXT_KWARGS]  # positional arguments no call would give
-    if unfilled:
-        raise PluginError(f"{field_name}.fn: {name!r} is called as fn(completion, reference, **context), once per "
-                          f"sample; its signature {inspect.signature(fn)} needs more positional arguments (verl's "
-                          "compute_score(data_source, solution_str, ground_truth, extra_info) becomes "
-                          "fn(solution_str, ground_truth, *, meta): docs/real-models.md)")
-    batch = {p.name for p in params} & {"completions", "prompts"}
-    if batch or (len(positional) < 2 and not any(p.kind == p.VAR_POSITIONAL for p in params)):
-        raise PluginError(f"{field_name}.fn: {name!r} must take (completion, reference) "
-                          f"positionally and is called once per sample (one completion's text, not a batch "
-                          f"of them as TRL passes); its signature is {inspect.signature(fn)}")
-    if any(p.kind == p.VAR_KEYWORD for p in params):
-        return lambda context: {**context, **fn_kwargs}
-    names = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-    unknown = sorted(set(fn_kwargs) - names)
-    if unknown:
-        raise PluginError(f"{field_name}.kwargs: {getattr(fn, '__name__', fn)!r} takes no argument(s) {unknown}; "
-                          f"its signature is {inspect.signature(fn)}")
-    required = {p.name for p in params if p.kind == p.KEYWORD_ONLY and p.default is p.empty}
-    missing = sorted(required - set(fn_kwargs) - set(CONTEXT_KWARGS))
-    if missing:
-        raise PluginError(f"{field_name}.kwargs: {getattr(fn, '__name__', fn)!r} requires {missing}")
-    wanted = [k for k in CONTEXT_KWARGS if k in names]
-    return lambda context: {**{k: context[k] for k in wanted}, **fn_kwargs}
-
-
 def to_outcome(value: Any, num_tokens: int) -> tuple[float, dict[str, float], list[float] | None]:
     """(reward, reward_info, token_rewards) from a float or {"reward": float, ...}; ValueError when malformed."""
     info: dict[str, float] = {}
@@ -227,10 +185,13 @@ def to_outcome(value: Any, num_tokens: int) -> tuple[float, dict[str, float], li
     return float(value), info, token_rewards
 
 
-def check_reward(fn_or_path: str | Callable, fn_kwargs: dict[str, Any] | None = None) -> Callable:
+def check_reward(fn_or_path: str | Callable | dict, fn_kwargs: dict[str, Any] | None = None) -> Callable:
     """Resolve and check a reward plug-in without starting anything (a pre-flight for the driver): returns the
-    function, or raises PluginError naming `reward.fn` / `reward.kwargs`."""
-    fn = resolve_callable(fn_or_path, "reward.fn")
+    function (a `RoutedReward` for a mapping data_source -> function), or raises PluginError naming `reward.fn` /
+    `reward.kwargs`."""
+    if isinstance(fn_or_path, dict):  # each route checked against the kwargs it takes; the router passes them on
+        return resolve_reward(fn_or_path, "reward", dict(fn_kwargs or {}))
+    fn = resolve_reward(fn_or_path, "reward")
     build_call_kwargs(fn, dict(fn_kwargs or {}))
     return fn
 
@@ -238,7 +199,7 @@ def check_reward(fn_or_path: str | Callable, fn_kwargs: dict[str, Any] | None = 
 class RewardRunner:
     """Scores `Sample`s in place with one reward function; owns its thread pool (`close()` or `with` ends it)."""
 
-    def __init__(self, fn_or_path: str | Callable, tokenizer_path_or_obj: Any, timeout_s: float = 5.0,
+    def __init__(self, fn_or_path: str | Callable | dict, tokenizer_path_or_obj: Any, timeout_s: float = 5.0,
                  num_procs: int = 2, fn_kwargs: dict[str, Any] | None = None,
                  eos_token_ids: list[int] | None = None, isolation: str = "process"):
         if timeout_s <= 0 or num_procs < 1:
@@ -246,9 +207,13 @@ class RewardRunner:
         if isolation not in ("process", "thread"):
             raise ValueError(f"reward.isolation {isolation!r} unknown; valid: process, thread")
         self.fn = check_reward(fn_or_path, fn_kwargs)
-        self.fn_name = fn_or_path if isinstance(fn_or_path, str) else getattr(self.fn, "__qualname__", repr(self.fn))
-        self.fn_kwargs = dict(fn_kwargs or {})
+        routed = isinstance(fn_or_path, dict)
+        self.fn_name = (fn_or_path if isinstance(fn_or_path, str) else str(fn_or_path) if routed
+                        else getattr(self.fn, "__qualname__", repr(self.fn)))
+        self.fn_kwargs = {} if routed else dict(fn_kwargs or {})  # a RoutedReward holds its own
         self._call_kwargs = build_call_kwargs(self.fn, self.fn_kwargs)
+        if routed:
+            fn_or_path = self.fn  # pickles as its import paths
         self.tokenizer = load_tokenizer(tokenizer_path_or_obj)
         if eos_token_ids is None:
             if self.tokenizer.eos_token_id is None:

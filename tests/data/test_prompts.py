@@ -5,6 +5,7 @@ import pytest
 
 from gspo_ray.config import DataConfig
 from gspo_ray.data.prompts import PromptSource
+from gspo_ray.data.sources import DataRowsError
 from gspo_ray.models.tiny import build_tokenizer
 
 
@@ -106,15 +107,28 @@ def test_length_checks_name_rows_and_counts(tmp_path, tok):
     path = _write_jsonl(tmp_path / "long.jsonl", rows)
     src = PromptSource.from_jsonl(path, tok, max_prompt_tokens=16)         # parsing alone is cheap and passes
     # validate() checks the whole file up front: the 4th row has 5 + 20 + 1 = 26 tokens.
-    with pytest.raises(ValueError, match=r"1 prompt\(s\) .* must have 1\.\.16 tokens \(max_prompt_tokens=16\): "
-                                         r".*long\.jsonl:4 has 26 tokens"):
+    with pytest.raises(DataRowsError) as e:
         src.validate()
-    # copy:1= is 7 tokens; max_model_len 16 - max_new_tokens 10 leaves 6: every row is too long.
+    assert e.value.lines() == [f"{path}:4: prompt has 26 tokens, out of bounds: at most 16 tokens fit "
+                              "(max_prompt_tokens=16)"]
+    # copy:1= is 7 tokens; max_model_len 16 - max_new_tokens 10 leaves 6: every row is too long, one line each.
     src = PromptSource.from_jsonl(path, tok, max_model_len=16, max_new_tokens=10)
-    with pytest.raises(ValueError, match=r"4 prompt\(s\).*1\.\.6 tokens \(rollout\.max_model_len=16 - "
-                                         r"rollout\.max_new_tokens=10 = 6\): .*long\.jsonl:1 has 7 tokens"):
+    with pytest.raises(DataRowsError) as e:
         src.take(1)                                                            # iteration validates first
+    why = "rollout.max_model_len=16 - rollout.max_new_tokens=10 = 6"
+    assert e.value.lines() == [f"{path}:{i}: prompt has {n} tokens, out of bounds: at most 6 tokens fit ({why})"
+                               for i, n in ((1, 7), (2, 7), (3, 7), (4, 26))]
     assert len(PromptSource.from_jsonl(path, tok, max_prompt_tokens=26).validate()) == 4
+
+
+def test_past_ten_problems_are_counted(tmp_path, tok):
+    """Every row is checked; the first ten problems are listed one per line, the rest counted."""
+    path = _write_jsonl(tmp_path / "many.jsonl", [{"prompt": "", "reference": "1"}] * 13)
+    with pytest.raises(DataRowsError) as e:
+        PromptSource.from_jsonl(path, tok)
+    assert e.value.total == 13 and len(e.value.lines()) == 11
+    assert e.value.lines()[0] == f"{path}:1: field 'prompt' (data.prompt_field) is an empty string"
+    assert e.value.lines()[-1] == "... and 3 more problem(s) like these"
 
 
 def test_chat_template_is_rendered_once(tmp_path, tok_dir):

@@ -1,0 +1,37 @@
+"""`gspo-ray data ...`: write generated tasks as files in the layouts users bring (docs/data.md).
+
+    gspo-ray data make wordproblems --out runs/data/wordproblems     # verl parquet + TRL save_to_disk, train/test
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+data_app = typer.Typer(no_args_is_help=True, help="write generated tasks as data files")
+TASKS = ("wordproblems",)
+
+
+@data_app.command("make")
+def data_make(task: str = typer.Argument(..., help="wordproblems"),
+              out: Path = typer.Option(..., help="output directory"),
+              num_train: int = typer.Option(4000, help="training problems"),
+              num_eval: int = typer.Option(64, help="held-out problems (disjoint from training)"),
+              seed: int = typer.Option(0, help="generator seed"),
+              min_ops: int = typer.Option(2, help="fewest arithmetic operations a problem takes (2-3)"),
+              max_ops: int = typer.Option(3, help="most arithmetic operations a problem takes (2-3)"),
+              max_value: int = typer.Option(5, help="largest quantity in a problem")):
+    """Write TASK's train and held-out splits as verl-layout parquet (OUT/train.parquet, OUT/test.parquet) and
+    TRL-style `datasets` directories (OUT/trl/train, OUT/trl/test)."""
+    from gspo_ray.data.wordproblems import write_wordproblems
+
+    if task not in TASKS:
+        typer.echo(f"error: task {task!r} unknown; valid: {', '.join(TASKS)}", err=True)
+        raise typer.Exit(2)
+    try:
+        paths = write_wordproblems(out, num_train, num_eval, seed, min_ops, max_ops, max_value)
+    except ValueError as e:
+        typer.echo(f"error: {' '.join(str(e).split())}", err=True)
+        raise typer.Exit(2) from None
+    for name, path in paths.items():
+        typer.echo(f"{name:<11} {path}")
