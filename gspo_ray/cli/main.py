@@ -96,7 +96,35 @@ def train(file: Path, overrides: list[str] = typer.Argument(None, help="key.path
     Exit codes: 0 done (or early stop); 1 an unexpected error (its type and message; --debug: the traceback);
     2 a bad input, a run directory in use or unusable, an unusable checkpoint, disk full;
     3 too many failed samples; 130 stopped by SIGINT (Ctrl-C); 143 stopped by SIGTERM."""
-    cfg = _load(file, overrides or [])
+    from gspo_ray.coordinator.signals import StopRequest
+
+    stop = StopRequest().install()  # from here on a signal is a stop request: 128 + signal and the resume line
+    cfg = None
+    try:
+        cfg = _load(file, overrides or [])
+        code = _train(cfg, resume, fresh, stop)
+    except BaseException as e:
+        if not stop.requested or cfg is None or (isinstance(e, typer.Exit) and not _is_stop_exit(e, stop)):
+            raise
+        code = None  # a signal cut the job short (the second one, or during start-up): the same exit as below
+    finally:
+        stop.restore()
+    if stop.requested and cfg is not None:  # every path out after a signal: 128 + signal, one resume line
+        from gspo_ray.coordinator.signals import exit_code_for, resume_line
+
+        typer.echo(resume_line(cfg.run_dir, stop.signum), err=True)
+        raise typer.Exit(exit_code_for(stop.signum))
+    if code:
+        raise typer.Exit(code)
+
+
+def _is_stop_exit(e, stop) -> bool:
+    """A typer.Exit that an error raised after the signal (a run dir in use, a bad checkpoint) keeps its code."""
+    return e.exit_code in (0, 130, 128 + (stop.signum or 0))
+
+
+def _train(cfg, resume: bool, fresh: bool, stop) -> int:
+    """`train` once the config is loaded; returns the exit code (0 done), raises typer.Exit on an error."""
     from gspo_ray.coordinator.run_dir import RunDirError, check_run_dir
     from gspo_ray.coordinator.run_lock import RunLockError
 
@@ -112,7 +140,7 @@ def train(file: Path, overrides: list[str] = typer.Argument(None, help="key.path
     from gspo_ray.coordinator.job import run_job
 
     try:
-        summary = run_job(cfg, resume=resume, fresh=fresh)
+        summary = run_job(cfg, resume=resume, fresh=fresh, stop=stop)
     except (RunDirError, RunLockError, CheckpointError, ControlNameTaken) as e:  # a run dir in use, a bad checkpoint: exit 2
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2)
@@ -123,8 +151,8 @@ def train(file: Path, overrides: list[str] = typer.Argument(None, help="key.path
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(3)
     typer.echo(summary.describe())
-    if summary.interrupted:  # stopped by a signal: not a success, whatever was saved (128 + the signal)
-        raise typer.Exit(summary.exit_code or 130)
+    # stopped by a signal: not a success, whatever was saved (128 + the signal; the caller prints the resume line)
+    return (summary.exit_code or 130) if summary.interrupted else 0
 
 
 @app.command()
