@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from gspo_ray.config import ConfigError, JobConfig, load_config
+from gspo_ray.config.secrets import redact_args
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +132,7 @@ def submit(config_path: str | Path, address: str | None, overrides: Sequence[str
     cmd = build_entrypoint(_config_arg(config_path, wd), overrides, entrypoint, resume)
     metadata = {"config": config_path.name} | ({"name": cfg.name} if cfg is not None else {})
     job = _client(address).submit_job(entrypoint=cmd, runtime_env=env, submission_id=job_id, metadata=metadata)
-    log.info("submitted %s: %s", job, cmd)
+    log.info("submitted %s: %s", job, shlex.join(redact_args(shlex.split(cmd))))  # no secret in a log line
     return job
 
 

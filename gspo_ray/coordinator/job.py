@@ -141,11 +141,20 @@ def run_job(cfg: JobConfig, resume: bool = False, rollout_factory=None, after_st
     stop = StopRequest().install() if own else stop
     try:
         stop.raise_if_requested()  # a signal during the preflight: nothing started yet
-        with RunLock(cfg.run_dir):  # held for the job's life, released however it ends
-            return _run_locked(cfg, resume, rollout_factory, after_step, fresh, stop)
+        with RunLock(cfg.run_dir) as lock:  # held for the job's life, released however it ends
+            return _run_locked(cfg, resume, rollout_factory, _renewing(lock, after_step), fresh, stop)
     finally:
         if own:
             stop.restore()
+
+
+def _renewing(lock: RunLock, after_step=None):
+    """The job's `after_step` hook with the run lock's lease renewed first, at every step boundary."""
+    def hook(coord, step):
+        lock.refresh()
+        if after_step is not None:
+            after_step(coord, step)
+    return hook
 
 
 def _start_ray(cfg: JobConfig, stop: StopRequest) -> bool:

@@ -119,8 +119,15 @@ def test_a_signal_during_start_up_stops_before_step_1(tmp_path):
 def test_two_sigterms_then_resume_and_ctrl_c_twice(tmp_path):
     run_dir = tmp_path / "sig"
     metrics = run_dir / "metrics.jsonl"
-    rc, output = _run(tmp_path, "first", _train(tmp_path), lambda p: _wait_for_step(metrics, 3, p),
-                      [signal.SIGTERM, signal.SIGTERM], 1.0)
+    lock = run_dir / ".gspo-ray.lock"
+
+    def at_step_3(proc):
+        _wait_for_step(metrics, 3, proc)
+        # the live lock: renewed at step boundaries, private, the override's secret redacted
+        assert lock.stat().st_mode & 0o777 == 0o600 and SECRET not in lock.read_text()
+        assert json.loads(lock.read_text())["renewed_at"] > json.loads(lock.read_text())["locked_at"]
+
+    rc, output = _run(tmp_path, "first", _train(tmp_path), at_step_3, [signal.SIGTERM, signal.SIGTERM], 1.0)
     assert rc == 143, output[-3000:]
     assert "SIGTERM received" in output and "(interrupted)" in output and SECRET not in output
     line = _resume_line(output, "SIGTERM")
@@ -138,10 +145,15 @@ def test_two_sigterms_then_resume_and_ctrl_c_twice(tmp_path):
         assert any(p.suffix == ".wandb" for p in (run_dir / "wandb").rglob("*"))
     _secret_free(run_dir)
 
-    # --resume from that line's checkpoint, then Ctrl-C twice (the second during the step or the save): 130
+    # the driver's pod is gone (kill -9 on another host): its lock stays, with a lease that expired an hour ago;
+    # --resume from that line's checkpoint takes it over, then Ctrl-C twice (the second during the step or the
+    # save): 130
+    lock.write_text(json.dumps({"pid": 4242, "host": "old-pod-abc", "locked_at": time.time() - 7200,
+                                "renewed_at": time.time() - 3600, "lease_s": 600}))
     rc, output = _run(tmp_path, "second", _train(tmp_path, "--resume"),
                       lambda p: _wait_for_step(metrics, reached + 2, p), [signal.SIGINT, signal.SIGINT], 0.2)
     assert rc == 130, output[-3000:]
+    assert "took over a stale lock (pid 4242 on host old-pod-abc" in output and SECRET not in output
     line = _resume_line(output, "SIGINT")
     point2 = CheckpointManager(run_dir).latest()
     assert f"resume point {point2} " in line and int(point2.name.split("_")[1]) >= reached
