@@ -137,6 +137,24 @@ def test_stop_a_running_job(cluster):
 
 
 @pytest.mark.slow
+def test_stop_waits_the_grace_period_given_at_submission(cluster, tmp_path):
+    """`gspo-ray stop` = SIGTERM, then SIGKILL after the grace period fixed at submission: a driver that needs 6 s
+    after SIGTERM (a step and a save) finishes with a 20 s grace; Ray's default 3 s would kill it first."""
+    marker = tmp_path / "saved"
+    command = f"bash -c 'trap \"sleep 6; echo ok > {marker}; exit 143\" TERM; sleep 600 & wait'"
+    job = jobs.submit_command(command, cluster.dashboard_url, working_dir=ROOT,
+                              runtime_env={"env_vars": {jobs.STOP_GRACE_ENV: "20"}})
+    deadline = time.monotonic() + 60
+    while jobs.status(job, cluster.dashboard_url) != "RUNNING":
+        assert time.monotonic() < deadline
+        time.sleep(0.5)
+    time.sleep(1)  # the trap is set
+    assert jobs.stop(job, cluster.dashboard_url) is True
+    jobs.wait(job, cluster.dashboard_url, timeout_s=60)
+    assert marker.read_text() == "ok\n"  # not killed at 3 s
+
+
+@pytest.mark.slow
 @pytest.mark.skipif(not importlib.util.find_spec("gspo_ray.rollout.worker"),
                     reason="the rollout worker is not in the tree yet")
 def test_train_job_writes_metrics(cluster, tmp_path, caplog):

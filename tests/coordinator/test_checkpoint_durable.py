@@ -142,3 +142,30 @@ def test_the_first_save_says_what_a_checkpoint_costs(tmp_path):
     assert checkpoint_size_line(path, 2) == (f"checkpoint step_000001: {size / 1e6:.1f} MB on disk; "
                                              f"coordinator.keep_checkpoints 2 keeps ~{2 * size / 1e6:.1f} MB")
     assert checkpoint_size_line(path, None).endswith("coordinator.keep_checkpoints null keeps every one")
+
+
+def test_a_save_fsyncs_every_file_and_every_directory_it_names(tmp_path, monkeypatch):
+    """Durability is the fsyncs: every file of the checkpoint, the directories that hold their names, the new
+    checkpoint's name in `checkpoints/` and the `latest` pointer. Counted on the real save path (os.fsync wrapped:
+    each call's target read from /proc/self/fd); removing any of these calls fails here."""
+    import os
+
+    synced = []
+    real_fsync = os.fsync
+
+    def recording_fsync(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    ckpts = CheckpointManager(tmp_path)
+    path = ckpts.save(LoopState(step=1, version=1), _trainer_part(1.0))
+    import re
+
+    # files and directories are synced under their temp names, before the renames into place
+    names = [re.sub(r"\.tmp(-[0-9a-f]{8})?", "", s).replace(str(ckpts.root), "checkpoints") for s in synced]
+    for part in ("loop.json", "manifest.json", "trainer/rank_0.pt", "trainer/meta.json", "trainer", ""):
+        assert f"checkpoints/step_000001/{part}".rstrip("/") in names, (part, names)
+    assert "checkpoints/latest" in names  # the pointer's content, before its rename
+    assert names.count("checkpoints") >= 2  # the names: after the checkpoint's rename and after the pointer's
+    assert (ckpts.root / "latest").read_text() == path.name

@@ -141,8 +141,9 @@ def test_two_sigterms_then_resume_and_ctrl_c_twice(tmp_path):
     assert loop["state"]["prompts_drawn"] > 0
     meta = json.loads((point / "trainer" / "meta.json").read_text())
     assert meta["version"] == reached, meta
-    if importlib.util.find_spec("wandb") is not None:  # W&B finished (flushed)
-        assert any(p.suffix == ".wandb" for p in (run_dir / "wandb").rglob("*"))
+    if importlib.util.find_spec("wandb") is not None:  # W&B finished (flushed), its run config the redacted one
+        (record,) = [p for p in (run_dir / "wandb").rglob("*.wandb")]
+        assert b"HF_TOKEN" in record.read_bytes() and b"<redacted>" in record.read_bytes()
     _secret_free(run_dir)
 
     # the driver's pod is gone (kill -9 on another host): its lock stays, with a lease that expired an hour ago;
