@@ -252,6 +252,8 @@ def _loop(cfg: JobConfig, coord: Coordinator, eval_prompts, tracker, ckpts, summ
     recovery = TrainerRecovery.for_job(cfg, coord, ckpts)
     sized: list[bool] = []  # the first save of this process printed its size
 
+    last_save = [time.perf_counter()]  # the job's first step counts from here (checkpoint_every_s)
+
     def save() -> Path:
         if saved_at[0] != coord.state.step:  # once per step (early stop right after a checkpoint step, Ctrl-C)
             summary.checkpoint = ckpts.save(coord.state, coord.trainer.save, {
@@ -261,6 +263,7 @@ def _loop(cfg: JobConfig, coord: Coordinator, eval_prompts, tracker, ckpts, summ
                 sized.append(True)
                 tracker.note(checkpoint_size_line(summary.checkpoint, c.keep_checkpoints))
             export_after_save(cfg.logging, summary.checkpoint, model_path)  # logging.export_hf: every_checkpoint
+        last_save[0] = time.perf_counter()
         return summary.checkpoint
 
     in_step = False
@@ -293,7 +296,8 @@ def _loop(cfg: JobConfig, coord: Coordinator, eval_prompts, tracker, ckpts, summ
                 if cfg.logging.save_rollouts:
                     write_rollouts(cfg.run_dir / "rollouts" / f"step_{step:06d}.jsonl", coord.last_groups)
                 summary.steps = step
-                if (c.checkpoint_every and step % c.checkpoint_every == 0) or last:
+                if checkpoint_due(step, c.checkpoint_every, last, c.checkpoint_every_s,
+                                  time.perf_counter() - last_save[0]):
                     save()
             except Exception as e:  # rollout deaths are absorbed by the pool: a trainer rank, or not ours
                 if isinstance(e, TooManyFailedSamples):  # the step's line first, then the stop's
@@ -309,6 +313,7 @@ def _loop(cfg: JobConfig, coord: Coordinator, eval_prompts, tracker, ckpts, summ
                     raise TrainerFailed(f"a trainer worker died ({e}; {spent}); last checkpoint: "
                                         f"{ckpts.latest()}") from e
                 saved_at[0] = coord.state.step if restored is not None else None
+                tracker.rewind(coord.state.step)  # TensorBoard drops the dead steps' events
                 in_step = False
                 continue
             if after_step is not None:
@@ -328,6 +333,12 @@ def _loop(cfg: JobConfig, coord: Coordinator, eval_prompts, tracker, ckpts, summ
         return True
     coord.failures.check_end()  # a run whose every step failed too often is not a success, however short
     return False
+
+
+def checkpoint_due(step: int, every: int, last: bool, every_s: float, since_save_s: float) -> bool:
+    """Whether this step boundary saves: every `every` steps, the last step, or once `every_s` seconds have passed
+    since the last save (so at most every_s + one step of work is lost to a death; 0 turns either rule off)."""
+    return bool((every and step % every == 0) or last or (every_s and since_save_s >= every_s))
 
 
 def checkpoint_size_line(path: Path, keep: int | None) -> str:
