@@ -96,8 +96,10 @@ def train(file: Path, overrides: list[str] = typer.Argument(None, help="key.path
     Exit codes: 0 done (or early stop); 1 an unexpected error (its type and message; --debug: the traceback);
     2 a bad input, a run directory in use or unusable, an unusable checkpoint, disk full;
     3 too many failed samples; 130 stopped by SIGINT (Ctrl-C); 143 stopped by SIGTERM."""
+    from gspo_ray.cli.quiet import quiet_third_party
     from gspo_ray.coordinator.signals import StopRequest
 
+    quiet_third_party()  # third-party warnings that need no action (cli/quiet.py)
     stop = StopRequest().install()  # from here on a signal is a stop request: 128 + signal and the resume line
     cfg = None
     try:
