@@ -58,5 +58,7 @@ def tensorboard_scalars(log_dir: Path, tag: str) -> dict[int, float]:
                 if value.tag == tag:
                     if event.step in out:
                         raise AssertionError(f"{tag} step {event.step} twice in {log_dir}")
-                    out[event.step] = value.simple_value if value.HasField("simple_value") else None
+                    kind = value.WhichOneof("value")
+                    out[event.step] = (value.simple_value if kind == "simple_value" else
+                                       float(value.tensor.float_val[0]) if kind == "tensor" else None)
     return out
