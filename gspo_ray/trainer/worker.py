@@ -54,6 +54,7 @@ from gspo_ray.trainer.batch_layout import (
     MicroBatch,
     group_micro_batches,
     loss_units,
+    model_score_weight,
     routing_keys,
     row_micro_batches,
 )
@@ -181,7 +182,7 @@ class TrainerWorker:
             tp = parallel_state.get_tensor_model_parallel_world_size()
             multiple = tp if self.gpt.config.sequence_parallel else 1
             mbs = group_micro_batches(batch, self.dp_rank, self.dp_size, cfg.micro_batch_size,
-                                      cfg.micro_batch_tokens, multiple)
+                                      cfg.micro_batch_tokens, multiple, model_score_weight(self.gpt.config))
             if mbs is not None:
                 return mbs
         return row_micro_batches(batch, self.dp_rank, self.dp_size, cfg.micro_batch_size, cfg.micro_batch_tokens)
