@@ -21,6 +21,7 @@ Ranks with fewer micro-batches than the busiest get dummies (one fully masked co
 """
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass
 
@@ -188,11 +189,11 @@ def deal_rows(units: list[GroupRow], dp_size: int, score_weight: float) -> list[
     rank; longest-processing-time greedy, within 4/3 of the best split). Deterministic."""
     cost = [row_cost(u, score_weight) for u in units]
     ranks: list[list[GroupRow]] = [[] for _ in range(dp_size)]
-    load = [0.0] * dp_size
+    heap = [(0.0, r) for r in range(dp_size)]  # (load, rank): the least loaded, then the lowest rank, on top
     for i in sorted(range(len(units)), key=lambda i: (-cost[i], i)):
-        r = min(range(dp_size), key=lambda r: (load[r], r))
+        load, r = heapq.heappop(heap)
         ranks[r].append(units[i])
-        load[r] += cost[i]
+        heapq.heappush(heap, (load + cost[i], r))
     return ranks
 
 
