@@ -18,8 +18,8 @@ N_seq and N_tok come from the full mini-batch, which every rank holds, so no ext
 Shared prefixes (trainer.shared_prefix). The completions of one prompt are forwarded as one group row [prompt |
 c_1 | ... | c_G] (trainer/group_rows.py): exact, the prompt computed once. Micro-batches still carry their rows in
 the original [b, L] layout and `forward_group_logprobs` returns log-probs there, so the loss, its scaling and the
-metrics above are unchanged; DP ranks take whole prompt groups and pad with fully masked dummy micro-batches to
-equal forward counts. Policy forwards that record routing per row (Routing Replay R2, routing drift) use padded
+metrics above are unchanged; DP ranks take group rows dealt by cost (batch_layout.plan_ranks) and pad with fully
+masked dummy micro-batches to equal forward counts. Policy forwards that record routing per row (Routing Replay R2, routing drift) use padded
 rows (logged once); router churn works on group rows (prefix tokens counted once per row that uses them).
 """
 from __future__ import annotations
@@ -54,11 +54,12 @@ from gspo_ray.trainer.batch_layout import (
     MicroBatch,
     group_micro_batches,
     loss_units,
+    model_score_weight,
     routing_keys,
     row_micro_batches,
 )
 from gspo_ray.trainer.group_rows import shard_token_order, warn_once
-from gspo_ray.trainer.metric_accumulator import MetricAccumulator
+from gspo_ray.trainer.metric_accumulator import MetricAccumulator, dp_token_metrics
 from gspo_ray.trainer.pg_weights import build_pg_weight
 from gspo_ray.trainer.routing.churn import RouterRecorder, comm_device
 from gspo_ray.trainer.routing.drift import RoutingDrift
@@ -181,7 +182,7 @@ class TrainerWorker:
             tp = parallel_state.get_tensor_model_parallel_world_size()
             multiple = tp if self.gpt.config.sequence_parallel else 1
             mbs = group_micro_batches(batch, self.dp_rank, self.dp_size, cfg.micro_batch_size,
-                                      cfg.micro_batch_tokens, multiple)
+                                      cfg.micro_batch_tokens, multiple, model_score_weight(self.gpt.config))
             if mbs is not None:
                 return mbs
         return row_micro_batches(batch, self.dp_rank, self.dp_size, cfg.micro_batch_size, cfg.micro_batch_tokens)
@@ -292,8 +293,9 @@ class TrainerWorker:
         self._share_routing_records()
         metrics |= {"train/eps_low": eps[0], "train/eps_high": eps[1]}  # the band this step trained with
         metrics |= {f"train/forward_passes_{k}": float(v) for k, v in self.forward_passes.items()}
-        # tokens this rank's training forwards computed, padding included (shared prefixes lower them)
-        metrics["train/forward_tokens"] = float(self.forward_tokens.get("train", 0))
+        # tokens the training forwards computed over DP, padding included (shared prefixes lower them), and the
+        # busiest rank's share (train/dp_imbalance)
+        metrics |= dp_token_metrics(self.forward_tokens.get("train", 0), self.dp_group)
         metrics["train/row_tokens"] = float(batch.lengths.sum())  # the mini-batch's tokens as one row per sample
         self.forward_passes, self.forward_tokens = {}, {}
         metrics |= {"train/grad_norm": grad_norm, "train/lr": lr, "train/step_ok": float(ok),
