@@ -3,6 +3,7 @@
     pool = TrainerPool(model_dir, trainer_cfg, algo_cfg, run_dir)     # cfg.num_workers actors, cfg.tp / cfg.ep
     metrics = pool.train_step(batch)                                   # rank 0's metrics (equal on all ranks)
     export = pool.export_weights()                                     # rank 0's WeightExport
+    pool.end_batch()                                                   # the rollout batch's passes are done
     pool.save(run_dir / "ckpt" / "step_10"); pool.load(...); pool.shutdown()
 
 The actors are placed in one placement group (bundle i = rank i, packed). The master address and port of the
@@ -194,6 +195,14 @@ class TrainerPool:
 
     def version(self) -> int:
         return self._rank0("version")
+
+    def end_batch(self) -> None:
+        """The current rollout batch's passes are done: every rank forgets its routing records (R2, drift)."""
+        self._all("end_batch")
+
+    def routing_record_bytes(self) -> list[int]:
+        """Bytes of routing records each rank holds, in rank order."""
+        return self._all("routing_record_bytes")
 
     def save(self, ckpt_dir: str | Path) -> str:
         return self._rank0("save", str(ckpt_dir))
