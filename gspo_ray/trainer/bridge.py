@@ -34,6 +34,7 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
+from gspo_ray.trainer.lora import is_lora_param
 from gspo_ray.trainer.model_spec import ModelSpec
 
 _LAYER = r"decoder\.layers\.(\d+)\."
@@ -211,6 +212,8 @@ def _hf_names_of_model(model, spec: ModelSpec) -> set[str]:
     """Every HF tensor name the whole model (all TP/EP ranks) reads."""
     names = set()
     for name, _ in model.named_parameters():
+        if is_lora_param(name):  # adapters are not base-checkpoint tensors (trainer/lora_io.py exports them)
+            continue
         pm = param_map(name, spec.arch)
         if pm.local_expert is None:
             names.update(pm.hf_names)
@@ -238,6 +241,8 @@ def load_hf_weights(model, spec: ModelSpec, hf_dir: str | Path) -> None:
     tp_rank, ep_rank = _ranks(spec)
     with torch.no_grad():
         for name, param in model.named_parameters():
+            if is_lora_param(name):
+                continue
             pm = param_map(name, spec.arch)
             hf_names = pm.hf_names
             if pm.local_expert is not None:
@@ -283,6 +288,8 @@ def export_hf_weights(model, spec: ModelSpec, bucket_mb: float = 64) -> Iterator
     experts of one layer grouped by local index."""
     limit, bucket, size = bucket_mb * 2**20, [], 0
     for name, param in model.named_parameters():
+        if is_lora_param(name):  # the base weights only (merged_base in trainer/lora_io.py folds adapters in)
+            continue
         for hf_name, tensor in _full_hf_tensors(name, param, spec):
             nbytes = tensor.numel() * tensor.element_size()
             if bucket and size + nbytes > limit:
