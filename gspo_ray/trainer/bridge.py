@@ -34,7 +34,6 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
-from gspo_ray.trainer.lora import is_lora_param
 from gspo_ray.trainer.model_spec import ModelSpec
 
 _LAYER = r"decoder\.layers\.(\d+)\."
@@ -109,6 +108,11 @@ def param_map(megatron_name: str, arch: str | None = None) -> ParamMap:
             names = tuple(_rename(n.replace("{i}", layer) if layer is not None else n, arch) for n in names)
             return ParamMap(names, merge, shard, expert)
     raise KeyError(f"no HF mapping for Megatron parameter {megatron_name!r}")
+
+
+def is_lora_param(name: str) -> bool:
+    """A LoRA adapter parameter (trainer/lora.py names them `<linear>.lora.<target>.A|B`), not a base tensor."""
+    return ".lora." in name
 
 
 # ---- pure tensor maths: HF tensors <-> full (TP=1) Megatron tensor <-> TP shards ---------------------------------

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gspo_ray.config.lora import LoRAConfig
+from gspo_ray.trainer.bridge import is_lora_param, param_map
 from gspo_ray.trainer.model_spec import ModelSpec
 
 _LAYER = r"decoder\.layers\.(\d+)\."
@@ -186,16 +187,10 @@ def adapted_linears(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(name, m) for name, m in model.named_modules() if isinstance(getattr(m, "lora", None), ParallelLoRA)]
 
 
-def is_lora_param(name: str) -> bool:
-    return ".lora." in name
-
-
 def apply_lora(model: nn.Module, spec: ModelSpec, cfg: LoRAConfig, seed: int = 0) -> list[str]:
     """Freeze `model` and wrap the targeted linears (see the module doc). Returns the adapted module names.
     Raises ValueError when no linear matches, or when a TP split does not divide (it cannot: sizes come from
     the base linears, which TP already divides)."""
-    from gspo_ray.trainer.lora_io import adapter_hf_module, init_full_pair, shard_pair
-
     model.requires_grad_(False)
     done = []
     for name, module in list(model.named_modules()):
@@ -266,3 +261,54 @@ def kaiming_a(rank: int, fan_in: int, gen: torch.Generator) -> Tensor:
 
 def name_seed(name: str, seed: int) -> int:
     return zlib.crc32(f"{seed}:{name}".encode())
+
+
+# ---- full (TP 1) adapters <-> this rank's shards ----------------------------------------------------------------------
+def _ep_rank() -> int:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_expert_model_parallel_rank()
+
+
+def _tp_rank() -> int:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_tensor_model_parallel_rank()
+
+
+def adapter_hf_module(t: LinearTarget, target: str, spec: ModelSpec, ep_rank: int | None = None) -> str:
+    """HF module path of one target of a Megatron linear (`model.layers.0.self_attn.q_proj`); experts by their
+    global index on EP rank `ep_rank` (default: this rank)."""
+    pm = param_map(t.name + ".weight", spec.arch)
+    names = pm.hf_names
+    if pm.local_expert is not None:
+        ep = _ep_rank() if ep_rank is None else ep_rank
+        names = pm.for_expert(ep * spec.num_local_experts + pm.local_expert)
+    return names[t.all_targets.index(target)].removesuffix(".weight")
+
+
+def init_full_pair(hf_module: str, rank: int, fan_in: int, out: int, seed: int) -> tuple[Tensor, Tensor]:
+    """PEFT's default init of one full adapter: A kaiming-uniform, B zeros (seeded by name: layout-independent)."""
+    gen = torch.Generator().manual_seed(name_seed(hf_module, seed))
+    return kaiming_a(rank, fan_in, gen), torch.zeros(out, rank)
+
+
+def _local_rows(full: Tensor, lora: ParallelLoRA, dim: int) -> Tensor:
+    if lora.local:
+        return full
+    return full.chunk(lora.tp, dim=dim)[_tp_rank()]
+
+
+@torch.no_grad()
+def shard_pair(pair: LoRAPair, lora: ParallelLoRA, a_full: Tensor, b_full: Tensor, where: str = "") -> None:
+    """Copy this rank's slice of a full (A [r, in], B [out, r]) into `pair` (column: B rows; row: A columns).
+    Query heads of one group are contiguous in q_proj's rows and TP splits whole groups, so a rank's q/k/v rows
+    are a contiguous chunk of each."""
+    col = lora.target.kind == "col"
+    a = a_full if col else _local_rows(a_full, lora, 1)
+    b = _local_rows(b_full, lora, 0) if col else b_full
+    for local, p, label in ((a, pair.A, "lora_A"), (b, pair.B, "lora_B")):
+        if tuple(local.shape) != tuple(p.shape):
+            raise ValueError(f"{where or 'adapter'}: {label} gives shape {tuple(local.shape)} on this rank, the "
+                             f"model needs {tuple(p.shape)} (an adapter of another base model, or another rank)")
+        p.copy_(local.to(p.dtype))

@@ -19,14 +19,12 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from gspo_ray.trainer.bridge import param_map
 from gspo_ray.trainer.lora import (
-    LinearTarget,
     LoRAPair,
     ParallelLoRA,
     adapted_linears,
-    kaiming_a,
-    name_seed,
+    adapter_hf_module,
+    shard_pair,
 )
 from gspo_ray.trainer.model_spec import ModelSpec
 
@@ -34,58 +32,8 @@ PEFT_PREFIX = "base_model.model."
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 
 
-def _ep_rank() -> int:
-    from megatron.core import parallel_state as ps
-
-    return ps.get_expert_model_parallel_rank()
-
-
-def _tp_rank() -> int:
-    from megatron.core import parallel_state as ps
-
-    return ps.get_tensor_model_parallel_rank()
-
-
-def adapter_hf_module(t: LinearTarget, target: str, spec: ModelSpec, ep_rank: int | None = None) -> str:
-    """HF module path of one target of a Megatron linear (`model.layers.0.self_attn.q_proj`); experts by their
-    global index on EP rank `ep_rank` (default: this rank)."""
-    pm = param_map(t.name + ".weight", spec.arch)
-    names = pm.hf_names
-    if pm.local_expert is not None:
-        ep = _ep_rank() if ep_rank is None else ep_rank
-        names = pm.for_expert(ep * spec.num_local_experts + pm.local_expert)
-    return names[t.all_targets.index(target)].removesuffix(".weight")
-
-
 def peft_names(hf_module: str) -> tuple[str, str]:
     return f"{PEFT_PREFIX}{hf_module}.lora_A.weight", f"{PEFT_PREFIX}{hf_module}.lora_B.weight"
-
-
-def init_full_pair(hf_module: str, rank: int, fan_in: int, out: int, seed: int) -> tuple[Tensor, Tensor]:
-    """PEFT's default init of one full adapter: A kaiming-uniform, B zeros (seeded by name: layout-independent)."""
-    gen = torch.Generator().manual_seed(name_seed(hf_module, seed))
-    return kaiming_a(rank, fan_in, gen), torch.zeros(out, rank)
-
-
-def _local_rows(full: Tensor, lora: ParallelLoRA, dim: int) -> Tensor:
-    if lora.local:
-        return full
-    return full.chunk(lora.tp, dim=dim)[_tp_rank()]
-
-
-@torch.no_grad()
-def shard_pair(pair: LoRAPair, lora: ParallelLoRA, a_full: Tensor, b_full: Tensor, where: str = "") -> None:
-    """Copy this rank's slice of a full (A [r, in], B [out, r]) into `pair` (column: B rows; row: A columns).
-    Query heads of one group are contiguous in q_proj's rows and TP splits whole groups, so a rank's q/k/v rows
-    are a contiguous chunk of each."""
-    col = lora.target.kind == "col"
-    a = a_full if col else _local_rows(a_full, lora, 1)
-    b = _local_rows(b_full, lora, 0) if col else b_full
-    for local, p, label in ((a, pair.A, "lora_A"), (b, pair.B, "lora_B")):
-        if tuple(local.shape) != tuple(p.shape):
-            raise ValueError(f"{where or 'adapter'}: {label} gives shape {tuple(local.shape)} on this rank, the "
-                             f"model needs {tuple(p.shape)} (an adapter of another base model, or another rank)")
-        p.copy_(local.to(p.dtype))
 
 
 def _gather(t: Tensor, group, dim: int) -> Tensor:

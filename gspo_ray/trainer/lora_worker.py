@@ -19,7 +19,8 @@ from typing import Iterator
 from torch import Tensor, nn
 
 from gspo_ray.config.lora import LoRAConfig
-from gspo_ray.trainer.lora import apply_lora, count_params, is_lora_param, load_lora_state, lora_state
+from gspo_ray.trainer.bridge import is_lora_param
+from gspo_ray.trainer.lora import apply_lora, count_params, load_lora_state, lora_state
 from gspo_ray.trainer.lora_io import (
     export_adapter,
     load_full_adapter,

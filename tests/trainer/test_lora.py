@@ -31,10 +31,8 @@ def _random_adapter(names_shapes: dict[str, tuple[int, ...]], seed: int = 3) -> 
 def _scenario(rank, world_size, ports, model_dir, tp, ep, tokens, lengths, adapter, targets):
     """(base logp, logp at B = 0, adapter shapes) with adapter None; else (logp, full grads) under `adapter`."""
     from gspo_ray.trainer.logprobs import forward_logprobs
-    from gspo_ray.trainer.lora import apply_lora, count_params
-    from gspo_ray.trainer.lora_io import export_adapter, gather_pair, load_full_adapter, peft_names, \
-        adapter_hf_module
-    from gspo_ray.trainer.lora import adapted_linears
+    from gspo_ray.trainer.lora import adapted_linears, adapter_hf_module, apply_lora, count_params
+    from gspo_ray.trainer.lora_io import export_adapter, gather_pair, load_full_adapter, peft_names
     from gspo_ray.trainer.model import build_model
     from gspo_ray.trainer.parallel import destroy_distributed, init_distributed
 
