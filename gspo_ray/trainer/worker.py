@@ -59,6 +59,7 @@ from gspo_ray.trainer.batch_layout import (
     row_micro_batches,
 )
 from gspo_ray.trainer.group_rows import shard_token_order, warn_once
+from gspo_ray.trainer.lora_worker import TrainerLoRA, check_checkpoint_kind, load_model, model_state
 from gspo_ray.trainer.metric_accumulator import MetricAccumulator, dp_token_metrics
 from gspo_ray.trainer.pg_weights import build_pg_weight
 from gspo_ray.trainer.routing.churn import RouterRecorder, comm_device
@@ -106,6 +107,9 @@ class TrainerWorker:
         self.gpt, self.spec = build_model(self.model_path, dtype=dtype, moe_dispatcher=trainer_cfg.moe_dispatcher,
                                           routing_replay=trainer_cfg.routing_replay != "none"
                                           or trainer_cfg.routing_noise)
+        self.lora = None  # trainer.lora: the base frozen, adapters trained and pushed (trainer/lora_worker.py)
+        if trainer_cfg.lora is not None:
+            self.lora = TrainerLoRA.attach(self.gpt, self.spec, trainer_cfg.lora, trainer_cfg.seed)
         self.ddp = build_ddp(self.gpt, dtype=trainer_cfg.dtype,
                              use_distributed_optimizer=trainer_cfg.use_distributed_optimizer)
         self.optimizer = build_optimizer(self.ddp, trainer_cfg)
@@ -428,7 +432,9 @@ class TrainerWorker:
 
         bucket_mb = bucket_mb if bucket_mb is not None else self.cfg.export_bucket_mb
         buckets = []
-        for bucket in export_hf_weights(self.gpt, self.spec, bucket_mb=bucket_mb):
+        source = (self.lora.weights(self.gpt, self.spec, bucket_mb) if self.lora is not None
+                  else export_hf_weights(self.gpt, self.spec, bucket_mb=bucket_mb))
+        for bucket in source:
             if self.rank == 0:
                 # copies: the caller may hold them across later steps, which update the parameters in place
                 copy = [(name, t.detach().to("cpu").clone().contiguous()) for name, t in bucket]
@@ -443,7 +449,7 @@ class TrainerWorker:
     def save(self, ckpt_dir: str | Path) -> str:
         """Model + optimizer + scheduler + version + RNG states of this rank (collective)."""
         payload = {
-            "model": self.gpt.state_dict(),
+            "model": model_state(self.gpt, self.lora),  # the adapters only with LoRA
             "optimizer": ckpt.optimizer_state(self.optimizer),
             "scheduler": self.scheduler.state_dict(),
             "version": self._version,
@@ -453,7 +459,8 @@ class TrainerWorker:
         layouts = [None] * self.world_size
         dist.all_gather_object(layouts, payload["layout"])
         meta = {"world_size": self.world_size, "tp": self.cfg.tp, "ep": self.cfg.ep, "dtype": self.cfg.dtype,
-                "version": self._version, "layouts": layouts}
+                "version": self._version, "layouts": layouts,
+                "lora": self.lora.meta() if self.lora is not None else None}
         return str(ckpt.save_checkpoint(ckpt_dir, self.rank, payload, meta))
 
     def load(self, ckpt_dir: str | Path, load_optimizer: bool = True) -> int:
@@ -463,7 +470,8 @@ class TrainerWorker:
         with the same tp/ep: each rank reads the saved rank with its own tp/ep coordinates.
         """
         meta = ckpt.read_meta(ckpt_dir)
-        self.gpt.load_state_dict(ckpt.load_model_state(ckpt_dir, self.layout()))
+        check_checkpoint_kind(meta, self.lora, str(ckpt_dir))
+        load_model(self.gpt, ckpt.load_model_state(ckpt_dir, self.layout()), self.lora, str(ckpt_dir))
         source = self.rank
         if meta["world_size"] != self.world_size:
             if load_optimizer and self.cfg.use_distributed_optimizer:
