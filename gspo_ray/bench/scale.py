@@ -5,8 +5,9 @@
 What runs is the trainer's real code, imported, never restated:
   * the DP layout: batch_layout.plan_ranks (group rows planned, dealt to ranks by cost, packed per rank within
     the padded path's token and attention-score memory) on synthetic mini-batches (the same on every rank);
-  * the routing-record store: routing/replay.RoutingReplay fed with the records of 64 batches the way the training
-    loop feeds it (`routing_store_bytes`: one small function, the only place that knows the store's API);
+  * the routing-record store: routing/records.RecordStore fed with the busiest rank's rows of 64 batches the way
+    the training loop feeds it, `end_batch` after each (`routing_store_bytes`: one small function, the only place
+    that knows the store's API);
   * the weight-sync bucket plan: rollout/weight_sync.iter_buckets over the HF tensors the trainer exports
     (bridge.param_map / split_to_hf) as shape-only (meta) tensors;
   * the checkpoint shards: each rank saves its own TP / EP shard (bridge.shard_tp; experts split over EP), in the
@@ -124,7 +125,9 @@ def layout_stats(shape: Shape, groups, lengths, dp: int, tp: int) -> dict:
         tokens.append(t)
         flops.append(f)
         rows.append(sum(len(u.rows) for pack in packs for u in pack))
-    return {"dp_imbalance": max(tokens) / (sum(tokens) / dp), "rows_per_rank_min": min(rows),
+    mine = max(([r for pack in packs for u in pack for r in u.rows] for packs in plan),
+               key=lambda rs: sum(lengths[r] for r in rs))  # the rank with the most tokens to record
+    return mine, {"dp_imbalance": max(tokens) / (sum(tokens) / dp), "rows_per_rank_min": min(rows),
             "rows_per_rank_max": max(rows), "busiest_rank_attention_bytes": peak_att,
             "busiest_rank_activation_bytes": peak_act, "slowest_rank_wait_share": 1 - sum(flops) / dp / max(flops),
             "busiest_rank_step_s": max(flops) / (PEAK_FLOPS * MFU), "micro_batches_per_rank": forwards}
@@ -193,34 +196,26 @@ def checkpoint_bytes(shape: Shape, tp: int, ep: int) -> int:
     return params * (2 + 12)
 
 
-def routing_store_bytes(shape: Shape, lengths: list[int], batches: int = BATCHES) -> tuple[int, int]:
-    """(bytes after one batch, bytes after `batches` batches) in one rank's routing-record store
-    (routing/replay.RoutingReplay, Routing Replay R2), fed the way the training loop feeds it: each batch is one
-    optimizer step; its first forward records every row (int16 [length, top_k] per MoE layer), the records are
-    shared over DP (every rank then holds the whole batch's), then the step is taken. Records are shape-only (meta)
-    tensors. The only function here that knows the store's API."""
-    from types import SimpleNamespace
+def routing_store_bytes(shape: Shape, lengths: list[int], mine: list[int], batches: int = BATCHES) -> tuple[int, int]:
+    """(bytes held during the first batch, bytes held during batch `batches`) in one rank's routing-record store
+    (routing/records.RecordStore, the store Routing Replay, drift and the noise probe share), fed the way the
+    training loop feeds it: each batch's first forward records the rows this rank forwards (`mine`: int16
+    [length, top_k] per MoE layer), and the loop's `end_batch` forgets them when the batch's passes are done. At one
+    pass x one mini-batch no record moves between ranks (`RecordStore.fetch` moves a record only to a rank that
+    forwards its row later), so a rank holds exactly its own rows'. Records are shape-only (meta) tensors. The
+    only function here that knows the store's API."""
+    from gspo_ray.trainer.routing.records import RecordStore
 
-    from gspo_ray.trainer.routing.replay import RoutingReplay
-
-    routers = []
-    for i in range(shape.layers):
-        stub = torch.nn.Module()
-        stub.router_replay = SimpleNamespace(router_replay_action=None)
-        routers.append((i, stub))
-    replay = RoutingReplay(routers)
-    record = {n: torch.empty((n, shape.top_k), dtype=torch.int16, device="meta") for n in set(lengths)}
-    size_of = {n: t.numel() * t.element_size() * shape.layers for n, t in record.items()}
+    store = RecordStore(shape.layers)
+    record = {n: torch.empty((n, shape.top_k), dtype=torch.int16, device="meta") for n in {lengths[r] for r in mine}}
     sizes = []
     for version in range(batches):
-        uids = [f"b{version}/{r}" for r in range(len(lengths))]
-        with replay.recording(uids, torch.tensor(lengths), version):
-            for uid, n in zip(uids, lengths):  # what the router hooks store on the recording forward
-                replay.store[uid] = [record[n]] * shape.layers
-                replay.fresh.add(uid)
-        replay.share()
+        for r in mine:  # what the router hooks store on the recording forward, layer by layer
+            for layer in range(shape.layers):
+                store.record(f"b{version}/{r}", layer, record[lengths[r]])
         if version in (0, batches - 1):
-            sizes.append(sum(size_of[layers[0].shape[0]] for layers in replay.store.values()))
+            sizes.append(store.nbytes())
+        store.end_batch()
     return sizes[0], sizes[-1]
 
 
@@ -243,14 +238,14 @@ def run_scale_bench(out: Path = OUT, seed: int = 0) -> list[dict]:
     rows, layouts, syncs, stores = [], {}, {}, {}
     for m, dp, tp, ep in shapes():
         if (m.name, dp, tp) not in layouts:
-            layouts[(m.name, dp, tp)] = layout_stats(m, groups, lengths, dp, tp)
+            mine, layouts[(m.name, dp, tp)] = layout_stats(m, groups, lengths, dp, tp)
+            stores[(m.name, dp, tp)] = routing_store_bytes(m, lengths, mine) if m.experts else (0, 0)
         if m.name not in syncs:
             syncs[m.name] = weight_sync_bytes(m)
-            stores[m.name] = routing_store_bytes(m, lengths) if m.experts else (0, 0)
         rows.append({"model": m.name, "dp": dp, "tp": tp, "ep": ep, "groups": PROMPTS, "rows": len(lengths),
                      **layouts[(m.name, dp, tp)],
-                     "routing_record_bytes_per_rank": stores[m.name][1],
-                     "routing_record_bytes_one_batch": stores[m.name][0],
+                     "routing_record_bytes_per_rank": stores[(m.name, dp, tp)][1],
+                     "routing_record_bytes_one_batch": stores[(m.name, dp, tp)][0],
                      "weight_sync_bytes_per_engine": syncs[m.name][0], "weight_sync_buckets": syncs[m.name][1],
                      "checkpoint_bytes_per_rank": checkpoint_bytes(m, tp, ep)})
     out.parent.mkdir(parents=True, exist_ok=True)
