@@ -234,7 +234,7 @@ def bench(quick: bool = typer.Option(False, help="fewer steps"),
                                     "grid of upcycled MoEs) | rollout (generation tokens/s, weight "
                                     "push) | probe (the base model's pass@k per task) | learn (a recipe learning its "
                                     "task over seeds; --recipe, default make run's) | recovery (a trainer kill in a "
-                                    "60-step run) | all (tiny + smollm2)"),
+                                    "60-step run) | scale (our planning code at cluster shapes, no weights) | all (tiny + smollm2)"),
           steps: int = typer.Option(6, help="steps per mode (smollm2) or per run (moe)"),
           seeds: str = typer.Option("0", help="moe, moe-tiny, learn and recovery suites: comma-separated seeds "
                                     "(moe-tiny and learn: default 0,1,2; recovery: 0,1)"),

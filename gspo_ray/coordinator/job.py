@@ -291,7 +291,8 @@ def _loop(cfg: JobConfig, coord: Coordinator, eval_prompts, tracker, ckpts, summ
                     _record_eval(summary, step, m)
                 metrics.update(recovery.step_metrics(step))
                 metrics["time/job_s"] = time.perf_counter() - job_start
-                _apply_control(coord, control, metrics, lambda n: recovery.rescale(coord, n, save))
+                _apply_control(coord, control, metrics, lambda n: recovery.rescale(coord, n, save),
+                               refused=recovery)
                 tracker.log(step, metrics)
                 if cfg.logging.save_rollouts:
                     write_rollouts(cfg.run_dir / "rollouts" / f"step_{step:06d}.jsonl", coord.last_groups)
@@ -369,10 +370,11 @@ def _record_eval(summary: RunSummary, step: int, m: dict[str, float]) -> None:
         summary.eval_failed[step] = int(m["eval/failed"])
 
 
-def _apply_control(coord: Coordinator, control, metrics: dict, rescale_trainer=None) -> None:
+def _apply_control(coord: Coordinator, control, metrics: dict, rescale_trainer=None, refused=None) -> None:
     """Apply requests from `gspo-ray scale ...` between steps, answer each (applied, or refused with the reason
     the job logged) and report progress back. `rescale_trainer(n)` resizes the trainer pool (checkpoint, rebuild,
-    reload: TrainerRecovery.rescale) and returns its metrics."""
+    reload: TrainerRecovery.rescale) and returns its metrics. refused: the TrainerRecovery whose `scale_refused`
+    (the last refused resize and why) the report carries."""
     import ray
 
     requests = ray.get(control.take_requests.remote())
@@ -392,9 +394,11 @@ def _apply_control(coord: Coordinator, control, metrics: dict, rescale_trainer=N
         reason = "" if applied else (reasons[-1] if reasons else f"the pool stayed at {pool.num_workers}")
         control.answer.remote(key, applied, reason, pool.num_workers)
     metrics["trainer/workers"] = coord.trainer.num_workers
-    control.report.remote({"step": coord.state.step, "version": coord.state.version,
-                           "rollout_workers": coord.rollout.num_workers,
-                           "trainer_workers": coord.trainer.num_workers})
+    status = {"step": coord.state.step, "version": coord.state.version, "rollout_workers": coord.rollout.num_workers,
+              "trainer_workers": coord.trainer.num_workers}
+    if refused is not None and refused.scale_refused is not None:
+        status["trainer_scale_refused"] = dict(refused.scale_refused)
+    control.report.remote(status)
 
 
 def write_rollouts(path: Path, groups) -> None:
