@@ -70,11 +70,21 @@ def test_metric_reduction_of_dilution_keys():
 
 
 def test_mini_batches_with_every_token_masked_are_skipped_not_trained():
-    """rollout.partial's stale_rule "mask" can leave a mini-batch with no trained token: it is skipped (the trainer,
-    None here, is never called, so a train_step on it would fail this test) and counted; the version stays."""
+    """rollout.partial's stale_rule "mask" can leave a mini-batch with no trained token: it is skipped (a train_step
+    on it fails this test) and counted; the version stays; the batch still ends (its routing records go)."""
+    class NoTraining:  # the trainer's two calls train_on makes; training must not be one of them here
+        ended = 0
+
+        def train_step(self, batch, eps=None):
+            raise AssertionError("an all-masked mini-batch reached the trainer")
+
+        def end_batch(self):
+            self.ended += 1
+
     cfg = load_config(None, ["coordinator.num_minibatches=2", "coordinator.num_iterations=2", "algorithm.eps=fixed",
                              "coordinator.recompute_old_logprobs=false"])
-    coord = Coordinator(cfg, None, None, None, LoopState(version=3))
+    trainer = NoTraining()
+    coord = Coordinator(cfg, None, trainer, None, LoopState(version=3))
     groups = [_group("a", [1.0, 0.0]), _group("b", [0.0, 1.0])]
     for g in groups:
         g.advantages = [0.7, -0.7]
@@ -83,4 +93,4 @@ def test_mini_batches_with_every_token_masked_are_skipped_not_trained():
     out = coord.train_on(groups)
     assert out["train/skipped"] == 1.0 and out["train/optimizer_steps"] == 0
     assert out["train/empty_minibatches"] == 4  # 2 passes x 2 mini-batches
-    assert out["train/version"] == coord.state.version == 3
+    assert out["train/version"] == coord.state.version == 3 and trainer.ended == 1
