@@ -89,7 +89,8 @@ def train(file: Path, overrides: list[str] = typer.Argument(None, help="key.path
     """Train one job: start or join Ray, build the pools, run the loop.
 
     SIGTERM (`gspo-ray stop`, Slurm, Kubernetes) or Ctrl-C: the step in progress finishes, a checkpoint is saved,
-    metrics are flushed, then the job stops; a second signal stops at once (the last checkpoint is kept).
+    metrics are flushed, then the job stops; a second signal stops at once (the last checkpoint is kept); a
+    signal during start-up stops before step 1. Each ends with one line naming the checkpoint --resume takes.
     One job per run directory (a lock file in it).
 
     \b
