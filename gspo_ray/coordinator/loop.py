@@ -165,6 +165,7 @@ class Coordinator:
                     first[f"moe/drift_churn_at{steps}"] = m["moe/drift_churn"]
                 _accumulate(metrics, m)
                 steps += 1
+        self.trainer.end_batch()  # no later step sees these rows: their routing records go
         out = {k: v / steps for k, v in metrics.items()} if steps else {"train/skipped": 1.0}
         out.update(first)
         if self.auto_eps is not None:
