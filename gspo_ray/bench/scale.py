@@ -5,8 +5,9 @@
 What runs is the trainer's real code, imported, never restated:
   * the DP layout: batch_layout.plan_ranks (group rows planned, dealt to ranks by cost, packed per rank within
     the padded path's token and attention-score memory) on synthetic mini-batches (the same on every rank);
-  * the routing-record store: routing/replay.RoutingReplay fed with the records of 64 batches the way the training
-    loop feeds it (`routing_store_bytes`: one small function, the only place that knows the store's API);
+  * the routing-record store: routing/records.RecordStore (Routing Replay's, drift's) fed with the records of 64
+    batches of the rank holding the most row tokens, the way the training loop feeds it (`routing_store_bytes`: one
+    small function, the only place that knows the store's API);
   * the weight-sync bucket plan: rollout/weight_sync.iter_buckets over the HF tensors the trainer exports
     (bridge.param_map / split_to_hf) as shape-only (meta) tensors;
   * the checkpoint shards: each rank saves its own TP / EP shard (bridge.shard_tp; experts split over EP), in the
@@ -20,7 +21,7 @@ Per shape (keys as named): dp_imbalance (the busiest rank's forwarded tokens ove
 included: the trainer's train/dp_imbalance), rows_per_rank_min / _max (completions), busiest_rank_attention_bytes
 and busiest_rank_activation_bytes (the busiest rank's largest micro-batch: bf16 activations without recompute after
 Korthikanti et al. 2022, 34 s h + 5 a s^2 bytes per sequence and layer, split over TP with sequence parallelism),
-routing_record_bytes_per_rank (after 64 batches; MoE only), weight_sync_bytes_per_engine (bf16), checkpoint_bytes_
+routing_record_bytes_per_rank (the most one rank holds during the 64th batch; MoE only), weight_sync_bytes_per_engine (bf16), checkpoint_bytes_
 per_rank, slowest_rank_wait_share (1 - mean / max of the ranks' step FLOPs: fwd + bwd = 3 x forward, the forward
 2 x active matrix parameters per token plus 4 d W^2 per row and layer; busiest_rank_step_s gives the seconds at
 PEAK_FLOPS x MFU).
@@ -111,8 +112,10 @@ def layout_stats(shape: Shape, groups, lengths, dp: int, tp: int) -> dict:
     plan = plan_ranks(groups, lengths, dp, MICRO_BATCH_SIZE, MICRO_BATCH_TOKENS, weight)
     forwards = max(len(p) for p in plan)
     dummy = -(-lengths[0] // tp) * tp  # a dummy is one fully masked copy of row 0
-    tokens, flops, rows, peak_act, peak_att = [], [], [], 0, 0
+    tokens, flops, rows, peak_act, peak_att, held = [], [], [], 0, 0, []
     for packs in plan:
+        mine = [lengths[b] for pack in packs for u in pack for b in u.rows]
+        held = max(held, mine, key=sum)  # the rank whose rows carry the most tokens (routing records)
         t = f = 0.0
         for pack in packs + [None] * (forwards - len(packs)):
             r, w = (len(pack), -(-max(u.length for u in pack) // tp) * tp) if pack else (1, dummy)
@@ -127,7 +130,8 @@ def layout_stats(shape: Shape, groups, lengths, dp: int, tp: int) -> dict:
     return {"dp_imbalance": max(tokens) / (sum(tokens) / dp), "rows_per_rank_min": min(rows),
             "rows_per_rank_max": max(rows), "busiest_rank_attention_bytes": peak_att,
             "busiest_rank_activation_bytes": peak_act, "slowest_rank_wait_share": 1 - sum(flops) / dp / max(flops),
-            "busiest_rank_step_s": max(flops) / (PEAK_FLOPS * MFU), "micro_batches_per_rank": forwards}
+            "busiest_rank_step_s": max(flops) / (PEAK_FLOPS * MFU), "micro_batches_per_rank": forwards,
+            "record_lengths": held}
 
 
 def megatron_params(shape: Shape) -> list[tuple[str, tuple[int, ...]]]:
@@ -194,33 +198,23 @@ def checkpoint_bytes(shape: Shape, tp: int, ep: int) -> int:
 
 
 def routing_store_bytes(shape: Shape, lengths: list[int], batches: int = BATCHES) -> tuple[int, int]:
-    """(bytes after one batch, bytes after `batches` batches) in one rank's routing-record store
-    (routing/replay.RoutingReplay, Routing Replay R2), fed the way the training loop feeds it: each batch is one
-    optimizer step; its first forward records every row (int16 [length, top_k] per MoE layer), the records are
-    shared over DP (every rank then holds the whole batch's), then the step is taken. Records are shape-only (meta)
+    """(peak bytes during the first batch, peak bytes during the last of `batches`) in one rank's routing-record
+    store (routing/records.RecordStore, what Routing Replay R2, drift and the noise probe keep), fed the way the
+    training loop feeds it: the batch's first forward records each of the rank's rows (`lengths`: the rows it
+    forwards), one int16 [length, top_k] per MoE layer, as replay.RoutingReplay's router hooks do; the coordinator's
+    end_batch (TrainerPool.end_batch) forgets them when the batch's passes are done. Records are shape-only (meta)
     tensors. The only function here that knows the store's API."""
-    from types import SimpleNamespace
+    from gspo_ray.trainer.routing.records import RecordStore
 
-    from gspo_ray.trainer.routing.replay import RoutingReplay
-
-    routers = []
-    for i in range(shape.layers):
-        stub = torch.nn.Module()
-        stub.router_replay = SimpleNamespace(router_replay_action=None)
-        routers.append((i, stub))
-    replay = RoutingReplay(routers)
+    store = RecordStore(shape.layers)
     record = {n: torch.empty((n, shape.top_k), dtype=torch.int16, device="meta") for n in set(lengths)}
-    size_of = {n: t.numel() * t.element_size() * shape.layers for n, t in record.items()}
     sizes = []
-    for version in range(batches):
-        uids = [f"b{version}/{r}" for r in range(len(lengths))]
-        with replay.recording(uids, torch.tensor(lengths), version):
-            for uid, n in zip(uids, lengths):  # what the router hooks store on the recording forward
-                replay.store[uid] = [record[n]] * shape.layers
-                replay.fresh.add(uid)
-        replay.share()
-        if version in (0, batches - 1):
-            sizes.append(sum(size_of[layers[0].shape[0]] for layers in replay.store.values()))
+    for batch in range(batches):
+        for row, n in enumerate(lengths):
+            for layer in range(shape.layers):
+                store.record(f"b{batch}/{row}", layer, record[n])
+        sizes.append(store.nbytes())  # the most the store holds: before the batch ends
+        store.end_batch()
     return sizes[0], sizes[-1]
 
 
@@ -242,15 +236,17 @@ def run_scale_bench(out: Path = OUT, seed: int = 0) -> list[dict]:
     groups, lengths = synthetic_batch(seed)
     rows, layouts, syncs, stores = [], {}, {}, {}
     for m, dp, tp, ep in shapes():
-        if (m.name, dp, tp) not in layouts:
-            layouts[(m.name, dp, tp)] = layout_stats(m, groups, lengths, dp, tp)
+        key = (m.name, dp, tp)
+        if key not in layouts:
+            layouts[key] = layout_stats(m, groups, lengths, dp, tp)
+            held = layouts[key].pop("record_lengths")
+            stores[key] = routing_store_bytes(m, held) if m.experts else (0, 0)
         if m.name not in syncs:
             syncs[m.name] = weight_sync_bytes(m)
-            stores[m.name] = routing_store_bytes(m, lengths) if m.experts else (0, 0)
         rows.append({"model": m.name, "dp": dp, "tp": tp, "ep": ep, "groups": PROMPTS, "rows": len(lengths),
-                     **layouts[(m.name, dp, tp)],
-                     "routing_record_bytes_per_rank": stores[m.name][1],
-                     "routing_record_bytes_one_batch": stores[m.name][0],
+                     **layouts[key],
+                     "routing_record_bytes_per_rank": stores[key][1],
+                     "routing_record_bytes_one_batch": stores[key][0],
                      "weight_sync_bytes_per_engine": syncs[m.name][0], "weight_sync_buckets": syncs[m.name][1],
                      "checkpoint_bytes_per_rank": checkpoint_bytes(m, tp, ep)})
     out.parent.mkdir(parents=True, exist_ok=True)
