@@ -5,9 +5,9 @@
 What runs is the trainer's real code, imported, never restated:
   * the DP layout: batch_layout.plan_ranks (group rows planned, dealt to ranks by cost, packed per rank within
     the padded path's token and attention-score memory) on synthetic mini-batches (the same on every rank);
-  * the routing-record store: routing/records.RecordStore (Routing Replay's, drift's) fed with the records of 64
-    batches of the rank holding the most row tokens, the way the training loop feeds it (`routing_store_bytes`: one
-    small function, the only place that knows the store's API);
+  * the routing-record store: routing/records.RecordStore fed with the busiest rank's rows of 64 batches the way
+    the training loop feeds it, `end_batch` after each (`routing_store_bytes`: one small function, the only place
+    that knows the store's API);
   * the weight-sync bucket plan: rollout/weight_sync.iter_buckets over the HF tensors the trainer exports
     (bridge.param_map / split_to_hf) as shape-only (meta) tensors;
   * the checkpoint shards: each rank saves its own TP / EP shard (bridge.shard_tp; experts split over EP), in the
@@ -21,7 +21,7 @@ Per shape (keys as named): dp_imbalance (the busiest rank's forwarded tokens ove
 included: the trainer's train/dp_imbalance), rows_per_rank_min / _max (completions), busiest_rank_attention_bytes
 and busiest_rank_activation_bytes (the busiest rank's largest micro-batch: bf16 activations without recompute after
 Korthikanti et al. 2022, 34 s h + 5 a s^2 bytes per sequence and layer, split over TP with sequence parallelism),
-routing_record_bytes_per_rank (the most one rank holds during the 64th batch; MoE only), weight_sync_bytes_per_engine (bf16), checkpoint_bytes_
+routing_record_bytes_per_rank (after 64 batches; MoE only), weight_sync_bytes_per_engine (bf16), checkpoint_bytes_
 per_rank, slowest_rank_wait_share (1 - mean / max of the ranks' step FLOPs: fwd + bwd = 3 x forward, the forward
 2 x active matrix parameters per token plus 4 d W^2 per row and layer; busiest_rank_step_s gives the seconds at
 PEAK_FLOPS x MFU).
@@ -112,10 +112,8 @@ def layout_stats(shape: Shape, groups, lengths, dp: int, tp: int) -> dict:
     plan = plan_ranks(groups, lengths, dp, MICRO_BATCH_SIZE, MICRO_BATCH_TOKENS, weight)
     forwards = max(len(p) for p in plan)
     dummy = -(-lengths[0] // tp) * tp  # a dummy is one fully masked copy of row 0
-    tokens, flops, rows, peak_act, peak_att, held = [], [], [], 0, 0, []
+    tokens, flops, rows, peak_act, peak_att = [], [], [], 0, 0
     for packs in plan:
-        mine = [lengths[b] for pack in packs for u in pack for b in u.rows]
-        held = max(held, mine, key=sum)  # the rank whose rows carry the most tokens (routing records)
         t = f = 0.0
         for pack in packs + [None] * (forwards - len(packs)):
             r, w = (len(pack), -(-max(u.length for u in pack) // tp) * tp) if pack else (1, dummy)
@@ -127,11 +125,12 @@ def layout_stats(shape: Shape, groups, lengths, dp: int, tp: int) -> dict:
         tokens.append(t)
         flops.append(f)
         rows.append(sum(len(u.rows) for pack in packs for u in pack))
-    return {"dp_imbalance": max(tokens) / (sum(tokens) / dp), "rows_per_rank_min": min(rows),
+    mine = max(([r for pack in packs for u in pack for r in u.rows] for packs in plan),
+               key=lambda rs: sum(lengths[r] for r in rs))  # the rank with the most tokens to record
+    return mine, {"dp_imbalance": max(tokens) / (sum(tokens) / dp), "rows_per_rank_min": min(rows),
             "rows_per_rank_max": max(rows), "busiest_rank_attention_bytes": peak_att,
             "busiest_rank_activation_bytes": peak_act, "slowest_rank_wait_share": 1 - sum(flops) / dp / max(flops),
-            "busiest_rank_step_s": max(flops) / (PEAK_FLOPS * MFU), "micro_batches_per_rank": forwards,
-            "record_lengths": held}
+            "busiest_rank_step_s": max(flops) / (PEAK_FLOPS * MFU), "micro_batches_per_rank": forwards}
 
 
 def megatron_params(shape: Shape) -> list[tuple[str, tuple[int, ...]]]:
@@ -197,23 +196,25 @@ def checkpoint_bytes(shape: Shape, tp: int, ep: int) -> int:
     return params * (2 + 12)
 
 
-def routing_store_bytes(shape: Shape, lengths: list[int], batches: int = BATCHES) -> tuple[int, int]:
-    """(peak bytes during the first batch, peak bytes during the last of `batches`) in one rank's routing-record
-    store (routing/records.RecordStore, what Routing Replay R2, drift and the noise probe keep), fed the way the
-    training loop feeds it: the batch's first forward records each of the rank's rows (`lengths`: the rows it
-    forwards), one int16 [length, top_k] per MoE layer, as replay.RoutingReplay's router hooks do; the coordinator's
-    end_batch (TrainerPool.end_batch) forgets them when the batch's passes are done. Records are shape-only (meta)
-    tensors. The only function here that knows the store's API."""
+def routing_store_bytes(shape: Shape, lengths: list[int], mine: list[int], batches: int = BATCHES) -> tuple[int, int]:
+    """(bytes held during the first batch, bytes held during batch `batches`) in one rank's routing-record store
+    (routing/records.RecordStore, the store Routing Replay, drift and the noise probe share), fed the way the
+    training loop feeds it: each batch's first forward records the rows this rank forwards (`mine`: int16
+    [length, top_k] per MoE layer), and the loop's `end_batch` forgets them when the batch's passes are done. At one
+    pass x one mini-batch no record moves between ranks (`RecordStore.fetch` moves a record only to a rank that
+    forwards its row later), so a rank holds exactly its own rows'. Records are shape-only (meta) tensors. The
+    only function here that knows the store's API."""
     from gspo_ray.trainer.routing.records import RecordStore
 
     store = RecordStore(shape.layers)
-    record = {n: torch.empty((n, shape.top_k), dtype=torch.int16, device="meta") for n in set(lengths)}
+    record = {n: torch.empty((n, shape.top_k), dtype=torch.int16, device="meta") for n in {lengths[r] for r in mine}}
     sizes = []
-    for batch in range(batches):
-        for row, n in enumerate(lengths):
+    for version in range(batches):
+        for r in mine:  # what the router hooks store on the recording forward, layer by layer
             for layer in range(shape.layers):
-                store.record(f"b{batch}/{row}", layer, record[n])
-        sizes.append(store.nbytes())  # the most the store holds: before the batch ends
+                store.record(f"b{version}/{r}", layer, record[lengths[r]])
+        if version in (0, batches - 1):
+            sizes.append(store.nbytes())
         store.end_batch()
     return sizes[0], sizes[-1]
 
@@ -236,17 +237,15 @@ def run_scale_bench(out: Path = OUT, seed: int = 0) -> list[dict]:
     groups, lengths = synthetic_batch(seed)
     rows, layouts, syncs, stores = [], {}, {}, {}
     for m, dp, tp, ep in shapes():
-        key = (m.name, dp, tp)
-        if key not in layouts:
-            layouts[key] = layout_stats(m, groups, lengths, dp, tp)
-            held = layouts[key].pop("record_lengths")
-            stores[key] = routing_store_bytes(m, held) if m.experts else (0, 0)
+        if (m.name, dp, tp) not in layouts:
+            mine, layouts[(m.name, dp, tp)] = layout_stats(m, groups, lengths, dp, tp)
+            stores[(m.name, dp, tp)] = routing_store_bytes(m, lengths, mine) if m.experts else (0, 0)
         if m.name not in syncs:
             syncs[m.name] = weight_sync_bytes(m)
         rows.append({"model": m.name, "dp": dp, "tp": tp, "ep": ep, "groups": PROMPTS, "rows": len(lengths),
-                     **layouts[key],
-                     "routing_record_bytes_per_rank": stores[key][1],
-                     "routing_record_bytes_one_batch": stores[key][0],
+                     **layouts[(m.name, dp, tp)],
+                     "routing_record_bytes_per_rank": stores[(m.name, dp, tp)][1],
+                     "routing_record_bytes_one_batch": stores[(m.name, dp, tp)][0],
                      "weight_sync_bytes_per_engine": syncs[m.name][0], "weight_sync_buckets": syncs[m.name][1],
                      "checkpoint_bytes_per_rank": checkpoint_bytes(m, tp, ep)})
     out.parent.mkdir(parents=True, exist_ok=True)
