@@ -36,7 +36,8 @@ class TrainerConfig(Strict):
     micro_batch_tokens: int | None = Field(None, ge=1, description="cap on tokens per forward/backward: a micro-"
                                            "batch holds at most this many (padded) tokens of the mini-batch's "
                                            "longest row, and at most micro_batch_size rows (bounds activation "
-                                           "memory; None = rows only)")
+                                           "memory; None = rows only); shared-prefix micro-batches stay within the "
+                                           "same tokens and attention scores. At least rollout.max_model_len")
     shared_prefix: bool = Field(True, description="lay out each prompt group as one row [prompt | c_1 | ... | "
                                 "c_G] (the prompt forwarded once, each completion attending to the prompt and "
                                 "itself; RoPE positions continue from the prompt): exact, and fewer tokens "
