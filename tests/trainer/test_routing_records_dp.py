@@ -65,7 +65,7 @@ def test_records_follow_rows_to_the_rank_that_trains_them(tiny_moe_dir, ep):
     assert reversed_step["moe/router_churn"] == 0.0  # under R2 the replayed forwards route as recorded
 
 
-def test_r2_is_refused_where_its_first_forward_is_not_the_sampling_policy():
+def test_r2_and_the_probe_are_refused_where_their_first_forward_is_not_the_sampling_policy():
     from gspo_ray.config import ConfigError, load_config
 
     recipe = "gspo_ray/recipes/tiny_moe.yaml"  # async by default
@@ -76,6 +76,15 @@ def test_r2_is_refused_where_its_first_forward_is_not_the_sampling_policy():
                              "rollout.max_new_tokens=12", "rollout.partial.segment_tokens=4"])
     ok = load_config(recipe, ["trainer.routing_replay=R2", "coordinator.mode=sync", "algorithm.eps=fixed"])
     assert ok.trainer.routing_replay == "R2"
+    # the routing-noise probe holds R2's records: in async mode it would compare the policy with itself (0)
+    with pytest.raises(ConfigError, match="routing_noise needs coordinator.mode 'sync'"):
+        load_config(recipe, ["trainer.routing_noise=true"])
+    with pytest.raises(ConfigError, match="routing_noise cannot be combined with rollout.partial"):
+        load_config(recipe, ["trainer.routing_noise=true", "coordinator.mode=sync", "algorithm.eps=fixed",
+                             "rollout.max_new_tokens=12", "rollout.partial.segment_tokens=4"])
+    assert load_config(recipe, ["trainer.routing_noise=true", "coordinator.mode=sync", "algorithm.eps=fixed",
+                                "coordinator.num_minibatches=2"]).trainer.routing_noise
+    assert load_config(recipe).trainer.routing_drift  # drift stays on in async mode: it labels its lag instead
 
 
 def _ten_batches(rank, world_size, ports, model_dir):

@@ -1,5 +1,6 @@
 """Routing drift: the share of a token's top-k expert choices that differ between the policy that first saw a
-sequence (the sampling policy, when old log-probs are recomputed) and the policy being updated now, per MoE layer.
+sequence (the sampling policy, when old log-probs are recomputed in sync mode) and the policy being updated now, per
+MoE layer.
 
     drift = RoutingDrift(model)
     with drift.watch(keys, mb.lengths):                # the first forward over a key stores its routing;
@@ -17,9 +18,12 @@ Shared-prefix group rows (trainer.shared_prefix): `watch(..., layout=...)` reads
 its group row (`layout.row_of`, `layout.col_of`), so a shared prompt token counts once per completion that uses it,
 exactly as on padded rows, and records are per original row either way.
 
-Which forward stores: the first one that sees a uid. With `coordinator.recompute_old_logprobs` that is the
-old-log-prob forward over the whole rollout batch, run by the policy that sampled it (exact). Without it, the
-first training forward stores: exact for the first mini-batch, a lower bound for the later ones of pass 1.
+Which forward stores: the first one that sees a uid. With `coordinator.recompute_old_logprobs` in sync mode that
+is the old-log-prob forward over the whole rollout batch, run by the policy that sampled it (exact). Without it, the
+first training forward stores: exact for the first mini-batch, a lower bound for the later ones of pass 1. In
+async mode (and with partial rollouts) the first sight is already a later policy than the sampling one: the loop
+logs how many versions later (`moe/drift_first_sight_lag`), and drift since sampling is at least what this
+measures (docs/moe.md). Records live for the current rollout batch only (`routing.records.RecordStore`).
 """
 from __future__ import annotations
 
