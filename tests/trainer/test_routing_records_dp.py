@@ -96,18 +96,19 @@ def _ten_batches(rank, world_size, ports, model_dir):
                       algo_cfg())
     held = []
     for i in range(10):  # 10 rollout batches of one optimizer step each (the default 1 pass x 1 mini-batch)
-        batch = make_batch(4, seed=100 + i)
-        batch.uids = [f"b{i}/{j}" for j in range(4)]
+        batch = make_batch(3, seed=100 + i)  # 3 rows over 2 ranks: rank 1's second row is padding (row 0's copy)
+        batch.uids = [f"b{i}/{j}" for j in range(3)]
         batch.old_logp = w.compute_logprobs(batch)
-        w.train_step(batch)
+        m = w.train_step(batch)
         stores = {"drift": set(w.drift.store.keys()), "noise": set(w.noise.store.keys())}
-        held.append({"keys": set(routing_keys(batch)), "stores": stores, "bytes": w.routing_record_bytes()})
+        held.append({"keys": set(routing_keys(batch)), "stores": stores, "bytes": w.routing_record_bytes(),
+                     "drift_tokens": m["moe/drift_tokens"], "tokens": int(batch.lengths.sum())})
         w.end_batch()  # what the coordinator does after the batch's passes
     w.shutdown()
     return held
 
 
-def test_ten_one_step_batches_leave_only_the_current_batch(tiny_moe_dir):
+def test_ten_one_step_batches_leave_only_the_current_batch_and_padding_counts_nothing(tiny_moe_dir):
     ranks = run_ranks(_ten_batches, 2, (str(tiny_moe_dir),))
     sizes = []
     for i in range(10):
@@ -115,5 +116,7 @@ def test_ten_one_step_batches_leave_only_the_current_batch(tiny_moe_dir):
         for kind in ("drift", "noise"):
             mine = [r[i]["stores"][kind] for r in ranks]
             assert mine[0] | mine[1] == keys and not mine[0] & mine[1], (i, kind)  # this batch only, each row once
+        # drift compared every row's tokens once; the padding copy of row 0 counts nothing (it used to count twice)
+        assert ranks[0][i]["drift_tokens"] == ranks[0][i]["tokens"], i
         sizes.append(sum(r[i]["bytes"] for r in ranks))
     assert max(sizes) < 2 * min(sizes)  # O(one batch): no growth over the batches

@@ -5,7 +5,8 @@ MoE layer.
     drift = RoutingDrift(model)
     with drift.watch(keys, mb.lengths):                # the first forward over a key stores its routing;
         forward(mb)                                    # every later one is compared with it (None: padding)
-    metrics = drift.metrics(group)                     # {"moe/drift_churn_l0": ..., "moe/drift_churn": ...}
+    metrics = drift.metrics(group)                     # {"moe/drift_churn_l0": ..., "moe/drift_churn": ...,
+                                                       #  "moe/drift_tokens": tokens compared}
 
 This is seed 000's "~10% of the experts a rollout activates change after one gradient update", measured the way
 it matters for reuse: mini-batch j of pass p trains on routing that moved for (p-1) x num_minibatches + j
@@ -31,6 +32,8 @@ import contextlib
 
 import torch
 import torch.distributed as dist
+from gspo_ray.compat.megatron_import import megatron_core  # noqa: F401  (first: megatron without torch.compile)
+from megatron.core import parallel_state
 
 from gspo_ray.trainer.routing.churn import comm_device, find_routers
 from gspo_ray.trainer.routing.records import RecordStore
@@ -134,6 +137,10 @@ class RoutingDrift:
         drift = (counts[:, 0] / counts[:, 1].clamp(min=1)).tolist()
         out = {f"moe/drift_churn_l{layer}": d for (layer, _), d in zip(self.routers, drift)}
         out["moe/drift_churn"] = sum(drift) / len(drift)
+        # tokens compared (each row's tokens once; without sequence parallelism every TP rank counts its rows)
+        router = self.routers[0][1]
+        tp = 1 if router.config.sequence_parallel else parallel_state.get_tensor_model_parallel_world_size()
+        out["moe/drift_tokens"] = float(counts[0, 1]) / router.topk / tp
         return out
 
     def remove(self) -> None:
