@@ -83,6 +83,17 @@ class JobConfig(Strict):
         return self
 
     @model_validator(mode="after")
+    def _micro_batch_holds_a_row(self) -> "JobConfig":
+        """A micro-batch must hold the longest row a rollout can give (prompt + completion, at most the engine's
+        max_model_len); a shared-prefix group row is never shorter than its longest member."""
+        cap, longest = self.trainer.micro_batch_tokens, self.rollout.max_model_len
+        if cap is not None and cap < longest:
+            raise ValueError(f"trainer.micro_batch_tokens ({cap}) is smaller than the longest row a rollout can give, "
+                             f"rollout.max_model_len ({longest}): raise micro_batch_tokens to at least {longest} "
+                             "or lower max_model_len")
+        return self
+
+    @model_validator(mode="after")
     def _algorithm_needs(self) -> "JobConfig":
         """Algorithm options that need a coordinator setting."""
         c, a = self.coordinator, self.algorithm

@@ -140,6 +140,9 @@ class RolloutConfig(Strict):
     verify_tol: float | None = Field(None, gt=0, description="accepted |logp_engine - logp_trainer| on the probe; "
                                      "None = by engine dtype: float32 per-token max 1e-4; bfloat16 mean over the "
                                      "probe's tokens 0.2 (single bf16 tokens can move by ~1 where routing flips)")
+    lora_rank: int | None = Field(None, ge=1, description="the adapter rank a dense model's engines serve "
+                                  "(vLLM LoRA); the job sets it from trainer.lora, leave it unset (None = full "
+                                  "weights are pushed; MoE engines always take merged full weights)")
     reward: RewardConfig = Field(default_factory=RewardConfig, description="reward function")
     multi_turn: MultiTurnConfig | None = Field(None, description="multi-turn episodes (None = single turn)")
     partial: PartialRolloutConfig | None = Field(None, description="partial rollouts across policy versions "

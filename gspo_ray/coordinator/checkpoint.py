@@ -137,6 +137,15 @@ class CheckpointManager:
             self._broken.add(path.name)
         return None
 
+    def resume_point(self) -> Path | None:
+        """What `--resume` will most likely take, cheaply (sizes, no hashes; `latest()` verifies): the checkpoint
+        `latest` names when it is complete, else the newest complete one. For the line a stopped job prints."""
+        name = self._pointer_name()
+        if name is not None and NAME.fullmatch(name) and self.is_complete(self.root / name):
+            return self.root / name
+        done = self.complete_checkpoints() if self.root.is_dir() else []
+        return done[-1] if done else None
+
     def verify(self, path: Path) -> str | None:
         """None when the checkpoint is complete and every file matches its manifest (size and sha256), else the
         problem in one line. Raises CheckpointError when a part leads out of the checkpoints directory."""

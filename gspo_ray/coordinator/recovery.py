@@ -164,8 +164,9 @@ class TrainerRecovery:
         old_cfg = coord.trainer.cfg
         try:
             coord.trainer.restart(new_cfg)
-        except Exception:  # noqa: BLE001 - placing the new size failed: back to the old one, then report
-            log.exception("scale trainer %d failed; restoring %d ranks", num_workers, old)
+        except Exception as e:  # noqa: BLE001 - placing the new size failed: back to the old one, then report
+            log.exception("scale trainer %d refused: placing %d ranks failed (%s); restoring %d ranks", num_workers,
+                          num_workers, e, old)
             coord.trainer.restart(old_cfg)
             new_cfg = None
         version = coord.trainer.load(str(Path(path) / "trainer"))

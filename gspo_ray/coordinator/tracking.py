@@ -10,7 +10,11 @@ from pathlib import Path
 
 # the progress bar's fields (docs/real-models.md explains them); "failed" only on a step where samples failed
 PROGRESS_KEYS = {"eval/reward": "eval", "rollout/reward_mean": "R", "train/clip_frac_seq": "clip",
-                 "train/kl": "kl", "rollout/tokens_per_s": "tok/s", "rollout/failed_samples": "failed"}
+                 "train/kl": "kl", "rollout/tokens_per_s": "tok/s", "rollout/failed_samples": "failed",
+                 "train/dp_imbalance": "dp"}
+# fields shown only past a threshold: failed samples when there are any, the DP imbalance (the busiest trainer
+# rank's forwarded tokens over the mean) when the step waits noticeably on one rank
+PROGRESS_SHOWN_ABOVE = {"failed": 0.0, "dp": 1.25}
 
 
 class MetricsTracker:
@@ -45,7 +49,7 @@ class MetricsTracker:
             self._wandb.log(step, row)
         if self._bar is not None:
             shown = {short: f"{metrics[k]:.3g}" for k, short in PROGRESS_KEYS.items()
-                     if k in metrics and (short != "failed" or metrics[k])}
+                     if k in metrics and metrics[k] > PROGRESS_SHOWN_ABOVE.get(short, -math.inf)}
             self._bar.set_postfix(shown, refresh=False)
             self._bar.update(1 if advance else 0)
 

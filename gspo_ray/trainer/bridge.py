@@ -110,6 +110,11 @@ def param_map(megatron_name: str, arch: str | None = None) -> ParamMap:
     raise KeyError(f"no HF mapping for Megatron parameter {megatron_name!r}")
 
 
+def is_lora_param(name: str) -> bool:
+    """A LoRA adapter parameter (trainer/lora.py names them `<linear>.lora.<target>.A|B`), not a base tensor."""
+    return ".lora." in name
+
+
 # ---- pure tensor maths: HF tensors <-> full (TP=1) Megatron tensor <-> TP shards ---------------------------------
 def merge_hf(tensors: list[Tensor], merge: str, spec: ModelSpec) -> Tensor:
     """HF tensors (in ParamMap order) -> the Megatron tensor as it is at TP=1."""
@@ -211,6 +216,8 @@ def _hf_names_of_model(model, spec: ModelSpec) -> set[str]:
     """Every HF tensor name the whole model (all TP/EP ranks) reads."""
     names = set()
     for name, _ in model.named_parameters():
+        if is_lora_param(name):  # adapters are not base-checkpoint tensors (trainer/lora_io.py exports them)
+            continue
         pm = param_map(name, spec.arch)
         if pm.local_expert is None:
             names.update(pm.hf_names)
@@ -238,6 +245,8 @@ def load_hf_weights(model, spec: ModelSpec, hf_dir: str | Path) -> None:
     tp_rank, ep_rank = _ranks(spec)
     with torch.no_grad():
         for name, param in model.named_parameters():
+            if is_lora_param(name):
+                continue
             pm = param_map(name, spec.arch)
             hf_names = pm.hf_names
             if pm.local_expert is not None:
@@ -283,6 +292,8 @@ def export_hf_weights(model, spec: ModelSpec, bucket_mb: float = 64) -> Iterator
     experts of one layer grouped by local index."""
     limit, bucket, size = bucket_mb * 2**20, [], 0
     for name, param in model.named_parameters():
+        if is_lora_param(name):  # the base weights only (merged_base in trainer/lora_io.py folds adapters in)
+            continue
         for hf_name, tensor in _full_hf_tensors(name, param, spec):
             nbytes = tensor.numel() * tensor.element_size()
             if bucket and size + nbytes > limit:

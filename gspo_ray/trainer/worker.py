@@ -18,8 +18,8 @@ N_seq and N_tok come from the full mini-batch, which every rank holds, so no ext
 Shared prefixes (trainer.shared_prefix). The completions of one prompt are forwarded as one group row [prompt |
 c_1 | ... | c_G] (trainer/group_rows.py): exact, the prompt computed once. Micro-batches still carry their rows in
 the original [b, L] layout and `forward_group_logprobs` returns log-probs there, so the loss, its scaling and the
-metrics above are unchanged; DP ranks take whole prompt groups and pad with fully masked dummy micro-batches to
-equal forward counts. Policy forwards that record routing per row (Routing Replay R2, routing drift) use padded
+metrics above are unchanged; DP ranks take group rows dealt by cost (batch_layout.plan_ranks) and pad with fully
+masked dummy micro-batches to equal forward counts. Policy forwards that record routing per row (Routing Replay R2, routing drift) use padded
 rows (logged once); router churn works on group rows (prefix tokens counted once per row that uses them).
 """
 from __future__ import annotations
@@ -54,11 +54,13 @@ from gspo_ray.trainer.batch_layout import (
     MicroBatch,
     group_micro_batches,
     loss_units,
+    model_score_weight,
     routing_keys,
     row_micro_batches,
 )
 from gspo_ray.trainer.group_rows import shard_token_order, warn_once
-from gspo_ray.trainer.metric_accumulator import MetricAccumulator
+from gspo_ray.trainer.lora_worker import TrainerLoRA, check_checkpoint_kind, load_model, model_state
+from gspo_ray.trainer.metric_accumulator import MetricAccumulator, dp_token_metrics
 from gspo_ray.trainer.pg_weights import build_pg_weight
 from gspo_ray.trainer.routing.churn import RouterRecorder, comm_device
 from gspo_ray.trainer.routing.drift import RoutingDrift
@@ -105,6 +107,9 @@ class TrainerWorker:
         self.gpt, self.spec = build_model(self.model_path, dtype=dtype, moe_dispatcher=trainer_cfg.moe_dispatcher,
                                           routing_replay=trainer_cfg.routing_replay != "none"
                                           or trainer_cfg.routing_noise)
+        self.lora = None  # trainer.lora: the base frozen, adapters trained and pushed (trainer/lora_worker.py)
+        if trainer_cfg.lora is not None:
+            self.lora = TrainerLoRA.attach(self.gpt, self.spec, trainer_cfg.lora, trainer_cfg.seed)
         self.ddp = build_ddp(self.gpt, dtype=trainer_cfg.dtype,
                              use_distributed_optimizer=trainer_cfg.use_distributed_optimizer)
         self.optimizer = build_optimizer(self.ddp, trainer_cfg)
@@ -181,7 +186,7 @@ class TrainerWorker:
             tp = parallel_state.get_tensor_model_parallel_world_size()
             multiple = tp if self.gpt.config.sequence_parallel else 1
             mbs = group_micro_batches(batch, self.dp_rank, self.dp_size, cfg.micro_batch_size,
-                                      cfg.micro_batch_tokens, multiple)
+                                      cfg.micro_batch_tokens, multiple, model_score_weight(self.gpt.config))
             if mbs is not None:
                 return mbs
         return row_micro_batches(batch, self.dp_rank, self.dp_size, cfg.micro_batch_size, cfg.micro_batch_tokens)
@@ -294,8 +299,9 @@ class TrainerWorker:
             metrics |= self.noise.metrics(self.dp_group)
         metrics |= {"train/eps_low": eps[0], "train/eps_high": eps[1]}  # the band this step trained with
         metrics |= {f"train/forward_passes_{k}": float(v) for k, v in self.forward_passes.items()}
-        # tokens this rank's training forwards computed, padding included (shared prefixes lower them)
-        metrics["train/forward_tokens"] = float(self.forward_tokens.get("train", 0))
+        # tokens the training forwards computed over DP, padding included (shared prefixes lower them), and the
+        # busiest rank's share (train/dp_imbalance)
+        metrics |= dp_token_metrics(self.forward_tokens.get("train", 0), self.dp_group)
         metrics["train/row_tokens"] = float(batch.lengths.sum())  # the mini-batch's tokens as one row per sample
         self.forward_passes, self.forward_tokens = {}, {}
         metrics |= {"train/grad_norm": grad_norm, "train/lr": lr, "train/step_ok": float(ok),
@@ -426,7 +432,9 @@ class TrainerWorker:
 
         bucket_mb = bucket_mb if bucket_mb is not None else self.cfg.export_bucket_mb
         buckets = []
-        for bucket in export_hf_weights(self.gpt, self.spec, bucket_mb=bucket_mb):
+        source = (self.lora.weights(self.gpt, self.spec, bucket_mb) if self.lora is not None
+                  else export_hf_weights(self.gpt, self.spec, bucket_mb=bucket_mb))
+        for bucket in source:
             if self.rank == 0:
                 # copies: the caller may hold them across later steps, which update the parameters in place
                 copy = [(name, t.detach().to("cpu").clone().contiguous()) for name, t in bucket]
@@ -441,7 +449,7 @@ class TrainerWorker:
     def save(self, ckpt_dir: str | Path) -> str:
         """Model + optimizer + scheduler + version + RNG states of this rank (collective)."""
         payload = {
-            "model": self.gpt.state_dict(),
+            "model": model_state(self.gpt, self.lora),  # the adapters only with LoRA
             "optimizer": ckpt.optimizer_state(self.optimizer),
             "scheduler": self.scheduler.state_dict(),
             "version": self._version,
@@ -451,7 +459,8 @@ class TrainerWorker:
         layouts = [None] * self.world_size
         dist.all_gather_object(layouts, payload["layout"])
         meta = {"world_size": self.world_size, "tp": self.cfg.tp, "ep": self.cfg.ep, "dtype": self.cfg.dtype,
-                "version": self._version, "layouts": layouts}
+                "version": self._version, "layouts": layouts,
+                "lora": self.lora.meta() if self.lora is not None else None}
         return str(ckpt.save_checkpoint(ckpt_dir, self.rank, payload, meta))
 
     def load(self, ckpt_dir: str | Path, load_optimizer: bool = True) -> int:
@@ -461,7 +470,8 @@ class TrainerWorker:
         with the same tp/ep: each rank reads the saved rank with its own tp/ep coordinates.
         """
         meta = ckpt.read_meta(ckpt_dir)
-        self.gpt.load_state_dict(ckpt.load_model_state(ckpt_dir, self.layout()))
+        check_checkpoint_kind(meta, self.lora, str(ckpt_dir))
+        load_model(self.gpt, ckpt.load_model_state(ckpt_dir, self.layout()), self.lora, str(ckpt_dir))
         source = self.rank
         if meta["world_size"] != self.world_size:
             if load_optimizer and self.cfg.use_distributed_optimizer:

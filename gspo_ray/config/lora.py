@@ -1,0 +1,39 @@
+"""trainer.lora: low-rank adapters on the frozen base model (trainer/lora.py), pushed to vLLM as adapters."""
+from __future__ import annotations
+
+from pydantic import Field, field_validator
+
+from gspo_ray.config.base import Strict
+
+# HF module names an adapter can target, as PEFT and vLLM name them (Qwen2/Qwen3/Llama/Qwen3-MoE/Mixtral names;
+# on MoE models gate_proj/up_proj/down_proj also target every expert's linears).
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoRAConfig(Strict):
+    """LoRA: W x + (alpha / rank) * B A x on the targeted linears; the base weights stay frozen (no gradients, no
+    optimizer state), A and B train in fp32. Only the adapter is checkpointed and (on dense models) pushed."""
+
+    rank: int = Field(8, ge=1, description="adapter rank r (A: [r, in], B: [out, r])")
+    alpha: float = Field(16.0, gt=0, description="scaling numerator: the update is (alpha / rank) * B A")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter's input while training "
+                           "(PEFT's lora_dropout); 0 keeps the trainer's log-probs equal to the engine's")
+    target_modules: list[str] = Field(list(LORA_TARGETS), min_length=1, description="HF linears to adapt, of "
+                                      f"{', '.join(LORA_TARGETS)}; on an MoE, gate/up/down_proj adapt every expert")
+    init_from: str | None = Field(None, description="a PEFT adapter directory (adapter_config.json + "
+                                  "adapter_model.safetensors) to start from; None = A random (PEFT's kaiming "
+                                  "init), B = 0, so step 0 is exactly the base model")
+
+    @field_validator("target_modules")
+    @classmethod
+    def _known_targets(cls, v: list[str]) -> list[str]:
+        unknown = [t for t in v if t not in LORA_TARGETS]
+        if unknown:
+            raise ValueError(f"unknown target module {unknown[0]!r}; valid: {', '.join(LORA_TARGETS)}")
+        if len(set(v)) != len(v):
+            raise ValueError(f"target modules repeat: {v}")
+        return [t for t in LORA_TARGETS if t in v]  # one canonical order
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank

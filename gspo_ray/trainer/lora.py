@@ -1,0 +1,314 @@
+"""LoRA on Megatron's parallel linears, TP- and EP-aware, with the base model frozen.
+
+    adapters = apply_lora(gpt, spec, cfg)     # cfg: gspo_ray.config.LoRAConfig; before build_ddp
+    y = W x + (alpha / r) * B (A dropout(x))   # every targeted linear, per HF target (q_proj, ..., down_proj)
+
+Each targeted Megatron linear gets a `lora` child (a `ParallelLoRA`) and a forward hook that adds its output, so
+parameter names stay Megatron's (`decoder.layers.0.self_attention.linear_qkv.lora.q_proj.A`) and DDP, the
+optimizer and checkpoints see the adapters as ordinary parameters. Fused Megatron linears hold one adapter per HF
+target: `linear_qkv` -> q_proj / k_proj / v_proj (their outputs interleaved per query group, as the base rows
+are), `linear_fc1` -> gate_proj / up_proj ([gate; up]), `linear_proj` -> o_proj, `linear_fc2` -> down_proj; the
+same for each MoE expert's linear_fc1 / linear_fc2 (SequentialMLP, expert-TP 1, experts split over EP).
+
+Tensor parallelism (sizes per TP rank):
+- column-parallel base (W rows split): A [r, in] replicated, B [out / tp, r] split on output rows. With sequence
+  parallelism the input arrives split on tokens: h = A x is computed on the local tokens and all-gathered (r
+  numbers a token instead of the hidden size), its gradient reduce-scattered; A's gradient, a sum over all tokens,
+  is all-reduced over TP by `copy_to_tensor_model_parallel_region` applied to A itself. Without it, h's gradient
+  (partial: each rank holds one slice of B) is all-reduced.
+- row-parallel base (W columns split): A [r, in / tp] split on input columns, B [out, r] replicated; the partial h
+  is all-reduced (reduce-scattered onto token shards under sequence parallelism, then B's gradient all-reduced).
+- experts: local matmuls (the dispatcher moved the tokens; expert-TP is 1), adapter grads reduced over the expert
+  data-parallel group like the expert weights (`allreduce=False` copied from the base weight).
+
+Frozen base: every base parameter has requires_grad False, so Megatron runs `linear_with_frozen_weight` (no weight
+gradient matmul), DDP allocates no gradient buffer and the optimizer holds no state for it. Adapters are fp32 (the
+input is cast to fp32, the output back to the base's dtype).
+
+Init (PEFT's): A kaiming-uniform(a=sqrt 5) over the full tensor, B = 0, drawn from a generator seeded by the
+trainer seed and the adapter's HF name, so every TP/EP layout starts from the same full adapter.
+"""
+from __future__ import annotations
+
+import math
+import re
+import zlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from gspo_ray.config.lora import LoRAConfig
+from gspo_ray.trainer.bridge import is_lora_param, param_map
+from gspo_ray.trainer.model_spec import ModelSpec
+
+_LAYER = r"decoder\.layers\.(\d+)\."
+# Megatron linear (module name) -> (HF targets it holds, in output order; output layout; parallel kind)
+_LINEARS: list[tuple[str, tuple[str, ...], str, str]] = [
+    (_LAYER + r"self_attention\.linear_qkv", ("q_proj", "k_proj", "v_proj"), "qkv", "col"),
+    (_LAYER + r"self_attention\.linear_proj", ("o_proj",), "copy", "row"),
+    (_LAYER + r"mlp\.linear_fc1", ("gate_proj", "up_proj"), "gated", "col"),
+    (_LAYER + r"mlp\.linear_fc2", ("down_proj",), "copy", "row"),
+    (_LAYER + r"mlp\.experts\.local_experts\.(\d+)\.linear_fc1", ("gate_proj", "up_proj"), "gated", "col"),
+    (_LAYER + r"mlp\.experts\.local_experts\.(\d+)\.linear_fc2", ("down_proj",), "copy", "row"),
+]
+
+
+@dataclass(frozen=True)
+class LinearTarget:
+    """One Megatron linear an adapter wraps: its targets, layout, TP kind, and the full (TP 1) sizes."""
+
+    name: str                        # Megatron module name
+    targets: tuple[str, ...]         # HF targets adapted here (a subset of the linear's, in output order)
+    all_targets: tuple[str, ...]     # every HF target the fused linear holds
+    layout: str                      # "qkv" | "gated" | "copy"
+    kind: str                        # "col" | "row"
+    layer: int
+    local_expert: int | None         # expert index on this EP rank (None: dense)
+
+
+def match_linear(module_name: str, targets: list[str]) -> LinearTarget | None:
+    """The LinearTarget of a Megatron module name, or None when it holds none of `targets`."""
+    for pattern, names, layout, kind in _LINEARS:
+        m = re.fullmatch(pattern, module_name)
+        if m:
+            chosen = tuple(t for t in names if t in targets)
+            if not chosen:
+                return None
+            expert = int(m.group(2)) if m.lastindex and m.lastindex > 1 else None
+            return LinearTarget(module_name, chosen, names, layout, kind, int(m.group(1)), expert)
+    return None
+
+
+def full_out_sizes(t: LinearTarget, spec: ModelSpec) -> dict[str, int]:
+    """Output rows of each HF target at TP 1."""
+    d = spec.head_dim
+    ffn = spec.moe_ffn_hidden_size if t.local_expert is not None else spec.ffn_hidden_size
+    sizes = {"q_proj": spec.num_heads * d, "k_proj": spec.num_kv_heads * d, "v_proj": spec.num_kv_heads * d,
+             "o_proj": spec.hidden_size, "gate_proj": ffn, "up_proj": ffn, "down_proj": spec.hidden_size}
+    return {k: sizes[k] for k in t.targets}
+
+
+def full_in_size(t: LinearTarget, spec: ModelSpec) -> int:
+    ffn = spec.moe_ffn_hidden_size if t.local_expert is not None else spec.ffn_hidden_size
+    return {"o_proj": spec.num_heads * spec.head_dim, "down_proj": ffn}.get(t.targets[0], spec.hidden_size)
+
+
+class LoRAPair(nn.Module):
+    """A [r, in_local] and B [out_local, r] of one HF target, fp32."""
+
+    def __init__(self, rank: int, in_local: int, out_local: int):
+        super().__init__()
+        self.A = nn.Parameter(torch.zeros(rank, in_local, dtype=torch.float32))
+        self.B = nn.Parameter(torch.zeros(out_local, rank, dtype=torch.float32))
+
+
+class ParallelLoRA(nn.Module):
+    """The adapters of one Megatron linear (one LoRAPair per HF target) and its forward (see the module doc)."""
+
+    def __init__(self, t: LinearTarget, spec: ModelSpec, cfg: LoRAConfig, base: nn.Module):
+        super().__init__()
+        self.target, self.scale, self.dropout = t, cfg.scale, cfg.dropout
+        group = getattr(base, "tp_group", None)
+        tp = group.size() if group is not None else 1
+        self.local = bool(getattr(base, "explicit_expert_comm", False)) or tp == 1  # no TP collectives
+        self.tp, self.tp_group = (1, None) if self.local else (tp, group)
+        self.sequence_parallel = bool(getattr(base, "sequence_parallel", False)) and not self.local
+        self.groups = spec.num_kv_heads // self.tp  # local query groups (qkv layout)
+        outs, inp = full_out_sizes(t, spec), full_in_size(t, spec)
+        col = t.kind == "col"
+        self.qkv_widths = {n: s // self.tp for n, s in full_out_sizes(
+            LinearTarget(t.name, t.all_targets, t.all_targets, t.layout, t.kind, t.layer, t.local_expert),
+            spec).items()} if t.layout == "qkv" else {}
+        self.pairs = nn.ModuleDict({
+            n: LoRAPair(cfg.rank, inp if col else inp // self.tp, s // self.tp if col else s)
+            for n, s in outs.items()})
+
+    def _weight(self, p: Tensor) -> Tensor:
+        """A replicated factor whose gradient is a sum over TP ranks' token shards (sequence parallelism)."""
+        from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+
+        if self.sequence_parallel:
+            return copy_to_tensor_model_parallel_region(p, group=self.tp_group)
+        return p
+
+    def forward(self, x: Tensor) -> Tensor:
+        """The adapter's contribution to the base linear's output (same shape and layout), in x's dtype."""
+        from megatron.core.tensor_parallel import mappings as mp
+
+        h_in = F.dropout(x.float(), self.dropout, self.training) if self.dropout else x.float()
+        outs = {}
+        for name, pair in self.pairs.items():
+            if self.target.kind == "col":
+                h = h_in @ self._weight(pair.A).t()
+                if self.sequence_parallel:  # tokens split over TP: gather r numbers a token, not the hidden size
+                    h = mp.gather_from_sequence_parallel_region(h, True, group=self.tp_group)
+                elif not self.local:
+                    h = mp.copy_to_tensor_model_parallel_region(h, group=self.tp_group)  # bwd: sum B slices
+                outs[name] = (h @ pair.B.t()) * self.scale
+            else:
+                h = h_in @ pair.A.t()  # partial over TP (A split on the input columns)
+                if self.sequence_parallel:
+                    h = mp.reduce_scatter_to_sequence_parallel_region(h, group=self.tp_group)
+                elif not self.local:
+                    h = mp.reduce_from_tensor_model_parallel_region(h, group=self.tp_group)
+                outs[name] = (h @ self._weight(pair.B).t()) * self.scale
+        return self._assemble(outs).to(x.dtype)
+
+    def _assemble(self, outs: dict[str, Tensor]) -> Tensor:
+        t = self.target
+        if t.layout == "copy":
+            return outs[t.targets[0]]
+        some = next(iter(outs.values()))
+        lead = some.shape[:-1]
+        widths = self.qkv_widths if t.layout == "qkv" else {n: some.shape[-1] for n in t.all_targets}
+        parts = [outs[n] if n in outs else some.new_zeros(*lead, w) for n, w in widths.items()]
+        if t.layout == "gated":
+            return torch.cat(parts, dim=-1)
+        g = self.groups  # qkv: per local query group [q heads of the group | k | v]
+        return torch.cat([p.reshape(*lead, g, -1) for p in parts], dim=-1).reshape(*lead, -1)
+
+    @torch.no_grad()
+    def delta_weight(self) -> Tensor:
+        """scale * B A of every target, in the base weight's local layout [out_local, in_local] (fp32)."""
+        outs = {n: (p.B @ p.A).t() * self.scale for n, p in self.pairs.items()}  # [in_local, out_s_local]
+        return self._assemble(outs).t()
+
+
+def _add_adapter_output(module: nn.Module, inputs: tuple, output):
+    """Forward hook of an adapted linear: Megatron linears return (output, bias)."""
+    out, bias = output
+    return out + module.lora(inputs[0]), bias
+
+
+def adapted_linears(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(Megatron module name, linear) of every linear carrying an adapter, in module order."""
+    return [(name, m) for name, m in model.named_modules() if isinstance(getattr(m, "lora", None), ParallelLoRA)]
+
+
+def apply_lora(model: nn.Module, spec: ModelSpec, cfg: LoRAConfig, seed: int = 0) -> list[str]:
+    """Freeze `model` and wrap the targeted linears (see the module doc). Returns the adapted module names.
+    Raises ValueError when no linear matches, or when a TP split does not divide (it cannot: sizes come from
+    the base linears, which TP already divides)."""
+    model.requires_grad_(False)
+    done = []
+    for name, module in list(model.named_modules()):
+        t = match_linear(name, cfg.target_modules)
+        if t is None:
+            continue
+        lora = ParallelLoRA(t, spec, cfg, module)
+        module.lora = lora
+        for target, pair in lora.pairs.items():
+            hf = adapter_hf_module(t, target, spec)
+            a, b = init_full_pair(hf, cfg.rank, full_in_size(t, spec), full_out_sizes(t, spec)[target], seed)
+            shard_pair(pair, lora, a, b)
+            _mark_parallel(pair, lora, module)
+        module.register_forward_hook(_add_adapter_output)
+        done.append(name)
+    if not done:
+        raise ValueError(f"trainer.lora.target_modules {cfg.target_modules}: no linear of this model matches")
+    return done
+
+
+def _mark_parallel(pair: LoRAPair, lora: ParallelLoRA, base: nn.Module) -> None:
+    """Megatron's parameter attributes: TP-split factors count once per shard in the grad norm; expert adapters
+    are reduced with the experts (not over the dense data-parallel group)."""
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+    if not lora.local:
+        split, dim = (pair.B, 0) if lora.target.kind == "col" else (pair.A, 1)
+        set_tensor_model_parallel_attributes(split, True, dim, 1)
+    allreduce = getattr(base.weight, "allreduce", True)
+    for p in (pair.A, pair.B):
+        p.allreduce = allreduce
+
+
+def lora_state(model: nn.Module) -> dict[str, Tensor]:
+    """The adapters' entries of the model state dict (what a LoRA checkpoint holds)."""
+    return {k: v for k, v in model.state_dict().items() if is_lora_param(k)}
+
+
+def load_lora_state(model: nn.Module, state: dict[str, Tensor], where: str = "checkpoint") -> None:
+    """Load adapter tensors into `model` (base untouched). Every adapter of the model must be in `state`, with
+    its shape; ValueError naming the first mismatch otherwise."""
+    own = lora_state(model)
+    missing = sorted(set(own) - set(state))
+    extra = sorted(k for k in state if is_lora_param(k) and k not in own)
+    if missing or extra:
+        raise ValueError(f"{where}: adapters differ from this run's trainer.lora (missing {missing[:2]}, "
+                         f"unexpected {extra[:2]})")
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for k in own:
+            if tuple(state[k].shape) != tuple(params[k].shape):
+                raise ValueError(f"{where}: adapter {k} has shape {tuple(state[k].shape)}, this run "
+                                 f"{tuple(params[k].shape)} (another base model or rank)")
+            params[k].copy_(state[k])
+
+
+def count_params(model: nn.Module) -> tuple[int, int]:
+    """(trainable, total) parameters of this rank."""
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return trainable, sum(p.numel() for p in model.parameters())
+
+
+def kaiming_a(rank: int, fan_in: int, gen: torch.Generator) -> Tensor:
+    """PEFT's A init: kaiming_uniform_(a=sqrt(5)) -> U(-1/sqrt(fan_in), 1/sqrt(fan_in))."""
+    bound = 1.0 / math.sqrt(fan_in)
+    return (torch.rand(rank, fan_in, generator=gen, dtype=torch.float64) * 2 - 1).mul(bound).float()
+
+
+def name_seed(name: str, seed: int) -> int:
+    return zlib.crc32(f"{seed}:{name}".encode())
+
+
+# ---- full (TP 1) adapters <-> this rank's shards ----------------------------------------------------------------------
+def _ep_rank() -> int:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_expert_model_parallel_rank()
+
+
+def _tp_rank() -> int:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_tensor_model_parallel_rank()
+
+
+def adapter_hf_module(t: LinearTarget, target: str, spec: ModelSpec, ep_rank: int | None = None) -> str:
+    """HF module path of one target of a Megatron linear (`model.layers.0.self_attn.q_proj`); experts by their
+    global index on EP rank `ep_rank` (default: this rank)."""
+    pm = param_map(t.name + ".weight", spec.arch)
+    names = pm.hf_names
+    if pm.local_expert is not None:
+        ep = _ep_rank() if ep_rank is None else ep_rank
+        names = pm.for_expert(ep * spec.num_local_experts + pm.local_expert)
+    return names[t.all_targets.index(target)].removesuffix(".weight")
+
+
+def init_full_pair(hf_module: str, rank: int, fan_in: int, out: int, seed: int) -> tuple[Tensor, Tensor]:
+    """PEFT's default init of one full adapter: A kaiming-uniform, B zeros (seeded by name: layout-independent)."""
+    gen = torch.Generator().manual_seed(name_seed(hf_module, seed))
+    return kaiming_a(rank, fan_in, gen), torch.zeros(out, rank)
+
+
+def _local_rows(full: Tensor, lora: ParallelLoRA, dim: int) -> Tensor:
+    if lora.local:
+        return full
+    return full.chunk(lora.tp, dim=dim)[_tp_rank()]
+
+
+@torch.no_grad()
+def shard_pair(pair: LoRAPair, lora: ParallelLoRA, a_full: Tensor, b_full: Tensor, where: str = "") -> None:
+    """Copy this rank's slice of a full (A [r, in], B [out, r]) into `pair` (column: B rows; row: A columns).
+    Query heads of one group are contiguous in q_proj's rows and TP splits whole groups, so a rank's q/k/v rows
+    are a contiguous chunk of each."""
+    col = lora.target.kind == "col"
+    a = a_full if col else _local_rows(a_full, lora, 1)
+    b = _local_rows(b_full, lora, 0) if col else b_full
+    for local, p, label in ((a, pair.A, "lora_A"), (b, pair.B, "lora_B")):
+        if tuple(local.shape) != tuple(p.shape):
+            raise ValueError(f"{where or 'adapter'}: {label} gives shape {tuple(local.shape)} on this rank, the "
+                             f"model needs {tuple(p.shape)} (an adapter of another base model, or another rank)")
+        p.copy_(local.to(p.dtype))

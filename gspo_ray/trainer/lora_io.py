@@ -1,0 +1,160 @@
+"""LoRA adapters in and out: HF/PEFT names, TP/EP shards <-> full tensors, PEFT directories, merged weights.
+
+    state = export_adapter(gpt, spec)                 # collective; {PEFT name: full fp32 tensor} on every rank
+    write_peft_dir(state, out_dir, cfg, base_model)   # adapter_config.json + adapter_model.safetensors
+    cfg_json, tensors = read_peft_dir(adapter_dir)    # ValueError naming the path when it is not one
+    load_full_adapter(gpt, spec, tensors, where)      # full tensors -> this rank's shards (shapes checked)
+    with merged_base(gpt): export_hf_weights(...)     # W + scale * B A in place for the duration (MoE pushes)
+
+PEFT names (what `peft.PeftModel.from_pretrained` and vLLM's LoRA loader read):
+`base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight` [r, in], `...lora_B.weight` [out, r]; MoE
+experts `base_model.model.model.layers.{i}.mlp.experts.{e}.gate_proj.lora_A.weight` (global expert index e).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from gspo_ray.trainer.lora import (
+    LoRAPair,
+    ParallelLoRA,
+    adapted_linears,
+    adapter_hf_module,
+    shard_pair,
+)
+from gspo_ray.trainer.model_spec import ModelSpec
+
+PEFT_PREFIX = "base_model.model."
+ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+
+
+def peft_names(hf_module: str) -> tuple[str, str]:
+    return f"{PEFT_PREFIX}{hf_module}.lora_A.weight", f"{PEFT_PREFIX}{hf_module}.lora_B.weight"
+
+
+def _gather(t: Tensor, group, dim: int) -> Tensor:
+    parts = [torch.empty_like(t) for _ in range(group.size())]
+    torch.distributed.all_gather(parts, t.detach().contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def gather_pair(pair: LoRAPair, lora: ParallelLoRA) -> tuple[Tensor, Tensor]:
+    """Full (A, B) of one target (collective over TP for the split factor; every TP rank gets them)."""
+    a, b = pair.A.detach(), pair.B.detach()
+    if lora.local:
+        return a.clone(), b.clone()
+    if lora.target.kind == "col":
+        return a.clone(), _gather(b, lora.tp_group, 0)
+    return _gather(a, lora.tp_group, 1), b.clone()
+
+
+def export_adapter(model: nn.Module, spec: ModelSpec) -> dict[str, Tensor]:
+    """{PEFT name: full fp32 tensor} of every adapter (collective: every rank of the world calls it; each gets
+    the whole adapter, gathered over TP and, for experts, over EP)."""
+    from megatron.core import parallel_state as ps
+
+    out: dict[str, Tensor] = {}
+    for _, linear in adapted_linears(model):
+        lora: ParallelLoRA = linear.lora
+        t = lora.target
+        for target, pair in lora.pairs.items():
+            a, b = gather_pair(pair, lora)
+            if t.local_expert is not None and spec.ep > 1:
+                group = ps.get_expert_model_parallel_group()
+                a_all, b_all = _gather(a[None], group, 0), _gather(b[None], group, 0)
+                for r in range(spec.ep):
+                    out |= dict(zip(peft_names(adapter_hf_module(t, target, spec, r)), (a_all[r], b_all[r])))
+            else:
+                out |= dict(zip(peft_names(adapter_hf_module(t, target, spec)), (a, b)))
+    return out
+
+
+def load_full_adapter(model: nn.Module, spec: ModelSpec, tensors: dict[str, Tensor], where: str) -> None:
+    """Full PEFT-named tensors -> this rank's adapter shards. Every adapter of the model must be there and every
+    tensor used; ValueError naming `where` and the first mismatch."""
+    used = set()
+    for _, linear in adapted_linears(model):
+        lora: ParallelLoRA = linear.lora
+        for target, pair in lora.pairs.items():
+            a_name, b_name = peft_names(adapter_hf_module(lora.target, target, spec))
+            missing = [n for n in (a_name, b_name) if n not in tensors]
+            if missing:
+                raise ValueError(f"{where}: no tensor {missing[0]!r} (the adapter targets other modules, or "
+                                 "another model)")
+            shard_pair(pair, lora, tensors[a_name], tensors[b_name], where=f"{where}: {a_name[:-len('.weight')]}")
+            used.update((a_name, b_name))
+    if spec.ep > 1:  # the other EP ranks' experts are used there
+        used |= {n for n in tensors if ".experts." in n}
+    extra = sorted(set(tensors) - used)
+    if extra:
+        raise ValueError(f"{where}: {len(extra)} adapter tensors have no place in this run's trainer.lora, e.g. "
+                         f"{extra[0]!r} (widen target_modules or use another adapter)")
+
+
+def write_peft_dir(state: dict[str, Tensor], out_dir: str | Path, *, rank: int, alpha: float,
+                   target_modules: list[str], base_model: str = "", dtype: torch.dtype = torch.float32) -> Path:
+    """A PEFT LoRA adapter directory: adapter_config.json + adapter_model.safetensors (written to a temporary
+    name, then renamed, so a reader never sees half a file)."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha, "lora_dropout": 0.0,
+              "target_modules": sorted({n.split(".")[-3] for n in state}), "bias": "none",
+              "base_model_name_or_path": base_model, "fan_in_fan_out": False, "inference_mode": True,
+              "use_rslora": False, "init_lora_weights": True, "modules_to_save": None}
+    if set(config["target_modules"]) - set(target_modules):
+        raise ValueError(f"adapter tensors target {config['target_modules']}, config says {target_modules}")
+    tmp = out / (ADAPTER_WEIGHTS + ".tmp")
+    save_file({k: v.detach().to(dtype).contiguous() for k, v in state.items()}, str(tmp))
+    tmp.replace(out / ADAPTER_WEIGHTS)
+    (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    return out
+
+
+def read_peft_dir(adapter_dir: str | Path) -> tuple[dict, dict[str, Tensor]]:
+    """(adapter_config.json, {name: tensor}) of a PEFT LoRA directory; ValueError naming the path otherwise."""
+    from safetensors.torch import load_file
+
+    d = Path(adapter_dir)
+    cfg_path, weights = d / ADAPTER_CONFIG, d / ADAPTER_WEIGHTS
+    if not d.is_dir():
+        raise ValueError(f"{d}: not a directory (trainer.lora.init_from needs a PEFT adapter directory)")
+    if not cfg_path.is_file() or not weights.is_file():
+        raise ValueError(f"{d}: not a PEFT adapter directory (needs {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS})")
+    cfg = json.loads(cfg_path.read_text())
+    if str(cfg.get("peft_type", "")).upper() != "LORA":
+        raise ValueError(f"{cfg_path}: peft_type {cfg.get('peft_type')!r}, only LORA adapters load")
+    tensors = load_file(str(weights))
+    # PEFT saves without the adapter name ('.lora_A.weight'); some tools keep '.lora_A.default.weight'
+    return cfg, {k.replace(".default.weight", ".weight"): v for k, v in tensors.items()}
+
+
+def peft_rank_alpha(cfg: dict, where: str) -> tuple[int, float]:
+    """(r, lora_alpha) of an adapter_config.json; rank patterns (per-module ranks) are refused."""
+    if cfg.get("rank_pattern") or cfg.get("alpha_pattern"):
+        raise ValueError(f"{where}: per-module rank_pattern/alpha_pattern adapters are not supported")
+    if cfg.get("use_rslora") or cfg.get("use_dora"):
+        raise ValueError(f"{where}: rsLoRA/DoRA adapters are not supported (plain LoRA only)")
+    return int(cfg["r"]), float(cfg.get("lora_alpha", cfg["r"]))
+
+
+@contextlib.contextmanager
+def merged_base(model: nn.Module):
+    """Within the block every adapted linear's weight reads W + scale * B A (this rank's shard); the original
+    tensors come back afterwards, bit for bit (the merged copies are separate tensors)."""
+    saved = []
+    try:
+        with torch.no_grad():
+            for _, linear in adapted_linears(model):
+                w = linear.weight
+                saved.append((w, w.data))
+                w.data = (w.data.float() + linear.lora.delta_weight()).to(w.dtype)
+        yield
+    finally:
+        for w, data in saved:
+            w.data = data

