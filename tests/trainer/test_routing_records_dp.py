@@ -65,7 +65,7 @@ def test_records_follow_rows_to_the_rank_that_trains_them(tiny_moe_dir, ep):
     assert reversed_step["moe/router_churn"] == 0.0  # under R2 the replayed forwards route as recorded
 
 
-def test_r2_is_refused_where_its_first_forward_is_not_the_sampling_policy():
+def test_r2_and_the_probe_are_refused_where_their_first_forward_is_not_the_sampling_policy():
     from gspo_ray.config import ConfigError, load_config
 
     recipe = "gspo_ray/recipes/tiny_moe.yaml"  # async by default
@@ -76,6 +76,15 @@ def test_r2_is_refused_where_its_first_forward_is_not_the_sampling_policy():
                              "rollout.max_new_tokens=12", "rollout.partial.segment_tokens=4"])
     ok = load_config(recipe, ["trainer.routing_replay=R2", "coordinator.mode=sync", "algorithm.eps=fixed"])
     assert ok.trainer.routing_replay == "R2"
+    # the routing-noise probe holds R2's records: in async mode it would compare the policy with itself (0)
+    with pytest.raises(ConfigError, match="routing_noise needs coordinator.mode 'sync'"):
+        load_config(recipe, ["trainer.routing_noise=true"])
+    with pytest.raises(ConfigError, match="routing_noise cannot be combined with rollout.partial"):
+        load_config(recipe, ["trainer.routing_noise=true", "coordinator.mode=sync", "algorithm.eps=fixed",
+                             "rollout.max_new_tokens=12", "rollout.partial.segment_tokens=4"])
+    assert load_config(recipe, ["trainer.routing_noise=true", "coordinator.mode=sync", "algorithm.eps=fixed",
+                                "coordinator.num_minibatches=2"]).trainer.routing_noise
+    assert load_config(recipe).trainer.routing_drift  # drift stays on in async mode: it labels its lag instead
 
 
 def _ten_batches(rank, world_size, ports, model_dir):
@@ -87,18 +96,19 @@ def _ten_batches(rank, world_size, ports, model_dir):
                       algo_cfg())
     held = []
     for i in range(10):  # 10 rollout batches of one optimizer step each (the default 1 pass x 1 mini-batch)
-        batch = make_batch(4, seed=100 + i)
-        batch.uids = [f"b{i}/{j}" for j in range(4)]
+        batch = make_batch(3, seed=100 + i)  # 3 rows over 2 ranks: rank 1's second row is padding (row 0's copy)
+        batch.uids = [f"b{i}/{j}" for j in range(3)]
         batch.old_logp = w.compute_logprobs(batch)
-        w.train_step(batch)
+        m = w.train_step(batch)
         stores = {"drift": set(w.drift.store.keys()), "noise": set(w.noise.store.keys())}
-        held.append({"keys": set(routing_keys(batch)), "stores": stores, "bytes": w.routing_record_bytes()})
+        held.append({"keys": set(routing_keys(batch)), "stores": stores, "bytes": w.routing_record_bytes(),
+                     "drift_tokens": m["moe/drift_tokens"], "tokens": int(batch.lengths.sum())})
         w.end_batch()  # what the coordinator does after the batch's passes
     w.shutdown()
     return held
 
 
-def test_ten_one_step_batches_leave_only_the_current_batch(tiny_moe_dir):
+def test_ten_one_step_batches_leave_only_the_current_batch_and_padding_counts_nothing(tiny_moe_dir):
     ranks = run_ranks(_ten_batches, 2, (str(tiny_moe_dir),))
     sizes = []
     for i in range(10):
@@ -106,5 +116,7 @@ def test_ten_one_step_batches_leave_only_the_current_batch(tiny_moe_dir):
         for kind in ("drift", "noise"):
             mine = [r[i]["stores"][kind] for r in ranks]
             assert mine[0] | mine[1] == keys and not mine[0] & mine[1], (i, kind)  # this batch only, each row once
+        # drift compared every row's tokens once; the padding copy of row 0 counts nothing (it used to count twice)
+        assert ranks[0][i]["drift_tokens"] == ranks[0][i]["tokens"], i
         sizes.append(sum(r[i]["bytes"] for r in ranks))
     assert max(sizes) < 2 * min(sizes)  # O(one batch): no growth over the batches

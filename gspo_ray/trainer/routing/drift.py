@@ -1,10 +1,12 @@
 """Routing drift: the share of a token's top-k expert choices that differ between the policy that first saw a
-sequence (the sampling policy, when old log-probs are recomputed) and the policy being updated now, per MoE layer.
+sequence (the sampling policy, when old log-probs are recomputed in sync mode) and the policy being updated now, per
+MoE layer.
 
     drift = RoutingDrift(model)
     with drift.watch(keys, mb.lengths):                # the first forward over a key stores its routing;
         forward(mb)                                    # every later one is compared with it (None: padding)
-    metrics = drift.metrics(group)                     # {"moe/drift_churn_l0": ..., "moe/drift_churn": ...}
+    metrics = drift.metrics(group)                     # {"moe/drift_churn_l0": ..., "moe/drift_churn": ...,
+                                                       #  "moe/drift_tokens": tokens compared}
 
 This is seed 000's "~10% of the experts a rollout activates change after one gradient update", measured the way
 it matters for reuse: mini-batch j of pass p trains on routing that moved for (p-1) x num_minibatches + j
@@ -17,9 +19,12 @@ Shared-prefix group rows (trainer.shared_prefix): `watch(..., layout=...)` reads
 its group row (`layout.row_of`, `layout.col_of`), so a shared prompt token counts once per completion that uses it,
 exactly as on padded rows, and records are per original row either way.
 
-Which forward stores: the first one that sees a uid. With `coordinator.recompute_old_logprobs` that is the
-old-log-prob forward over the whole rollout batch, run by the policy that sampled it (exact). Without it, the
-first training forward stores: exact for the first mini-batch, a lower bound for the later ones of pass 1.
+Which forward stores: the first one that sees a uid. With `coordinator.recompute_old_logprobs` in sync mode that
+is the old-log-prob forward over the whole rollout batch, run by the policy that sampled it (exact). Without it, the
+first training forward stores: exact for the first mini-batch, a lower bound for the later ones of pass 1. In
+async mode (and with partial rollouts) the first sight is already a later policy than the sampling one: the loop
+logs how many versions later (`moe/drift_first_sight_lag`), and drift since sampling is at least what this
+measures (docs/moe.md). Records live for the current rollout batch only (`routing.records.RecordStore`).
 """
 from __future__ import annotations
 
@@ -27,6 +32,8 @@ import contextlib
 
 import torch
 import torch.distributed as dist
+from gspo_ray.compat.megatron_import import megatron_core  # noqa: F401  (first: megatron without torch.compile)
+from megatron.core import parallel_state
 
 from gspo_ray.trainer.routing.churn import comm_device, find_routers
 from gspo_ray.trainer.routing.records import RecordStore
@@ -130,6 +137,10 @@ class RoutingDrift:
         drift = (counts[:, 0] / counts[:, 1].clamp(min=1)).tolist()
         out = {f"moe/drift_churn_l{layer}": d for (layer, _), d in zip(self.routers, drift)}
         out["moe/drift_churn"] = sum(drift) / len(drift)
+        # tokens compared (each row's tokens once; without sequence parallelism every TP rank counts its rows)
+        router = self.routers[0][1]
+        tp = 1 if router.config.sequence_parallel else parallel_state.get_tensor_model_parallel_world_size()
+        out["moe/drift_tokens"] = float(counts[0, 1]) / router.topk / tp
         return out
 
     def remove(self) -> None:

@@ -10,8 +10,9 @@ every mini-batch of a run that trains *without* Routing Replay.
 
 `measure` runs one more no-grad forward with the current weights and the routing recorded at each sequence's
 first forward (R2's records: `routing.replay.RoutingReplay`), so logp_free - logp_held is the routing-induced
-part of the log-ratio (algo/routing_noise.py). First sight: with `coordinator.recompute_old_logprobs` the
-old-log-prob pass (the sampling policy, exact); without, the first mini-batch's probe forward (exact for it, a
+part of the log-ratio (algo/routing_noise.py). Sync mode without partial rollouts only (config refuses the rest:
+there the first sight is a later policy and the probe would read 0). First sight: with
+`coordinator.recompute_old_logprobs` the old-log-prob pass (the sampling policy, exact); without, the first mini-batch's probe forward (exact for it, a
 lower bound for the later mini-batches of pass 1, as for R2 and routing drift). Records follow a sequence across
 DP ranks (`fetch`); counts add up over micro-batches and DP ranks before they become shares. The probe forward
 runs on every micro-batch, also on one with nothing scored (a dummy, a fully masked one: its counts are 0), so
