@@ -29,15 +29,19 @@ def export(path: Path = typer.Argument(..., help="run directory (latest checkpoi
            dtype: Optional[str] = typer.Option(None, help="float32 | bfloat16 | float16 (default: training dtype)"),
            model_dir: Optional[Path] = typer.Option(None, help="the HF model the run trained from (default: from "
                                                                "the run's config.yaml)"),
-           overwrite: bool = typer.Option(False, help="replace --out if it exists")):
+           overwrite: bool = typer.Option(False, help="replace --out if it exists"),
+           merge: bool = typer.Option(False, help="LoRA runs: write the merged HF model instead of the PEFT "
+                                                  "adapter directory")):
     """Write a checkpoint as a HF model directory (safetensors, config, tokenizer, chat template, generation
-    config), from whatever DP/TP/EP layout it was trained with. transformers, vLLM and lm-eval load it."""
+    config), from whatever DP/TP/EP layout it was trained with. transformers, vLLM and lm-eval load it. A LoRA
+    run gives a PEFT adapter directory (adapter_config.json + adapter_model.safetensors; --merge: the merged
+    model)."""
     from gspo_ray.coordinator.export import export_hf
 
     if out.exists() and any(out.iterdir()) and not overwrite:
         _fail(FileExistsError(f"--out {out} exists and is not empty; pass --overwrite to replace it"))
     try:
-        written = export_hf(path, out, dtype=dtype, model_dir=model_dir)
+        written = export_hf(path, out, dtype=dtype, model_dir=model_dir, merge=merge)
     except USER_ERRORS as e:
         _fail(e)
     files = sorted(p.name for p in written.iterdir())

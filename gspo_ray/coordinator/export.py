@@ -82,11 +82,19 @@ def resolve_checkpoint(path: str | Path, model_dir: str | Path | None = None) ->
 
 
 def export_hf(path: str | Path, out: str | Path, dtype: str | None = None,
-              model_dir: str | Path | None = None) -> Path:
-    """`gspo-ray export`: the HF directory of a run's latest checkpoint or of one checkpoint, written to `out`."""
+              model_dir: str | Path | None = None, merge: bool = False) -> Path:
+    """`gspo-ray export`: the HF directory of a run's latest checkpoint or of one checkpoint, written to `out`.
+    A LoRA run's checkpoint gives a PEFT adapter directory (over the run's base model), or with `merge` the
+    merged HF model; `merge` changes nothing for a full fine-tuning checkpoint."""
     from gspo_ray.trainer.hf_export import export_checkpoint
+    from gspo_ray.trainer.lora_export import export_adapter_dir, lora_meta
+    from gspo_ray.trainer.model_spec import DTYPES
 
     ref = resolve_checkpoint(path, model_dir)
+    if lora_meta(ref.trainer_dir) is not None and not merge:
+        if dtype is not None and dtype not in DTYPES:
+            raise ValueError(f"export dtype {dtype!r} unknown; valid: {', '.join(DTYPES)}")
+        return export_adapter_dir(ref.trainer_dir, ref.model_dir, out, dtype=DTYPES[dtype or "float32"])
     return export_checkpoint(ref.trainer_dir, ref.model_dir, out, dtype=dtype)
 
 

@@ -4,8 +4,8 @@
     y = W x + (alpha / r) * B (A dropout(x))   # every targeted linear, per HF target (q_proj, ..., down_proj)
 
 Each targeted Megatron linear gets a `lora` child (a `ParallelLoRA`) and a forward hook that adds its output, so
-parameter names stay Megatron's (`decoder.layers.0.self_attention.linear_qkv.lora.q_proj.A`) and DDP, the
-optimizer and checkpoints see the adapters as ordinary parameters. Fused Megatron linears hold one adapter per HF
+parameter names stay Megatron's (`decoder.layers.0.self_attention.linear_qkv.lora.pairs.q_proj.A`) and DDP,
+the optimizer and checkpoints see the adapters as ordinary parameters. Fused Megatron linears hold one adapter per HF
 target: `linear_qkv` -> q_proj / k_proj / v_proj (their outputs interleaved per query group, as the base rows
 are), `linear_fc1` -> gate_proj / up_proj ([gate; up]), `linear_proj` -> o_proj, `linear_fc2` -> down_proj; the
 same for each MoE expert's linear_fc1 / linear_fc2 (SequentialMLP, expert-TP 1, experts split over EP).
@@ -263,7 +263,7 @@ def name_seed(name: str, seed: int) -> int:
     return zlib.crc32(f"{seed}:{name}".encode())
 
 
-# ---- full (TP 1) adapters <-> this rank's shards ----------------------------------------------------------------------
+# ---- full (TP 1) adapters <-> this rank's shards ---------------------------------------------------------------
 def _ep_rank() -> int:
     from megatron.core import parallel_state as ps
 

@@ -1,0 +1,130 @@
+"""LoRA through TrainerWorker: checkpoints hold adapters and their optimizer state only, a resume continues the
+uninterrupted run exactly, a LoRA checkpoint is refused by a full fine-tuning run, the exported PEFT adapter (and
+the merged model) give the trainer's log-probs in transformers + peft, and `init_from` starts from it. On the MoE
+the push is the merged full weights, and it leaves the base weights untouched.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from _spawn import algo_cfg, make_batch, run_ranks, trainer_cfg, with_old_logp
+from conftest import hf_logprobs
+
+LORA = {"rank": 4, "alpha": 8.0}
+
+
+def _worker(port, model_dir, **lora):
+    from gspo_ray.trainer.worker import TrainerWorker
+
+    cfg = trainer_cfg(1, lr=3e-2, lora=(LORA | lora) if lora is not None else None)
+    return TrainerWorker(0, 1, "127.0.0.1", port, model_dir, cfg, algo_cfg())
+
+
+def _scenario(rank, world_size, ports, model_dir, batch, root):
+    from gspo_ray.trainer.lora_export import export_adapter_dir, merged_hf_state
+    from gspo_ray.trainer.bridge import write_hf_dir
+    from gspo_ray.trainer.model_spec import read_hf_config
+
+    out = {}
+    w = _worker(ports[0], model_dir)
+    batch = with_old_logp(batch, w.compute_logprobs(batch))
+    w.train_step(batch)
+    w.save(root / "ckpt")
+    out["after1"] = w.compute_logprobs(batch, temperature=1.0)
+    w.train_step(batch)
+    out["straight"] = w.compute_logprobs(batch)
+    out["opt_params"] = sum(len(g["params"]) for o in w.optimizer.chained_optimizers for g in o.param_groups)
+    out["lora_params"] = sum(1 for n, p in w.gpt.named_parameters() if p.requires_grad)
+    w.shutdown()
+    payload = torch.load(root / "ckpt" / "rank_0.pt", weights_only=True)
+    out["ckpt_keys"] = sorted(payload["model"])
+
+    w = _worker(ports[1], model_dir)  # resume: load, then the same second step
+    w.load(root / "ckpt")
+    w.train_step(batch)
+    out["resumed"] = w.compute_logprobs(batch)
+    w.shutdown()
+
+    from gspo_ray.trainer.worker import TrainerWorker
+    full = TrainerWorker(0, 1, "127.0.0.1", ports[2], model_dir, trainer_cfg(1), algo_cfg())
+    try:
+        full.load(root / "ckpt")
+    except ValueError as e:
+        out["full_ft_error"] = str(e)
+    full.shutdown()
+
+    export_adapter_dir(root / "ckpt", model_dir, root / "adapter")
+    write_hf_dir(merged_hf_state(root / "ckpt", model_dir), read_hf_config(model_dir), model_dir, root / "merged")
+    w = _worker(ports[3], model_dir, init_from=str(root / "adapter"))
+    out["init_from"] = w.compute_logprobs(batch, temperature=1.0)
+    w.shutdown()
+    out["batch"] = batch
+    return out
+
+
+@pytest.fixture(scope="module")
+def run(tiny_qwen2_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora_ckpt")
+    return run_ranks(_scenario, 1, (str(tiny_qwen2_dir), make_batch(8, vocab=23), root), n_ports=4)[0], root
+
+
+def test_checkpoint_holds_adapters_only_and_resume_is_exact(run):
+    out, _ = run
+    assert out["ckpt_keys"] and all(".lora." in k for k in out["ckpt_keys"])
+    assert out["opt_params"] == out["lora_params"] == len(out["ckpt_keys"])  # no base optimizer state
+    assert (out["straight"] - out["after1"]).abs().max() > 1e-4  # the second step moved the policy
+    assert torch.equal(out["resumed"], out["straight"])
+
+
+def test_full_finetuning_run_refuses_a_lora_checkpoint(run):
+    assert "a LoRA checkpoint (rank 4)" in run[0].get("full_ft_error", "")
+
+
+def test_exported_adapter_loads_in_peft_and_init_from(run, tiny_qwen2_dir):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    out, root = run
+    batch = out["batch"]
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(tiny_qwen2_dir)), str(root / "adapter"))
+    with torch.no_grad():
+        logsm = torch.log_softmax(model(input_ids=batch.tokens).logits.float()[:, :-1], -1)
+    peft_logp = logsm.gather(-1, batch.tokens[:, 1:, None])[..., 0]
+    valid = torch.arange(1, batch.tokens.shape[1])[None] < batch.lengths[:, None]
+    assert (torch.where(valid, peft_logp - out["after1"][:, 1:], 0.0)).abs().max() < 1e-5
+    merged, _ = hf_logprobs(root / "merged", batch.tokens, batch.lengths)
+    assert (merged - out["after1"]).abs().max() < 1e-5
+    assert (out["init_from"] - out["after1"]).abs().max() < 1e-6
+
+
+def _moe_push(rank, world_size, ports, model_dir):
+    from gspo_ray.trainer.lora_io import export_adapter, load_full_adapter
+
+    w = _worker(ports[0], model_dir, target_modules=["q_proj", "gate_proj", "down_proj"])
+    g = torch.Generator().manual_seed(0)
+    adapter = {k: 0.3 * torch.randn(v.shape, generator=g) for k, v in export_adapter(w.gpt, w.spec).items()}
+    load_full_adapter(w.gpt, w.spec, adapter, "test")
+    base_before = {n: p.detach().clone() for n, p in w.gpt.named_parameters() if ".lora." not in n}
+    buckets = w.export_weights().buckets
+    moved = max((p - base_before[n]).abs().max().item() for n, p in w.gpt.named_parameters() if n in base_before)
+    batch = make_batch(4)
+    logp = w.compute_logprobs(batch, temperature=1.0)
+    w.shutdown()
+    return {"state": {n: t for b in buckets for n, t in b}, "base_moved": moved, "logp": logp, "batch": batch}
+
+
+def test_moe_push_is_the_merged_model(tiny_moe_dir, tmp_path):
+    from gspo_ray.trainer.bridge import write_hf_dir
+    from gspo_ray.trainer.model_spec import read_hf_config
+
+    out = run_ranks(_moe_push, 1, (str(tiny_moe_dir),))[0]
+    assert out["base_moved"] == 0.0  # the merge is on copies
+    assert any(".experts.3.down_proj.weight" in n for n in out["state"])  # full weights, not adapters
+    write_hf_dir(out["state"], read_hf_config(tiny_moe_dir), tiny_moe_dir, tmp_path / "merged")
+    ref, _ = hf_logprobs(tmp_path / "merged", out["batch"].tokens, out["batch"].lengths)
+    assert (ref - out["logp"]).abs().max() < 1e-4
+    base, _ = hf_logprobs(tiny_moe_dir, out["batch"].tokens, out["batch"].lengths)
+    assert (base - out["logp"]).abs().max() > 1e-3  # the adapter moved the model: the push carries it
