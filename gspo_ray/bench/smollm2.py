@@ -20,6 +20,7 @@ from pathlib import Path
 
 from gspo_ray.bench.common import SMOLLM2_RECIPE as RECIPE
 from gspo_ray.bench.common import table_head
+from gspo_ray.bench.limits import format_limits, format_peaks, limit_rows, measure_peaks, phase_work
 from gspo_ray.config import load_config
 from gspo_ray.coordinator.tracking import read_metrics
 
@@ -102,6 +103,16 @@ def nonembedding_params(model_dir: Path) -> tuple[int, int]:
     return c["num_hidden_layers"] * per_layer + h, c["vocab_size"] * h
 
 
+def mean_prompt_tokens(cfg, model_dir: Path, steps: int) -> float:
+    """Mean prompt length (tokens) of the prompts the run draws: what the engine prefills once per group."""
+    from gspo_ray.data.prompts import PromptSource, load_tokenizer
+
+    prompts = PromptSource.from_config(cfg.data, load_tokenizer(model_dir), max_new_tokens=cfg.rollout.max_new_tokens,
+                                       max_model_len=cfg.rollout.max_model_len).take(cfg.coordinator.prompts_per_step
+                                                                                     * steps)
+    return statistics.mean(len(p.prompt_ids) for p in prompts)
+
+
 def bench_smollm2_mode(mode: str, steps: int, out_dir: Path, model_dir: Path) -> dict:
     from gspo_ray.coordinator.job import run_job
 
@@ -133,6 +144,11 @@ def bench_smollm2_mode(mode: str, steps: int, out_dir: Path, model_dir: Path) ->
     dp = cfg.trainer.num_workers // cfg.trainer.tp
     forward_tokens = dp * mean("train/forward_tokens")
     flops = 6 * body * forward_tokens + 6 * head * mean("rollout/tokens")
+    work = phase_work(body, head, forward_tokens=forward_tokens, scored_tokens=mean("rollout/tokens"),
+                      decode_tokens=mean("rollout/tokens"),
+                      prefill_tokens=cfg.coordinator.prompts_per_step * mean_prompt_tokens(cfg, model_dir, steps),
+                      decode_steps=mean("rollout/mean_len"), bytes_per_param=4 if cfg.rollout.dtype == "float32" else 2,
+                      push_bytes=mean("sync/push_mb") * 2 ** 20)
     return {"mode": mode, "steps": len(steady), "step_s": step, "rollout_s": mean("time/rollout_s"),
             "train_s": mean("time/train_s"), "sync_s": mean("time/sync_s"), "push_s": push_s,
             "push_mb_s": push_mb / push_s if push_s else 0.0, "completions_per_s": completions / step,
@@ -142,6 +158,7 @@ def bench_smollm2_mode(mode: str, steps: int, out_dir: Path, model_dir: Path) ->
             "forward_tokens": forward_tokens, "row_tokens": mean("train/row_tokens"),
             "max_new_tokens": cfg.rollout.max_new_tokens,
             "train_gflops": flops / mean("time/train_s") / 1e9 if mean("time/train_s") else 0.0,
+            "work": work, "dtype": cfg.rollout.dtype,
             "peak_total_gib": mem.total / GIB, "peak_gib": {k: v / GIB for k, v in mem.per_process.items()},
             "wall_s": time.time() - start}
 
@@ -169,8 +186,19 @@ def run_smollm2_bench(steps: int = 6, modes: tuple[str, ...] = MODES,
     from gspo_ray.models.gguf import ensure_imported
 
     ensure_imported(model_dir)
+    before = measure_peaks()
     with tempfile.TemporaryDirectory(prefix="gspo-bench-smollm2-") as tmp:
         results = [bench_smollm2_mode(mode, steps, Path(tmp), model_dir) for mode in modes]
+    after = measure_peaks()
     print(f"SmolLM2-135M-Instruct, 8 prompts x 8 completions, <= {results[0]['max_new_tokens']} new tokens, fp32, "
           f"1 optimizer step per batch, median over steps 2..{steps}\n" + format_smollm2(results), flush=True)
+    print(format_peaks(before, after), flush=True)
+    for r in results:
+        dtype = "bf16" if r["dtype"] == "bfloat16" else "fp32"
+        peak = max(before[f"{dtype}_gflops"], after[f"{dtype}_gflops"])
+        copy = max(before["copy_gbs"], after["copy_gbs"])
+        r["limits"] = limit_rows(r["work"], {"rollout": r["rollout_s"], "train": r["train_s"], "sync": r["sync_s"]},
+                                 peak, copy)
+        print(format_limits(r["limits"], f"{r['mode']}, at {peak:.0f} GFLOP/s {dtype}, {copy:.1f} GB/s copy"),
+              flush=True)
     return results
