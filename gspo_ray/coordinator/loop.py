@@ -182,7 +182,10 @@ class Coordinator:
         """Export the trainer's weights and push them into every rollout engine (verified by a probe on the first
         push, every `rollout.verify_every`-th, and when `verify`)."""
         t0 = time.perf_counter()
-        buckets = self.trainer.export_weights(as_refs=True).buckets  # refs: the weights never pass through here
+        shared = self.cfg.trainer.export_shared_memory and self.cfg.trainer.lora is None
+        # refs: the weights never pass through here; with shared memory only where an engine may be on another node
+        export = self.trainer.export_weights(as_refs=not shared or cluster_nodes() > 1, shared=shared)
+        buckets = export.shared if export.shared is not None else export.buckets
         t1 = time.perf_counter()
         self._pushes += 1  # the first push is always checked, then every verify_every-th
         checked = verify or (self._pushes - 1) % self.cfg.rollout.verify_every == 0
@@ -303,3 +306,10 @@ def _accumulate(into: dict[str, float], new: dict[str, float]) -> None:
 def _version_span(groups: list[Group]) -> tuple[int, int]:
     spans = [g.version_span() for g in groups] or [(0, 0)]
     return min(s[0] for s in spans), max(s[1] for s in spans)
+
+
+def cluster_nodes() -> int:
+    """Alive nodes of the Ray cluster this driver is connected to."""
+    import ray
+
+    return sum(1 for node in ray.nodes() if node.get("Alive"))

@@ -9,6 +9,12 @@ gets a bucket of its own). Buckets may also be `ray.ObjectRef`s: they are fetche
 loads, so at most one bucket plus one partly loaded layer is held at once (vLLM buffers a layer's tensors until
 the whole layer has arrived, then processes it). Names are the checkpoint's (HF) names, e.g.
 `model.layers.0.mlp.experts.3.up_proj.weight`; any dtype (cast on copy).
+
+On one node the push goes through shared memory instead: the trainer writes every tensor once into a memfd
+(`SharedWeightWriter`, one copy, no pickling) and sends only a `SharedWeights` record (names, dtypes, shapes,
+offsets, its pid and fd); the engine maps that file through `/proc/<pid>/fd/<fd>` and loads straight from the
+mapping (`read_shared`). An engine on another node (`push_route` by Ray node id) takes the object-store buckets
+the record carries as `fallback`.
 """
 from __future__ import annotations
 
@@ -21,6 +27,8 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 import torch
+
+from gspo_ray.data.shared_weights import SharedWeights, SharedWeightsError, current_node_id, read_shared
 
 Bucket = list[tuple[str, torch.Tensor]]
 log = logging.getLogger(__name__)
@@ -79,6 +87,17 @@ def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_mb: f
         yield bucket
 
 
+def push_route(exporter_node: str, engine_node: str, has_fallback: bool) -> str:
+    """How an engine receives a shared export: "shared" (same node: map the trainer's file), "object_store" (another
+    node: the fallback buckets). Raises WeightSyncError for another node without fallback buckets."""
+    if exporter_node and exporter_node == engine_node:
+        return "shared"
+    if not has_fallback:
+        raise WeightSyncError(f"weight push from node {exporter_node} to an engine on node {engine_node} has no "
+                              "object-store buckets (a shared-memory export reaches one node only)")
+    return "object_store"
+
+
 def _resolve(bucket: Any) -> Bucket:
     """A bucket as given, or fetched when it is a Ray object reference."""
     if type(bucket).__name__ == "ObjectRef":
@@ -89,7 +108,20 @@ def _resolve(bucket: Any) -> Bucket:
 
 
 def flatten_buckets(buckets: Iterable[Any], stats: PushStats) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield the (name, tensor) pairs of each bucket in turn, counting buckets/tensors/bytes into `stats`."""
+    """Yield the (name, tensor) pairs of each bucket in turn, counting buckets/tensors/bytes into `stats`.
+    `buckets` may be a SharedWeights: mapped on the exporter's node, its fallback buckets elsewhere."""
+    if isinstance(buckets, SharedWeights):
+        if push_route(buckets.node_id, current_node_id(), buckets.fallback is not None) == "shared":
+            stats.num_buckets += 1
+            try:
+                for name, tensor in read_shared(buckets):
+                    stats.num_tensors += 1
+                    stats.nbytes += tensor.numel() * tensor.element_size()
+                    yield name, tensor
+            except SharedWeightsError as e:
+                raise WeightSyncError(str(e)) from e
+            return
+        buckets = buckets.fallback
     for ref in buckets:
         bucket = _resolve(ref)
         stats.num_buckets += 1

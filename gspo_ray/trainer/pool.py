@@ -189,9 +189,11 @@ class TrainerPool:
         return self._rank0("compute_logprobs", ray.put(batch), reference=reference, temperature=temperature,
                            purpose=purpose)
 
-    def export_weights(self, bucket_mb: float | None = None, as_refs: bool = False) -> WeightExport:
-        """Rank 0's export; with as_refs its buckets are object refs owned by rank 0 (see TrainerWorker)."""
-        return self._rank0("export_weights", bucket_mb, as_refs=as_refs)
+    def export_weights(self, bucket_mb: float | None = None, as_refs: bool = False,
+                       shared: bool = False) -> WeightExport:
+        """Rank 0's export; with as_refs its buckets are object refs owned by rank 0, with shared a record of its
+        shared-memory file (see TrainerWorker)."""
+        return self._rank0("export_weights", bucket_mb, as_refs=as_refs, shared=shared)
 
     def version(self) -> int:
         return self._rank0("version")

@@ -77,6 +77,7 @@ class WeightExport:
 
     version: int
     buckets: list[Any] = field(default_factory=list)
+    shared: Any = None  # a data.shared_weights.SharedWeights (export_weights(shared=True)) instead of buckets
 
     @property
     def num_bytes(self) -> int:
@@ -424,16 +425,30 @@ class TrainerWorker:
             raise ValueError(f"TrainBatch of {b} rows has no loss-masked token to train on")
 
     # ---- weights and checkpoints ---------------------------------------------------------------------------------
-    def export_weights(self, bucket_mb: float | None = None, as_refs: bool = False) -> WeightExport:
+    def export_weights(self, bucket_mb: float | None = None, as_refs: bool = False,
+                       shared: bool = False) -> WeightExport:
         """Full HF-named weights (collective: gathers TP/EP shards). Rank 0 gets contiguous CPU copies in buckets.
         as_refs: rank 0 puts each bucket in the object store and returns the refs instead, so the weights go
-        straight from this process to the rollout workers (one bucket at a time), never through the caller."""
+        straight from this process to the rollout workers (one bucket at a time), never through the caller.
+        shared: rank 0 writes them into its shared-memory file and returns `shared` (a SharedWeights record that
+        engines on its node map, rollout/weight_sync.py); with as_refs too, the refs ride along as its fallback."""
         from gspo_ray.trainer.bridge import export_hf_weights
 
         bucket_mb = bucket_mb if bucket_mb is not None else self.cfg.export_bucket_mb
         buckets = []
         source = (self.lora.weights(self.gpt, self.spec, bucket_mb) if self.lora is not None
                   else export_hf_weights(self.gpt, self.spec, bucket_mb=bucket_mb))
+        if shared and self.lora is None:  # rank 0 writes every tensor once into its shared-memory file; the other ranks only gather
+            tensors = (pair for bucket in source for pair in bucket)
+            if self.rank != 0:
+                for _ in tensors:
+                    pass
+                return WeightExport(version=self._version)
+            if as_refs:  # engines on other nodes too: object-store buckets beside the file, from the same pass
+                tensors = self._put_as_well(tensors, bucket_mb, buckets)
+            record = self._shared_writer().write(tensors)
+            record.fallback = buckets if as_refs else None
+            return WeightExport(version=self._version, shared=record)
         for bucket in source:
             if self.rank == 0:
                 # copies: the caller may hold them across later steps, which update the parameters in place
@@ -445,6 +460,30 @@ class TrainerWorker:
                 else:
                     buckets.append(copy)
         return WeightExport(version=self._version, buckets=buckets)
+
+    def _shared_writer(self):
+        from gspo_ray.data.shared_weights import SharedWeightWriter
+
+        if getattr(self, "_writer", None) is None:
+            self._writer = SharedWeightWriter(f"gspo-weights-rank{self.rank}")
+        return self._writer
+
+    @staticmethod
+    def _put_as_well(tensors, bucket_mb: float, refs: list):
+        """Pass `tensors` through while putting copies of them, in buckets of <= bucket_mb MiB, into the object
+        store (their refs appended to `refs`)."""
+        import ray
+
+        bucket, size = [], 0
+        for name, t in tensors:
+            bucket.append((name, t.detach().to("cpu").clone().contiguous()))
+            size += t.numel() * t.element_size()
+            if size >= bucket_mb * 2 ** 20:
+                refs.append(ray.put(bucket))
+                bucket, size = [], 0
+            yield name, t
+        if bucket:
+            refs.append(ray.put(bucket))
 
     def save(self, ckpt_dir: str | Path) -> str:
         """Model + optimizer + scheduler + version + RNG states of this rank (collective)."""

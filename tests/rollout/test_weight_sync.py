@@ -15,9 +15,10 @@ from gspo_ray.config import RolloutConfig
 from gspo_ray.data.records import Prompt
 from gspo_ray.models.tiny import make_tiny_model
 from gspo_ray.rollout.engine import checkpoint_tensor_names
+from gspo_ray.data.shared_weights import SharedWeightWriter, current_node_id, read_shared
 from gspo_ray.rollout.weight_sync import (MiB, PushStats, WeightProbe, WeightSyncError, build_probe_sequences,
                                           expert_names, flatten_buckets, hf_teacher_forced_logprobs, iter_buckets,
-                                          read_checkpoint_weights)
+                                          push_route, read_checkpoint_weights)
 from gspo_ray.rollout.worker import RolloutWorker
 
 TOL = 1e-4
@@ -107,6 +108,52 @@ def test_perturbed_push_matches_perturbed_model(setup):
     assert _max_diff_to_hf(old, hf["moved"]) > 1e-2
     assert {v for s in old for v in s.versions} == {0} and {v for s in new for v in s.versions} == {1}
     assert worker.current_version() == 1
+
+
+def _engine_params(worker) -> dict[str, torch.Tensor]:
+    model = worker.engine.llm.collective_rpc(lambda w: w.get_model())[0]
+    return {n: t.detach().clone() for n, t in model.state_dict().items()}
+
+
+@BOTH
+def test_shared_memory_push_is_bit_identical(setup):
+    worker, hf, paths = setup
+    _push(worker, paths["moved"], 5)  # the object-store path's result
+    reference = _engine_params(worker)
+    _push(worker, paths["base"], 6)
+    writer = SharedWeightWriter()
+    try:
+        shared = writer.write(read_checkpoint_weights(paths["moved"]))
+        metrics = worker.update_weights(7, shared, _probe(hf["moved"]))
+        assert metrics["sync/verify_max_abs_diff"] <= TOL and metrics["sync/num_buckets"] == 1
+        got = _engine_params(worker)
+        assert got.keys() == reference.keys() and all(torch.equal(got[n], reference[n]) for n in reference)
+        # the engine copied the weights out of the file: a later export into it leaves the engine as it was
+        writer.write(read_checkpoint_weights(paths["base"]))
+        assert all(torch.equal(t, reference[n]) for n, t in _engine_params(worker).items())
+        with pytest.raises(WeightSyncError, match="generation"):  # the old record now names overwritten bytes
+            worker.update_weights(8, shared)
+        _push(worker, paths["base"], 9)  # a good push repairs the refused one
+    finally:
+        writer.close()
+
+
+def test_push_route_by_node():
+    assert push_route("n1", "n1", has_fallback=False) == "shared"
+    assert push_route("n1", "n2", has_fallback=True) == "object_store"
+    with pytest.raises(WeightSyncError, match="one node only"):
+        push_route("n1", "n2", has_fallback=False)
+    # an export from another node reads its fallback buckets, never the (unreachable) file
+    writer = SharedWeightWriter()
+    try:
+        shared = writer.write([("a", torch.ones(3))])
+        assert torch.equal(dict(read_shared(shared))["a"], torch.ones(3))
+        shared.node_id = current_node_id() + "-elsewhere"
+        shared.fallback = [[("a", torch.full((3,), 2.0))]]
+        stats = PushStats()
+        assert [(n, t.tolist()) for n, t in flatten_buckets(shared, stats)] == [("a", [2.0, 2.0, 2.0])]
+    finally:
+        writer.close()
 
 
 @BOTH

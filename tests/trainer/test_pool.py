@@ -7,6 +7,7 @@ import torch
 from safetensors import safe_open
 
 from _spawn import algo_cfg, make_batch, trainer_cfg
+from gspo_ray.data.shared_weights import read_shared
 from gspo_ray.trainer.pool import TrainerPool
 
 
@@ -54,6 +55,13 @@ def test_pool_steps_and_exports_hf_weights(pool, tiny_moe_dir, tmp_path):
     fetched = {n: t for r in refs.buckets for n, t in ray.get(r)}
     assert fetched.keys() == hf.keys()
     assert all(torch.equal(fetched[n], t) for bucket in after.buckets for n, t in bucket)
+    # ... and through rank 0's shared-memory file (the push on one node): a small record, the same bits
+    shared = pool.export_weights(shared=True, as_refs=True)
+    assert shared.version == 1 and not shared.buckets and shared.shared.fallback
+    mapped = dict(read_shared(shared.shared))
+    assert mapped.keys() == hf.keys()
+    assert all(torch.equal(mapped[n], t) for bucket in after.buckets for n, t in bucket)
+    assert {n for r in shared.shared.fallback for n, _ in ray.get(r)} == hf.keys()  # for engines on other nodes
 
     # save / load through the pool: the restored policy scores the batch exactly as before
     logp = pool.compute_logprobs(batch)
