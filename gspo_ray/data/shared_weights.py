@@ -128,7 +128,9 @@ def read_shared(shared: SharedWeights) -> Iterator[tuple[str, torch.Tensor]]:
             # SmolLM2 at once took 0.42 s against 0.09 s for faulting every page in while reading it
             mapped = mmap.mmap(f.fileno(), shared.nbytes, access=mmap.ACCESS_COPY)
     except (OSError, ValueError) as e:
-        raise SharedWeightsError(f"cannot map the shared weights of pid {shared.pid} ({path}): {e}") from e
+        raise SharedWeightsError(f"cannot map the shared weights of pid {shared.pid} ({path}): {e}; if this node "
+                                 "does not let processes open each other's files, set "
+                                 "trainer.export_shared_memory=false") from e
     _check_header(mapped, shared, "before the load")
     for name, dtype, shape, offset in shared.entries:
         dt = getattr(torch, dtype)

@@ -539,4 +539,6 @@ class TrainerWorker:
         from gspo_ray.trainer.parallel import destroy_distributed
 
         self.recorder.remove()
+        if getattr(self, "_writer", None) is not None:
+            self._writer.close()  # the shared weight file goes with its last mapping
         destroy_distributed()

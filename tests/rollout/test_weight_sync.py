@@ -154,6 +154,9 @@ def test_push_route_by_node():
         assert [(n, t.tolist()) for n, t in flatten_buckets(shared, stats)] == [("a", [2.0, 2.0, 2.0])]
     finally:
         writer.close()
+    shared.node_id = current_node_id()  # the writer is gone (closed, or its process died): a clear refusal
+    with pytest.raises(WeightSyncError, match="cannot map"):
+        list(flatten_buckets(shared, PushStats()))
 
 
 @BOTH
