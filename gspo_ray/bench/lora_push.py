@@ -70,7 +70,7 @@ def run_lora_push_bench(hidden: int = 256, layers: int = 4, rank: int = 8, reps:
             base_probe = WeightProbe.single(probe_ids, hf_teacher_forced_logprobs(peft, [probe_ids])[0])
         lora_probe = WeightProbe.single(probe_ids, hf_teacher_forced_logprobs(peft, [probe_ids])[0])
         for label, lora_rank in (("full weights", None), (f"adapter r={rank}", rank)):
-            cfg = RolloutConfig(max_model_len=128, max_new_tokens=8, group_size=1, lora_rank=lora_rank)
+            cfg = RolloutConfig(max_model_len=128, max_new_tokens=8, group_size=2, lora_rank=lora_rank)
             worker = RolloutWorker(0, base, cfg, run_dir=Path(tmp) / f"run-{lora_rank}", cpu_cores="0")
             try:
                 if lora_rank is None:
