@@ -11,6 +11,7 @@
     regime   routing drift after one update over a grid of upcycled SmolLM2 MoEs (experts, top-k, router std,
              expert noise, lr), no job: where routing really moves (moe_regime.py)
     rollout  one engine's generation tokens/s and the weight push per MB (rollout.py)
+    lora     an adapter-only push into a LoRA engine vs the full-weight push (lora_push.py)
     probe    the base SmolLM2's pass@1 / pass@8 on candidate tasks: which one RL can improve (task_probe.py)
     learn    a recipe (--recipe, default make run's) learning over seeds: held-out exact per evaluation, mean and
              range, when it is solved, wall times, a PNG of the curves (learning.py)
@@ -21,7 +22,7 @@
 """
 from __future__ import annotations
 
-SUITES = ("tiny", "smollm2", "profile", "moe", "moe-tiny", "regime", "rollout", "probe", "learn", "recovery", "scale",
+SUITES = ("tiny", "smollm2", "profile", "moe", "moe-tiny", "regime", "rollout", "lora", "probe", "learn", "recovery", "scale",
           "all")
 
 
@@ -47,6 +48,10 @@ def run(suite: str = "all", *, quick: bool = False, steps: int = 6, seeds: tuple
         from gspo_ray.bench.rollout import main as run_rollout_bench
 
         run_rollout_bench(["--reps", "1"] if quick else [])
+    if suite == "lora":
+        from gspo_ray.bench.lora_push import run_lora_push_bench
+
+        run_lora_push_bench(reps=1 if quick else 5)
     if suite == "profile":
         from gspo_ray.bench.train_profile import run_train_profile
 
