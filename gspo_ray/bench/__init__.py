@@ -22,8 +22,8 @@
 """
 from __future__ import annotations
 
-SUITES = ("tiny", "smollm2", "profile", "moe", "moe-tiny", "regime", "rollout", "lora", "probe", "learn", "recovery", "scale",
-          "all")
+SUITES = ("tiny", "smollm2", "profile", "moe", "moe-tiny", "regime", "rollout", "lora", "probe", "learn", "recovery",
+          "scale", "all")
 
 
 def run(suite: str = "all", *, quick: bool = False, steps: int = 6, seeds: tuple[int, ...] = (0,),
