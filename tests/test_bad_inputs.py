@@ -134,6 +134,7 @@ BAD_COMBINATIONS = [
     {"rollout.partial.segment_tokens": 8},
     {"rollout.partial.segment_tokens": 2, "rollout.multi_turn.max_turns": 2},
     {"data.eval_path": "/nonexistent/eval.jsonl"},
+    {"trainer.micro_batch_tokens": 16},
 ]
 BROKEN_SYNTAX = [b"rollout: [1, 2\n", b"trainer:\n\tlr: 1\n", b"a: b: c\n", b"- just\n- a list\n", b"42\n",
                  b"name: 'unterminated\n", b"key: @bad\n", b"!!python/object/apply:os.system ['true']\n",

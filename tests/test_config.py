@@ -38,6 +38,7 @@ def test_clip_defaults_follow_level(level, expected):
     ("coordinator.num_minibatches=3", "coordinator"),          # 3 does not divide 16 groups
     ("algorithm.advantage.per_token=true", "algorithm"),       # per-token advantages need sequence_token
     ("rollout.max_new_tokens=64", "(job)"),
+    ("trainer.micro_batch_tokens=32", "(job)"),                # a micro-batch below the longest row
 ])
 def test_bad_input_names_the_field(override, field):
     with pytest.raises(ConfigError) as e:

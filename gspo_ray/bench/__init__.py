@@ -16,11 +16,14 @@
     learn    a recipe (--recipe, default make run's) learning over seeds: held-out exact per evaluation, mean and
              range, when it is solved, wall times, a PNG of the curves (learning.py)
     recovery in-job trainer recovery: a 60-step tiny run with a trainer kill vs one without (recovery.py)
+    scale    the scale model: our DP layout, routing-record store, weight-sync buckets and checkpoint shards at
+             cluster shapes (DP 8-256, TP, EP; four model shapes), no weights (scale.py, docs/scale.md)
     all      tiny + smollm2
 """
 from __future__ import annotations
 
-SUITES = ("tiny", "smollm2", "profile", "moe", "moe-tiny", "regime", "rollout", "lora", "probe", "learn", "recovery", "all")
+SUITES = ("tiny", "smollm2", "profile", "moe", "moe-tiny", "regime", "rollout", "lora", "probe", "learn", "recovery",
+          "scale", "all")
 
 
 def run(suite: str = "all", *, quick: bool = False, steps: int = 6, seeds: tuple[int, ...] = (0,),
@@ -67,6 +70,10 @@ def run(suite: str = "all", *, quick: bool = False, steps: int = 6, seeds: tuple
 
         run_recovery_bench(steps=20 if quick else 60, kill_at=7 if quick else 25,
                            seeds=seeds if seeds != (0,) else (0, 1))
+    if suite == "scale":
+        from gspo_ray.bench.scale import run_scale_bench
+
+        run_scale_bench()
     if suite in ("tiny", "all"):
         from gspo_ray.bench.tiny import run_bench
 

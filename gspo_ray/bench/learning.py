@@ -98,8 +98,10 @@ def plot_curves(runs: list[dict], path: Path, title: str, peers: list[dict] = ()
         curve = [c for c in r["curve"] if c[1] is not None]
         by_time.plot([c[1] for c in curve], [c[2] for c in curve], style, marker="o", label=label)
         by_step.plot([c[0] for c in r["curve"]], [c[2] for c in r["curve"]], style, marker="o", label=label)
-    by_time.set(xlabel="job seconds (start-up and evaluations included)", ylabel="held-out greedy exact",
-                ylim=(-0.03, 1.03))
+    clock = ("job seconds (gspo-ray: from the job's start, start-up and evaluations included; "
+             f"{peers[0]['peer']}: from its trainer built, model load excluded)" if peers else
+             "job seconds (start-up and evaluations included)")
+    by_time.set(xlabel=clock, ylabel="held-out greedy exact", ylim=(-0.03, 1.03))
     by_step.set(xlabel="step", ylim=(-0.03, 1.03))
     by_step.legend()
     fig.suptitle(title)

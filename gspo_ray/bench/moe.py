@@ -75,14 +75,18 @@ def bench_moe_variant(label: str, level: str, replay: str, steps: int, seed: int
     layers = sorted({int(k.rsplit("_l", 1)[1]) for r in rows for k in r if k.startswith("moe/drift_churn_l")})
     spread = [math.sqrt(max(r["train/logr_sq_mean"] - r["train/logr_mean"] ** 2, 0.0)) for r in rows
               if "train/logr_sq_mean" in r]
+    drift_at = [mean(f"moe/drift_churn_at{k}") for k in range(passes * minibatches)]
     return {"label": label, "level": level, "replay": replay, "seed": seed, "steps": len(rows),
-            "drift": mean("moe/drift_churn"),
-            "drift_at": [mean(f"moe/drift_churn_at{k}") for k in range(passes * minibatches)],
+            # after 1..N updates; the mini-batch before any update (drift 0 by construction) is left out
+            "drift": sum(drift_at[1:]) / max(len(drift_at) - 1, 1),
+            "drift_at": drift_at,
             "drift_layer": [mean(f"moe/drift_churn_l{i}") for i in layers], "layers": layers,
             "logr_std": sum(spread) / max(len(spread), 1),
             "clip_tok": mean("train/clip_frac_tok"), "clip_seq": mean("train/clip_frac_seq"),
             "reward": [r.get("rollout/reward_mean") for r in rows],
-            "skipped": max((r.get("train/skipped_steps") or 0.0) for r in rows) if rows else 0.0,
+            # optimizer steps not taken (non-finite or empty), from the version: train/skipped_steps is a running
+            # count averaged over a step's mini-batches, which hides a skip late in the run
+            "skipped": len(rows) * passes * minibatches - rows[-1]["train/version"] if rows else 0,
             # routing-induced log-ratio (trainer.routing_noise; None under R2, whose forwards hold routing)
             "noise_d": mean("moe/routing_logratio_abs_mean") if replay == "none" else None,
             "noise_tok_removed": mean("moe/grpo_token_clips_removed") if replay == "none" else None,
@@ -93,7 +97,7 @@ def bench_moe_variant(label: str, level: str, replay: str, steps: int, seed: int
 
 
 def format_moe(results: list[dict]) -> str:
-    head = ("| run | seed | steps | drift after 1 update | after 4 | after the last | drift, all updates | max layer | "
+    head = ("| run | seed | steps | drift after 1 update | after 4 | after the last | drift, all updates (1..N) | max layer | "
             "per-token log-ratio std | clip frac token | clip frac seq | reward first -> last step | skipped | "
             "routing-induced mean abs log-ratio | GRPO clips routing alone caused | GSPO clips routing alone caused |")
     lines = table_head(head)

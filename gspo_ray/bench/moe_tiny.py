@@ -84,7 +84,7 @@ def _span(x) -> str:
 
 
 def format_summary(rows: list[dict]) -> str:
-    head = ("| run | seeds | updates per run | drift after 1 update | drift, all updates | routing-induced mean abs "
+    head = ("| run | seeds | updates per run | drift after 1 update | drift, all updates (1..N) | routing-induced mean abs "
             "log-ratio | GRPO clips routing alone caused | GSPO clips routing alone caused | clip frac token | "
             "clip frac seq | training reward, first 5 steps | last 5 steps: mean (range) | held-out greedy reward "
             "at the end: mean (range) | grad-norm peak / median | skipped steps | s per run |")

@@ -7,8 +7,8 @@
 TRL is not a dependency of gspo-ray: this module runs in its own virtual environment (TRL, accelerate and datasets
 beside the project's torch and transformers pins) and imports from gspo-ray only the pure parts, the config loader,
 the prompt generator and the reward, so both sides train on the same prompts in the same order with the same reward.
-Settings as `recipes/smollm2_repeat.yaml` and the smollm2 speed bench: 8 prompts x 8 completions per step, <= 32 new
-tokens, temperature 1.0, fp32, one optimizer step per rollout batch (steps_per_generation = gradient accumulation = 1),
+Settings as `recipes/smollm2_repeat.yaml` and the smollm2 speed bench: 8 prompts x 8 completions per step, <= the
+recipe's `rollout.max_new_tokens` new tokens (16), temperature 1.0, fp32, one optimizer step per rollout batch (steps_per_generation = gradient accumulation = 1),
 GSPO (sequence-level ratio, eps 3e-4 / 4e-4, beta 0, the paper-index settings of TRL's docs), AdamW at a constant lr,
 grad clip 1.0, HF generate, 2 torch threads. Prints per step: seconds, generation (TRL's generate-and-score, timed
 by wrapping it) and train (the rest), completions/s, and the process's peak RSS (one process: TRL's whole job).

@@ -47,19 +47,23 @@ def _run(out: Path, name: str, steps: int, checkpoint_every: int, kill_at: int |
 
 def run_recovery_bench(steps: int = 60, kill_at: int = 25, checkpoint_every: int = 10,
                        seeds: tuple[int, ...] = (0, 1)) -> list[dict]:
-    """Per seed, the killed run then the uninterrupted one; prints and returns one row per seed. The clean runs of
-    the other seeds give the run-to-run spread the killed run's final metrics are read against."""
+    """Per seed, the killed run and the uninterrupted one, in alternating order (the first run of a seed pays the
+    cold caches: seed 0 killed first, seed 1 clean first, ...); prints and returns one row per seed. The clean runs
+    of the other seeds give the run-to-run spread the killed run's final metrics are read against."""
     from gspo_ray.bench.common import markdown_table
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="gspo-recovery-") as tmp:
-        for seed in seeds:
-            killed_s, killed = _run(Path(tmp), f"recovery-kill-s{seed}", steps, checkpoint_every, kill_at, seed)
-            clean_s, clean = _run(Path(tmp), f"recovery-clean-s{seed}", steps, checkpoint_every, None, seed)
+        for i, seed in enumerate(seeds):
+            runs = {}
+            for kind in (("killed", "clean") if i % 2 == 0 else ("clean", "killed")):
+                runs[kind] = _run(Path(tmp), f"recovery-{kind}-s{seed}", steps, checkpoint_every,
+                                  kill_at if kind == "killed" else None, seed)
+            (killed_s, killed), (clean_s, clean) = runs["killed"], runs["clean"]
             rec = next(r for r in killed if "job/trainer_restarts" in r)
             row = {"seed": seed, "recovery s": rec["job/recovery_s"], "pool rebuild s": rec["job/recovery_pool_s"],
                    "steps replayed": int(rec["job/steps_replayed"]), "killed wall s": killed_s,
-                   "clean wall s": clean_s}
+                   "clean wall s": clean_s, "first run": "killed" if i % 2 == 0 else "clean"}
             for label, rows_ in (("killed", killed), ("clean", clean)):
                 row[f"reward, last {LAST} steps, {label}"] = sum(r["rollout/reward_mean"] for r in rows_[-LAST:]) / LAST
             if not killed[-1]["train/version"] == clean[-1]["train/version"] == steps:

@@ -2,13 +2,15 @@
 
     gspo-ray bench --suite smollm2 [--steps 6]
 
-Runs the recipe's settings (8 prompts x 8 completions, <= 32 new tokens, fp32, one optimizer step per batch, no
-zero-advantage filtering) for a few steps in sync and async mode and prints, over the steady-state steps (the first
-is skipped: it includes warm-up): s/step with its rollout / train / sync split, completions/s, generated tokens/s,
+Runs the recipe's settings (8 prompts x 8 completions, <= the recipe's `rollout.max_new_tokens` new tokens (16), fp32,
+one optimizer step per batch, no zero-advantage filtering) for a few steps in sync and async mode and prints the
+median over the steady-state steps (the first is skipped: it includes warm-up; TRL's peer takes the same median): s/step with its rollout / train / sync split, completions/s, generated tokens/s,
 push time and MB/s, the trainer's forward passes per rollout batch, and the peak memory (PSS) of every process of
 the job and of the whole job, sampled from the driver's process tree (Ray's own daemons included).
 """
 from __future__ import annotations
+
+import statistics
 
 import os
 import tempfile
@@ -118,21 +120,27 @@ def bench_smollm2_mode(mode: str, steps: int, out_dir: Path, model_dir: Path) ->
         summary = run_job(cfg)
     rows = read_metrics(summary.run_dir / "metrics.jsonl")
     steady = rows[1:] or rows
-    mean = lambda key: sum(r.get(key) or 0.0 for r in steady) / len(steady)  # noqa: E731
+    # the median of the steady steps, as the TRL peer reports (peer_trl.py): the two sides compare like for like
+    mean = lambda key: statistics.median(r.get(key) or 0.0 for r in steady)  # noqa: E731
     step = mean("time/step_s")
     completions = cfg.coordinator.prompts_per_step * cfg.rollout.group_size
     push_s, push_mb = mean("sync/push_s"), mean("sync/push_mb")
     # useful training FLOPs: 6 x non-embedding parameters per forwarded token (forward 2, backward 4) plus the
     # output layer on the scored (generated) tokens only
     body, head = nonembedding_params(model_dir)
-    flops = 6 * body * mean("train/forward_tokens") + 6 * head * mean("rollout/tokens")
+    # train/forward_tokens is rank 0's own count; train/row_tokens the whole mini-batch's: x DP for the job's
+    # (exact at the recipe's one rank; at DP > 1 it assumes the ranks balanced, train/dp_imbalance says how far)
+    dp = cfg.trainer.num_workers // cfg.trainer.tp
+    forward_tokens = dp * mean("train/forward_tokens")
+    flops = 6 * body * forward_tokens + 6 * head * mean("rollout/tokens")
     return {"mode": mode, "steps": len(steady), "step_s": step, "rollout_s": mean("time/rollout_s"),
             "train_s": mean("time/train_s"), "sync_s": mean("time/sync_s"), "push_s": push_s,
             "push_mb_s": push_mb / push_s if push_s else 0.0, "completions_per_s": completions / step,
             "gen_tokens_per_s": mean("rollout/tokens_per_s"),
             "fwd_train": mean("train/forward_passes_train"), "fwd_old": mean("train/forward_passes_old_logprobs"),
             "fwd_probe": mean("train/forward_passes_probe"),
-            "forward_tokens": mean("train/forward_tokens"), "row_tokens": mean("train/row_tokens"),
+            "forward_tokens": forward_tokens, "row_tokens": mean("train/row_tokens"),
+            "max_new_tokens": cfg.rollout.max_new_tokens,
             "train_gflops": flops / mean("time/train_s") / 1e9 if mean("time/train_s") else 0.0,
             "peak_total_gib": mem.total / GIB, "peak_gib": {k: v / GIB for k, v in mem.per_process.items()},
             "wall_s": time.time() - start}
@@ -163,6 +171,6 @@ def run_smollm2_bench(steps: int = 6, modes: tuple[str, ...] = MODES,
     ensure_imported(model_dir)
     with tempfile.TemporaryDirectory(prefix="gspo-bench-smollm2-") as tmp:
         results = [bench_smollm2_mode(mode, steps, Path(tmp), model_dir) for mode in modes]
-    print("SmolLM2-135M-Instruct, 8 prompts x 8 completions, <= 32 new tokens, fp32, 1 optimizer step per batch, "
-          f"mean over steps 2..{steps}\n" + format_smollm2(results), flush=True)
+    print(f"SmolLM2-135M-Instruct, 8 prompts x 8 completions, <= {results[0]['max_new_tokens']} new tokens, fp32, "
+          f"1 optimizer step per batch, median over steps 2..{steps}\n" + format_smollm2(results), flush=True)
     return results

@@ -54,9 +54,11 @@ def submit(file: Path, overrides: list[str] = typer.Argument(None, help="key.pat
            validate: bool = typer.Option(True, "--validate/--no-validate",
                                          help="check the job file here first (off: paths exist only on the cluster)"),
            wait: bool = typer.Option(False, "--wait", help="stream the logs and exit with the job's result"),
-           grace_s: int = typer.Option(60, "--grace-s", min=1, help="`gspo-ray stop`: seconds from SIGTERM (the "
+           grace_s: int = typer.Option(300, "--grace-s", min=1, help="`gspo-ray stop`: seconds from SIGTERM (the "
                                        "job saves a checkpoint at its next step boundary) to SIGKILL; fixed here "
-                                       "because Ray reads it when the job starts")):
+                                       "because Ray reads it when the job starts. Default: a smollm2_sum step "
+                                       "(33-80 s) + its save (~60 s) + shutdown, twice; give a bigger model its "
+                                       "step + save time")):
     """Validate a job file here (the whole preflight of `config validate`), then run `gspo-ray train FILE
     overrides` on the cluster."""
     from gspo_ray.cli import submission as jobs
@@ -106,7 +108,7 @@ def stop(job_id: str, address: Optional[str] = ADDRESS,
          wait: bool = typer.Option(True, "--wait/--no-wait", help="wait until the job has ended")):
     """Stop a running job: SIGTERM to its driver, which finishes the step in progress, saves a checkpoint and
     exits 143 (continue it with `submit ... --resume`); SIGKILL only if it has not ended after the grace period
-    given at submission (`submit --grace-s`, default 60 s). The cluster stays up."""
+    given at submission (`submit --grace-s`, default 300 s). The cluster stays up."""
     from gspo_ray.cli import submission as jobs
 
     if not jobs.stop(job_id, address):

@@ -9,7 +9,7 @@
     gspo-ray export RUN_DIR|CHECKPOINT --out DIR [--dtype bfloat16]
     gspo-ray eval MODEL_DIR|RUN_DIR|CHECKPOINT --data FILE.jsonl [--reward module:fn] [--n 8]
     gspo-ray submit FILE --address http://HEAD:8265     gspo-ray status|logs|stop JOB_ID
-    gspo-ray scale rollout N --job NAME
+    gspo-ray scale rollout|trainer N --job NAME [--no-wait] [--timeout-s S]
     gspo-ray bench
 """
 from __future__ import annotations
@@ -89,14 +89,45 @@ def train(file: Path, overrides: list[str] = typer.Argument(None, help="key.path
     """Train one job: start or join Ray, build the pools, run the loop.
 
     SIGTERM (`gspo-ray stop`, Slurm, Kubernetes) or Ctrl-C: the step in progress finishes, a checkpoint is saved,
-    metrics are flushed, then the job stops; a second signal stops at once (the last checkpoint is kept).
+    metrics are flushed, then the job stops; a second signal stops at once (the last checkpoint is kept); a
+    signal during start-up stops before step 1. Each ends with one line naming the checkpoint --resume takes.
     One job per run directory (a lock file in it).
 
     \b
     Exit codes: 0 done (or early stop); 1 an unexpected error (its type and message; --debug: the traceback);
     2 a bad input, a run directory in use or unusable, an unusable checkpoint, disk full;
     3 too many failed samples; 130 stopped by SIGINT (Ctrl-C); 143 stopped by SIGTERM."""
-    cfg = _load(file, overrides or [])
+    from gspo_ray.cli.quiet import quiet_third_party
+    from gspo_ray.coordinator.signals import StopRequest
+
+    quiet_third_party()  # third-party warnings that need no action (cli/quiet.py)
+    stop = StopRequest().install()  # from here on a signal is a stop request: 128 + signal and the resume line
+    cfg = None
+    try:
+        cfg = _load(file, overrides or [])
+        code = _train(cfg, resume, fresh, stop)
+    except BaseException as e:
+        if not stop.requested or cfg is None or (isinstance(e, typer.Exit) and not _is_stop_exit(e, stop)):
+            raise
+        code = None  # a signal cut the job short (the second one, or during start-up): the same exit as below
+    finally:
+        stop.restore()
+    if stop.requested and cfg is not None:  # every path out after a signal: 128 + signal, one resume line
+        from gspo_ray.coordinator.signals import exit_code_for, resume_line
+
+        typer.echo(resume_line(cfg.run_dir, stop.signum), err=True)
+        raise typer.Exit(exit_code_for(stop.signum))
+    if code:
+        raise typer.Exit(code)
+
+
+def _is_stop_exit(e, stop) -> bool:
+    """A typer.Exit that an error raised after the signal (a run dir in use, a bad checkpoint) keeps its code."""
+    return e.exit_code in (0, 130, 128 + (stop.signum or 0))
+
+
+def _train(cfg, resume: bool, fresh: bool, stop) -> int:
+    """`train` once the config is loaded; returns the exit code (0 done), raises typer.Exit on an error."""
     from gspo_ray.coordinator.run_dir import RunDirError, check_run_dir
     from gspo_ray.coordinator.run_lock import RunLockError
 
@@ -112,7 +143,7 @@ def train(file: Path, overrides: list[str] = typer.Argument(None, help="key.path
     from gspo_ray.coordinator.job import run_job
 
     try:
-        summary = run_job(cfg, resume=resume, fresh=fresh)
+        summary = run_job(cfg, resume=resume, fresh=fresh, stop=stop)
     except (RunDirError, RunLockError, CheckpointError, ControlNameTaken) as e:  # a run dir in use, a bad checkpoint: exit 2
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2)
@@ -123,8 +154,8 @@ def train(file: Path, overrides: list[str] = typer.Argument(None, help="key.path
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(3)
     typer.echo(summary.describe())
-    if summary.interrupted:  # stopped by a signal: not a success, whatever was saved (128 + the signal)
-        raise typer.Exit(summary.exit_code or 130)
+    # stopped by a signal: not a success, whatever was saved (128 + the signal; the caller prints the resume line)
+    return (summary.exit_code or 130) if summary.interrupted else 0
 
 
 @app.command()
@@ -132,9 +163,17 @@ def scale(pool: str = typer.Argument(..., help="rollout | trainer"),
           num_workers: int = typer.Argument(..., help="new pool size"),
           job: str = typer.Option(..., help="the job's name (config `name`)"),
           address: str = typer.Option("auto", help="Ray address of the cluster running the job"),
-          namespace: str = typer.Option("gspo-ray", help="the job's Ray namespace (config cluster.namespace)")):
+          namespace: str = typer.Option("gspo-ray", help="the job's Ray namespace (config cluster.namespace)"),
+          wait: bool = typer.Option(True, "--wait/--no-wait", help="wait for the job's answer (default), or return "
+                                    "once the request is queued"),
+          timeout_s: float = typer.Option(900, "--timeout-s", min=1, help="how long to wait for the answer: the "
+                                          "next step boundary, plus a trainer resize's save, rebuild and reload")):
     """Resize a running job's rollout or trainer pool at the next step boundary. New rollout workers get the live
-    weights first; the trainer pool is checkpointed, rebuilt with N ranks (data-parallel size N / tp) and reloaded."""
+    weights first; the trainer pool is checkpointed, rebuilt with N ranks (data-parallel size N / tp) and reloaded.
+
+    \b
+    Exit codes: 0 the job applied the resize (or queued it, --no-wait); 1 the job refused it (its reason, e.g.
+    the cluster has no room), ended first, or gave no answer within --timeout-s; 2 a bad argument or no such job."""
     import ray
 
     from gspo_ray.coordinator.control import find_control
@@ -145,14 +184,46 @@ def scale(pool: str = typer.Argument(..., help="rollout | trainer"),
     ray.init(address=address, namespace=namespace, log_to_driver=False)
     try:
         control = find_control(job, namespace)
-        ray.get((control.scale_rollout if pool == "rollout" else control.scale_trainer).remote(num_workers))
-        typer.echo(f"{job}: {pool} pool -> {num_workers} workers at the next step boundary "
-                   f"(now: {ray.get(control.status.remote())})")
+        ask = control.scale_rollout if pool == "rollout" else control.scale_trainer
+        request = ray.get(ask.remote(num_workers, wait))
+        if not wait:
+            typer.echo(f"{job}: {pool} pool -> {num_workers} workers requested for the next step boundary "
+                       f"(now: {ray.get(control.status.remote())})")
+            return
+        answer = _wait_for_answer(control, request, timeout_s)
     except ValueError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2)
     finally:
         ray.shutdown()
+    if answer is None:
+        typer.echo(f"error: {job}: no answer to `scale {pool} {num_workers}` in {timeout_s:.0f} s (the request stays "
+                   "queued for the next step boundary)", err=True)
+        raise typer.Exit(1)
+    if not answer["applied"]:
+        typer.echo(f"error: {job}: scale {pool} {num_workers} refused: {answer['reason']}", err=True)
+        raise typer.Exit(1)
+    typer.echo(f"{job}: {pool} pool resized to {answer['size']} workers")
+
+
+def _wait_for_answer(control, request: int, timeout_s: float) -> dict | None:
+    """The job's answer to `request`, None after `timeout_s`; a job that ends first is a refusal."""
+    import time
+
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            answer = ray.get(control.answer_of.remote(request), timeout=30)
+        except ray.exceptions.GetTimeoutError:  # a busy head: ask again
+            continue
+        except ray.exceptions.RayError as e:  # the control actor is gone with its job
+            return {"applied": False, "reason": f"the job ended before the next step boundary ({type(e).__name__})"}
+        if answer is not None:
+            return answer
+        time.sleep(0.5)
+    return None
 
 
 @app.command()
@@ -164,7 +235,7 @@ def bench(quick: bool = typer.Option(False, help="fewer steps"),
                                     "grid of upcycled MoEs) | rollout (generation tokens/s, weight "
                                     "push) | probe (the base model's pass@k per task) | learn (a recipe learning its "
                                     "task over seeds; --recipe, default make run's) | recovery (a trainer kill in a "
-                                    "60-step run) | all (tiny + smollm2)"),
+                                    "60-step run) | scale (our planning code at cluster shapes, no weights) | all (tiny + smollm2)"),
           steps: int = typer.Option(6, help="steps per mode (smollm2) or per run (moe)"),
           seeds: str = typer.Option("0", help="moe, moe-tiny, learn and recovery suites: comma-separated seeds "
                                     "(moe-tiny and learn: default 0,1,2; recovery: 0,1)"),

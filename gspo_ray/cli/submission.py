@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from gspo_ray.config import ConfigError, JobConfig, load_config
+from gspo_ray.config.secrets import redact_args
 
 log = logging.getLogger(__name__)
 
@@ -36,9 +37,12 @@ DEFAULT_EXCLUDES = [".venv", "venv", ".git", "runs", "build", "dist", "*.egg-inf
 TRAIN_ENTRYPOINT = "gspo-ray train"
 # `stop_job` sends SIGTERM to the driver, then SIGKILL after RAY_JOB_STOP_WAIT_TIME_S, read by the job's supervisor
 # actor from the job's runtime_env when the job starts (Ray's default: 3 s, too short for the driver to finish its
-# step and save a checkpoint). The grace period is therefore fixed at submission.
+# step and save a checkpoint). The grace period is therefore fixed at submission. The default covers the slowest
+# packaged recipe with a 2x margin: a smollm2_sum step (33-80 s measured on 2 cores) + a save of its 2.1 GB
+# checkpoint (~60 s on that machine: write + fsync 36 s, sha256 of the manifest 24 s) + pool shutdown (~10 s)
+# = ~150 s. A bigger model needs `submit --grace-s` >= its step time + save time (docs/async-and-failures.md).
 STOP_GRACE_ENV = "RAY_JOB_STOP_WAIT_TIME_S"
-DEFAULT_STOP_GRACE_S = 60
+DEFAULT_STOP_GRACE_S = 300
 
 
 def auth_headers() -> dict[str, str] | None:
@@ -128,7 +132,7 @@ def submit(config_path: str | Path, address: str | None, overrides: Sequence[str
     cmd = build_entrypoint(_config_arg(config_path, wd), overrides, entrypoint, resume)
     metadata = {"config": config_path.name} | ({"name": cfg.name} if cfg is not None else {})
     job = _client(address).submit_job(entrypoint=cmd, runtime_env=env, submission_id=job_id, metadata=metadata)
-    log.info("submitted %s: %s", job, cmd)
+    log.info("submitted %s: %s", job, shlex.join(redact_args(shlex.split(cmd))))  # no secret in a log line
     return job
 
 

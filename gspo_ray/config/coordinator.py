@@ -26,7 +26,13 @@ class CoordinatorConfig(Strict):
     recompute_old_logprobs: bool = Field(False, description="recompute old log-probs with the trainer instead of "
                                          "using the engine's (to measure the engine-trainer gap)")
     eval_every: int = Field(5, ge=0, description="held-out evaluation every N steps (0 = only start and end)")
-    checkpoint_every: int = Field(10, ge=0, description="save a checkpoint every N steps (0 = only at the end)")
+    checkpoint_every: int = Field(10, ge=0, description="save a checkpoint every N steps (0 = only at the end, "
+                                  "and whenever checkpoint_every_s passed)")
+    checkpoint_every_s: float = Field(600.0, ge=0, description="also save at the first step boundary at least this "
+                                      "many seconds after the last save (or the job's first step; 0 = off), so a "
+                                      "trainer death or a kill replays at most this long plus one step, whatever "
+                                      "checkpoint_every is (smollm2_sum: a save every ~8-15 steps, ~60 s each on 2 "
+                                      "cores)")
     keep_checkpoints: int | None = Field(2, ge=1, description="complete checkpoints kept, newest first (None = "
                                          "all; TRL's save_total_limit). 2: the newest plus the one --resume falls "
                                          "back to when the newest is broken, which is never deleted")

@@ -83,6 +83,17 @@ class JobConfig(Strict):
         return self
 
     @model_validator(mode="after")
+    def _micro_batch_holds_a_row(self) -> "JobConfig":
+        """A micro-batch must hold the longest row a rollout can give (prompt + completion, at most the engine's
+        max_model_len); a shared-prefix group row is never shorter than its longest member."""
+        cap, longest = self.trainer.micro_batch_tokens, self.rollout.max_model_len
+        if cap is not None and cap < longest:
+            raise ValueError(f"trainer.micro_batch_tokens ({cap}) is smaller than the longest row a rollout can give, "
+                             f"rollout.max_model_len ({longest}): raise micro_batch_tokens to at least {longest} "
+                             "or lower max_model_len")
+        return self
+
+    @model_validator(mode="after")
     def _algorithm_needs(self) -> "JobConfig":
         """Algorithm options that need a coordinator setting."""
         c, a = self.coordinator, self.algorithm
@@ -96,19 +107,24 @@ class JobConfig(Strict):
 
     @model_validator(mode="after")
     def _replay_records_the_sampling_policy(self) -> "JobConfig":
-        """R2 records routing on a batch's first trainer forward. That forward runs the sampling policy only in sync
-        mode with whole rollouts: in async mode the batch was sampled one update earlier, and a partial rollout's
-        tokens come from several policies, so what R2 would replay is not the routing that produced them."""
-        if self.trainer.routing_replay == "none":
-            return self
-        if self.coordinator.mode == "async":
-            raise ValueError("trainer.routing_replay 'R2' needs coordinator.mode 'sync': in async mode the trainer "
-                             "has moved on by one update when a batch arrives, so its first forward (what R2 "
-                             "records) is not the policy that sampled the batch")
-        if self.rollout.partial is not None:
-            raise ValueError("trainer.routing_replay 'R2' cannot be combined with rollout.partial: a continued "
-                             "completion's tokens were sampled by several policies, and R2 records one routing "
-                             "per sequence")
+        """R2 (and the routing-noise probe, which holds R2's records) record routing on a batch's first trainer
+        forward. That forward runs the sampling policy only in sync mode with whole rollouts: in async mode the
+        batch was sampled one update earlier, and a partial rollout's tokens come from several policies, so what
+        they would hold is not the routing that produced them (the probe would read 0, not the routing change
+        since sampling). Routing drift stays on there and says how late its first sight is
+        (`moe/drift_first_sight_lag`, docs/moe.md)."""
+        t = self.trainer
+        for on, name in ((t.routing_replay != "none", f"trainer.routing_replay {t.routing_replay!r}"),
+                         (t.routing_noise, "trainer.routing_noise")):
+            if not on:
+                continue
+            if self.coordinator.mode == "async":
+                raise ValueError(f"{name} needs coordinator.mode 'sync': in async mode the trainer has moved on by "
+                                 "one update when a batch arrives, so its first forward (what it records) is not "
+                                 "the policy that sampled the batch")
+            if self.rollout.partial is not None:
+                raise ValueError(f"{name} cannot be combined with rollout.partial: a continued completion's "
+                                 "tokens were sampled by several policies, and it records one routing per sequence")
         return self
 
     @model_validator(mode="after")

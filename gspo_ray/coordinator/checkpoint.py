@@ -2,7 +2,10 @@
 
 A save never touches the last good checkpoint: it writes into a fresh `step_N.tmp-<id>` directory, records the
 size and sha256 of every file in its `manifest.json`, fsyncs files and directories, renames it into place and then
-switches `latest` atomically (and durably). A save that fails midway removes its temp directory; a full disk is a
+switches `latest` atomically (and durably). The rank files' digests come from the ranks, which hashed them while
+writing (trainer/meta.json `files`): the driver never reads a rank file back. Verifying a checkpoint here hashes
+the files of at most `hash_max_bytes` (loop state, meta.json) and checks the larger ones by size; their sha256 is
+checked by the trainer rank that loads them (a mismatch there is a CorruptCheckpointError naming the file). A save that fails midway removes its temp directory; a full disk is a
 one-line CheckpointDiskFull. `latest()` returns the newest *verified* checkpoint (every file matching its
 manifest): when the pointer's checkpoint is missing, incomplete or broken (a truncated rank file), it warns naming
 it and falls back to the newest one that verifies. A pointer that leaves the checkpoints directory is refused (it
@@ -33,6 +36,7 @@ log = logging.getLogger(__name__)
 # step_000050 (a checkpoint) or step_000050.tmp-1a2b3c4d (one being written, or one `latest` points at for the
 # instant an older copy of the same step is swapped out)
 NAME = re.compile(r"step_(\d{6,})(\.tmp-[0-9a-f]{8})?")
+HASH_MAX_BYTES = 1 << 20  # files up to this size are hashed when a checkpoint is verified here; larger: by size
 
 
 class CheckpointError(RuntimeError):
@@ -45,9 +49,9 @@ class CheckpointDiskFull(OSError):
 
 
 class CheckpointManager:
-    def __init__(self, run_dir: Path, keep: int | None = 2):
+    def __init__(self, run_dir: Path, keep: int | None = 2, hash_max_bytes: int | None = HASH_MAX_BYTES):
         self.root = Path(run_dir) / "checkpoints"
-        self.keep = keep
+        self.keep, self.hash_max_bytes = keep, hash_max_bytes
         self._verified: set[str] = set()  # names hashed once in this process (written here, or checked)
         self._broken: set[str] = set()  # names `latest()` skipped: they never count among the kept
 
@@ -64,7 +68,7 @@ class CheckpointManager:
             write_durable(tmp / "loop.json", json.dumps({"state": dataclasses.asdict(state), **(extra or {})},
                                                         indent=1))
             # sizes + hashes of what is on disk now (fsyncing the trainer ranks' files too), the last file written
-            write_durable(tmp / MANIFEST, json.dumps(build_manifest(tmp), indent=1))
+            write_durable(tmp / MANIFEST, json.dumps(build_manifest(tmp, recorded=_recorded(tmp)), indent=1))
             fsync_dir(self.root)
         except BaseException as e:  # a failed save leaves nothing behind (and never the last good checkpoint)
             _remove(tmp)
@@ -133,6 +137,15 @@ class CheckpointManager:
             self._broken.add(path.name)
         return None
 
+    def resume_point(self) -> Path | None:
+        """What `--resume` will most likely take, cheaply (sizes, no hashes; `latest()` verifies): the checkpoint
+        `latest` names when it is complete, else the newest complete one. For the line a stopped job prints."""
+        name = self._pointer_name()
+        if name is not None and NAME.fullmatch(name) and self.is_complete(self.root / name):
+            return self.root / name
+        done = self.complete_checkpoints() if self.root.is_dir() else []
+        return done[-1] if done else None
+
     def verify(self, path: Path) -> str | None:
         """None when the checkpoint is complete and every file matches its manifest (size and sha256), else the
         problem in one line. Raises CheckpointError when a part leads out of the checkpoints directory."""
@@ -158,7 +171,7 @@ class CheckpointManager:
             raise CheckpointError(str(e)) from None
         except (OSError, ValueError, AttributeError) as e:
             return f"{manifest_path}: unreadable ({e})"
-        return check_manifest(path, manifest, hashes=hashes)
+        return check_manifest(path, manifest, hashes=hashes, hash_max_bytes=self.hash_max_bytes)
 
     def is_complete(self, path: Path, check_sizes: bool = True) -> bool:
         """Both parts written, every file at its recorded size (cheap: no hashing), and nothing in it leads out of
@@ -200,6 +213,17 @@ class CheckpointManager:
                 continue
             if NAME.fullmatch(p.name) or p.name.startswith((".old-", "latest.tmp-")):
                 _remove(p)
+
+
+def _recorded(ckpt: Path) -> dict[str, dict]:
+    """The digests the trainer ranks took of their files while writing them (trainer/meta.json `files`), keyed by
+    their path in the checkpoint; {} when there are none."""
+    meta = ckpt / "trainer" / META
+    try:
+        files = json.loads(meta.read_text()).get("files", {})
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return {f"trainer/{name}": d for name, d in files.items() if isinstance(d, dict) and "/" not in name}
 
 
 def _remove(path: Path) -> None:

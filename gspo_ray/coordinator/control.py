@@ -3,11 +3,16 @@
     gspo-ray scale rollout 2 --job tiny-moe-gspo --address auto
     gspo-ray scale trainer 2 --job tiny-moe-gspo --address auto
 
-Requests are applied at step boundaries only, so a batch in flight is never cut by a membership change (a rollout
+`scale` waits for the job's answer (applied, or refused with the job's reason: exit 0 / 1). Requests are applied
+at step boundaries only, so a batch in flight is never cut by a membership change (a rollout
 worker removed while an async batch is in flight finishes its part first; a trainer resize saves a checkpoint,
 rebuilds the pool at the new size and reloads it: coordinator/recovery.py).
 """
 from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+from typing import Iterator
 
 import ray
 
@@ -17,32 +22,72 @@ def control_actor_name(job_name: str) -> str:
 
 
 class JobControl:
-    """Holds pending requests (desired rollout and trainer pool sizes) and the job's last reported progress."""
+    """Holds pending requests (desired rollout and trainer pool sizes), the job's answer to each (applied, or
+    refused with the job's reason) and the job's last reported progress. `gspo-ray scale` waits on `answer_of`."""
 
     def __init__(self):
-        self._rollout_workers: int | None = None
-        self._trainer_workers: int | None = None
+        self._pending: dict[str, tuple[int, int]] = {}  # pool key -> (request id, size), applied at the next boundary
+        self._taken: dict[str, int] = {}  # pool key -> request id the job is applying now
+        self._answers: dict[int, dict] = {}
+        self._delivered: set[int] = set()  # answers a `scale` command fetched
+        self._next_id = 0
         self._status: dict = {}
 
-    def scale_rollout(self, num_workers: int) -> int:
+    def scale_rollout(self, num_workers: int, wait: bool = True) -> int:
+        """Queue a rollout pool size; returns the request's id (see `_request`)."""
         if num_workers < 1:
             raise ValueError(f"rollout pool size must be >= 1, got {num_workers}")
-        self._rollout_workers = num_workers
-        return num_workers
+        return self._request("rollout_workers", num_workers, wait)
 
-    def scale_trainer(self, num_workers: int) -> int:
-        """Trainer ranks (= data-parallel size x tp); the job checks the layout and the cluster's room."""
+    def scale_trainer(self, num_workers: int, wait: bool = True) -> int:
+        """Trainer ranks (= data-parallel size x tp); the job checks the layout and the cluster's room. Returns the
+        request's id."""
         if num_workers < 1:
             raise ValueError(f"trainer pool size must be >= 1, got {num_workers}")
-        self._trainer_workers = num_workers
-        return num_workers
+        return self._request("trainer_workers", num_workers, wait)
+
+    def _request(self, key: str, size: int, wait: bool) -> int:
+        """`wait`: someone fetches the answer (`scale` without --no-wait), which the job's end waits for."""
+        self._next_id += 1
+        if not wait:
+            self._delivered.add(self._next_id)
+        if key in self._pending:  # two requests before one boundary: the later one wins, the earlier is told
+            self._answers[self._pending[key][0]] = {"applied": False,
+                                                    "reason": f"superseded by request {self._next_id}"}
+        self._pending[key] = (self._next_id, size)
+        return self._next_id
 
     def take_requests(self) -> dict:
-        out = {} if self._rollout_workers is None else {"rollout_workers": self._rollout_workers}
-        if self._trainer_workers is not None:
-            out["trainer_workers"] = self._trainer_workers
-        self._rollout_workers = self._trainer_workers = None
+        """`{pool key: size}` to apply now; the job answers each with `answer`."""
+        out = {key: size for key, (_, size) in self._pending.items()}
+        self._taken.update({key: rid for key, (rid, _) in self._pending.items()})
+        self._pending = {}
         return out
+
+    def answer(self, key: str, applied: bool, reason: str = "", size: int | None = None) -> None:
+        """The job's answer to the request it took for `key`: applied, or refused and why; `size`: the pool's
+        size now."""
+        rid = self._taken.pop(key, None)
+        if rid is not None:
+            self._answers[rid] = {"applied": bool(applied), "reason": reason, "size": size}
+
+    def pending(self) -> dict:
+        """`{pool key: size}` queued for the next step boundary."""
+        return {key: size for key, (_, size) in self._pending.items()}
+
+    def answer_of(self, request_id: int) -> dict | None:
+        """None while the request waits for a step boundary."""
+        answer = self._answers.get(request_id)
+        if answer is not None:
+            self._delivered.add(request_id)
+        return answer
+
+    def close(self) -> int:
+        """The job ends: requests it will never apply are refused; returns how many answers no one fetched yet."""
+        for rid in [rid for rid, _ in self._pending.values()] + list(self._taken.values()):
+            self._answers[rid] = {"applied": False, "reason": "the job ended before the next step boundary"}
+        self._pending, self._taken = {}, {}
+        return len(set(self._answers) - self._delivered)
 
     def report(self, status: dict) -> None:
         self._status = dict(status)
@@ -91,6 +136,14 @@ def start_control(job_name: str, namespace: str, attempts: int = 5):
 def stop_control(control) -> None:
     """End this job's control actor so the name is free for the next job (a driver that joined a cluster keeps
     its actors alive otherwise)."""
+    import time
+
+    try:  # a `scale` command waiting on an answer of the last step boundary gets it first (up to 5 s)
+        deadline = time.monotonic() + 5
+        while ray.get(control.close.remote(), timeout=5) and time.monotonic() < deadline:
+            time.sleep(0.2)
+    except Exception:  # noqa: BLE001 - already gone: nothing to wait for
+        pass
     try:
         ray.kill(control)
     except Exception:  # already gone with the cluster: nothing to free
@@ -102,3 +155,24 @@ def find_control(job_name: str, namespace: str):
         return ray.get_actor(control_actor_name(job_name), namespace=namespace)
     except ValueError:
         raise ValueError(f"no running job named {job_name!r} in namespace {namespace!r}") from None
+
+
+@contextmanager
+def refusal_reasons() -> Iterator[list[str]]:
+    """Collect the reasons of refusals the job logs inside the block (`... refused: REASON` at ERROR or WARNING
+    from any gspo_ray logger), so `gspo-ray scale` is told why, whichever check refused."""
+    reasons: list[str] = []
+
+    class _Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            message = record.getMessage()
+            if "refused" in message:
+                reasons.append(message.split("refused: ", 1)[-1])
+
+    handler = _Collect(level=logging.WARNING)
+    root = logging.getLogger("gspo_ray")
+    root.addHandler(handler)
+    try:
+        yield reasons
+    finally:
+        root.removeHandler(handler)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from gspo_ray.config import JobConfig
 from gspo_ray.coordinator.checkpoint import CheckpointManager, checkpoint_bytes
-from gspo_ray.coordinator.control import start_control, stop_control
+from gspo_ray.coordinator.control import refusal_reasons, start_control, stop_control
 from gspo_ray.coordinator.evaluation import early_stop_value
 from gspo_ray.coordinator.export import export_after_save, export_final
 from gspo_ray.coordinator.failures import TooManyFailedSamples, failure_line
@@ -21,7 +21,7 @@ from gspo_ray.coordinator.loop import Coordinator, LoopState
 from gspo_ray.coordinator.recovery import RestartsExhausted, TrainerRecovery, restore_checkpoint
 from gspo_ray.coordinator.run_dir import RunDirError, prepare_run_dir, redacted_config_dict
 from gspo_ray.coordinator.run_lock import RunLock
-from gspo_ray.coordinator.signals import StopRequest, exit_code_for
+from gspo_ray.coordinator.signals import StopRequest, StopRequested, exit_code_for
 from gspo_ray.coordinator.tracking import MetricsTracker, plot_metrics
 from gspo_ray.rollout.scoring import check_reward
 from gspo_ray.rollout.weight_sync import build_probe_sequences
@@ -57,7 +57,8 @@ class RunSummary:
                 f"failed      {self.failed_samples} of {self.samples} training samples\n"
                 f"eval reward {evals or 'n/a'}\n"
                 f"metrics     {self.run_dir / 'metrics.jsonl'} (TensorBoard: {self.run_dir / 'tensorboard'})\n"
-                f"checkpoint  {self.checkpoint}\n"
+                # stopped by a signal: the command's last line names the resume point instead
+                + ("" if self.interrupted else f"checkpoint  {self.checkpoint}\n") +
                 f"hf model    {self.hf_dir}\n"
                 f"plot        {self.plot}")
 
@@ -128,17 +129,55 @@ def evaluate(rollout, prompts, step: int, run_dir: Path | None = None, note=None
 
 
 def run_job(cfg: JobConfig, resume: bool = False, rollout_factory=None, after_step=None,
-            fresh: bool = False) -> RunSummary:
+            fresh: bool = False, stop: StopRequest | None = None) -> RunSummary:
     """Run one job. `rollout_factory(worker_id)` overrides how rollout actors are made; `after_step(coord, step)`
     is called after each step's metrics and checkpoint are written (callbacks, fault injection in tests).
     Without `resume` or `fresh`, a run directory that already holds a run's outputs is refused (RunDirError);
     one that another live job holds is refused (run_lock.RunLockError), before `fresh` deletes anything.
-    SIGTERM/SIGINT stop the job at the next step boundary with a checkpoint (coordinator/signals.py)."""
-    with RunLock(cfg.run_dir):  # held for the job's life, released however it ends
-        return _run_locked(cfg, resume, rollout_factory, after_step, fresh)
+    SIGTERM/SIGINT stop the job at the next step boundary with a checkpoint (coordinator/signals.py); `stop`: the
+    caller's StopRequest (`gspo-ray train` installs one before its preflight), else one for the job's life. A
+    second signal raises StopRequested(immediate=True) out of here."""
+    own = stop is None
+    stop = StopRequest().install() if own else stop
+    try:
+        stop.raise_if_requested()  # a signal during the preflight: nothing started yet
+        with RunLock(cfg.run_dir) as lock:  # held for the job's life, released however it ends
+            return _run_locked(cfg, resume, rollout_factory, _renewing(lock, after_step), fresh, stop)
+    finally:
+        if own:
+            stop.restore()
 
 
-def _run_locked(cfg: JobConfig, resume: bool, rollout_factory, after_step, fresh: bool) -> RunSummary:
+def _renewing(lock: RunLock, after_step=None):
+    """The job's `after_step` hook with the run lock's lease renewed first, at every step boundary."""
+    def hook(coord, step):
+        lock.refresh()
+        if after_step is not None:
+            after_step(coord, step)
+    return hook
+
+
+def _start_ray(cfg: JobConfig, stop: StopRequest) -> bool:
+    """`init_ray`, then the signals back from Ray (whose handler exits the driver on SIGTERM). A SIGTERM while
+    Ray starts (its handler's SystemExit) is a stop request like any other."""
+    import signal
+
+    import ray
+
+    try:
+        started = init_ray(cfg)
+    except SystemExit as e:
+        if e.code != signal.SIGTERM:
+            raise
+        ray.shutdown()  # whatever the interrupted start left running
+        stop.signum = stop.signum or signal.SIGTERM
+        raise StopRequested(stop.signum) from None
+    stop.install()  # after ray.init, whose SIGTERM handler aborts the driver
+    return started
+
+
+def _run_locked(cfg: JobConfig, resume: bool, rollout_factory, after_step, fresh: bool,
+                stop: StopRequest) -> RunSummary:
     import ray
 
     from gspo_ray.coordinator.pools import build_pools
@@ -154,12 +193,13 @@ def _run_locked(cfg: JobConfig, resume: bool, rollout_factory, after_step, fresh
         if (run_dir / "metrics.jsonl").exists():  # never append a second run to the first one's metrics
             raise RunDirError(f"--resume: no complete checkpoint in {ckpts.root}; pass --fresh to start over")
         log.warning("--resume: no checkpoint in %s, starting from scratch", ckpts.root)
-    started_ray = init_ray(cfg)
-    stop = StopRequest().install()  # after ray.init, whose SIGTERM handler aborts the driver
+    stop.raise_if_requested()  # a signal while the model and data were prepared: no Ray, no pools
+    started_ray = _start_ray(cfg, stop)
     after_step = stop.check_after(after_step)
     trainer = rollout = tracker = control = None
     summary = RunSummary(run_dir=run_dir, steps=0)
     try:
+        stop.raise_if_requested()  # a signal while Ray started: no pools (the finally stops Ray)
         # first: a job whose name a live job holds is refused before any pool starts
         control = start_control(cfg.name, cfg.cluster.namespace)
         trainer, rollout = build_pools(cfg, model_path, run_dir, rollout_factory)
@@ -174,19 +214,19 @@ def _run_locked(cfg: JobConfig, resume: bool, rollout_factory, after_step, fresh
                                  cfg.logging.progress, wandb=cfg.logging.wandb,
                                  run_config=redacted_config_dict(cfg))  # no secrets to the tracker
         summary.interrupted = _loop(cfg, coord, eval_prompts, tracker, ckpts, summary, control, after_step,
-                                    model_path=model_path, job_start=t_start)
+                                    model_path=model_path, job_start=t_start, stop=stop)
         summary.exit_code = exit_code_for(stop.signum) if summary.interrupted else 0
     finally:
-        stop.restore()
-        if control is not None:
-            stop_control(control)  # the name is free for the next job of this name
-        if tracker is not None:
-            tracker.close()
-        for pool in (rollout, trainer):
-            if pool is not None:
-                pool.shutdown()
-        if started_ray:
-            ray.shutdown()
+        with stop.quiet():  # a signal now must not cut the shutdown half-way (Ray processes left behind)
+            if control is not None:
+                stop_control(control)  # the name is free for the next job of this name
+            if tracker is not None:
+                tracker.close()
+            for pool in (rollout, trainer):
+                if pool is not None:
+                    pool.shutdown()
+            if started_ray:
+                ray.shutdown()
     # the pools are gone: the conversion reads the checkpoint files, with this machine's memory to itself
     summary.hf_dir = export_final(cfg.logging, run_dir, summary.checkpoint, model_path)
     if cfg.logging.plot and (run_dir / "metrics.jsonl").exists():
@@ -196,12 +236,14 @@ def _run_locked(cfg: JobConfig, resume: bool, rollout_factory, after_step, fresh
 
 
 def _loop(cfg: JobConfig, coord: Coordinator, eval_prompts, tracker, ckpts, summary: RunSummary, control,
-          after_step=None, model_path: Path | None = None, job_start: float | None = None) -> bool:
+          after_step=None, model_path: Path | None = None, job_start: float | None = None,
+          stop: StopRequest | None = None) -> bool:
     """Steps until done; evaluates and checkpoints on schedule. Returns True when interrupted by the user.
     Every logged step carries `time/job_s`, the seconds since the job started (`job_start`, perf_counter; pool
     start-up and evaluations included), so a curve can be read against wall time.
 
-    Only step boundaries are saved: an interrupt inside a step leaves the last checkpoint as the resume point.
+    Only step boundaries are saved: an interrupt inside a step (or a second signal, `StopRequested.immediate`)
+    leaves the last checkpoint as the resume point; a signal before the first step stops before it (`stop`).
     A dead trainer rank is recovered in-job (coordinator/recovery.py: rebuild, rewind to the last checkpoint,
     replay) up to `trainer.max_restarts` times; then TrainerFailed."""
     from ray.exceptions import RayActorError
@@ -212,6 +254,8 @@ def _loop(cfg: JobConfig, coord: Coordinator, eval_prompts, tracker, ckpts, summ
     recovery = TrainerRecovery.for_job(cfg, coord, ckpts)
     sized: list[bool] = []  # the first save of this process printed its size
 
+    last_save = [time.perf_counter()]  # the job's first step counts from here (checkpoint_every_s)
+
     def save() -> Path:
         if saved_at[0] != coord.state.step:  # once per step (early stop right after a checkpoint step, Ctrl-C)
             summary.checkpoint = ckpts.save(coord.state, coord.trainer.save, {
@@ -221,17 +265,21 @@ def _loop(cfg: JobConfig, coord: Coordinator, eval_prompts, tracker, ckpts, summ
                 sized.append(True)
                 tracker.note(checkpoint_size_line(summary.checkpoint, c.keep_checkpoints))
             export_after_save(cfg.logging, summary.checkpoint, model_path)  # logging.export_hf: every_checkpoint
+        last_save[0] = time.perf_counter()
         return summary.checkpoint
 
     in_step = False
-    if eval_prompts is not None and coord.state.step == 0:
-        m = evaluate(coord.rollout, eval_prompts, 0, cfg.run_dir, tracker.note)
-        if c.early_stop_reward is not None:  # a metric the evaluation does not log fails here, before training
-            early_stop_value(m, c.early_stop_metric)
-        _record_eval(summary, 0, m)
-        tracker.log(0, {**m, "time/job_s": time.perf_counter() - job_start}, advance=False)
+    check_stop = stop.raise_if_requested if stop is not None else (lambda: None)
     try:
+        check_stop()  # a signal during start-up: no step, no evaluation
+        if eval_prompts is not None and coord.state.step == 0:
+            m = evaluate(coord.rollout, eval_prompts, 0, cfg.run_dir, tracker.note)
+            if c.early_stop_reward is not None:  # a metric the evaluation does not log fails here, before training
+                early_stop_value(m, c.early_stop_metric)
+            _record_eval(summary, 0, m)
+            tracker.log(0, {**m, "time/job_s": time.perf_counter() - job_start}, advance=False)
         while coord.state.step < c.steps:
+            check_stop()  # before the first step too (and after an in-job recovery)
             in_step = True
             try:
                 metrics = coord.step()
@@ -245,12 +293,14 @@ def _loop(cfg: JobConfig, coord: Coordinator, eval_prompts, tracker, ckpts, summ
                     _record_eval(summary, step, m)
                 metrics.update(recovery.step_metrics(step))
                 metrics["time/job_s"] = time.perf_counter() - job_start
-                _apply_control(coord, control, metrics, lambda n: recovery.rescale(coord, n, save))
+                _apply_control(coord, control, metrics, lambda n: recovery.rescale(coord, n, save),
+                               refused=recovery)
                 tracker.log(step, metrics)
                 if cfg.logging.save_rollouts:
                     write_rollouts(cfg.run_dir / "rollouts" / f"step_{step:06d}.jsonl", coord.last_groups)
                 summary.steps = step
-                if (c.checkpoint_every and step % c.checkpoint_every == 0) or last:
+                if checkpoint_due(step, c.checkpoint_every, last, c.checkpoint_every_s,
+                                  time.perf_counter() - last_save[0]):
                     save()
             except Exception as e:  # rollout deaths are absorbed by the pool: a trainer rank, or not ours
                 if isinstance(e, TooManyFailedSamples):  # the step's line first, then the stop's
@@ -266,6 +316,7 @@ def _loop(cfg: JobConfig, coord: Coordinator, eval_prompts, tracker, ckpts, summ
                     raise TrainerFailed(f"a trainer worker died ({e}; {spent}); last checkpoint: "
                                         f"{ckpts.latest()}") from e
                 saved_at[0] = coord.state.step if restored is not None else None
+                tracker.rewind(coord.state.step)  # TensorBoard drops the dead steps' events
                 in_step = False
                 continue
             if after_step is not None:
@@ -274,16 +325,23 @@ def _loop(cfg: JobConfig, coord: Coordinator, eval_prompts, tracker, ckpts, summ
             if value is not None and value >= c.early_stop_reward:
                 save()
                 break
-    except KeyboardInterrupt:
-        if in_step:  # the trainer may be partway into the next step while the loop state is not: never mix them
-            summary.checkpoint = ckpts.latest()
-            log.warning("interrupted during step %d: nothing saved; --resume continues from %s",
-                        coord.state.step + 1, summary.checkpoint)
-        else:
+    except KeyboardInterrupt as e:
+        if in_step or getattr(e, "immediate", False):
+            # the trainer may be partway into the next step while the loop state is not: never mix them; a second
+            # signal: nothing more is written
+            summary.checkpoint = ckpts.resume_point()
+            log.warning("interrupted during step %d: nothing saved", coord.state.step + 1)
+        elif coord.state.step > 0:  # step 0 (a signal during start-up) has nothing worth a checkpoint
             save()
         return True
     coord.failures.check_end()  # a run whose every step failed too often is not a success, however short
     return False
+
+
+def checkpoint_due(step: int, every: int, last: bool, every_s: float, since_save_s: float) -> bool:
+    """Whether this step boundary saves: every `every` steps, the last step, or once `every_s` seconds have passed
+    since the last save (so at most every_s + one step of work is lost to a death; 0 turns either rule off)."""
+    return bool((every and step % every == 0) or last or (every_s and since_save_s >= every_s))
 
 
 def checkpoint_size_line(path: Path, keep: int | None) -> str:
@@ -314,20 +372,35 @@ def _record_eval(summary: RunSummary, step: int, m: dict[str, float]) -> None:
         summary.eval_failed[step] = int(m["eval/failed"])
 
 
-def _apply_control(coord: Coordinator, control, metrics: dict, rescale_trainer=None) -> None:
-    """Apply requests from `gspo-ray scale ...` between steps and report progress back. `rescale_trainer(n)`
-    resizes the trainer pool (checkpoint, rebuild, reload: TrainerRecovery.rescale) and returns its metrics."""
+def _apply_control(coord: Coordinator, control, metrics: dict, rescale_trainer=None, refused=None) -> None:
+    """Apply requests from `gspo-ray scale ...` between steps, answer each (applied, or refused with the reason
+    the job logged) and report progress back. `rescale_trainer(n)` resizes the trainer pool (checkpoint, rebuild,
+    reload: TrainerRecovery.rescale) and returns its metrics. refused: the TrainerRecovery whose `scale_refused`
+    (the last refused resize and why) the report carries."""
     import ray
 
     requests = ray.get(control.take_requests.remote())
-    if "rollout_workers" in requests:
-        metrics.update(coord.rollout.scale(requests["rollout_workers"]))
-    if "trainer_workers" in requests and rescale_trainer is not None:
-        metrics.update(rescale_trainer(requests["trainer_workers"]))
+    for key, size in requests.items():
+        pool = coord.rollout if key == "rollout_workers" else coord.trainer
+        with refusal_reasons() as reasons:
+            try:
+                if key == "rollout_workers":
+                    metrics.update(coord.rollout.scale(size))
+                elif rescale_trainer is not None:
+                    metrics.update(rescale_trainer(size))
+                else:
+                    reasons.append("this job cannot resize its trainer pool")
+            except ValueError as e:  # a size the pool refuses outright
+                reasons.append(str(e))
+        applied = pool.num_workers == size and not reasons
+        reason = "" if applied else (reasons[-1] if reasons else f"the pool stayed at {pool.num_workers}")
+        control.answer.remote(key, applied, reason, pool.num_workers)
     metrics["trainer/workers"] = coord.trainer.num_workers
-    control.report.remote({"step": coord.state.step, "version": coord.state.version,
-                           "rollout_workers": coord.rollout.num_workers,
-                           "trainer_workers": coord.trainer.num_workers})
+    status = {"step": coord.state.step, "version": coord.state.version, "rollout_workers": coord.rollout.num_workers,
+              "trainer_workers": coord.trainer.num_workers}
+    if refused is not None and refused.scale_refused is not None:
+        status["trainer_scale_refused"] = dict(refused.scale_refused)
+    control.report.remote(status)
 
 
 def write_rollouts(path: Path, groups) -> None:

@@ -142,6 +142,7 @@ class Coordinator:
         if c.recompute_old_logprobs:
             self._recompute_old_logprobs(groups)
         metrics, first, steps, empty = {}, {}, 0, 0
+        first_sight = self.state.version  # the version of the trainer's first forward over these groups
         # the version whose log-probs anchor the ratio: the trainer's own (recomputed now) or the sampling policy's
         anchor_version = self.state.version if c.recompute_old_logprobs else _version_span(groups)[0]
         for it in range(c.num_iterations):
@@ -161,10 +162,14 @@ class Coordinator:
                                                skipped=self.state.version == before)
                 if it == 0 and mb_index == 0:  # shows the engine-vs-trainer anchor before any update
                     first = {f"{k}_first_mb": v for k, v in m.items() if "clip_frac" in k}
-                if "moe/drift_churn" in m:  # routing drift after `steps` updates since sampling
+                if "moe/drift_churn" in m:  # routing drift after `steps` updates since the trainer's first sight
                     first[f"moe/drift_churn_at{steps}"] = m["moe/drift_churn"]
+                    # ... which came this many versions after the batch's oldest sampling policy (0: exact, sync
+                    # without partial rollouts; async / partial: drift since sampling is at least drift_churn_at{k})
+                    first["moe/drift_first_sight_lag"] = float(first_sight - _version_span(groups)[0])
                 _accumulate(metrics, m)
                 steps += 1
+        self.trainer.end_batch()  # no later step sees these rows: their routing records go
         out = {k: v / steps for k, v in metrics.items()} if steps else {"train/skipped": 1.0}
         out.update(first)
         if self.auto_eps is not None:

@@ -15,7 +15,11 @@ at most `trainer.max_restarts` times. What a user loses is the compute of the st
 
 Scaling (`gspo-ray scale trainer N`): at a step boundary the job saves a checkpoint, rebuilds the pool with N ranks
 and loads it (model and a plain optimizer's state reshard across data-parallel sizes, trainer/checkpoint.py). The
-coordinator keeps its state: nothing is rewound, the async batch in flight stays in flight.
+coordinator keeps its state: nothing is rewound, the async batch in flight stays in flight. A resize the
+checkpoint cannot follow (a `trainer.use_distributed_optimizer` state, sharded over the DP ranks, to another DP
+size), a layout tp/ep do not divide, or a size the cluster cannot place is refused before anything is saved or
+stopped: `job/trainer_scale_refused` = 1 in the step's metrics, the reason in the log and in the job's control
+status (`trainer_scale_refused`), and the job goes on at its size.
 """
 from __future__ import annotations
 
@@ -74,6 +78,7 @@ class TrainerRecovery:
     history: list[Recovery] = field(default_factory=list)
     replay_until: int = 0  # steps up to this one are replays of steps already run once
     _report: dict[str, float] = field(default_factory=dict)  # metrics for the next logged step
+    scale_refused: dict | None = None  # the last refused resize: {"workers": n, "reason": "..."}
 
     @classmethod
     def for_job(cls, cfg: JobConfig, coord: Coordinator, ckpts: CheckpointManager) -> "TrainerRecovery":
@@ -140,29 +145,28 @@ class TrainerRecovery:
     # -- scaling ----------------------------------------------------------------------------------------------
     def rescale(self, coord: Coordinator, num_workers: int, save) -> dict[str, float]:
         """Resize the trainer pool at a step boundary: `save()` (-> the checkpoint of this step), rebuild at
-        `num_workers` data-parallel ranks, reload it. The coordinator is not rewound. A size the cluster cannot
-        place, or a layout tp/ep do not divide, is refused (logged; the pool stays as it is)."""
+        `num_workers` data-parallel ranks, reload it. The coordinator is not rewound. What `scale_problem` finds
+        is refused before `save()` (logged, kept in `scale_refused`; the pool stays as it is)."""
         from gspo_ray.coordinator.pools import trainer_pool_config
 
         old = coord.trainer.num_workers
         if num_workers == old:
             return {}
-        try:
-            new_cfg = trainer_pool_config(self.cfg, num_workers)
-        except ValueError as e:
-            log.error("scale trainer %d refused: %s", num_workers, e)
+        reason = self.scale_problem(coord, num_workers)
+        if reason is not None:
+            log.error("scale trainer %d refused: %s", num_workers, reason)
+            self.scale_refused = {"workers": num_workers, "reason": reason}
             return {"job/trainer_scale_refused": 1.0}
-        if not _fits(coord.trainer.cfg, old, new_cfg, num_workers):
-            log.error("scale trainer %d refused: the cluster has no room for %d ranks of %s CPUs", num_workers,
-                      num_workers, new_cfg.num_cpus_per_worker)
-            return {"job/trainer_scale_refused": 1.0}
+        self.scale_refused = None
+        new_cfg = trainer_pool_config(self.cfg, num_workers)
         t0 = time.perf_counter()
         path = save()
         old_cfg = coord.trainer.cfg
         try:
             coord.trainer.restart(new_cfg)
-        except Exception:  # noqa: BLE001 - placing the new size failed: back to the old one, then report
-            log.exception("scale trainer %d failed; restoring %d ranks", num_workers, old)
+        except Exception as e:  # noqa: BLE001 - placing the new size failed: back to the old one, then report
+            log.exception("scale trainer %d refused: placing %d ranks failed (%s); restoring %d ranks", num_workers,
+                          num_workers, e, old)
             coord.trainer.restart(old_cfg)
             new_cfg = None
         version = coord.trainer.load(str(Path(path) / "trainer"))
@@ -176,6 +180,26 @@ class TrainerRecovery:
         return {"job/trainer_workers": coord.trainer.num_workers, "job/rescale_s": time.perf_counter() - t0,
                 **({} if new_cfg is not None else {"job/trainer_scale_refused": 1.0}),
                 **{k: v for k, v in sync.items() if k.startswith("sync/verify")}}
+
+    def scale_problem(self, coord: Coordinator, num_workers: int) -> str | None:
+        """Why the pool cannot be resized to `num_workers` ranks (None: it can), checked before anything is saved
+        or stopped."""
+        from gspo_ray.coordinator.pools import trainer_pool_config
+
+        try:
+            new_cfg = trainer_pool_config(self.cfg, num_workers)
+        except ValueError as e:
+            return str(e)
+        old_cfg, old = coord.trainer.cfg, coord.trainer.num_workers
+        old_dp, new_dp = old // old_cfg.tp, num_workers // new_cfg.tp
+        if old_cfg.use_distributed_optimizer and new_dp != old_dp:
+            return (f"trainer.use_distributed_optimizer: the optimizer state is sharded over the {old_dp} "
+                    f"data-parallel ranks and cannot be resharded to {new_dp} ({num_workers} ranks at tp "
+                    f"{new_cfg.tp}); the job goes on with {old} ranks")
+        if not _fits(old_cfg, old, new_cfg, num_workers):
+            return (f"the cluster has no room for {num_workers} ranks of {new_cfg.num_cpus_per_worker} CPUs; the job "
+                    f"goes on with {old} ranks")
+        return None
 
 
 class RestartsExhausted(RuntimeError):

@@ -5,7 +5,6 @@ with secrets redacted.
 """
 from __future__ import annotations
 
-import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -13,18 +12,11 @@ from typing import Any
 import yaml
 
 from gspo_ray.config import JobConfig
+from gspo_ray.config.secrets import REDACTED, is_secret_key, redact_url  # noqa: F401 - REDACTED: the marker's home for callers
 from gspo_ray.coordinator.run_lock import check_unlocked
 
-REDACTED = "<redacted>"
 # Outputs of a run that a fresh start would silently mix with (metrics appended, checkpoints overwritten).
 RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "tensorboard", "rollouts", "training.png", "eval", "wandb", "hf")
-# A key names a secret when one of its words (split on non-alphanumerics and camelCase) is one of these, or it
-# contains one of the fragments: HF_TOKEN, WANDB_API_KEY, AWS_SECRET_ACCESS_KEY, openaiApiKey, db_password,
-# Authorization are redacted; max_tokens, TOKENIZERS_PARALLELISM, OMP_NUM_THREADS are not.
-SECRET_WORDS = {"token", "key", "secret", "password", "passwd", "pwd", "auth", "authorization", "credential",
-                "credentials", "cookie", "private", "signature", "apikey", "pat", "dsn"}
-SECRET_FRAGMENTS = ("secret", "passw", "credential", "apikey", "privatekey", "accesskey")
-URL_USERINFO = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s]+@")
 
 
 class RunDirError(ValueError):
@@ -86,7 +78,7 @@ def redacted_config(cfg: JobConfig) -> str:
     """The effective config as YAML for the run directory (shared storage), secrets replaced by `<redacted>`.
 
     Redacted: values under `cluster.runtime_env` (env_vars and the rest), `rollout.reward.kwargs` and
-    `rollout.multi_turn.kwargs` whose key looks like a secret (see SECRET_WORDS), at any depth; and the user:password
+    `rollout.multi_turn.kwargs` whose key looks like a secret (config/secrets.py), at any depth; and the user:password
     part of any URL anywhere in the config. Everything else is kept, so the copy still documents the run."""
     header = f"# effective config of this run; values of secret-looking keys are replaced by {REDACTED}\n"
     return header + yaml.safe_dump(redacted_config_dict(cfg), sort_keys=False)
@@ -104,13 +96,6 @@ def redacted_config_dict(cfg: JobConfig) -> dict:
     return _redact_urls(raw)
 
 
-def is_secret_key(key: str) -> bool:
-    words = re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", key).lower()
-    parts = set(re.split(r"[^a-z0-9]+", words))
-    squashed = re.sub(r"[^a-z0-9]", "", key.lower())
-    return bool(parts & SECRET_WORDS) or any(f in squashed for f in SECRET_FRAGMENTS)
-
-
 def _redact_keys(node: Any) -> Any:
     if isinstance(node, dict):
         return {k: (REDACTED if is_secret_key(str(k)) and v not in (None, "") else _redact_keys(v))
@@ -126,5 +111,5 @@ def _redact_urls(node: Any) -> Any:
     if isinstance(node, list):
         return [_redact_urls(v) for v in node]
     if isinstance(node, str):
-        return URL_USERINFO.sub(lambda m: f"{m.group('scheme')}{REDACTED}@", node)
+        return redact_url(node)
     return node

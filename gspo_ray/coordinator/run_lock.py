@@ -1,29 +1,45 @@
-"""One live job per run directory: a lock file `run_dir/.gspo-ray.lock` (JSON: pid, host, process start time,
-lock time, command line), created atomically, held for the job's life and removed when it ends.
+"""One live job per run directory: a lock file `run_dir/.gspo-ray.lock` held as a lease.
+
+The file (JSON, mode 0600: pid, host, process start time, lock and renewal times, the lease, the command line with
+secret values redacted) is created whole (written to a temp file, then hard-linked into place: never empty), renewed
+by the job at every step boundary (`RunLock.refresh`) and removed when the job ends.
 
 Two jobs on one run directory would prune each other's in-flight checkpoints, interleave metrics, and `--fresh`
-would delete a live run's checkpoints. A second job is refused (RunLockError, exit 2 in the CLI). A stale lock
-(its pid is gone on this host, or the pid now belongs to a younger process) is taken over with a warning. A lock
-written on another host cannot be checked from here and is refused, naming the host and the file to delete.
+would delete a live run's checkpoints. A second job is refused (RunLockError, exit 2 in the CLI) while the holder
+is alive:
+  - on this host: its pid runs and started when the lock says (pid reuse is seen);
+  - on another host (a new KubeRay head pod, a Slurm requeue on another node): its lease has not expired. The lease
+    is `START_LEASE_S` until the first step boundary, then `LEASE_STEPS` times the longest interval between two
+    renewals seen so far (a step with its evaluation and checkpoint), at least `LEASE_FLOOR_S`.
+A stale lock is taken over with a warning: its content is read, judged, read again, and only if unchanged a whole
+new lock is renamed over it (atomic), then read back to confirm; a holder that renewed in between keeps it.
 
-    with RunLock(run_dir):          # before --fresh deletes anything
+    with RunLock(run_dir) as lock:  # before --fresh deletes anything
         ...
+        lock.refresh()              # each step boundary
 """
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
 import socket
 import sys
 import time
+import uuid
 from pathlib import Path
 
+from gspo_ray.config.secrets import redact_args
 
 log = logging.getLogger(__name__)
 
 LOCK_NAME = ".gspo-ray.lock"
 HELD: set[Path] = set()  # lock files this process holds (its own job's checks pass them)
+START_LEASE_S = 1800.0  # until the first step boundary: pools of a big model can take many minutes to start
+LEASE_STEPS = 5  # the lease after that: 5 x the longest renewal interval seen (a step + its eval and save) ...
+LEASE_FLOOR_S = 300.0  # ... and never less than 5 minutes
+UNREADABLE_GRACE_S = LEASE_FLOOR_S  # a lock file that does not parse (written by hand?) is stale after this long
 
 
 class RunLockError(ValueError):
@@ -50,19 +66,31 @@ def process_start_time(pid: int) -> float | None:
         return 0.0
 
 
-def read_lock(run_dir: Path) -> dict | None:
-    """The lock's holder, or None without a lock; an unreadable lock file reads as {} (treated as stale)."""
-    path = lock_path(run_dir)
+def _read_raw(path: Path) -> bytes | None:
     try:
-        return json.loads(path.read_text())
+        return path.read_bytes()
     except FileNotFoundError:
         return None
-    except (OSError, ValueError):
+
+
+def _parse(raw: bytes | None) -> dict | None:
+    """The holder; {} for a file that does not parse."""
+    if raw is None:
+        return None
+    try:
+        holder = json.loads(raw)
+    except ValueError:
         return {}
+    return holder if isinstance(holder, dict) else {}
+
+
+def read_lock(run_dir: Path) -> dict | None:
+    """The lock's holder, or None without a lock; a file that does not parse reads as {}."""
+    return _parse(_read_raw(lock_path(run_dir)))
 
 
 def holder_alive(holder: dict) -> bool | None:
-    """True: the holder runs (on this host); False: it is gone; None: it is on another host (unknown)."""
+    """True: the holder runs (on this host); False: it is gone; None: it is on another host (see its lease)."""
     if holder.get("host") != socket.gethostname():
         return None
     pid = holder.get("pid")
@@ -76,25 +104,69 @@ def holder_alive(holder: dict) -> bool | None:
     return not (isinstance(recorded, (int, float)) and started and abs(started - recorded) > 1.0)
 
 
+def lease_left(holder: dict, now: float | None = None) -> tuple[float, float]:
+    """(seconds since the lease was last renewed, seconds it has left; <= 0: expired)."""
+    now = time.time() if now is None else now
+    renewed = holder.get("renewed_at", holder.get("locked_at", 0.0))
+    lease = holder.get("lease_s", START_LEASE_S)
+    renewed = renewed if isinstance(renewed, (int, float)) else 0.0
+    lease = lease if isinstance(lease, (int, float)) else START_LEASE_S
+    return now - renewed, renewed + lease - now
+
+
 def describe(holder: dict) -> str:
-    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.get("locked_at", 0)))
-    return f"pid {holder.get('pid')} on {holder.get('host')}, since {when}"
+    age, left = lease_left(holder)
+    state = f"expires in {left:.0f} s" if left > 0 else f"expired {-left:.0f} s ago"
+    return (f"pid {holder.get('pid')} on host {holder.get('host')}, lease renewed {age:.0f} s ago "
+            f"({state})")
 
 
-def check_unlocked(run_dir: Path) -> None:
-    """Raise RunLockError when a live job (or one on another host) holds the run directory; read-only."""
-    holder = read_lock(run_dir)
-    if holder is None or holder == {} or lock_path(run_dir).resolve() in HELD:
-        return
+def _judge(run_dir: Path, holder: dict | None, mtime: float | None) -> str | None:
+    """Raise RunLockError when the holder is live; else a description of the stale lock (None: no lock)."""
+    path = lock_path(run_dir)
+    if holder is None:
+        return None
+    if holder == {}:
+        age = time.time() - (mtime or 0.0)
+        if age < UNREADABLE_GRACE_S:
+            raise RunLockError(f"{run_dir}: its lock file {path} does not parse and was written {age:.0f} s ago; "
+                               f"if no job uses this run directory, delete it")
+        return f"an unreadable lock file, {age:.0f} s old"
     alive = holder_alive(holder)
     if alive and holder.get("pid") == os.getpid():
-        raise RunLockError(f"{run_dir} is in use by a job in this process ({lock_path(run_dir)})")
+        raise RunLockError(f"{run_dir} is in use by a job in this process ({path})")
     if alive:
         raise RunLockError(f"{run_dir} is in use by another job ({describe(holder)}): stop it first, or give this "
                            "run another name or logging.out_dir")
-    if alive is None:
-        raise RunLockError(f"{run_dir} is locked by a job on host {holder.get('host')} ({describe(holder)}); "
-                           f"if that job is gone, delete {lock_path(run_dir)}")
+    if alive is None and lease_left(holder)[1] > 0:
+        raise RunLockError(f"{run_dir} is locked by a job on another host ({describe(holder)}); wait for the "
+                           f"lease to expire, or if that job is surely gone, delete {path}")
+    return describe(holder) + (" (its process is gone)" if alive is False else "")
+
+
+def _mtime(path: Path) -> float | None:
+    try:
+        return path.stat().st_mtime
+    except FileNotFoundError:
+        return None
+
+
+def check_unlocked(run_dir: Path) -> None:
+    """Raise RunLockError when a live job (or one on another host with a live lease) holds the run directory;
+    read-only."""
+    path = lock_path(run_dir)
+    if path.resolve() in HELD:
+        return
+    _judge(Path(run_dir), read_lock(run_dir), _mtime(path))
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    """A whole file, mode 0600 (the lock holds who runs the job and how), on disk before it is linked or renamed."""
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 class RunLock:
@@ -104,31 +176,97 @@ class RunLock:
         self.run_dir = Path(run_dir)
         self.path = lock_path(run_dir)
         self.held = False
+        self._record: dict = {}
+        self._renewed: float | None = None  # monotonic time of the last renewal
+        self._longest: float | None = None  # the longest interval between two renewals
+        self._renewals = 0
+
+    def _temp(self) -> Path:
+        return self.path.with_name(f"{LOCK_NAME}.tmp-{uuid.uuid4().hex[:8]}")
+
+    def _data(self) -> bytes:
+        return json.dumps(self._record).encode()
 
     def acquire(self) -> "RunLock":
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        me = {"pid": os.getpid(), "host": socket.gethostname(), "pid_start": process_start_time(os.getpid()),
-              "locked_at": time.time(), "argv": sys.argv}
-        for _ in range(3):  # a stale lock is removed, then the create is retried (another job may win the race)
-            try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                if self.path.resolve() in HELD:
-                    raise RunLockError(f"{self.run_dir} is in use by a job in this process ({self.path})") from None
-                check_unlocked(self.run_dir)  # raises for a live holder
-                holder = read_lock(self.run_dir) or {}
-                log.warning("%s: taking over a stale lock (%s is no longer running)", self.path,
-                            describe(holder) if holder else "unreadable lock file")
-                self.path.unlink(missing_ok=True)
-                continue
-            with os.fdopen(fd, "w") as f:
-                json.dump(me, f)
-                f.flush()
-                os.fsync(f.fileno())
-            self.held = True
-            HELD.add(self.path.resolve())
-            return self
+        now = time.time()
+        self._record = {"pid": os.getpid(), "host": socket.gethostname(), "pid_start": process_start_time(os.getpid()),
+                        "locked_at": now, "renewed_at": now, "lease_s": START_LEASE_S, "owner": uuid.uuid4().hex,
+                        "argv": redact_args(sys.argv)}
+        if self.path.resolve() in HELD:
+            raise RunLockError(f"{self.run_dir} is in use by a job in this process ({self.path})")
+        data = self._data()
+        for _ in range(5):  # a stale lock is replaced; another job may win that race, then it is judged again
+            if self._create(data):
+                return self._hold()
+            raw = _read_raw(self.path)
+            stale = _judge(self.run_dir, _parse(raw), _mtime(self.path))  # raises for a live holder
+            if stale is None:
+                continue  # gone in between: create again
+            if self._replace(raw, data):
+                log.warning("%s: took over a stale lock (%s)", self.path, stale)
+                return self._hold()
         raise RunLockError(f"{self.path}: could not take the run directory's lock (another job keeps taking it)")
+
+    def _create(self, data: bytes) -> bool:
+        """Create the lock whole: a temp file hard-linked into place (fails if a lock exists). False: one exists."""
+        tmp = self._temp()
+        _write_private(tmp, data)
+        try:
+            os.link(tmp, self.path)
+            return True
+        except FileExistsError:
+            return False
+        except OSError as e:  # a filesystem without hard links: an exclusive create (written at once)
+            if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV):
+                raise
+            try:
+                _write_private(self.path, data)
+                return True
+            except FileExistsError:
+                return False
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def _replace(self, stale_raw: bytes | None, data: bytes) -> bool:
+        """Rename a whole new lock over the stale one if the file still holds what was judged; confirm it is ours."""
+        tmp = self._temp()
+        _write_private(tmp, data)
+        try:
+            if _read_raw(self.path) != stale_raw:  # renewed, released or taken meanwhile: judge again
+                return False
+            os.replace(tmp, self.path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        return _read_raw(self.path) == data  # another taker's rename after ours: theirs
+
+    def _hold(self) -> "RunLock":
+        self.held = True
+        self._renewed = time.monotonic()
+        HELD.add(self.path.resolve())
+        return self
+
+    def refresh(self) -> None:
+        """Renew the lease (each step boundary): now, for `LEASE_STEPS` x the longest interval between renewals
+        (at least `LEASE_FLOOR_S`). Raises RunLockError when another job took the lock over (this job's lease had
+        expired): two jobs must never write one run directory."""
+        if not self.held:
+            return
+        mono = time.monotonic()
+        if self._renewals:  # the interval since the previous renewal; not the start-up before the first one
+            self._longest = max(self._longest or 0.0, mono - self._renewed)
+        holder = read_lock(self.run_dir)
+        if not holder or holder.get("owner") != self._record["owner"]:
+            raise RunLockError(f"{self.path}: this job's lock was taken over by another job "
+                               f"({describe(holder) if holder else 'the lock file is gone'}); stopping")
+        self._record["renewed_at"] = time.time()
+        if self._longest is not None:
+            self._record["lease_s"] = max(LEASE_FLOOR_S, LEASE_STEPS * self._longest)
+        tmp = self._temp()
+        _write_private(tmp, self._data())
+        os.replace(tmp, self.path)
+        self._renewed = mono
+        self._renewals += 1
 
     def release(self) -> None:
         """Remove the lock if it is still ours (never another job's that took over a lock we lost)."""
@@ -136,7 +274,7 @@ class RunLock:
             return
         HELD.discard(self.path.resolve())
         holder = read_lock(self.run_dir)
-        if holder and holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname():
+        if holder and holder.get("owner") == self._record.get("owner"):
             self.path.unlink(missing_ok=True)
         self.held = False
 

@@ -10,7 +10,11 @@ from pathlib import Path
 
 # the progress bar's fields (docs/real-models.md explains them); "failed" only on a step where samples failed
 PROGRESS_KEYS = {"eval/reward": "eval", "rollout/reward_mean": "R", "train/clip_frac_seq": "clip",
-                 "train/kl": "kl", "rollout/tokens_per_s": "tok/s", "rollout/failed_samples": "failed"}
+                 "train/kl": "kl", "rollout/tokens_per_s": "tok/s", "rollout/failed_samples": "failed",
+                 "train/dp_imbalance": "dp"}
+# fields shown only past a threshold: failed samples when there are any, the DP imbalance (the busiest trainer
+# rank's forwarded tokens over the mean) when the step waits noticeably on one rank
+PROGRESS_SHOWN_ABOVE = {"failed": 0.0, "dp": 1.25}
 
 
 class MetricsTracker:
@@ -22,16 +26,31 @@ class MetricsTracker:
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._tb = None
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"), purge_step=start_step or None)
+        self._tb_dir = Path(run_dir) / "tensorboard"
+        if tensorboard:  # a resumed run: events past the checkpoint's step are the dead run's, purged
+            self._tb = self._tb_writer(purge_step=start_step + 1 if start_step else None)
         self._wandb = WandbSink(wandb, Path(run_dir), run_config) if wandb and wandb.mode != "disabled" else None
         self._bar = None
         if progress:
             from tqdm import tqdm
 
             self._bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True)
+
+    def _tb_writer(self, purge_step: int | None):
+        from torch.utils.tensorboard import SummaryWriter
+
+        return SummaryWriter(str(self._tb_dir), purge_step=purge_step)
+
+    def rewind(self, step: int) -> None:
+        """An in-job recovery went back to `step`: the steps after it are replayed. TensorBoard: a new event file
+        whose purge marker drops the dead run's events from step + 1 on. metrics.jsonl is trimmed by the recovery;
+        W&B needs nothing (its log step only grows, `step` is a field: the replayed rows come later)."""
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = self._tb_writer(purge_step=step + 1)
+        if self._bar is not None:
+            self._bar.n = step
+            self._bar.refresh()
 
     def log(self, step: int, metrics: dict[str, float], advance: bool = True) -> None:
         row = {"step": step, **{k: _clean(v) for k, v in metrics.items()}}
@@ -45,7 +64,7 @@ class MetricsTracker:
             self._wandb.log(step, row)
         if self._bar is not None:
             shown = {short: f"{metrics[k]:.3g}" for k, short in PROGRESS_KEYS.items()
-                     if k in metrics and (short != "failed" or metrics[k])}
+                     if k in metrics and metrics[k] > PROGRESS_SHOWN_ABOVE.get(short, -math.inf)}
             self._bar.set_postfix(shown, refresh=False)
             self._bar.update(1 if advance else 0)
 
@@ -68,7 +87,12 @@ class MetricsTracker:
 
 class WandbSink:
     """One W&B run per run directory: its id is kept in run_dir/wandb/run_id, so a resumed job continues the same
-    W&B run. wandb is imported only here (an optional extra); offline mode writes under run_dir/wandb."""
+    W&B run. wandb is imported only here (an optional extra); offline mode writes under run_dir/wandb.
+
+    W&B drops a `log(step=k)` below its last step, so after an in-job recovery or a `--resume` past the checkpoint
+    the replayed steps would keep the dead run's values. Instead W&B's own step only grows (one per row) and the
+    training step is the field `step`, the x-axis of every chart (`define_metric`): a replayed step's row comes
+    after the dead one, and the last row of each `step` is metrics.jsonl's (rows carry `job/replayed`)."""
 
     def __init__(self, cfg, run_dir: Path, run_config: dict | None = None):
         try:
@@ -86,9 +110,11 @@ class WandbSink:
         self._run = wandb.init(project=cfg.project, entity=cfg.entity, group=cfg.group, tags=list(cfg.tags),
                                mode=cfg.mode, dir=str(run_dir), id=run_id, resume="allow", name=run_dir.name,
                                config=run_config or {}, settings=wandb.Settings(x_disable_meta=True))
+        self._run.define_metric("step")
+        self._run.define_metric("*", step_metric="step")
 
     def log(self, step: int, row: dict) -> None:
-        self._run.log({k: v for k, v in row.items() if k != "step" and v is not None}, step=step)
+        self._run.log({**{k: v for k, v in row.items() if v is not None}, "step": step})
 
     def close(self) -> None:
         self._run.finish()

@@ -4,19 +4,40 @@ Every rank holds the whole mini-batch and derives the same split from it, so eve
 forwards (MoE all-to-alls are collective) without an extra collective.
 
 Two layouts, both as `MicroBatch` lists: padded rows (`row_micro_batches`: one row per completion, DP ranks take
-contiguous rows) and shared-prefix group rows (`group_micro_batches`, trainer/group_rows.py: DP ranks take whole
-prompt groups). Either way a micro-batch carries its rows in the original [b, L] layout, so the loss, its units
-and the metrics are computed exactly as without sharing.
+contiguous rows) and shared-prefix group rows (`group_micro_batches`, trainer/group_rows.py). Either way a
+micro-batch carries its rows in the original [b, L] layout, so the loss, its units and the metrics are computed
+exactly as without sharing.
+
+Group rows over DP (`plan_ranks`, pure lists, also what bench/scale.py runs at cluster shapes):
+  1. plan the mini-batch's group rows, at most min(micro_batch_size, ceil(B / dp)) completions each and no wider
+     than one padded micro-batch's memory allows (`padded_budget`: its tokens R x L and attention scores R x L^2,
+     R = micro_batch_rows, L = the longest row); while there are fewer group rows than ranks, the one with the
+     most rows is halved (so B >= dp rows leave no rank idle), and group rows costing more than half a rank's
+     share are halved too;
+  2. deal the group rows to the ranks by cost (`row_cost`: tokens plus the W^2 attention-score term of the local
+     attention), largest first to the least loaded rank (LPT);
+  3. pack each rank's group rows into micro-batches within the padded budget (rows, tokens and scores).
+Ranks with fewer micro-batches than the busiest get dummies (one fully masked copy of row 0).
 """
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass
 
 import torch
 
 from gspo_ray.data.records import TrainBatch
-from gspo_ray.trainer.group_rows import GroupLayout, GroupRow, build_layout, pack_group_rows, plan_group_rows
+from gspo_ray.trainer.group_rows import (
+    GroupLayout,
+    GroupRow,
+    build_layout,
+    halve,
+    pack_group_rows,
+    plan_units,
+    prefix_groups,
+    warn_once,
+)
 
 
 @dataclass
@@ -52,11 +73,11 @@ def split_rows(batch: TrainBatch, dp_rank: int, dp_size: int) -> TrainBatch:
 
 def micro_batch_rows(batch: TrainBatch, micro_batch_size: int, micro_batch_tokens: int | None) -> int:
     """Rows per micro-batch: micro_batch_size, lowered so rows x the longest row of the whole mini-batch fit in
-    micro_batch_tokens. Every rank holds the whole mini-batch, so every rank gets the same count and runs the same
-    number of forwards (MoE all-to-alls are collective)."""
-    if micro_batch_tokens is None or batch.num_sequences == 0:
+    micro_batch_tokens (padded_budget). Every rank holds the whole mini-batch, so every rank gets the same count
+    and runs the same number of forwards (MoE all-to-alls are collective)."""
+    if batch.num_sequences == 0:
         return micro_batch_size
-    return max(1, min(micro_batch_size, micro_batch_tokens // max(int(batch.lengths.max()), 1)))
+    return padded_budget(int(batch.lengths.max()), micro_batch_size, micro_batch_tokens).rows
 
 
 def micro_batches(batch: TrainBatch, micro_batch_size: int) -> list[TrainBatch]:
@@ -100,6 +121,8 @@ def row_micro_batches(batch: TrainBatch, dp_rank: int, dp_size: int, micro_batch
                       micro_batch_tokens: int | None) -> list[MicroBatch]:
     """Padded rows: split_rows, then micro_batches of micro_batch_rows rows (the layout without sharing)."""
     b = batch.num_sequences
+    if dp_rank == 0:
+        warn_unbalanced(b, dp_size)
     per_rank = math.ceil(b / dp_size)
     index = [i if i < b else -1 for i in range(dp_rank * per_rank, (dp_rank + 1) * per_rank)]
     rows = micro_batch_rows(batch, micro_batch_size, micro_batch_tokens)
@@ -109,38 +132,125 @@ def row_micro_batches(batch: TrainBatch, dp_rank: int, dp_size: int, micro_batch
     return out
 
 
-def group_micro_batches(batch: TrainBatch, dp_rank: int, dp_size: int, micro_batch_size: int,
-                        micro_batch_tokens: int | None, width_multiple: int = 1) -> list[MicroBatch] | None:
-    """Shared-prefix micro-batches of this DP rank, or None when the batch has nothing to share.
+@dataclass(frozen=True)
+class Budget:
+    """What one padded micro-batch holds at most: `rows` rows of `tokens` padded tokens and `scores` attention
+    scores (per head and layer) in all."""
 
-    Group rows are planned and packed over the whole mini-batch (group_rows.plan_group_rows / pack_group_rows,
-    the same on every rank), then dealt to the DP ranks (`deal`), so a prompt group never straddles ranks and
-    ranks get similar work; ranks short of micro-batches get dummies (one fully masked copy of row 0), so every
-    rank runs the same number of forwards (MoE all-to-alls are collective). width_multiple: TP under sequence
-    parallelism (the sequence is split over TP ranks)."""
-    units = plan_group_rows(batch, micro_batch_size, micro_batch_tokens)
+    rows: int
+    tokens: int
+    scores: int
+
+
+def padded_budget(longest: int, micro_batch_size: int, micro_batch_tokens: int | None) -> Budget:
+    """The padded path's micro-batch memory for a mini-batch whose longest row has `longest` tokens: R =
+    micro_batch_rows rows of width L = longest, so R x L tokens and R x L^2 attention scores."""
+    if micro_batch_tokens is None:
+        rows = micro_batch_size
+    else:
+        rows = max(1, min(micro_batch_size, micro_batch_tokens // max(longest, 1)))
+    width = max(longest, 1)
+    return Budget(rows=rows, tokens=rows * width, scores=rows * width * width)
+
+
+def attention_score_weight(hidden: int, attn_dim: int, ffn_active: int) -> float:
+    """Cost of one attention score relative to one token through the layer's matrices, per layer and forward:
+    a token costs 2 (4 h d + 3 h f) FLOPs (q, k, v, o projections of width d = heads x head_dim; a gated MLP of
+    active width f: experts top-k x their width for an MoE), a [W, W] score matrix 4 d W^2 (Q K^T and A V; the
+    local attention computes every score, masked or not). So a row of width W costs W + weight x W^2 tokens."""
+    return 2.0 * attn_dim / (4.0 * hidden * attn_dim + 3.0 * hidden * ffn_active)
+
+
+def model_score_weight(config) -> float:
+    """attention_score_weight of a Megatron TransformerConfig (dense or MoE: top-k experts, plus a shared one)."""
+    attn = config.num_attention_heads * (config.kv_channels or config.hidden_size // config.num_attention_heads)
+    ffn = config.ffn_hidden_size
+    if getattr(config, "num_moe_experts", None):
+        ffn = (config.moe_ffn_hidden_size or ffn) * config.moe_router_topk
+        ffn += getattr(config, "moe_shared_expert_intermediate_size", None) or 0
+    return attention_score_weight(config.hidden_size, attn, ffn)
+
+
+def row_cost(unit: GroupRow, score_weight: float) -> float:
+    """The forward cost of one group row in tokens: W + score_weight x W^2 (attention_score_weight)."""
+    return unit.length + score_weight * unit.length * unit.length
+
+
+def split_costly(unit: GroupRow, cap: float, score_weight: float) -> list[GroupRow]:
+    """unit halved (recursively) until each part costs at most cap or holds one row."""
+    if len(unit.rows) < 2 or row_cost(unit, score_weight) <= cap:
+        return [unit]
+    a, b = halve(unit)
+    return split_costly(a, cap, score_weight) + split_costly(b, cap, score_weight)
+
+
+def deal_rows(units: list[GroupRow], dp_size: int, score_weight: float) -> list[list[GroupRow]]:
+    """Group rows per DP rank: largest cost first, each to the rank with the least cost so far (ties: the lower
+    rank; longest-processing-time greedy, within 4/3 of the best split). Deterministic."""
+    cost = [row_cost(u, score_weight) for u in units]
+    ranks: list[list[GroupRow]] = [[] for _ in range(dp_size)]
+    heap = [(0.0, r) for r in range(dp_size)]  # (load, rank): the least loaded, then the lowest rank, on top
+    for i in sorted(range(len(units)), key=lambda i: (-cost[i], i)):
+        load, r = heapq.heappop(heap)
+        ranks[r].append(units[i])
+        heapq.heappush(heap, (load + cost[i], r))
+    return ranks
+
+
+def plan_ranks(groups: list[tuple[list[int], int]], lengths: list[int], dp_size: int, micro_batch_size: int,
+               micro_batch_tokens: int | None, score_weight: float = 0.0,
+               uids: list[str] | None = None) -> list[list[list[GroupRow]]] | None:
+    """Micro-batches (packs of group rows) of every DP rank, or None when nothing is shared (see the module
+    docstring). groups: (rows, common prefix) per prompt; lengths: every row's length."""
+    num_rows = len(lengths)
+    budget = padded_budget(max(lengths, default=1), micro_batch_size, micro_batch_tokens)
+    max_rows = max(1, min(micro_batch_size, math.ceil(num_rows / dp_size)))
+    max_width = min(budget.tokens, math.isqrt(budget.scores))
+    units = plan_units(groups, lengths, max_rows, max_width, uids)
     if units is None:
         return None
-    packs = pack_group_rows(units, micro_batch_size, micro_batch_tokens)
-    per_rank = math.ceil(len(packs) / dp_size)
-    mine = [packs[i] for i in deal(packs, dp_size, per_rank)[dp_rank]]
-    out = [pack_micro_batch(batch, pack, width_multiple) for pack in mine]
-    while len(out) < per_rank:
+    while len(units) < dp_size:  # fewer group rows than ranks: halve the one with the most rows
+        i = max(range(len(units)), key=lambda i: (len(units[i].rows), -i))
+        if len(units[i].rows) < 2:
+            break
+        units[i:i + 1] = halve(units[i])
+    if dp_size > 1:  # no group row above half a rank's share, so the deal can even the ranks out
+        cap = sum(row_cost(u, score_weight) for u in units) / (2 * dp_size)
+        units = [part for u in units for part in split_costly(u, cap, score_weight)]
+    return [pack_group_rows(mine, micro_batch_size, budget.tokens, budget.scores)
+            for mine in deal_rows(units, dp_size, score_weight)]
+
+
+def warn_unbalanced(num_rows: int, dp_size: int) -> None:
+    """Said once per process (rank 0 of the caller's choosing) when some DP ranks get no row at all."""
+    if num_rows < dp_size:
+        warn_once("dp_starved", "a mini-batch of %d rows over %d DP ranks: %d ranks get no row and forward a fully "
+                  "masked dummy (more completions per step, or fewer trainer ranks, balance it)",
+                  num_rows, dp_size, dp_size - num_rows)
+
+
+def group_micro_batches(batch: TrainBatch, dp_rank: int, dp_size: int, micro_batch_size: int,
+                        micro_batch_tokens: int | None, width_multiple: int = 1,
+                        score_weight: float = 0.0) -> list[MicroBatch] | None:
+    """Shared-prefix micro-batches of this DP rank, or None when the batch has nothing to share.
+
+    Every rank runs plan_ranks on the whole mini-batch (the same on every rank) and builds its own packs; ranks
+    short of micro-batches get dummies (one fully masked copy of row 0), so every rank runs the same number of
+    forwards (MoE all-to-alls are collective). width_multiple: TP under sequence parallelism (the sequence is
+    split over TP ranks). score_weight: attention_score_weight of the model (0: cost = tokens)."""
+    groups = prefix_groups(batch)
+    if groups is None:
+        return None
+    lengths = [int(n) for n in batch.lengths.tolist()]
+    plan = plan_ranks(groups, lengths, dp_size, micro_batch_size, micro_batch_tokens, score_weight, batch.uids)
+    if plan is None:
+        return None
+    if dp_rank == 0:
+        warn_unbalanced(len(lengths), dp_size)
+    out = [pack_micro_batch(batch, pack, width_multiple) for pack in plan[dp_rank]]
+    while len(out) < max(len(p) for p in plan):
         out.append(dummy_micro_batch(batch, width_multiple))
     return out
-
-
-def deal(packs: list[list[GroupRow]], dp_size: int, per_rank: int) -> list[list[int]]:
-    """Pack indices per DP rank: each pack (largest padded token count first) to the rank with the fewest tokens
-    so far among those holding fewer than per_rank packs (ties: the lower rank). Deterministic."""
-    cost = [len(p) * max(u.length for u in p) for p in packs]
-    ranks: list[list[int]] = [[] for _ in range(dp_size)]
-    load = [0] * dp_size
-    for i in sorted(range(len(packs)), key=lambda i: (-cost[i], i)):
-        r = min((r for r in range(dp_size) if len(ranks[r]) < per_rank), key=lambda r: (load[r], r))
-        ranks[r].append(i)
-        load[r] += cost[i]
-    return [sorted(r) for r in ranks]
 
 
 def pack_micro_batch(batch: TrainBatch, pack: list[GroupRow], width_multiple: int) -> MicroBatch:

@@ -12,6 +12,11 @@ different data-parallel size; optimizer state needs the same layout (resharding 
 Loading never unpickles code: payloads hold only tensors and plain Python values (RNG states are stored as tensors
 and numbers), so `torch.load(weights_only=True)` reads them, and a rank file must be a regular file inside the
 checkpoint directory (a symlink out of it is refused). The checkpoint volume is writable by pods that run user code.
+
+Integrity without reading back: each rank hashes its file while torch.save writes it; rank 0 records every rank
+file's size and sha256 in meta.json (`files`), and the job's manifest takes them from there. A rank that loads a
+file checks it against that record first (its size, then its sha256: one sequential read, which also leaves the
+file in the page cache for torch.load), so a truncated or altered file is a CorruptCheckpointError naming it.
 """
 from __future__ import annotations
 
@@ -24,7 +29,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from gspo_ray.trainer.durable import fsync_dir, fsync_file, write_durable
+from gspo_ray.trainer.durable import HashingWriter, fsync_dir, sha256_file, write_durable
 from gspo_ray.trainer.optim import sub_optimizers
 from gspo_ray.trainer.safe_paths import META, UnsafeCheckpointError, check_inside
 
@@ -134,17 +139,23 @@ def save_checkpoint(ckpt_dir: str | Path, rank: int, payload: dict, meta: dict) 
     path = rank_file(ckpt_dir, rank)
     tmp = path.with_suffix(".pt.tmp")
     try:
-        torch.save(payload, tmp)
-        fsync_file(tmp)
+        with open(tmp, "wb") as f:
+            writer = HashingWriter(f)  # the digest of what is written: nobody reads the file back to hash it
+            torch.save(payload, writer)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
         fsync_dir(ckpt_dir)
     except BaseException:
         tmp.unlink(missing_ok=True)  # no half-written rank file left behind (the job removes the directory too)
         raise
-    if dist.is_initialized():
-        dist.barrier()
+    digests = [writer.digest()]
+    if dist.is_initialized():  # every rank's file is written once this returns
+        digests = [None] * dist.get_world_size()
+        dist.all_gather_object(digests, writer.digest())
     if rank == 0:
-        write_durable(ckpt_dir / META, json.dumps(meta, indent=2))
+        files = {rank_file(ckpt_dir, r).name: d for r, d in enumerate(digests)}
+        write_durable(ckpt_dir / META, json.dumps({**meta, "files": files}, indent=2))
     if dist.is_initialized():
         dist.barrier()  # nobody returns before the checkpoint is complete
     return ckpt_dir
@@ -158,14 +169,38 @@ def read_meta(ckpt_dir: str | Path) -> dict:
     return json.loads(path.read_text())
 
 
+_checked: set[tuple[str, int, int]] = set()  # rank files this process verified: (path, size, mtime_ns)
+
+
+def check_rank_file(ckpt_dir: str | Path, path: Path) -> None:
+    """The size and sha256 meta.json recorded for `path` when it was written (none recorded: an older checkpoint,
+    nothing to check); CorruptCheckpointError naming the file when they differ. Once per file and process."""
+    meta_path = Path(ckpt_dir) / META
+    if not meta_path.exists():
+        return
+    want = read_meta(ckpt_dir).get("files", {}).get(path.name)
+    st = path.stat()
+    key = (str(path), st.st_size, st.st_mtime_ns)
+    if want is None or key in _checked:
+        return
+    if st.st_size != want.get("size"):
+        raise CorruptCheckpointError(f"{path}: truncated or corrupt ({st.st_size} bytes, {want.get('size')} when "
+                                     "saved)")
+    if sha256_file(path) != want.get("sha256"):
+        raise CorruptCheckpointError(f"{path}: truncated or corrupt (its content differs from the sha256 recorded "
+                                     "when saved)")
+    _checked.add(key)
+
+
 def load_rank_payload(ckpt_dir: str | Path, rank: int) -> dict:
-    """One rank's payload, read without unpickling (tensors and plain values only)."""
+    """One rank's payload, read without unpickling (tensors and plain values only), after `check_rank_file`."""
     import pickle
 
     path = rank_file(ckpt_dir, rank)
     if not path.exists():
         raise FileNotFoundError(f"{path}: missing rank file")
     check_inside(path, ckpt_dir)
+    check_rank_file(ckpt_dir, path)
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:

@@ -18,12 +18,15 @@ ends: P is the longest common prefix of the rows (a completion's first tokens ma
 guessed from loss_mask (fully masked completions are just rows like the others), and a group whose rows share
 no token is forwarded as separate rows.
 
-Packing. A group row holds at most `max_rows` completions and, when a token cap is given, at most that many
+Packing. A group row holds at most `max_rows` completions and, when a width cap is given, at most that many
 tokens; it also stays within MAX_GROW x its longest member row, because the dense [W, W] mask makes attention
 cost grow with the group row's width W (a group of 64 long completions is split into several group rows, each
 with its own copy of the prefix). Group rows are then packed into micro-batches (longest first) of at most
-`max_rows` completions and, with a token cap, at most `max_tokens` padded tokens (rows x the longest group row).
-Everything here is pure torch on CPU tensors and deterministic, so every rank derives the same layout.
+`max_rows` completions and, with caps, at most `max_tokens` padded tokens (rows x the longest group row) and
+`max_scores` attention scores (rows x its square), none padded past PAD_SHARE x its width. batch_layout.plan_ranks sets the caps to what one padded
+micro-batch holds, so the shared layout never needs more memory than the padded one. The planning below works on
+plain lists (rows, prefix lengths, row lengths), so the scale model (bench/scale.py) runs it without tensors;
+everything is deterministic, so every rank derives the same layout.
 """
 from __future__ import annotations
 
@@ -38,6 +41,7 @@ from gspo_ray.data.records import TrainBatch
 log = logging.getLogger(__name__)
 
 MAX_GROW = 4  # a group row is at most this many times as wide as its longest member row (attention cost)
+PAD_SHARE = 1.25  # a group row joins a micro-batch only if padded to at most this many times its width
 _warned: set[str] = set()
 
 
@@ -112,14 +116,14 @@ def common_prefix(tokens: Tensor, lengths: Tensor, rows: list[int]) -> int:
 
 
 def split_group(rows: list[int], prefix: int, lengths: list[int], max_rows: int,
-                max_tokens: int | None) -> list[GroupRow]:
-    """One prompt's rows -> group rows of at most max_rows rows, max_tokens tokens (when set) and MAX_GROW x the
+                max_width: int | None) -> list[GroupRow]:
+    """One prompt's rows -> group rows of at most max_rows rows, max_width tokens (when set) and MAX_GROW x the
     longest member; each group row has at least one row (a row longer than the caps still trains, alone)."""
     out, cur, width, longest = [], [], prefix, 0
     for b in rows:
         seg = lengths[b] - prefix
         new_longest = max(longest, lengths[b])
-        cap = MAX_GROW * new_longest if max_tokens is None else min(max_tokens, MAX_GROW * new_longest)
+        cap = MAX_GROW * new_longest if max_width is None else min(max_width, MAX_GROW * new_longest)
         if cur and (len(cur) >= max_rows or width + seg > cap):
             out.append(GroupRow(tuple(cur), prefix, tuple(lengths[c] - prefix for c in cur)))
             cur, width, new_longest = [], prefix, lengths[b]
@@ -131,39 +135,65 @@ def split_group(rows: list[int], prefix: int, lengths: list[int], max_rows: int,
     return out
 
 
-def plan_group_rows(batch: TrainBatch, max_rows: int, max_tokens: int | None = None) -> list[GroupRow] | None:
-    """The group rows of a whole batch, or None when it has nothing to share (no uids; no prompt with >= 2 rows
-    sharing >= 1 token): then the caller forwards padded rows as before. A prompt whose rows share no token is
-    laid out as one group row per row (causal, nothing shared) and logged once."""
+def prefix_groups(batch: TrainBatch) -> list[tuple[list[int], int]] | None:
+    """(rows, longest common prefix) per prompt group of a batch (prefix 0 for a group of one row), or None when
+    the rows carry no (or wrong) uids."""
     groups = find_groups(batch.uids, batch.num_sequences)
     if groups is None:
         warn_once("no_uids", "shared_prefix: batch rows carry no prompt uids; forwarding unshared rows")
         return None
-    lengths = [int(n) for n in batch.lengths.tolist()]
+    return [(rows, common_prefix(batch.tokens, batch.lengths, rows) if len(rows) > 1 else 0) for rows in groups]
+
+
+def plan_units(groups: list[tuple[list[int], int]], lengths: list[int], max_rows: int,
+               max_width: int | None = None, uids: list[str] | None = None) -> list[GroupRow] | None:
+    """The group rows of `groups` ((rows, common prefix) per prompt; lengths: every row's length), or None when
+    nothing is shared (no group of >= 2 rows sharing >= 1 token). A prompt whose rows share no token is laid out
+    as one group row per row (causal, nothing shared) and logged once (naming uids[row] when given)."""
     out, shared = [], False
-    for rows in groups:
-        prefix = common_prefix(batch.tokens, batch.lengths, rows) if len(rows) > 1 else 0
+    for rows, prefix in groups:
         if prefix == 0:
             if len(rows) > 1:
                 warn_once("no_prefix", "shared_prefix: rows of prompt group %s share no prefix; forwarding them "
-                          "unshared", batch.uids[rows[0]])
+                          "unshared", uids[rows[0]] if uids else rows)
             out += [GroupRow((b,), lengths[b], (0,)) for b in rows]
             continue
-        parts = split_group(rows, prefix, lengths, max_rows, max_tokens)
+        parts = split_group(rows, prefix, lengths, max_rows, max_width)
         shared |= any(len(p.rows) > 1 for p in parts)
         out += parts
     return out if shared else None
 
 
-def pack_group_rows(units: list[GroupRow], max_rows: int, max_tokens: int | None = None) -> list[list[GroupRow]]:
-    """Group rows -> micro-batches, longest first: at most max_rows completions and (with a token cap) at most
-    max_tokens padded tokens (group rows x the longest one) each; a unit over the caps goes alone."""
+def plan_group_rows(batch: TrainBatch, max_rows: int, max_width: int | None = None) -> list[GroupRow] | None:
+    """The group rows of a whole batch (prefix_groups, then plan_units), or None when it has nothing to share
+    (no uids; no prompt with >= 2 rows sharing >= 1 token): then the caller forwards padded rows as before."""
+    groups = prefix_groups(batch)
+    if groups is None:
+        return None
+    return plan_units(groups, [int(n) for n in batch.lengths.tolist()], max_rows, max_width, batch.uids)
+
+
+def halve(unit: GroupRow) -> tuple[GroupRow, GroupRow]:
+    """A group row of >= 2 rows as two group rows with the same prefix (the first half of its rows, the rest)."""
+    k = len(unit.rows) // 2
+    return (GroupRow(unit.rows[:k], unit.prefix, unit.segments[:k]),
+            GroupRow(unit.rows[k:], unit.prefix, unit.segments[k:]))
+
+
+def pack_group_rows(units: list[GroupRow], max_rows: int, max_tokens: int | None = None,
+                    max_scores: int | None = None) -> list[list[GroupRow]]:
+    """Group rows -> micro-batches, longest first: at most max_rows completions and (with caps) at most max_tokens
+    padded tokens (group rows x the longest one) and max_scores attention scores (group rows x its square) each,
+    and no group row padded to more than PAD_SHARE x its width (long-tailed lengths waste no more than that);
+    a unit over the caps goes alone."""
     order = sorted(range(len(units)), key=lambda i: (-units[i].length, i))
     packs, cur, rows, width = [], [], 0, 0
     for i in order:
         u = units[i]
         w = max(width, u.length)
-        if cur and (rows + len(u.rows) > max_rows or (max_tokens is not None and (len(cur) + 1) * w > max_tokens)):
+        n = len(cur) + 1
+        if cur and (rows + len(u.rows) > max_rows or (max_tokens is not None and n * w > max_tokens)
+                    or (max_scores is not None and n * w * w > max_scores) or u.length * PAD_SHARE < w):
             packs.append(cur)
             cur, rows, w = [], 0, u.length
         cur.append(u)

@@ -82,3 +82,18 @@ class MetricAccumulator:
             v = v if self._is_max(k) else -v
             out[k] = v if math.isfinite(v) else 0.0
         return out
+
+
+def dp_token_metrics(tokens: float, group=None) -> dict[str, float]:
+    """`train/forward_tokens`: the tokens the DP ranks' training forwards computed (padding included), summed over
+    `group` (the DP group: TP ranks of one DP rank forward the same rows); `train/dp_imbalance`: the busiest rank's
+    count over the mean (1.0 at DP 1; the step waits on the busiest rank)."""
+    counts = torch.tensor([float(tokens)], dtype=torch.float64)
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        device = comm_device(group)
+        everyone = [torch.zeros(1, dtype=torch.float64, device=device) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(everyone, counts.to(device), group=group)
+        counts = torch.cat(everyone).cpu()
+    mean = float(counts.mean())
+    return {"train/forward_tokens": float(counts.sum()),
+            "train/dp_imbalance": float(counts.max()) / mean if mean > 0 else 1.0}

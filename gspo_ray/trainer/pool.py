@@ -3,6 +3,7 @@
     pool = TrainerPool(model_dir, trainer_cfg, algo_cfg, run_dir)     # cfg.num_workers actors, cfg.tp / cfg.ep
     metrics = pool.train_step(batch)                                   # rank 0's metrics (equal on all ranks)
     export = pool.export_weights()                                     # rank 0's WeightExport
+    pool.end_batch()                                                   # the rollout batch's passes are done
     pool.save(run_dir / "ckpt" / "step_10"); pool.load(...); pool.shutdown()
 
 The actors are placed in one placement group (bundle i = rank i, packed). The master address and port of the
@@ -13,6 +14,11 @@ store once and shared by all ranks.
 A rank that dies (its process or node lost) fails the call at once with TrainerRankDied: the surviving ranks, which
 would wait in a collective on it for `collective_timeout_s`, are killed right away, so the job can rebuild the pool
 (`restart`, same or another size) from its last checkpoint without waiting.
+
+An error inside a rank (an exception, not a death: a CUDA OOM, a full disk, a bug) is handled the same way: the
+other ranks, blocked in a collective on the failed one, are killed at once and the call raises TrainerRankFailed
+naming that rank and carrying its exception (`cause`; `is_disk_full` still finds an ENOSPC in it). Only when every
+rank raised within ERROR_GRACE_S (the same bad argument everywhere, before any collective) does the pool stay up.
 """
 from __future__ import annotations
 
@@ -56,6 +62,22 @@ class TrainerRankDied(RuntimeError):
         super().__init__(f"trainer rank {rank} died during {method} ({type(cause).__name__}); the pool's other ranks "
                          "were killed")
         self.rank, self.method = rank, method
+
+
+class TrainerRankFailed(RuntimeError):
+    """An exception inside one trainer rank during a pool call (the first one to arrive). `cause` is the rank's own
+    exception; `killed`: whether the pool's ranks were killed (they would have waited on this one in a collective),
+    so that the pool must be restarted before its next call."""
+
+    def __init__(self, rank: int, method: str, cause: BaseException, killed: bool):
+        remote = getattr(cause, "cause", None) or cause  # a RayTaskError carries the rank's exception as `cause`
+        first = (str(remote).strip().splitlines() or [""])[-1]
+        super().__init__(f"trainer rank {rank} failed during {method}: {type(remote).__name__}: {first}"
+                         + ("; the pool's ranks were killed" if killed else ""))
+        self.rank, self.method, self.cause, self.killed = rank, method, remote, killed
+
+
+ERROR_GRACE_S = 2.0  # after a rank's error, how long the others may take to finish (or raise) before being killed
 
 
 class TrainerPool:
@@ -129,9 +151,30 @@ class TrainerPool:
                             len(refs) - 1)
                 self._kill_workers()
                 raise TrainerRankDied(rank, method, e) from e
-            except Exception:  # an error inside a rank: reported below, in rank order, as before
-                break
+            except Exception as e:  # an error inside a rank: the others may be stuck in a collective on it
+                rank = refs.index(done[0])
+                killed = self._stop_after_error(refs, waiting)
+                log.warning("trainer rank %d failed during %s%s: %s", rank, method,
+                            ": killed the pool's ranks" if killed else "", e)
+                raise TrainerRankFailed(rank, method, e, killed) from e
         return ray.get(refs)
+
+    def _stop_after_error(self, refs: list, waiting: list) -> bool:
+        """After one rank's error: unless every rank raises within ERROR_GRACE_S (an error all ranks hit alike,
+        e.g. a bad argument, leaves them all idle and in step), kill them all. Returns whether they were killed."""
+        if waiting:
+            _, waiting = ray.wait(waiting, num_returns=len(waiting), timeout=ERROR_GRACE_S)
+        if not waiting:
+            failed = 0
+            for ref in refs:
+                try:
+                    ray.get(ref, timeout=0)
+                except Exception:  # noqa: BLE001 - counting the ranks that raised
+                    failed += 1
+            if failed == len(refs):
+                return False
+        self._kill_workers()
+        return True
 
     def _rank0(self, method: str, *args, **kwargs):
         return self._all(method, *args, **kwargs)[0]
@@ -152,6 +195,14 @@ class TrainerPool:
 
     def version(self) -> int:
         return self._rank0("version")
+
+    def end_batch(self) -> None:
+        """The current rollout batch's passes are done: every rank forgets its routing records (R2, drift)."""
+        self._all("end_batch")
+
+    def routing_record_bytes(self) -> list[int]:
+        """Bytes of routing records each rank holds, in rank order."""
+        return self._all("routing_record_bytes")
 
     def save(self, ckpt_dir: str | Path) -> str:
         return self._rank0("save", str(ckpt_dir))

@@ -18,8 +18,8 @@ N_seq and N_tok come from the full mini-batch, which every rank holds, so no ext
 Shared prefixes (trainer.shared_prefix). The completions of one prompt are forwarded as one group row [prompt |
 c_1 | ... | c_G] (trainer/group_rows.py): exact, the prompt computed once. Micro-batches still carry their rows in
 the original [b, L] layout and `forward_group_logprobs` returns log-probs there, so the loss, its scaling and the
-metrics above are unchanged; DP ranks take whole prompt groups and pad with fully masked dummy micro-batches to
-equal forward counts. Policy forwards that record routing per row (Routing Replay R2, routing drift) use padded
+metrics above are unchanged; DP ranks take group rows dealt by cost (batch_layout.plan_ranks) and pad with fully
+masked dummy micro-batches to equal forward counts. Policy forwards that record routing per row (Routing Replay R2, routing drift) use padded
 rows (logged once); router churn works on group rows (prefix tokens counted once per row that uses them).
 """
 from __future__ import annotations
@@ -54,12 +54,13 @@ from gspo_ray.trainer.batch_layout import (
     MicroBatch,
     group_micro_batches,
     loss_units,
+    model_score_weight,
     routing_keys,
     row_micro_batches,
 )
 from gspo_ray.trainer.group_rows import shard_token_order, warn_once
 from gspo_ray.trainer.lora_worker import TrainerLoRA, check_checkpoint_kind, load_model, model_state
-from gspo_ray.trainer.metric_accumulator import MetricAccumulator
+from gspo_ray.trainer.metric_accumulator import MetricAccumulator, dp_token_metrics
 from gspo_ray.trainer.pg_weights import build_pg_weight
 from gspo_ray.trainer.routing.churn import RouterRecorder, comm_device
 from gspo_ray.trainer.routing.drift import RoutingDrift
@@ -185,7 +186,7 @@ class TrainerWorker:
             tp = parallel_state.get_tensor_model_parallel_world_size()
             multiple = tp if self.gpt.config.sequence_parallel else 1
             mbs = group_micro_batches(batch, self.dp_rank, self.dp_size, cfg.micro_batch_size,
-                                      cfg.micro_batch_tokens, multiple)
+                                      cfg.micro_batch_tokens, multiple, model_score_weight(self.gpt.config))
             if mbs is not None:
                 return mbs
         return row_micro_batches(batch, self.dp_rank, self.dp_size, cfg.micro_batch_size, cfg.micro_batch_tokens)
@@ -204,15 +205,16 @@ class TrainerWorker:
         width = batch.tokens.shape[1]
         out = torch.zeros(batch.num_sequences, width)
         sampler = purpose == "old_logprobs" and not reference  # the policy that sampled: R2 and drift record
-        for mb in self._plan(batch, policy_routing=sampler):
-            with self._routing_records(mb, sampler=True) if sampler else contextlib.nullcontext():
+        mbs = self._plan(batch, policy_routing=sampler)
+        passes = self._fetch_routing_records(batch, mbs) if sampler else [(False, False)] * len(mbs)
+        for mb, (record_first, _) in zip(mbs, passes):
+            with self._routing_records(mb, sampler=True, record_first=record_first) if sampler else \
+                    contextlib.nullcontext():
                 lp = self._logprobs(model, mb, "reference" if reference else purpose,
                                     temperature=temperature).cpu()
             real = [i for i, r in enumerate(mb.rows) if r >= 0]  # padding rows and dummies are dropped
             out[[mb.rows[i] for i in real], :lp.shape[1]] = lp[real]
         model.train(was_training)
-        if sampler:
-            self._share_routing_records()
         valid = torch.arange(width)[None, :] < batch.lengths.reshape(-1, 1)
         if self.dp_size > 1:  # each row was computed by exactly one DP rank; the others hold 0 there
             out = out.to(comm_device(self.dp_group))
@@ -226,7 +228,7 @@ class TrainerWorker:
         return bool(every) and bool(self.recorder.routers) and self._version % every == 0
 
     def _micro_step(self, micro: MicroBatch, totals: float, norm_len: float, acc: MetricAccumulator,
-                    churn: bool, eps: tuple[float, float]) -> None:
+                    churn: bool, eps: tuple[float, float], passes: tuple[bool, bool] = (False, False)) -> None:
         """Forward, loss and backward of one micro-batch; grads accumulate in DDP's buffers. The loss is computed
         on micro.batch's rows in their original layout, whichever layout the forward used."""
         mb = micro.batch
@@ -236,17 +238,18 @@ class TrainerWorker:
                 ref_logp = self._logprobs(self.ref_model, micro, "reference", loss_tokens_only=True)
         capture = self._churn_capture(micro, "before") if churn else contextlib.nullcontext()
         # replay first: a recording forward it runs is neither captured nor watched
-        with self._routing_records(micro), capture:
+        with self._routing_records(micro, record_first=passes[0]), capture:
             # a micro-batch with nothing to train (a dummy that keeps the ranks' collectives in step) scores
             # every token, so its loss (times weight 0) still has a graph and its backward runs the same all-to-alls
             logp, entropy = self._logprobs(self.gpt, micro, "train", with_entropy=True,
                                            loss_tokens_only=bool(mb.loss_mask.any()))
         a = self.algo
         old_logp, adv, mask = mb.old_logp.to(logp), mb.adv.to(logp), mb.loss_mask.bool().to(logp.device)
-        if self.noise is not None and bool(mb.loss_mask.any()):  # the same rows with their recorded routing
-            self.noise.measure(routing_keys(mb), mb.lengths, self._version,
-                               lambda: self._logprobs(self.gpt, micro, "routing_noise", loss_tokens_only=True),
-                               logp, old_logp, adv, mask)
+        if self.noise is not None:  # the same rows with their recorded routing; on every micro-batch (EP in step)
+            scored = bool(mb.loss_mask.any())
+            self.noise.measure(self._row_keys(micro), mb.lengths,
+                               lambda: self._logprobs(self.gpt, micro, "routing_noise", loss_tokens_only=scored),
+                               logp, old_logp, adv, mask, record_first=passes[1])
         # dilution mask / mismatch correction (None when both are off); their metrics join the loss's
         rollout_logp = None if mb.rollout_logp is None else mb.rollout_logp.to(logp)
         pg_weight, extra = build_pg_weight(logp, old_logp, rollout_logp, adv, mask, a, *eps)
@@ -272,13 +275,14 @@ class TrainerWorker:
         norm_len = None if a.norm_len is None else float(a.norm_len)  # a constant (see __init__), never the width
         churn = self._churn_now()
         mbs = self._plan(batch, policy_routing=True)
+        passes = self._fetch_routing_records(batch, mbs)
         acc = MetricAccumulator(per_sequence_ratio=a.importance_sampling_level != "token")
         self.gpt.train()
         zero_grads(self.ddp, self.optimizer)
         self.recorder.clear()
         eps = tuple(eps) if eps is not None else (self.eps_low, self.eps_high)
-        for mb in mbs:
-            self._micro_step(mb, totals, norm_len, acc, churn, eps)
+        for mb, extra in zip(mbs, passes):
+            self._micro_step(mb, totals, norm_len, acc, churn, eps, extra)
         loss_finite = math.isfinite(acc.sums.get("train/loss", 0.0))
         grad_norm, lr, ok = optimizer_step(self.ddp, self.optimizer, self.scheduler, loss_finite)
         if ok:
@@ -293,11 +297,11 @@ class TrainerWorker:
             metrics |= self.drift.metrics()  # all ranks, like churn
         if self.noise is not None:
             metrics |= self.noise.metrics(self.dp_group)
-        self._share_routing_records()
         metrics |= {"train/eps_low": eps[0], "train/eps_high": eps[1]}  # the band this step trained with
         metrics |= {f"train/forward_passes_{k}": float(v) for k, v in self.forward_passes.items()}
-        # tokens this rank's training forwards computed, padding included (shared prefixes lower them)
-        metrics["train/forward_tokens"] = float(self.forward_tokens.get("train", 0))
+        # tokens the training forwards computed over DP, padding included (shared prefixes lower them), and the
+        # busiest rank's share (train/dp_imbalance)
+        metrics |= dp_token_metrics(self.forward_tokens.get("train", 0), self.dp_group)
         metrics["train/row_tokens"] = float(batch.lengths.sum())  # the mini-batch's tokens as one row per sample
         self.forward_passes, self.forward_tokens = {}, {}
         metrics |= {"train/grad_norm": grad_norm, "train/lr": lr, "train/step_ok": float(ok),
@@ -305,12 +309,44 @@ class TrainerWorker:
                     "train/policy_version": float(self._version), "train/step_s": time.perf_counter() - t0}
         return metrics
 
-    def _share_routing_records(self) -> None:
-        """Routing records (R2, drift) stored on this DP rank reach the others (collective): rows change DP rank
-        between passes, and a row must replay (or compare with) its first sight wherever it trains next."""
-        for records in (self.replay, self.drift, self.noise):
-            if records is not None:
-                records.share(self.dp_group)
+    def _record_stores(self) -> list:
+        return [x for x in (self.replay, self.drift, self.noise) if x is not None]
+
+    def end_batch(self) -> None:
+        """The rollout batch's passes are done (the coordinator says so): forget its routing records."""
+        for records in self._record_stores():
+            records.end_batch()
+
+    def routing_record_bytes(self) -> int:
+        """Bytes of routing records (R2, drift, probe) this rank holds."""
+        return sum(r.store.nbytes() for r in self._record_stores())
+
+    @staticmethod
+    def _row_keys(micro: MicroBatch) -> list[str | None]:
+        """Routing keys of a micro-batch's rows; None for padding rows and dummies (copies of row 0, which must not
+        store or compare as row 0 a second time)."""
+        return [k if r >= 0 else None for k, r in zip(routing_keys(micro.batch), micro.rows)]
+
+    def _fetch_routing_records(self, batch: TrainBatch, mbs: list[MicroBatch]) -> list[tuple[bool, bool]]:
+        """Before a policy forward over `batch` (collective): the routing records of the rows this DP rank forwards
+        come to it from the rank that holds them (rows change DP rank between calls); then, per micro-batch,
+        whether R2's and the probe's held forward run a recording forward first, agreed over all ranks so that
+        EP ranks run the same forwards (each MoE layer's forward is an all-to-all)."""
+        stores = self._record_stores()
+        if not stores:
+            return [(False, False)] * len(mbs)
+        keys = routing_keys(batch)
+        mine = {r for mb in mbs for r in mb.rows if r >= 0}
+        for records in stores:
+            records.fetch(keys, mine, self.dp_group)
+        holders = (self.replay, None if self.noise is None else self.noise.replay)
+        flags = torch.tensor([[h is not None and h.needs_recording_pass(self._row_keys(mb)) for h in holders]
+                              for mb in mbs], dtype=torch.uint8).reshape(len(mbs), 2)
+        if self.world_size > 1 and any(h is not None for h in holders):
+            flags = flags.to(comm_device())
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            flags = flags.cpu()
+        return [(bool(a), bool(b)) for a, b in flags.tolist()]
 
     @torch.no_grad()
     def _router_churn(self, mbs: list[MicroBatch]) -> dict[str, float]:
@@ -345,32 +381,35 @@ class TrainerWorker:
         for maps in self.recorder.maps[phase].values():
             maps[-1] = maps[-1][order]
 
-    def _routing_records(self, micro: MicroBatch, sampler: bool = False) -> contextlib.ExitStack:
+    def _routing_records(self, micro: MicroBatch, sampler: bool = False,
+                         record_first: bool | None = None) -> contextlib.ExitStack:
         """Routing Replay, then routing drift, around a policy forward of `micro` (one set of row keys for both;
         Replay on padded rows only, see _plan). sampler: the sampling policy's forward (old-log-prob recompute),
-        where the routing-noise probe records too."""
+        where the routing-noise probe records too. record_first: see `_replayed`."""
         stack = contextlib.ExitStack()
         probe = self.noise if sampler else None
         if self.replay is None and self.drift is None and probe is None:
             return stack
         if micro.layout is not None and (self.replay is not None or probe is not None):
             raise RuntimeError("Routing Replay records per padded row: _plan must not give group rows here")
-        keys = routing_keys(micro.batch)
+        keys = self._row_keys(micro)
         if probe is not None:
-            stack.enter_context(probe.sampler(keys, micro.batch.lengths, self._version))
-        stack.enter_context(self._replayed(micro, keys))  # first: its recording forward is not watched
+            stack.enter_context(probe.sampler(keys, micro.batch.lengths))
+        stack.enter_context(self._replayed(micro, keys, record_first))  # first: its recording forward is not watched
         if self.drift is not None:
-            stack.enter_context(self.drift.watch(keys, micro.batch.lengths, self._version, layout=micro.layout))
+            stack.enter_context(self.drift.watch(keys, micro.batch.lengths, layout=micro.layout))
         return stack
 
-    def _replayed(self, micro: MicroBatch, keys: list[str] | None = None):
+    def _replayed(self, micro: MicroBatch, keys: list[str | None] | None = None, record_first: bool | None = None):
         """Routing Replay around a policy forward of `micro` (records its routing the first time; see
-        routing_replay)."""
+        routing.replay). record_first: whether a recording forward runs first, agreed over the ranks
+        (`_fetch_routing_records`); None decides from this rank's rows."""
         if self.replay is None:
             return contextlib.nullcontext()
-        return self.replay.forward(keys or routing_keys(micro.batch), micro.batch.lengths, self._version,
+        return self.replay.forward(keys or self._row_keys(micro), micro.batch.lengths,
                                    record_fn=lambda: self._logprobs(self.gpt, micro, "routing_record",
-                                                                    loss_tokens_only=True))
+                                                                    loss_tokens_only=True),
+                                   record_first=record_first)
 
     def _check_batch(self, batch: TrainBatch) -> None:
         b, width = batch.tokens.shape

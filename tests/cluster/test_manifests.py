@@ -10,8 +10,10 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import signal
 import subprocess
 import sys
+import time
 import tomllib
 from pathlib import Path
 
@@ -376,3 +378,49 @@ def test_sbatch_refuses_a_token_other_users_can_read(tmp_path):
 def test_sbatch_auth_can_only_be_disabled_explicitly(tmp_path):
     proc, log = _run_sbatch(tmp_path, RAY_AUTH_MODE="disabled")
     assert "warning: RAY_AUTH_MODE=disabled" in proc.stderr and "MODE disabled" in log
+
+
+GSPO_STUB = """#!/bin/bash
+# stands in for `gspo-ray`: `submit ... --wait` runs until `stop ID` ends it (as Ray ends a stopped job)
+case "$1" in
+    submit) echo "SUBMIT $*" >> "$GSPO_STUB_LOG"; echo $$ > "$GSPO_STUB_LOG.pid"
+            trap 'exit 1' TERM; while :; do sleep 0.1; done ;;
+    stop)   echo "STOP $2" >> "$GSPO_STUB_LOG"; kill -TERM "$(cat "$GSPO_STUB_LOG.pid")" ;;
+esac
+"""
+
+
+def test_sbatch_submit_mode_forwards_term_to_the_ray_job(tmp_path):
+    """RUN_MODE=submit: a TERM to the batch script (Slurm's --signal=B:TERM@300) stops the Ray job at once through
+    `gspo-ray stop`, instead of waiting for `submit --wait` to return; the script exits 143."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    shims = {"srun": '#!/bin/bash\nwhile [[ "${1:-}" == -* ]]; do shift; done\nexec "$@"\n',
+             "scontrol": "#!/bin/bash\necho localhost\n", "ray": "#!/bin/bash\nexit 0\n",
+             "python3": "#!/bin/bash\ncat > /dev/null; echo 1\n",  # the node count: every node is up
+             "gspo-ray": GSPO_STUB}
+    for name, body in shims.items():
+        (bin_dir / name).write_text(body)
+        (bin_dir / name).chmod(0o755)
+    stub_log = tmp_path / "gspo.log"
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path), "SLURM_JOB_NODELIST": "localhost",
+           "SLURM_JOB_ID": "t9", "SLURM_CPUS_PER_TASK": "1", "GPUS_PER_NODE": "0", "RAY_START_TIMEOUT_S": "5",
+           "RAY_TMPDIR": str(tmp_path / "ray"), "RAY_AUTH_MODE": "disabled", "RUN_MODE": "submit",
+           "GSPO_STUB_LOG": str(stub_log)}
+    proc = subprocess.Popen(["bash", str(SBATCH), "gspo_ray/recipes/tiny_moe.yaml"], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not (stub_log.exists() and "SUBMIT" in stub_log.read_text()):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 143, out
+    submitted, stopped = stub_log.read_text().splitlines()
+    job_id = submitted.split("--job-id ")[1].split()[0]
+    assert job_id.startswith("gspo-ray-t9-") and stopped == f"STOP {job_id}", (submitted, stopped)

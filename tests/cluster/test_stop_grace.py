@@ -1,6 +1,7 @@
 """`gspo-ray stop` gives the job a grace period: Ray's stop_job sends SIGTERM and then SIGKILL after
 RAY_JOB_STOP_WAIT_TIME_S, which the job's supervisor reads from the job's runtime_env (Ray's default 3 s is too
-short to finish a step and save a checkpoint). Submission sets it (`submit --grace-s`, default 60)."""
+short to finish a step and save a checkpoint). Submission sets it; that Ray honours it on a real cluster:
+tests/cluster/test_submit.py::test_stop_waits_the_grace_period_given_at_submission. (`submit --grace-s`, default 300: a smollm2_sum step + its save, twice)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -12,21 +13,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_submission_sets_the_stop_grace_period():
     env = submission.build_runtime_env(ROOT)
-    assert env["env_vars"][submission.STOP_GRACE_ENV] == str(submission.DEFAULT_STOP_GRACE_S) == "60"
-    assert submission.build_runtime_env(ROOT, stop_grace_s=300)["env_vars"]["RAY_JOB_STOP_WAIT_TIME_S"] == "300"
+    assert env["env_vars"][submission.STOP_GRACE_ENV] == str(submission.DEFAULT_STOP_GRACE_S) == "300"
+    assert submission.build_runtime_env(ROOT, stop_grace_s=90)["env_vars"]["RAY_JOB_STOP_WAIT_TIME_S"] == "90"
     # an explicit value in the caller's runtime_env wins
     mine = submission.build_runtime_env(ROOT, {"env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": "5"}}, stop_grace_s=300)
     assert mine["env_vars"]["RAY_JOB_STOP_WAIT_TIME_S"] == "5"
-
-
-def test_ray_reads_the_grace_period_from_the_supervisors_environment():
-    """The name is Ray's: its job supervisor waits this long between SIGTERM and SIGKILL."""
-    import inspect
-
-    from ray.dashboard.modules.job import job_supervisor
-
-    src = inspect.getsource(job_supervisor)
-    assert f'"{submission.STOP_GRACE_ENV}"' in src and "SIGTERM" in src and "SIGKILL" in src
 
 
 def test_the_cli_commands_import():

@@ -50,7 +50,7 @@ def test_runtime_env_and_entrypoint():
     env = jobs.build_runtime_env(ROOT, {"env_vars": {"A": "1"}, "excludes": ["data/"], "pip": ["x"]})
     assert env["working_dir"] == str(ROOT) and env["pip"] == ["x"]
     assert ".venv" in env["excludes"] and "data/" in env["excludes"]
-    assert env["env_vars"] == {"RAY_OVERRIDE_JOB_RUNTIME_ENV": "1", "RAY_JOB_STOP_WAIT_TIME_S": "60", "A": "1"}
+    assert env["env_vars"] == {"RAY_OVERRIDE_JOB_RUNTIME_ENV": "1", "RAY_JOB_STOP_WAIT_TIME_S": "300", "A": "1"}
     cmd = jobs.build_entrypoint(RECIPE, ["rollout.resources={rollout_node: 1}"], resume=True)
     assert cmd == f"gspo-ray train {RECIPE} 'rollout.resources={{rollout_node: 1}}' --resume"
     # The config path is given relative to the uploaded working_dir.
@@ -137,12 +137,34 @@ def test_stop_a_running_job(cluster):
 
 
 @pytest.mark.slow
+def test_stop_waits_the_grace_period_given_at_submission(cluster, tmp_path):
+    """`gspo-ray stop` = SIGTERM, then SIGKILL after the grace period fixed at submission: a driver that needs 6 s
+    after SIGTERM (a step and a save) finishes with a 20 s grace; Ray's default 3 s would kill it first."""
+    marker = tmp_path / "saved"
+    command = f"bash -c 'trap \"sleep 6; echo ok > {marker}; exit 143\" TERM; sleep 600 & wait'"
+    job = jobs.submit_command(command, cluster.dashboard_url, working_dir=ROOT,
+                              runtime_env={"env_vars": {jobs.STOP_GRACE_ENV: "20"}})
+    deadline = time.monotonic() + 60
+    while jobs.status(job, cluster.dashboard_url) != "RUNNING":
+        assert time.monotonic() < deadline
+        time.sleep(0.5)
+    time.sleep(1)  # the trap is set
+    assert jobs.stop(job, cluster.dashboard_url) is True
+    jobs.wait(job, cluster.dashboard_url, timeout_s=60)
+    assert marker.read_text() == "ok\n"  # not killed at 3 s
+
+
+@pytest.mark.slow
 @pytest.mark.skipif(not importlib.util.find_spec("gspo_ray.rollout.worker"),
                     reason="the rollout worker is not in the tree yet")
-def test_train_job_writes_metrics(cluster, tmp_path):
-    job = jobs.submit(ROOT / RECIPE, cluster.dashboard_url,
-                      ["coordinator.steps=2", "coordinator.eval_every=0", f"logging.out_dir={tmp_path}",
-                       "logging.progress=false"], working_dir=ROOT)
+def test_train_job_writes_metrics(cluster, tmp_path, caplog):
+    secret = "hf_PLANTEDsubmit0123456789"
+    with caplog.at_level("INFO", logger="gspo_ray.cli.submission"):
+        job = jobs.submit(ROOT / RECIPE, cluster.dashboard_url,
+                          ["coordinator.steps=2", "coordinator.eval_every=0", f"logging.out_dir={tmp_path}",
+                           "logging.progress=false", f"cluster.runtime_env.env_vars.HF_TOKEN={secret}"],
+                          working_dir=ROOT)
+    assert "HF_TOKEN=<redacted>" in caplog.text and secret not in caplog.text  # the logged entrypoint
     try:
         status = jobs.wait(job, cluster.dashboard_url, timeout_s=300)
     except TimeoutError as e:
@@ -161,7 +183,8 @@ def test_train_job_writes_metrics(cluster, tmp_path):
     assert res.exit_code == 0 and f"{job}: SUCCEEDED" in res.output
     res = CliRunner().invoke(jobs_app, ["logs", job, "--address", cluster.dashboard_url])
     assert res.exit_code == 0 and f"run dir     {tmp_path / 'tiny-moe-gspo'}" in res.output, res.output[-2000:]
-    assert "steps       2 (" in res.output
+    assert "steps       2 (" in res.output and secret not in res.output  # the driver's log
+    assert not [p for p in tmp_path.rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
 
 
 @pytest.mark.slow

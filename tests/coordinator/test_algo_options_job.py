@@ -34,6 +34,7 @@ def test_all_options_in_one_reuse_run(tmp_path):
         assert r["rollout/version_min"] == r["rollout/version_max"] == 8 * i  # the whole batch came from one policy
         # trainer export -> HF names -> live vLLM engine: the engine's log-probs on a probe equal the trainer's
         assert r["sync/verify_max_abs_diff"] <= 1e-4
+        assert r["moe/drift_first_sight_lag"] == 0.0  # sync: drift's first sight is the sampling policy
     # step 1 trains with the level default; its 7 reuse mini-batches (after the first update) set the next band
     assert (rows[0]["train/eps_low"], rows[0]["train/eps_high"]) == pytest.approx((3e-4, 4e-4))
     assert rows[0]["train/auto_eps_sigma"] > 0

@@ -67,3 +67,30 @@ def test_metric_reduction_of_dilution_keys():
     acc.add({"train/dilution_frac": 0.0, "train/dilution_max_abs_logr": 0.0}, n_tok=10, n_seq=16, n_units=16)
     out = acc.reduce()
     assert out["train/dilution_frac"] == pytest.approx(4 / 32) and out["train/dilution_max_abs_logr"] == 0.9
+
+
+def test_mini_batches_with_every_token_masked_are_skipped_not_trained():
+    """rollout.partial's stale_rule "mask" can leave a mini-batch with no trained token: it is skipped (a train_step
+    on it fails this test) and counted; the version stays; the batch still ends (its routing records go)."""
+    class NoTraining:  # the trainer's two calls train_on makes; training must not be one of them here
+        ended = 0
+
+        def train_step(self, batch, eps=None):
+            raise AssertionError("an all-masked mini-batch reached the trainer")
+
+        def end_batch(self):
+            self.ended += 1
+
+    cfg = load_config(None, ["coordinator.num_minibatches=2", "coordinator.num_iterations=2", "algorithm.eps=fixed",
+                             "coordinator.recompute_old_logprobs=false"])
+    trainer = NoTraining()
+    coord = Coordinator(cfg, None, trainer, None, LoopState(version=3))
+    groups = [_group("a", [1.0, 0.0]), _group("b", [0.0, 1.0])]
+    for g in groups:
+        g.advantages = [0.7, -0.7]
+        for s in g.samples:
+            s.loss_mask = [0, 0]
+    out = coord.train_on(groups)
+    assert out["train/skipped"] == 1.0 and out["train/optimizer_steps"] == 0
+    assert out["train/empty_minibatches"] == 4  # 2 passes x 2 mini-batches
+    assert out["train/version"] == coord.state.version == 3 and trainer.ended == 1

@@ -68,6 +68,8 @@ def test_async_keeps_overlapped_batches_then_stops_when_every_sample_fails(plugi
     # step 2 trained the batch dispatched before step 1's 8 optimizer steps: one policy update old, kept
     # (before: stamped 0, admitted at version 8 > max_staleness 1 -> all 16 groups dropped and refilled in sync)
     assert rows[1]["rollout/version_max"] == 0 and rows[1]["rollout/staleness_max_updates"] == 1
+    # routing drift's first sight of that batch came 8 versions after sampling, and says so (sync: 0)
+    assert [r["moe/drift_first_sight_lag"] for r in rows[:2]] == [0.0, 8.0]
 
     # every sample of a later step failed: the run stops there, naming the reward's own error
     message = str(info.value)

@@ -142,3 +142,61 @@ def test_the_first_save_says_what_a_checkpoint_costs(tmp_path):
     assert checkpoint_size_line(path, 2) == (f"checkpoint step_000001: {size / 1e6:.1f} MB on disk; "
                                              f"coordinator.keep_checkpoints 2 keeps ~{2 * size / 1e6:.1f} MB")
     assert checkpoint_size_line(path, None).endswith("coordinator.keep_checkpoints null keeps every one")
+
+
+def test_a_save_fsyncs_every_file_and_every_directory_it_names(tmp_path, monkeypatch):
+    """Durability is the fsyncs: every file of the checkpoint, the directories that hold their names, the new
+    checkpoint's name in `checkpoints/` and the `latest` pointer. Counted on the real save path (os.fsync wrapped:
+    each call's target read from /proc/self/fd); removing any of these calls fails here."""
+    import os
+
+    synced = []
+    real_fsync = os.fsync
+
+    def recording_fsync(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    ckpts = CheckpointManager(tmp_path)
+    path = ckpts.save(LoopState(step=1, version=1), _trainer_part(1.0))
+    import re
+
+    # files and directories are synced under their temp names, before the renames into place
+    names = [re.sub(r"\.tmp(-[0-9a-f]{8})?", "", s).replace(str(ckpts.root), "checkpoints") for s in synced]
+    for part in ("loop.json", "manifest.json", "trainer/rank_0.pt", "trainer/meta.json", "trainer", ""):
+        assert f"checkpoints/step_000001/{part}".rstrip("/") in names, (part, names)
+    assert "checkpoints/latest" in names  # the pointer's content, before its rename
+    assert names.count("checkpoints") >= 2  # the names: after the checkpoint's rename and after the pointer's
+    assert (ckpts.root / "latest").read_text() == path.name
+
+
+def test_the_driver_never_reads_a_rank_file_back_to_hash_it(tmp_path, monkeypatch):
+    import hashlib
+
+    from gspo_ray.trainer import durable
+
+    hashed = []
+    real = durable.sha256_file
+    monkeypatch.setattr(durable, "sha256_file", lambda p: hashed.append(str(p)) or real(p))
+    path = CheckpointManager(tmp_path).save(LoopState(step=1, version=1), _trainer_part(1.0))
+    assert hashed and not any(p.endswith(".pt") for p in hashed), hashed  # loop.json, meta.json only
+    rank = path / "trainer" / "rank_0.pt"
+    files = json.loads((path / "manifest.json").read_text())["files"]  # the digest the rank took while writing
+    assert files["trainer/rank_0.pt"]["sha256"] == hashlib.sha256(rank.read_bytes()).hexdigest()
+
+
+def test_a_large_rank_file_is_checked_by_size_here_and_by_hash_where_it_loads(tmp_path):
+    ckpts = CheckpointManager(tmp_path, keep=3, hash_max_bytes=0)  # every rank file counts as large
+    first = ckpts.save(LoopState(step=1, version=1), _trainer_part(1.0))
+    second = ckpts.save(LoopState(step=2, version=2), _trainer_part(2.0))
+    rank = second / "trainer" / "rank_0.pt"
+    data = bytearray(rank.read_bytes())
+    data[-100] ^= 0xFF
+    rank.write_bytes(bytes(data))
+    resumed = CheckpointManager(tmp_path, hash_max_bytes=0)
+    assert resumed.latest() == second  # sizes match: resume does not read the checkpoint on the driver
+    with pytest.raises(CorruptCheckpointError, match="rank_0.pt: truncated or corrupt .*sha256 recorded when saved"):
+        load_rank_payload(second / "trainer", 0)  # ... the rank that loads it does, and names the file
+    _truncate(rank)
+    assert resumed.latest() == first  # a truncated file is still caught by size, and skipped

@@ -83,7 +83,8 @@ def test_scale_rollout_pool_live(tmp_path):
         if step in (1, 3):  # requested after step 1 (3): applied at the end of step 2 (4)
             size = 2 if step == 1 else 1
             out = subprocess.run([sys.executable, "-m", "gspo_ray.cli", "scale", "rollout", str(size), "--job",
-                                  "scaling", "--address", address], capture_output=True, text=True, timeout=120)
+                                  "scaling", "--address", address, "--no-wait"],  # applied once this hook returns
+                                 capture_output=True, text=True, timeout=120)
             assert out.returncode == 0, out.stderr
 
     run_job(cfg, after_step=scale)

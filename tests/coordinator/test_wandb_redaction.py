@@ -34,16 +34,6 @@ def test_the_tracker_config_holds_no_secret(tmp_path):
     assert run_config["rollout"]["reward"]["kwargs"]["endpoint"] == f"https://{REDACTED}@judge.example/v1"
 
 
-def test_the_job_hands_the_redacted_config_to_the_tracker():
-    """The job's tracker setup (coordinator/job.py) passes `redacted_config_dict(cfg)`, not the raw dump."""
-    import inspect
-
-    from gspo_ray.coordinator import job
-
-    src = inspect.getsource(job)
-    assert "run_config=redacted_config_dict(cfg)" in src and "model_dump" not in src
-
-
 def test_offline_wandb_files_hold_no_secret(tmp_path, monkeypatch):
     """Also the command line: W&B records sys.argv, where `key=value` overrides can carry a secret."""
     pytest.importorskip("wandb")

@@ -5,7 +5,8 @@ prompt group of identical completions) each layout builds the worker twice, shar
 old log-probs (`compute_logprobs`), the step's loss, and every parameter's reduced gradient (Megatron DDP's
 `main_grad` after the step, grad clipping off so the optimizer leaves it as reduced). fp32; tolerance 1e-5
 relative (measured: see the asserts' messages). Layouts: 1 process (dense qwen2 with a KL term to a reference
-model, MoE qwen3_moe), DP=2, TP=2+SP, EP=2 (MoE), TP=2+SP x EP=2 (MoE).
+model, MoE qwen3_moe), DP=2, TP=2+SP, EP=2 (MoE), TP=2+SP x EP=2 (MoE), DP=4 (also against the 1-process step;
+the MoE case pack-starved like deploy/kuberay/rayjob.yaml).
 """
 from __future__ import annotations
 
@@ -46,13 +47,14 @@ def ragged_groups(vocab: int, seed: int = 0):
     return collate(samples, advs)
 
 
-def _one_step(rank, world_size, port, model_dir, batch, shared, tp, ep, beta, drift=False):
+def _one_step(rank, world_size, port, model_dir, batch, shared, tp, ep, beta, drift=False, mbs=6):
     from gspo_ray.trainer.worker import TrainerWorker
 
     # drift runs take a large step and a second one, so routing moves and drift has something to count
-    tcfg = trainer_cfg(world_size, tp=tp, ep=ep, micro_batch_size=6, grad_clip=0.0, lr=0.05 if drift else 1e-3,
+    tcfg = trainer_cfg(world_size, tp=tp, ep=ep, micro_batch_size=mbs, grad_clip=0.0, lr=0.05 if drift else 1e-3,
                        shared_prefix=shared, routing_drift=drift, router_churn_every=1)
     w = TrainerWorker(rank, world_size, "127.0.0.1", port, model_dir, tcfg, algo_cfg(beta=beta))
+    rows = sum(r >= 0 for mb in w._plan(batch, policy_routing=False) for r in mb.rows)  # this rank's real rows
     logp = w.compute_logprobs(batch)
     if not batch.old_logp.any():  # the sampling policy, nudged per row so some ratios leave the clip band
         shift = 1e-3 * (torch.arange(batch.num_sequences)[:, None] % 3)
@@ -69,16 +71,17 @@ def _one_step(rank, world_size, port, model_dir, batch, shared, tp, ep, beta, dr
     torch.distributed.broadcast_object_list(port, src=0)
     w.shutdown()
     return {"logp": logp, "ref": ref, "metrics": metrics, "grads": grads, "batch": batch, "next_port": port[0],
-            **extra}
+            "rows": rows, **extra}
 
 
 def _compare(rank, world_size, ports, cases, drift_case=None):
-    """cases: [(model_dir, batch, tp, ep, beta)]: each run with sharing off, then on. drift_case: the index of a
-    case also run with routing drift on, sharing off and on."""
+    """cases: [(model_dir, batch, tp, ep, beta[, micro_batch_size])]: each run with sharing off, then on.
+    drift_case: the index of a case also run with routing drift on, sharing off and on."""
     out, port = [], ports[0]
-    for i, (model_dir, batch, tp, ep, beta) in enumerate(cases):
-        off = _one_step(rank, world_size, port, model_dir, batch, False, tp, ep, beta)
-        on = _one_step(rank, world_size, off["next_port"], model_dir, off["batch"], True, tp, ep, beta)
+    for i, (model_dir, batch, tp, ep, beta, *mbs) in enumerate(cases):
+        off = _one_step(rank, world_size, port, model_dir, batch, False, tp, ep, beta, mbs=mbs[0] if mbs else 6)
+        on = _one_step(rank, world_size, off["next_port"], model_dir, off["batch"], True, tp, ep, beta,
+                       mbs=mbs[0] if mbs else 6)
         port = on["next_port"]
         out.append({"off": off, "on": on})
         if i == drift_case:
@@ -101,6 +104,13 @@ def results(tiny_qwen2_dir, tiny_moe_dir):
     ranks = run_ranks(_compare, 2, (cases,))
     for i, (name, arch, _, _) in enumerate(pairs):
         out[(name, arch)] = [ranks[0][i], ranks[1][i]]
+    # DP 4 on the single-process batches (their padded run is the DP 1 reference), and the MoE one pack-starved
+    # like deploy/kuberay/rayjob.yaml (micro_batch_size above the rows: dealing whole packs gave rank 0 everything)
+    dp4 = [(d, out[("single", a)][0]["off"]["batch"], 1, 1, beta, mbs)  # the batch with the old log-probs set
+           for (d, _, _, _, beta), a, mbs in zip(single, ("qwen2", "qwen3_moe"), (6, 128))]
+    ranks = run_ranks(_compare, 4, (dp4,))
+    for i, arch in enumerate(("qwen2", "qwen3_moe")):
+        out[("dp4", arch)] = [r[i] for r in ranks]
     return out
 
 
@@ -108,7 +118,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp(min=1e-12))
 
 
-CASES = [("single", "qwen2"), ("single", "qwen3_moe")] + [(n, a) for n, _, _, archs in LAYOUTS for a in archs]
+CASES = ([("single", "qwen2"), ("single", "qwen3_moe")] + [(n, a) for n, _, _, archs in LAYOUTS for a in archs]
+         + [("dp4", "qwen2"), ("dp4", "qwen3_moe")])
 
 
 @pytest.mark.parametrize("layout,arch", CASES)
@@ -148,3 +159,21 @@ def test_routing_drift_on_group_rows_equals_padded_rows(results):
     assert off["second"]["moe/drift_churn"] > 0  # lr 0.05 moved the routers
     for key in [k for k in off["second"] if k.startswith("moe/drift_churn")]:
         assert on["second"][key] == pytest.approx(off["second"][key], abs=1e-9), key
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3_moe"])
+def test_dp4_group_rows_equal_one_process_and_share_the_rows(results, arch):
+    """DP 4 with group rows: the same log-probs, metrics and reduced gradients as the 1-process padded step on the
+    same batch, and every rank trains its share of the 20 rows (the MoE case pack-starved: micro_batch_size 128)."""
+    single = results[("single", arch)][0]["off"]
+    ranks = [r["on"] for r in results[("dp4", arch)]]
+    assert all(2 <= r["rows"] <= 10 for r in ranks), [r["rows"] for r in ranks]  # balanced by cost, not count
+    assert sum(r["rows"] for r in ranks) == 20
+    for rank, on in enumerate(ranks):
+        assert _rel(on["logp"], single["logp"]) <= TOL, (rank, "logp")
+        for key in ("train/loss", "train/pg_loss", "train/n_tokens", "train/n_seqs", "train/entropy", "train/kl"):
+            if key in single["metrics"]:
+                assert on["metrics"][key] == pytest.approx(single["metrics"][key], rel=TOL, abs=1e-9), (rank, key)
+        assert 1.0 <= on["metrics"]["train/dp_imbalance"] <= 1.5
+        for name, g in single["grads"].items():
+            assert _rel(on["grads"][name], g) <= TOL, (rank, name, _rel(on["grads"][name], g))

