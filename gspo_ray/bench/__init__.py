@@ -12,6 +12,7 @@
              expert noise, lr), no job: where routing really moves (moe_regime.py)
     rollout  one engine's generation tokens/s and the weight push per MB (rollout.py)
     push     the SmolLM2 weight push, object store against shared memory, interleaved rounds (push.py)
+    lora     an adapter-only push into a LoRA engine vs the full-weight push (lora_push.py)
     probe    the base SmolLM2's pass@1 / pass@8 on candidate tasks: which one RL can improve (task_probe.py)
     learn    a recipe (--recipe, default make run's) learning over seeds: held-out exact per evaluation, mean and
              range, when it is solved, wall times, a PNG of the curves (learning.py)
@@ -22,8 +23,8 @@
 """
 from __future__ import annotations
 
-SUITES = ("tiny", "smollm2", "profile", "moe", "moe-tiny", "regime", "rollout", "push", "probe", "learn", "recovery", "scale",
-          "all")
+SUITES = ("tiny", "smollm2", "profile", "moe", "moe-tiny", "regime", "rollout", "push", "lora", "probe", "learn",
+          "recovery", "scale", "all")
 
 
 def run(suite: str = "all", *, quick: bool = False, steps: int = 6, seeds: tuple[int, ...] = (0,),
@@ -52,6 +53,10 @@ def run(suite: str = "all", *, quick: bool = False, steps: int = 6, seeds: tuple
         from gspo_ray.bench.push import run_push_bench
 
         run_push_bench(rounds=2 if quick else steps)
+    if suite == "lora":
+        from gspo_ray.bench.lora_push import run_lora_push_bench
+
+        run_lora_push_bench(reps=1 if quick else 5)
     if suite == "profile":
         from gspo_ray.bench.train_profile import run_train_profile
 

@@ -104,7 +104,10 @@ def train(file: Path, overrides: list[str] = typer.Argument(None, help="key.path
     stop = StopRequest().install()  # from here on a signal is a stop request: 128 + signal and the resume line
     cfg = None
     try:
-        cfg = _load(file, overrides or [])
+        from gspo_ray.cli.submission import secret_overrides_from_env
+
+        # a submitted job's secret-valued overrides come through its environment, not its command line
+        cfg = _load(file, (overrides or []) + secret_overrides_from_env())
         code = _train(cfg, resume, fresh, stop)
     except BaseException as e:
         if not stop.requested or cfg is None or (isinstance(e, typer.Exit) and not _is_stop_exit(e, stop)):

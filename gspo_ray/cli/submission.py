@@ -18,6 +18,7 @@ point `logging.out_dir` at storage that outlives the cluster.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import shlex
@@ -106,6 +107,23 @@ def _config_arg(config_path: Path, working_dir: Path) -> str:
         return str(config_path.resolve())
 
 
+SECRET_OVERRIDES_ENV = "GSPO_RAY_SECRET_OVERRIDES"  # JSON list of `key=value`; `gspo-ray train` appends them
+
+
+def split_secret_overrides(overrides: Sequence[str]) -> tuple[list[str], list[str]]:
+    """(overrides without a secret value, those with one: `...HF_TOKEN=...`, URL credentials; config/secrets.py)."""
+    public, secret = [], []
+    for o in overrides:
+        (secret if redact_args([o]) != [o] else public).append(o)
+    return public, secret
+
+
+def secret_overrides_from_env() -> list[str]:
+    """The overrides `submit` put in the job's environment (none outside a submitted job)."""
+    raw = os.environ.get(SECRET_OVERRIDES_ENV)
+    return [str(o) for o in json.loads(raw)] if raw else []
+
+
 def build_entrypoint(config_arg: str, overrides: Sequence[str] = (), entrypoint: str = TRAIN_ENTRYPOINT,
                      resume: bool = False) -> str:
     """`gspo-ray train CONFIG key=value ... [--resume]`, each argument shell-quoted."""
@@ -129,7 +147,12 @@ def submit(config_path: str | Path, address: str | None, overrides: Sequence[str
         log.warning("logging.out_dir %r is relative: the run directory lands in the job's working_dir copy on "
                     "the head and is deleted with the cluster; use shared storage", str(cfg.logging.out_dir))
     env = build_runtime_env(wd, runtime_env, cfg, stop_grace_s)
-    cmd = build_entrypoint(_config_arg(config_path, wd), overrides, entrypoint, resume)
+    # secret-valued overrides travel in the job's environment, not on its command line, which Ray prints at the
+    # top of the job's log ("Running entrypoint for job ...") and shows in its job table
+    public, secret = split_secret_overrides(overrides)
+    if secret:
+        env["env_vars"][SECRET_OVERRIDES_ENV] = json.dumps(secret)
+    cmd = build_entrypoint(_config_arg(config_path, wd), public, entrypoint, resume)
     metadata = {"config": config_path.name} | ({"name": cfg.name} if cfg is not None else {})
     job = _client(address).submit_job(entrypoint=cmd, runtime_env=env, submission_id=job_id, metadata=metadata)
     log.info("submitted %s: %s", job, shlex.join(redact_args(shlex.split(cmd))))  # no secret in a log line

@@ -37,3 +37,23 @@ class LoRAConfig(Strict):
     @property
     def scale(self) -> float:
         return self.alpha / self.rank
+
+
+def lora_meta(cfg: LoRAConfig | None) -> dict | None:
+    """What a checkpoint records of trainer.lora (meta.json `lora`); None for full fine-tuning."""
+    if cfg is None:
+        return None
+    return {"rank": cfg.rank, "alpha": cfg.alpha, "target_modules": list(cfg.target_modules)}
+
+
+def check_lora_kind(saved: dict | None, cfg: LoRAConfig | None, where: str) -> None:
+    """A LoRA checkpoint into a full fine-tuning run, the reverse, or other adapters: ValueError naming `where`."""
+    want = lora_meta(cfg)
+    if want is None and saved is not None:
+        raise ValueError(f"{where}: a LoRA checkpoint (rank {saved['rank']}), this run trains the full model "
+                         "(set trainer.lora as the run that wrote it, or start fresh)")
+    if want is not None and saved is None:
+        raise ValueError(f"{where}: a full fine-tuning checkpoint, this run has trainer.lora (drop trainer.lora "
+                         "to resume it, or start fresh)")
+    if want is not None and saved != want:
+        raise ValueError(f"{where}: written with trainer.lora {saved}, this run has {want}")

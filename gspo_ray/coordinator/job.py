@@ -193,11 +193,13 @@ def _run_locked(cfg: JobConfig, resume: bool, rollout_factory, after_step, fresh
         if (run_dir / "metrics.jsonl").exists():  # never append a second run to the first one's metrics
             raise RunDirError(f"--resume: no complete checkpoint in {ckpts.root}; pass --fresh to start over")
         log.warning("--resume: no checkpoint in %s, starting from scratch", ckpts.root)
+    stop.raise_if_requested()  # a signal while the model and data were prepared: no Ray, no pools
     started_ray = _start_ray(cfg, stop)
     after_step = stop.check_after(after_step)
     trainer = rollout = tracker = control = None
     summary = RunSummary(run_dir=run_dir, steps=0)
     try:
+        stop.raise_if_requested()  # a signal while Ray started: no pools (the finally stops Ray)
         # first: a job whose name a live job holds is refused before any pool starts
         control = start_control(cfg.name, cfg.cluster.namespace)
         trainer, rollout = build_pools(cfg, model_path, run_dir, rollout_factory)

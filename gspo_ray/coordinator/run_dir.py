@@ -32,7 +32,32 @@ def check_run_dir(cfg: JobConfig, resume: bool, fresh: bool) -> list[str]:
     if found and not resume and not fresh:
         raise RunDirError(f"{cfg.run_dir} already holds a run ({', '.join(found)}): pass --resume to continue it "
                           "or --fresh to delete its outputs and start over")
+    if resume:
+        check_resume_kind(cfg)
     return found
+
+
+def check_resume_kind(cfg: JobConfig) -> None:
+    """--resume: the run's latest checkpoint was trained as this run trains (LoRA with the same adapters, or the
+    full model); RunDirError naming the checkpoint otherwise."""
+    import json
+
+    from gspo_ray.config.lora import check_lora_kind
+    from gspo_ray.coordinator.checkpoint import CheckpointError, CheckpointManager
+
+    if not (cfg.run_dir / "checkpoints").is_dir():
+        return
+    try:
+        latest = CheckpointManager(cfg.run_dir).latest()
+    except CheckpointError:  # reported where the resume reads it
+        return
+    meta = latest / "trainer" / "meta.json" if latest is not None else None
+    if meta is None or not meta.is_file():
+        return
+    try:
+        check_lora_kind(json.loads(meta.read_text()).get("lora"), cfg.trainer.lora, str(latest))
+    except ValueError as e:
+        raise RunDirError(str(e)) from None
 
 
 def prepare_run_dir(cfg: JobConfig, resume: bool, fresh: bool) -> Path:

@@ -26,6 +26,7 @@ import time
 from gspo_ray.config import JobConfig
 from gspo_ray.preflight.data import check_data, parse_data
 from gspo_ray.preflight.job_model import check_tiny_config, checked_tokenizer, model_facts
+from gspo_ray.preflight.lora import check_lora
 from gspo_ray.preflight.plugins import dry_env, dry_reward, import_env, import_reward
 from gspo_ray.preflight.report import IMPORT_TIMEOUT_S, PreflightReport
 
@@ -36,6 +37,8 @@ def run_preflight(cfg: JobConfig, *, import_timeout_s: float = IMPORT_TIMEOUT_S)
     start = time.perf_counter()
     report = PreflightReport()
     facts = model_facts(cfg, report)
+    if facts is not None or cfg.model.tiny is None:  # a tiny model's adapters are checked with its config below
+        check_lora(cfg, facts.hf_config if facts is not None else None, report)
     reward_fn = import_reward(cfg, import_timeout_s)
     env_cls = import_env(cfg, import_timeout_s)
     parse_data(cfg, reward_fn)
@@ -48,6 +51,6 @@ def run_preflight(cfg: JobConfig, *, import_timeout_s: float = IMPORT_TIMEOUT_S)
                                         "(multi-turn rewards come from the environment)")
         dry_env(cfg, env_cls, tokenizer, prompt, report)
     if facts is None and cfg.model.tiny is not None:  # last: importing a transformers config class takes seconds
-        check_tiny_config(cfg, cfg.rollout.num_gpus_per_worker == 0)
+        check_lora(cfg, check_tiny_config(cfg, cfg.rollout.num_gpus_per_worker == 0), report)
     report.seconds = time.perf_counter() - start
     return report

@@ -43,7 +43,8 @@ def model_facts(cfg: JobConfig, report: PreflightReport):
     return facts
 
 
-def check_tiny_config(cfg: JobConfig, on_cpu: bool) -> None:
+def check_tiny_config(cfg: JobConfig, on_cpu: bool) -> dict:
+    """The tiny model's config (as it will be built) checked like a directory's config.json; returns it."""
     from gspo_ray.models.tiny import build_config
 
     tiny, where = cfg.model.tiny, f"model.tiny ({cfg.model.tiny.arch})"
@@ -55,6 +56,7 @@ def check_tiny_config(cfg: JobConfig, on_cpu: bool) -> None:
     check_architecture(where, hf)
     check_converter_spec(where, hf, cfg.trainer.tp, cfg.trainer.ep)
     check_engine_limits(where, hf, cfg.rollout.max_model_len, on_cpu)
+    return hf
 
 
 def checked_tokenizer(cfg: JobConfig, facts, report: PreflightReport) -> tuple[Any, int]:

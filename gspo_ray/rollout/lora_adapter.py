@@ -45,9 +45,9 @@ def vllm_max_rank(rank: int) -> int:
 
 
 def serves_lora(hf_config: dict) -> bool:
-    """Whether an engine of this model serves LoRA here (dense: yes; MoE on CPU: no, see the module doc)."""
-    moe = bool(hf_config.get("num_experts") or hf_config.get("num_local_experts") or hf_config.get("n_routed_experts"))
-    return not moe or torch.cuda.is_available()
+    """Whether an engine of this model serves the adapter (dense: yes; MoE: no, on every device, so that the
+    trainer's choice (trainer/lora_worker.py: merged pushes for an MoE) always matches; see the module doc)."""
+    return not (hf_config.get("num_experts") or hf_config.get("num_local_experts") or hf_config.get("n_routed_experts"))
 
 
 class AdapterServing:

@@ -158,3 +158,26 @@ def merged_base(model: nn.Module):
     finally:
         for w, data in saved:
             w.data = data
+
+
+def expected_adapter_shapes(spec: ModelSpec, rank: int, targets: list[str]) -> dict[str, tuple[int, int]]:
+    """{PEFT name: full shape} of every adapter trainer.lora puts on this model (torch only, no process group):
+    what an `init_from` adapter must hold, exactly."""
+    from gspo_ray.trainer.lora import full_in_size, full_out_sizes, match_linear
+
+    linears = []
+    for i in range(spec.num_layers):
+        linears += [f"decoder.layers.{i}.self_attention.linear_qkv", f"decoder.layers.{i}.self_attention.linear_proj"]
+        mlps = ([f"decoder.layers.{i}.mlp.experts.local_experts.{e}" for e in range(spec.num_experts)]
+                if i in spec.moe_layers else [f"decoder.layers.{i}.mlp"])
+        linears += [f"{m}.{fc}" for m in mlps for fc in ("linear_fc1", "linear_fc2")]
+    out = {}
+    for name in linears:
+        t = match_linear(name, targets)
+        if t is None:
+            continue
+        fan_in, outs = full_in_size(t, spec), full_out_sizes(t, spec)
+        for target in t.targets:
+            a, b = peft_names(adapter_hf_module(t, target, spec, ep_rank=0))
+            out[a], out[b] = (rank, fan_in), (outs[target], rank)
+    return out

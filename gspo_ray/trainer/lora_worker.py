@@ -18,7 +18,7 @@ from typing import Iterator
 
 from torch import Tensor, nn
 
-from gspo_ray.config.lora import LoRAConfig
+from gspo_ray.config.lora import LoRAConfig, check_lora_kind, lora_meta
 from gspo_ray.trainer.bridge import is_lora_param
 from gspo_ray.trainer.lora import apply_lora, count_params, load_lora_state, lora_state
 from gspo_ray.trainer.lora_io import (
@@ -64,8 +64,7 @@ class TrainerLoRA:
         yield [(k, v * scale if ".lora_B." in k else v) for k, v in state.items()]
 
     def meta(self) -> dict:
-        c = self.cfg
-        return {"rank": c.rank, "alpha": c.alpha, "target_modules": list(c.target_modules)}
+        return lora_meta(self.cfg)
 
     @staticmethod
     def state(gpt: nn.Module) -> dict[str, Tensor]:
@@ -77,15 +76,7 @@ class TrainerLoRA:
 
 def check_checkpoint_kind(meta: dict, lora: TrainerLoRA | None, where: str) -> None:
     """A LoRA checkpoint into a full fine-tuning run, or the reverse, or another rank/targets: ValueError."""
-    saved = meta.get("lora")
-    if lora is None and saved is not None:
-        raise ValueError(f"{where}: a LoRA checkpoint (rank {saved['rank']}), this run trains the full model "
-                         "(set trainer.lora as the run that wrote it, or start fresh)")
-    if lora is not None and saved is None:
-        raise ValueError(f"{where}: a full fine-tuning checkpoint, this run has trainer.lora (drop trainer.lora "
-                         "to resume it, or start fresh)")
-    if lora is not None and saved != lora.meta():
-        raise ValueError(f"{where}: written with trainer.lora {saved}, this run has {lora.meta()}")
+    check_lora_kind(meta.get("lora"), lora.cfg if lora is not None else None, where)
 
 
 def model_state(gpt: nn.Module, lora: TrainerLoRA | None) -> dict[str, Tensor]:

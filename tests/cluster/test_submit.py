@@ -57,6 +57,16 @@ def test_runtime_env_and_entrypoint():
     assert jobs._config_arg(ROOT / RECIPE, ROOT) == RECIPE
 
 
+def test_secret_overrides_leave_the_command_line_for_the_environment(monkeypatch):
+    overrides = ["coordinator.steps=2", "cluster.runtime_env.env_vars.HF_TOKEN=hf_x", "data.url=https://u:p@h/x"]
+    public, secret = jobs.split_secret_overrides(overrides)
+    assert public == ["coordinator.steps=2"] and secret == overrides[1:]
+    monkeypatch.setenv(jobs.SECRET_OVERRIDES_ENV, json.dumps(secret))
+    assert jobs.secret_overrides_from_env() == secret  # what `gspo-ray train` appends in the job
+    monkeypatch.delenv(jobs.SECRET_OVERRIDES_ENV)
+    assert jobs.secret_overrides_from_env() == []
+
+
 def test_cli_submit_reports_bad_field(monkeypatch):
     from typer.testing import CliRunner
 
@@ -164,7 +174,8 @@ def test_train_job_writes_metrics(cluster, tmp_path, caplog):
                           ["coordinator.steps=2", "coordinator.eval_every=0", f"logging.out_dir={tmp_path}",
                            "logging.progress=false", f"cluster.runtime_env.env_vars.HF_TOKEN={secret}"],
                           working_dir=ROOT)
-    assert "HF_TOKEN=<redacted>" in caplog.text and secret not in caplog.text  # the logged entrypoint
+    # the logged entrypoint: the secret override is not on the command line at all (it rides in the environment)
+    assert "submitted" in caplog.text and secret not in caplog.text
     try:
         status = jobs.wait(job, cluster.dashboard_url, timeout_s=300)
     except TimeoutError as e:
@@ -185,6 +196,8 @@ def test_train_job_writes_metrics(cluster, tmp_path, caplog):
     assert res.exit_code == 0 and f"run dir     {tmp_path / 'tiny-moe-gspo'}" in res.output, res.output[-2000:]
     assert "steps       2 (" in res.output and secret not in res.output  # the driver's log
     assert not [p for p in tmp_path.rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
+    # ... yet the job had it: the override came through the job's environment (its config copy says redacted)
+    assert "HF_TOKEN: <redacted>" in (tmp_path / "tiny-moe-gspo" / "config.yaml").read_text()
 
 
 @pytest.mark.slow

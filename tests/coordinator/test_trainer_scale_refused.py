@@ -38,7 +38,7 @@ def test_a_distributed_optimizer_resize_is_refused_before_anything_is_saved(tmp_
     coord, recovery = _running(cfg), TrainerRecovery(cfg, ckpts=None)
     control = ray.remote(num_cpus=0)(JobControl).remote()
     try:
-        ray.get(control.scale_trainer.remote(2))
+        request = ray.get(control.scale_trainer.remote(2))
         metrics = {}
         _apply_control(coord, control, metrics, lambda n: recovery.rescale(coord, n, _never), refused=recovery)
         assert metrics["job/trainer_scale_refused"] == 1.0 and metrics["trainer/workers"] == 1
@@ -46,6 +46,8 @@ def test_a_distributed_optimizer_resize_is_refused_before_anything_is_saved(tmp_
         refused = status["trainer_scale_refused"]
         assert refused["workers"] == 2 and status["trainer_workers"] == 1
         assert "use_distributed_optimizer" in refused["reason"] and "cannot be resharded to 2" in refused["reason"]
+        answer = ray.get(control.answer_of.remote(request))  # what `gspo-ray scale` prints (and exits 1 on)
+        assert not answer["applied"] and answer["reason"] == refused["reason"] and answer["size"] == 1
     finally:
         ray.kill(control)
 

@@ -59,6 +59,9 @@ def test_engine_serves_the_pushed_adapter(setup):
     with torch.no_grad(), first.disable_adapter():
         base_probe = _probe(first)
     assert max(abs(a - b) for a, b in zip(before, base_probe.logprobs[0])) <= TOL
+    zero_b = [(n, t if ".lora_A." in n else torch.zeros_like(t)) for n, t in push1]
+    worker.update_weights(0, [zero_b], None)
+    assert worker.engine.prompt_logprobs(PROBE) == before  # B = 0 serves exactly the base model
     metrics = worker.update_weights(1, [push1], _probe(first))
     assert metrics["sync/verify_max_abs_diff"] <= TOL
     assert metrics["sync/num_tensors"] == len(push1) == 28

@@ -16,6 +16,9 @@ from _spawn import algo_cfg, make_batch, trainer_cfg
 from gspo_ray.trainer.pool import TrainerPool, TrainerRankDied, TrainerRankFailed
 
 
+TIMEOUT_S = 120  # a rank left waiting on a dead or failed one in a collective would block the call this long
+
+
 @pytest.fixture(scope="module")
 def local_ray():
     ray.init(num_cpus=2, include_dashboard=False)
@@ -23,54 +26,53 @@ def local_ray():
     ray.shutdown()
 
 
-def test_dead_rank_fails_the_call_at_once_and_kills_the_rest(local_ray, tiny_moe_dir):
-    timeout_s = 120  # a survivor left waiting on the dead rank would block the call this long
-    pool = TrainerPool(tiny_moe_dir, trainer_cfg(2, num_cpus_per_worker=1, collective_timeout_s=timeout_s),
+@pytest.fixture(scope="module")
+def pool(local_ray, tiny_moe_dir):
+    """One pool for the module (a start costs ~15 s here): each test leaves it restarted or checks it is alive."""
+    pool = TrainerPool(tiny_moe_dir, trainer_cfg(2, num_cpus_per_worker=1, collective_timeout_s=TIMEOUT_S),
                        algo_cfg())
-    try:
-        batch = make_batch(8)
-        batch.old_logp = pool.compute_logprobs(batch)
+    yield pool
+    pool.shutdown()
+
+
+def test_dead_rank_fails_the_call_at_once_and_kills_the_rest(pool):
+    batch = make_batch(8)
+    batch.old_logp = pool.compute_logprobs(batch)
+    pool.train_step(batch)
+    survivor = pool.workers[0]
+    os.kill(ray.get(pool.workers[1].__ray_call__.remote(lambda self: os.getpid())), signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(TrainerRankDied) as info:
+        pool.train_step(batch)  # rank 0 enters the step's collectives; rank 1 is gone
+    assert time.monotonic() - t0 < TIMEOUT_S / 4 and info.value.rank == 1
+    with pytest.raises(ray.exceptions.RayActorError):  # the survivor was killed, not left in the collective
+        ray.get(survivor.version.remote(), timeout=30)
+    pool.restart()  # fresh ranks: the pool works again, from the initial weights
+    assert pool.num_workers == 2 and pool.version() == 0
+    pool.train_step(batch)
+    assert pool.version() == 1
+
+
+def test_an_error_in_one_rank_fails_the_call_at_once_with_that_error(pool):
+    if pool.dead_ranks():  # the test before failed midway
+        pool.restart()
+    batch = make_batch(8)
+    with pytest.raises(TrainerRankFailed, match="ValueError: .*needs algorithm.beta > 0") as info:
+        pool.compute_logprobs(batch, reference=True)  # no reference model: every rank refuses alike
+    assert not info.value.killed  # all of them idle and in step: the pool stays
+    batch.old_logp = pool.compute_logprobs(batch)
+
+    def boom(batch):  # rank 1 raises before its first forward; rank 0 goes on into the step's collectives
+        raise RuntimeError("boom in rank 1")
+
+    ray.get(pool.workers[1].__ray_call__.remote(lambda self: setattr(self, "_check_batch", boom)))
+    t0 = time.monotonic()
+    with pytest.raises(TrainerRankFailed, match="rank 1 failed during train_step: RuntimeError: boom") as info:
         pool.train_step(batch)
-        survivor = pool.workers[0]
-        os.kill(ray.get(pool.workers[1].__ray_call__.remote(lambda self: os.getpid())), signal.SIGKILL)
-        t0 = time.monotonic()
-        with pytest.raises(TrainerRankDied) as info:
-            pool.train_step(batch)  # rank 0 enters the step's collectives; rank 1 is gone
-        assert time.monotonic() - t0 < timeout_s / 4 and info.value.rank == 1
-        with pytest.raises(ray.exceptions.RayActorError):  # the survivor was killed, not left in the collective
-            ray.get(survivor.version.remote(), timeout=30)
-        pool.restart()  # fresh ranks: the pool works again, from the initial weights
-        assert pool.num_workers == 2 and pool.version() == 0
-        pool.train_step(batch)
-        assert pool.version() == 1
-    finally:
-        pool.shutdown()
-
-
-def test_an_error_in_one_rank_fails_the_call_at_once_with_that_error(local_ray, tiny_moe_dir):
-    timeout_s = 120  # rank 0 waits in the step's collectives on rank 1 at most this long
-    pool = TrainerPool(tiny_moe_dir, trainer_cfg(2, num_cpus_per_worker=1, collective_timeout_s=timeout_s),
-                       algo_cfg())
-    try:
-        batch = make_batch(8)
-        with pytest.raises(TrainerRankFailed, match="ValueError: .*needs algorithm.beta > 0") as info:
-            pool.compute_logprobs(batch, reference=True)  # no reference model: every rank refuses alike
-        assert not info.value.killed  # all of them idle and in step: the pool stays
-        batch.old_logp = pool.compute_logprobs(batch)
-        # rank 1 raises before its first forward; rank 0 goes on into the step's collectives
-        def boom(batch):
-            raise RuntimeError("boom in rank 1")
-
-        ray.get(pool.workers[1].__ray_call__.remote(lambda self: setattr(self, "_check_batch", boom)))
-        t0 = time.monotonic()
-        with pytest.raises(TrainerRankFailed, match="rank 1 failed during train_step: RuntimeError: boom") as info:
-            pool.train_step(batch)
-        assert time.monotonic() - t0 < 30 and info.value.killed
-        assert isinstance(info.value.cause, RuntimeError)
-        with pytest.raises(ray.exceptions.RayActorError):  # rank 0 was killed, not left in the collective
-            ray.get(pool.workers[0].version.remote(), timeout=30)
-    finally:
-        pool.shutdown()
+    assert time.monotonic() - t0 < 30 and info.value.killed
+    assert isinstance(info.value.cause, RuntimeError)
+    with pytest.raises(ray.exceptions.RayActorError):  # rank 0 was killed, not left in the collective
+        ray.get(pool.workers[0].version.remote(), timeout=30)
 
 
 

@@ -2,6 +2,7 @@
 
     churn.py         router churn: top-k choices an update flips (re-forward after the step), find_routers
     drift.py         routing drift: top-k choices that differ from a row's first trainer forward, by updates since
-    replay.py        Routing Replay (R2) on megatron-core's RouterReplay; the per-row record store
+    replay.py        Routing Replay (R2) on megatron-core's RouterReplay
+    records.py       the per-row record store (current rollout batch only; each record on the DP rank using it)
     noise_probe.py   trainer.routing_noise: the routing-induced log-ratio (a held-routing forward beside each one)
 """

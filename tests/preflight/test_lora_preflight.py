@@ -1,0 +1,108 @@
+"""Preflight of trainer.lora (gspo_ray/preflight/lora.py): every bad LoRA input is one line naming the field or path,
+exit 2, before Ray starts; a good adapter directory passes. No model is built (the tiny model's config is used)."""
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from typer.testing import CliRunner
+
+from gspo_ray.cli import app
+from gspo_ray.config import load_config
+from gspo_ray.config.lora import check_lora_kind, LoRAConfig
+from gspo_ray.models.tiny import build_config
+from gspo_ray.preflight.lora import check_lora
+from gspo_ray.preflight.model import PreflightError
+from gspo_ray.preflight.report import PreflightReport
+from gspo_ray.trainer.lora_io import expected_adapter_shapes, write_peft_dir
+from gspo_ray.trainer.model_spec import spec_from_hf_config
+
+RECIPE = Path(__file__).resolve().parents[2] / "gspo_ray" / "recipes" / "tiny_moe.yaml"
+
+
+def _hf(arch="qwen2", hidden=64):
+    return build_config(arch, vocab_size=32, hidden=hidden, layers=2, experts=4, top_k=2).to_dict()
+
+
+def _adapter(tmp_path, hidden=64, rank=8, alpha=16.0, name="adapter", targets=("q_proj", "v_proj")):
+    spec = spec_from_hf_config(_hf(hidden=hidden), "m")
+    shapes = expected_adapter_shapes(spec, rank, list(targets))
+    return write_peft_dir({k: torch.zeros(s) for k, s in shapes.items()}, tmp_path / name, rank=rank, alpha=alpha,
+                          target_modules=list(targets))
+
+
+def _cfg(tmp_path, **lora):
+    overrides = ["model.tiny.arch=qwen2", f"logging.out_dir={tmp_path}",
+                 "trainer.lora=" + yaml.safe_dump({"rank": 8, "alpha": 16.0, "target_modules": ["q_proj", "v_proj"]}
+                                                  | lora, default_flow_style=True).strip()]
+    return load_config(RECIPE, overrides)
+
+
+def _check(cfg, hf=None):
+    report = PreflightReport()
+    check_lora(cfg, _hf() if hf is None else hf, report)
+    return report
+
+
+def test_a_matching_adapter_passes(tmp_path):
+    report = _check(_cfg(tmp_path, init_from=str(_adapter(tmp_path))))
+    assert any("rank 8 alpha 16 on 4 linears" in line and "adapter-only pushes" in line for line in report.lines())
+
+
+@pytest.mark.parametrize("case, expected", [
+    ("missing", "trainer.lora.init_from: {p}: no such directory"),
+    ("not_adapter", "not a PEFT adapter directory (needs adapter_config.json and adapter_model.safetensors)"),
+    ("other_base", "has shape (8, 128), this model needs (8, 64) (an adapter of another base model)"),
+    ("other_rank", "adapter r=4 lora_alpha=16.0, trainer.lora has rank=8 alpha=16"),
+    ("other_targets", "tensors this run's trainer.lora does not train"),
+])
+def test_bad_init_from_is_one_line(tmp_path, case, expected):
+    path = {"missing": lambda: tmp_path / "nope", "not_adapter": lambda: tmp_path,
+            "other_base": lambda: _adapter(tmp_path, hidden=128),
+            "other_rank": lambda: _adapter(tmp_path, rank=4),
+            "other_targets": lambda: _adapter(tmp_path, targets=("q_proj", "v_proj", "o_proj"))}[case]()
+    with pytest.raises(PreflightError) as e:
+        _check(_cfg(tmp_path, init_from=str(path)))
+    assert expected.format(p=path) in str(e.value) and "\n" not in str(e.value)
+
+
+def test_rank_and_serving_combinations(tmp_path):
+    with pytest.raises(PreflightError, match=r"trainer.lora.rank \(100\) exceeds .* smaller side \(64\)"):
+        _check(_cfg(tmp_path, rank=100))
+    with pytest.raises(PreflightError, match=r"rollout.lora_rank \(8\) on an MoE model"):
+        _check(load_config(RECIPE, [f"logging.out_dir={tmp_path}", "trainer.lora={rank: 8}", "rollout.lora_rank=8"]),
+               hf=_hf("qwen3_moe"))
+    with pytest.raises(PreflightError, match=r"rollout.lora_rank \(8\) without trainer.lora"):
+        _check(load_config(RECIPE, [f"logging.out_dir={tmp_path}", "rollout.lora_rank=8"]))
+    # the rank need not divide TP (only the base's split dimension is split): rank 3 under tp 2 passes
+    assert _check(_cfg(tmp_path, rank=3).model_copy(update={"trainer": _cfg(tmp_path, rank=3).trainer.model_copy(
+        update={"tp": 2, "num_workers": 2})}))
+
+
+def test_checkpoint_kinds_must_match():
+    lora = LoRAConfig(rank=8)
+    with pytest.raises(ValueError, match="ckpt: a LoRA checkpoint \\(rank 8\\), this run trains the full model"):
+        check_lora_kind({"rank": 8, "alpha": 16.0, "target_modules": ["q_proj"]}, None, "ckpt")
+    with pytest.raises(ValueError, match="ckpt: a full fine-tuning checkpoint, this run has trainer.lora"):
+        check_lora_kind(None, lora, "ckpt")
+    with pytest.raises(ValueError, match="written with trainer.lora"):
+        check_lora_kind({"rank": 4, "alpha": 16.0, "target_modules": list(lora.target_modules)}, lora, "ckpt")
+    check_lora_kind(None, None, "ckpt")
+
+
+def test_cli_stops_in_one_line_with_exit_2(tmp_path):
+    job = tmp_path / "job.yaml"
+    raw = yaml.safe_load(RECIPE.read_text())
+    raw["logging"] = {"out_dir": str(tmp_path / "runs")}
+    raw["model"]["tiny"]["arch"] = "qwen2"
+    raw["trainer"]["lora"] = {"rank": 8, "init_from": str(tmp_path)}
+    job.write_text(yaml.safe_dump(raw))
+    result = CliRunner().invoke(app, ["config", "validate", str(job)])
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "trainer.lora.init_from" in lines[0] and "not a PEFT adapter directory" in lines[0]
+    raw["trainer"]["lora"] = {"rank": 8, "target_modules": ["qkv"]}
+    job.write_text(yaml.safe_dump(raw))
+    result = CliRunner().invoke(app, ["config", "validate", str(job)])
+    assert result.exit_code == 2 and "trainer.lora.target_modules" in result.stderr and "unknown target module 'qkv'" \
+        in result.stderr, result.output
