@@ -21,7 +21,7 @@ from gspo_ray.coordinator.loop import Coordinator, LoopState
 from gspo_ray.coordinator.recovery import RestartsExhausted, TrainerRecovery, restore_checkpoint
 from gspo_ray.coordinator.run_dir import RunDirError, prepare_run_dir, redacted_config_dict
 from gspo_ray.coordinator.run_lock import RunLock
-from gspo_ray.coordinator.signals import StopRequest, StopRequested, exit_code_for
+from gspo_ray.coordinator.signals import StopRequest, StopRequested, exit_code_for, signals_seen
 from gspo_ray.coordinator.tracking import MetricsTracker, plot_metrics
 from gspo_ray.rollout.scoring import check_reward
 from gspo_ray.rollout.weight_sync import build_probe_sequences
@@ -165,7 +165,8 @@ def _start_ray(cfg: JobConfig, stop: StopRequest) -> bool:
     import ray
 
     try:
-        started = init_ray(cfg)
+        with signals_seen() as seen:
+            started = init_ray(cfg)
     except SystemExit as e:
         if e.code != signal.SIGTERM:
             raise
@@ -173,6 +174,8 @@ def _start_ray(cfg: JobConfig, stop: StopRequest) -> bool:
         stop.signum = stop.signum or signal.SIGTERM
         raise StopRequested(stop.signum) from None
     stop.install()  # after ray.init, whose SIGTERM handler aborts the driver
+    if signal.SIGTERM in seen and not stop.requested:  # Ray's handler ran, its SystemExit was lost
+        stop.signum = signal.SIGTERM  # the caller's raise_if_requested stops before the pools
     return started
 
 

@@ -117,6 +117,35 @@ class StopRequest:
         return hook
 
 
+@contextmanager
+def signals_seen() -> Iterator[set[int]]:
+    """The numbers of the signals delivered to this process inside the block, whichever Python handler ran (or
+    swallowed them): read from the interpreter's wakeup fd, written by its C-level handler. ray.init installs a
+    SIGTERM handler (`sys.exit`) and forks; a SystemExit raised in a fork hook is printed as "Exception ignored" and
+    lost, so the job would go on without this record. Main thread only (else an empty set)."""
+    import socket
+
+    seen: set[int] = set()
+    if threading.current_thread() is not threading.main_thread():
+        yield seen
+        return
+    r, w = socket.socketpair()
+    r.setblocking(False)
+    w.setblocking(False)
+    old = signal.set_wakeup_fd(w.fileno(), warn_on_full_buffer=False)
+    try:
+        yield seen
+    finally:
+        signal.set_wakeup_fd(old)
+        try:
+            while data := r.recv(4096):
+                seen.update(data)
+        except (BlockingIOError, InterruptedError):
+            pass
+        r.close()
+        w.close()
+
+
 def resume_line(run_dir: Path, signum: int) -> str:
     """The one line `gspo-ray train` prints when a signal stopped it: the checkpoint `--resume` continues from."""
     from gspo_ray.coordinator.checkpoint import CheckpointManager
