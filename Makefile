@@ -26,8 +26,11 @@ $(STAMP): pyproject.toml $(LOCK) scripts/install.sh
 run: $(STAMP)
 	$(BIN)/gspo-ray train $(RECIPE) $(ARGS)
 
+# Two test files at a time (pytest-xdist, whole files per process, so a module's engine still starts once): the
+# two cores idle while one job's actors start; TEST_JOBS=1 runs them one by one (docs/benchmarks.md, the suite)
+TEST_JOBS ?= 2
 test: $(STAMP)
-	$(BIN)/python -m pytest tests -q -rs --durations=25
+	$(BIN)/python -m pytest tests -q -rs --durations=25 $(if $(filter 1,$(TEST_JOBS)),,-n $(TEST_JOBS) --dist loadfile)
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest tests -q -m "not slow"
