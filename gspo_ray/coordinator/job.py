@@ -212,6 +212,8 @@ def _run_locked(cfg: JobConfig, resume: bool, rollout_factory, after_step, fresh
             json.loads((Path(model_path) / "config.json").read_text()), seed=cfg.seed)
         if latest is not None:  # the same path in-job trainer recovery takes (coordinator/recovery.py)
             restore_checkpoint(coord, ckpts, latest)
+        elif cfg.trainer.lora is not None and cfg.trainer.lora.init_from is not None:
+            coord.sync_weights()  # the engines start from the base model: step 0 already samples the given adapter
         summary.steps = coord.state.step
         tracker = MetricsTracker(run_dir, cfg.coordinator.steps, coord.state.step, cfg.logging.tensorboard,
                                  cfg.logging.progress, wandb=cfg.logging.wandb,

@@ -38,7 +38,10 @@ def build_tokenizer(alphabet: str = DEFAULT_ALPHABET):
     missing = [c for c in chars if tok.token_to_id(c) is None]
     if missing:
         raise ValueError(f"alphabet characters {missing!r} did not become tokens")
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, eos_token=EOS, bos_token=BOS,
+    # unk_token is saved on purpose: transformers 5's AutoTokenizer reloads this directory with the model type's
+    # own class (Qwen2Tokenizer for qwen2), whose default unk "<|endoftext|>" would add a token the model's
+    # vocabulary does not have. The BPE model itself has no unk: a character outside the alphabet is dropped.
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, eos_token=EOS, bos_token=BOS, unk_token=PAD,
                                    clean_up_tokenization_spaces=False)
 
 

@@ -2,9 +2,10 @@
 
 Completions get 3 tokens per rollout round and up to 12 in all, one round per step: a completion spans 4
 segments, i.e. 4 steps, continued each step from its token ids under the weights of that step.
-- fixed weights (lr 0, greedy, async mode): every multi-segment completion equals one uninterrupted greedy
-  generation of the same engine, token ids exactly and log-probs within 1e-4, although it carries several
-  policy versions;
+- fixed weights (lr 0, greedy, async mode), on the dense tiny Qwen2 with a LoRA adapter the engine serves (B != 0,
+  so a segment generated without the adapter would differ): every multi-segment completion equals one
+  uninterrupted greedy generation of the same engine, token ids exactly and log-probs within 1e-4, although it
+  carries several policy versions, and each push is the adapter only;
 - changing weights (lr 1e-3, sampling, stale_policy mask, max_staleness 1): completions carry >= 2 versions and
   exactly the tokens more than one version behind the training version have loss mask 0; the open groups are
   checkpointed and a resumed job continues them.
@@ -33,11 +34,35 @@ def _probe_logprobs(coord):
     return [lp for seq in coord._probe().logprobs for lp in seq]
 
 
+def _random_adapter(root, rank=8, alpha=16):
+    """A PEFT adapter of the recipe's tiny model built as qwen2, with A and B random (B = 0 would be the base)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from gspo_ray.models.tiny import make_tiny_model
+
+    base = make_tiny_model("qwen2", root / "base", seed=0)
+    from transformers import AutoModelForCausalLM
+
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base), LoraConfig(
+        r=rank, lora_alpha=alpha, lora_dropout=0.0,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    model.save_pretrained(root / "adapter")
+    return root / "adapter"
+
+
 def test_fixed_weights_segments_equal_one_uninterrupted_generation(tmp_path):
     # async mode: each round is dispatched before the previous batch trains, so segments also straddle pushes
+    adapter = _random_adapter(tmp_path / "lora")
     cfg = _cfg(tmp_path, "coordinator.mode=async", "coordinator.steps=7", "trainer.lr=0", "rollout.temperature=0",
                "coordinator.filter_zero_adv=false", "rollout.partial.stale_policy=keep",
-               "coordinator.checkpoint_every=0")
+               "coordinator.checkpoint_every=0", "model.tiny.arch=qwen2", "rollout.lora_rank=8",
+               f"trainer.lora={{rank: 8, alpha: 16, init_from: {adapter}}}")
     checked, probes = [], []
 
     def compare(coord, step):
@@ -55,6 +80,9 @@ def test_fixed_weights_segments_equal_one_uninterrupted_generation(tmp_path):
 
     run_job(cfg, after_step=compare)
     assert probes[0] == probes[-1]  # lr 0: the weights never changed, though 4 versions were pushed
+    adapter_mb = (adapter / "adapter_model.safetensors").stat().st_size / 2**20
+    pushes = [r["sync/push_mb"] for r in read_metrics(cfg.run_dir / "metrics.jsonl")]
+    assert pushes and all(mb == pytest.approx(adapter_mb, rel=0.05) for mb in pushes), (pushes, adapter_mb)
     assert len(checked) >= 8 and {seg for _, seg, _ in checked} >= {4}
     assert any(len(versions) >= 2 for _, _, versions in checked), checked  # continued under later versions
 

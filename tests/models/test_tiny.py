@@ -1,6 +1,7 @@
 """The tiny-model factory: deterministic, char-level, untied, loadable by transformers."""
 import hashlib
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -28,6 +29,15 @@ def test_tiny_moe_is_deterministic_and_char_level(tmp_path):
     with torch.no_grad():
         logits = model(torch.tensor([ids])).logits
     assert logits.shape == (1, len(ids), len(tok)) and torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2"])
+def test_reloaded_tokenizer_matches_the_vocabulary(tmp_path, arch):
+    # AutoTokenizer picks the model type's class on reload (Qwen2Tokenizer for qwen2): no extra token may appear
+    path = make_tiny_model(arch, tmp_path / arch, seed=0)
+    tok = AutoTokenizer.from_pretrained(path)
+    assert len(tok) == AutoModelForCausalLM.from_pretrained(path).config.vocab_size == len(DEFAULT_ALPHABET) + 3
+    assert tok.get_added_vocab() == {"<pad>": 0, "<eos>": 1, "<bos>": 2}
 
 
 def test_ensure_reuses_identical_model(tmp_path):
