@@ -44,7 +44,7 @@ TRL_VENV := .venv-trl
 $(TRL_VENV)/.installed: $(STAMP)
 	$(PY) -m venv $(TRL_VENV)
 	$(TRL_VENV)/bin/pip install -q torch==2.13.0 && $(TRL_VENV)/bin/pip install -q trl==1.16.0 \
-	  $$(grep -iE '^(transformers|tokenizers|safetensors|huggingface-hub|accelerate|pydantic|pyyaml)==' $(LOCK)) datasets
+	  $$(grep -iE '^(transformers|tokenizers|safetensors|huggingface-hub|accelerate|peft|pydantic|pyyaml)==' $(LOCK)) datasets
 	touch $@
 bench-trl: $(TRL_VENV)/.installed
 	$(BIN)/python -c "from gspo_ray.models.gguf import ensure_imported; ensure_imported('runs/models/smollm2-135m-instruct')"

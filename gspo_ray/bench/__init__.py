@@ -13,6 +13,8 @@
     rollout  one engine's generation tokens/s and the weight push per MB (rollout.py)
     push     the SmolLM2 weight push, object store against shared memory, interleaved rounds (push.py)
     lora     an adapter-only push into a LoRA engine vs the full-weight push (lora_push.py)
+    lora-vs-full  the SmolLM2 sum recipe (--recipe: another) trained with rank-16 adapters against full fine-tuning,
+             sync mode, the smollm2 table (smollm2.py); TRL + peft beside it: `make bench-trl ARGS=--lora ...`
     probe    the base SmolLM2's pass@1 / pass@8 on candidate tasks: which one RL can improve (task_probe.py)
     learn    a recipe (--recipe, default make run's) learning over seeds: held-out exact per evaluation, mean and
              range, when it is solved, wall times, a PNG of the curves (learning.py)
@@ -23,8 +25,8 @@
 """
 from __future__ import annotations
 
-SUITES = ("tiny", "smollm2", "profile", "moe", "moe-tiny", "regime", "rollout", "push", "lora", "probe", "learn",
-          "recovery", "scale", "all")
+SUITES = ("tiny", "smollm2", "profile", "moe", "moe-tiny", "regime", "rollout", "push", "lora", "lora-vs-full", "probe",
+          "learn", "recovery", "scale", "all")
 
 
 def run(suite: str = "all", *, quick: bool = False, steps: int = 6, seeds: tuple[int, ...] = (0,),
@@ -87,3 +89,10 @@ def run(suite: str = "all", *, quick: bool = False, steps: int = 6, seeds: tuple
         from gspo_ray.bench.smollm2 import run_smollm2_bench
 
         run_smollm2_bench(steps=3 if quick else steps)
+    if suite == "lora-vs-full":
+        from pathlib import Path
+
+        from gspo_ray.bench.smollm2 import LORA_MODES, run_smollm2_bench
+
+        run_smollm2_bench(steps=3 if quick else steps, modes=LORA_MODES,
+                          recipe=recipe or Path("gspo_ray/recipes/smollm2_sum.yaml"))

@@ -3,6 +3,7 @@
     make bench-trl                    # builds .venv-trl (TRL outside the project's dependencies) and runs this
     .venv-trl/bin/python -m gspo_ray.bench.peer_trl --steps 6 --lr 1e-6
     make bench-trl ARGS="--recipe gspo_ray/recipes/smollm2_sum.yaml --steps 10 --lr 1e-5 --eval-every 5 --seed 0"
+    make bench-trl ARGS="--recipe gspo_ray/recipes/smollm2_sum_lora.yaml --lora --steps 7 --lr 2e-5"   # TRL + peft
 
 TRL is not a dependency of gspo-ray: this module runs in its own virtual environment (TRL, accelerate and datasets
 beside the project's torch and transformers pins) and imports from gspo-ray only the pure parts, the config loader,
@@ -14,7 +15,8 @@ grad clip 1.0, HF generate, 2 torch threads. Prints per step: seconds, generatio
 by wrapping it) and train (the rest), completions/s, and the process's peak RSS (one process: TRL's whole job).
 `--recipe` takes another recipe's task, reward, temperature and batch shape; `--eval-every N` scores the recipe's
 held-out prompts (the same ones gspo-ray evaluates, from the data seed) greedily with HF generate at step 0 and every
-N steps, as gspo-ray's evaluation does: the learning comparison.
+N steps, as gspo-ray's evaluation does: the learning comparison. `--lora` trains a peft `LoraConfig` with the
+recipe's `trainer.lora` rank, alpha, dropout and target modules (TRL's `peft_config`), the base frozen.
 """
 from __future__ import annotations
 
@@ -52,9 +54,18 @@ def held_out_exact(model, tokenizer, prompts: list[str], references: list[str], 
     return exact / len(prompts), reward / len(prompts)
 
 
+def peft_config(lora):
+    """The recipe's `trainer.lora` as peft's LoraConfig (the same rank, alpha, dropout and HF target modules)."""
+    from peft import LoraConfig
+
+    return LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                      target_modules=list(lora.target_modules), task_type="CAUSAL_LM")
+
+
 def run_trl(steps: int, lr: float, model_dir: Path, out_dir: Path, seed: int = 0, recipe: Path = SMOLLM2_RECIPE,
-            eval_every: int = 0) -> tuple[list[dict], list[dict]]:
-    """TRL's GRPOTrainer on `recipe`'s task: (a row per step, the held-out evaluations)."""
+            eval_every: int = 0, lora: bool = False) -> tuple[list[dict], list[dict]]:
+    """TRL's GRPOTrainer on `recipe`'s task: (a row per step, the held-out evaluations). `lora`: train the
+    recipe's `trainer.lora` adapters through peft instead of every weight."""
     import torch
     from datasets import Dataset
     from transformers import AutoTokenizer, TrainerCallback
@@ -95,8 +106,10 @@ def run_trl(steps: int, lr: float, model_dir: Path, out_dir: Path, seed: int = 0
                       epsilon=eps_low, epsilon_high=eps_high, use_cpu=True, bf16=False,
                       fp16=False, logging_steps=1, save_strategy="no", report_to=[], seed=seed,
                       shuffle_dataset=False, dataloader_num_workers=0)
+    if lora and cfg.trainer.lora is None:
+        raise SystemExit(f"--lora: {recipe} has no trainer.lora")
     trainer = GRPOTrainer(model=str(model_dir), reward_funcs=reward, args=args, train_dataset=dataset,
-                          processing_class=tokenizer)
+                          processing_class=tokenizer, peft_config=peft_config(cfg.trainer.lora) if lora else None)
 
     generation: list[float] = []
     inner = trainer._generate_and_score_completions
@@ -167,6 +180,8 @@ def main() -> None:
                         help="the recipe whose task, reward, temperature and batch shape TRL trains with")
     parser.add_argument("--eval-every", type=int, default=0,
                         help="score the held-out prompts greedily at step 0 and every N steps (0: never)")
+    parser.add_argument("--lora", action="store_true",
+                        help="train the recipe's trainer.lora adapters with peft (the base frozen)")
     args = parser.parse_args()
     if not args.recipe.is_file():
         raise SystemExit(f"--recipe {args.recipe}: file not found")
@@ -178,8 +193,10 @@ def main() -> None:
     from gspo_ray.config import load_config
 
     with tempfile.TemporaryDirectory(prefix="bench-trl-") as tmp:
-        rows, evals = run_trl(args.steps, args.lr, args.model, Path(tmp), args.seed, args.recipe, args.eval_every)
-    print(f"TRL GRPOTrainer (GSPO settings), {args.recipe.name}, lr {args.lr}, seed {args.seed}, per step:")
+        rows, evals = run_trl(args.steps, args.lr, args.model, Path(tmp), args.seed, args.recipe, args.eval_every,
+                              args.lora)
+    print(f"TRL GRPOTrainer (GSPO settings{', peft LoRA' if args.lora else ''}), {args.recipe.name}, lr {args.lr}, "
+          f"seed {args.seed}, per step:")
     print(markdown_table(rows))
     if evals:
         print("held-out (greedy), seconds since the trainer was built:")

@@ -87,8 +87,12 @@ class PeakPss:
 
 
 # a mode is the coordinator's mode, optionally with `-unshared`: the trainer's rows one per sample (each carrying
-# its whole prompt), the layout before prompt groups were shared, for the before/after comparison
+# its whole prompt), the layout before prompt groups were shared, for the before/after comparison; or with
+# `-lora`: the LoRA recipes' rank-16 adapters (alpha 32) on every linear, the base frozen, adapter-only pushes
 MODES = ("sync", "async", "sync-unshared")
+LORA_MODES = ("sync", "sync-lora")
+LORA = "{rank: 16, alpha: 32}"  # as recipes/smollm2_*_lora.yaml; the default targets are every linear
+LR, LORA_LR = 1e-6, 2e-5  # LoRA moves the model ~20x less per unit of lr (docs/lora.md): the same movement
 
 
 def nonembedding_params(model_dir: Path) -> tuple[int, int]:
@@ -113,11 +117,12 @@ def mean_prompt_tokens(cfg, model_dir: Path, steps: int) -> float:
     return statistics.mean(len(p.prompt_ids) for p in prompts)
 
 
-def bench_smollm2_mode(mode: str, steps: int, out_dir: Path, model_dir: Path) -> dict:
+def bench_smollm2_mode(mode: str, steps: int, out_dir: Path, model_dir: Path, recipe: Path = RECIPE) -> dict:
     from gspo_ray.coordinator.job import run_job
 
     coordinator_mode, _, variant = mode.partition("-")
-    cfg = load_config(RECIPE, [f"model.path={model_dir}", "model.packaged=null", f"coordinator.steps={steps}", "coordinator.eval_every=0",
+    lora = [f"trainer.lora={LORA}"] if variant == "lora" else ["trainer.lora=null"]
+    cfg = load_config(recipe, [f"model.path={model_dir}", "model.packaged=null", f"coordinator.steps={steps}", "coordinator.eval_every=0",
                                "coordinator.checkpoint_every=0", "data.num_eval=0", f"coordinator.mode={coordinator_mode}",
                                f"trainer.shared_prefix={variant != 'unshared'}",
                                "coordinator.filter_zero_adv=false", f"logging.out_dir={out_dir}",
@@ -125,7 +130,7 @@ def bench_smollm2_mode(mode: str, steps: int, out_dir: Path, model_dir: Path) ->
                                "logging.plot=false", "trainer.router_churn_every=0",
                                # the speed table against TRL was taken at lr 1e-6, where completions keep their
                                # length (~23 tokens); the recipe's 1e-5 learns and shortens them
-                               "trainer.lr=1e-6"])
+                               f"trainer.lr={LORA_LR if variant == 'lora' else LR}", *lora])
     start = time.time()
     with PeakPss() as mem:
         summary = run_job(cfg)
@@ -150,6 +155,7 @@ def bench_smollm2_mode(mode: str, steps: int, out_dir: Path, model_dir: Path) ->
                       decode_steps=mean("rollout/mean_len"), bytes_per_param=4 if cfg.rollout.dtype == "float32" else 2,
                       push_bytes=mean("sync/push_mb") * 2 ** 20)
     return {"mode": mode, "steps": len(steady), "step_s": step, "rollout_s": mean("time/rollout_s"),
+            "push_mb": push_mb,
             "train_s": mean("time/train_s"), "sync_s": mean("time/sync_s"), "push_s": push_s,
             "push_mb_s": push_mb / push_s if push_s else 0.0, "completions_per_s": completions / step,
             "gen_tokens_per_s": mean("rollout/tokens_per_s"),
@@ -164,16 +170,16 @@ def bench_smollm2_mode(mode: str, steps: int, out_dir: Path, model_dir: Path) ->
 
 
 def format_smollm2(results: list[dict]) -> str:
-    head = ("| mode | s/step | rollout s | train s | sync s | push s (MB/s) | completions/s | gen tok/s | "
+    head = ("| mode | s/step | rollout s | train s | sync s | push s (MB) | completions/s | gen tok/s | "
             "trainer forwards per batch: train / old-logp / push probe | tokens forwarded (one row per sample) | "
-            "train GFLOP/s | peak PSS job GiB |")
+            "train GFLOP/s | peak PSS trainer GiB | peak PSS job GiB |")
     lines = table_head(head)
     for r in results:
         lines.append(f"| {r['mode']} | {r['step_s']:.1f} | {r['rollout_s']:.1f} | {r['train_s']:.1f} | "
-                     f"{r['sync_s']:.2f} | {r['push_s']:.2f} ({r['push_mb_s']:.0f}) | {r['completions_per_s']:.2f} | "
+                     f"{r['sync_s']:.2f} | {r['push_s']:.3f} ({r['push_mb']:.1f}) | {r['completions_per_s']:.2f} | "
                      f"{r['gen_tokens_per_s']:.0f} | {r['fwd_train']:.0f} / {r['fwd_old']:.0f} / {r['fwd_probe']:.0f} | "
                      f"{r['forward_tokens']:.0f} ({r['row_tokens']:.0f}) | {r['train_gflops']:.0f} | "
-                     f"{r['peak_total_gib']:.1f} |")
+                     f"{r['peak_gib'].get('trainer', 0.0):.2f} | {r['peak_total_gib']:.1f} |")
     for r in results:
         procs = ", ".join(f"{k} {v:.2f}" for k, v in sorted(r["peak_gib"].items(), key=lambda kv: -kv[1])[:6])
         lines.append(f"peak PSS by process ({r['mode']}, GiB): {procs}")
@@ -181,17 +187,19 @@ def format_smollm2(results: list[dict]) -> str:
 
 
 def run_smollm2_bench(steps: int = 6, modes: tuple[str, ...] = MODES,
-                      model_dir: Path = Path("runs/models/smollm2-135m-instruct")) -> list[dict]:
-    """model_dir: where the packaged model is imported once (the recipe's default place) and reused."""
+                      model_dir: Path = Path("runs/models/smollm2-135m-instruct"), recipe: Path = RECIPE) -> list[dict]:
+    """model_dir: where the packaged model is imported once (the recipe's default place) and reused; `recipe`:
+    whose task, reward and batch shape (LORA_MODES on the sum recipe: LoRA against full fine-tuning)."""
     from gspo_ray.models.gguf import ensure_imported
 
     ensure_imported(model_dir)
     before = measure_peaks()
     with tempfile.TemporaryDirectory(prefix="gspo-bench-smollm2-") as tmp:
-        results = [bench_smollm2_mode(mode, steps, Path(tmp), model_dir) for mode in modes]
+        results = [bench_smollm2_mode(mode, steps, Path(tmp), model_dir, recipe) for mode in modes]
     after = measure_peaks()
-    print(f"SmolLM2-135M-Instruct, 8 prompts x 8 completions, <= {results[0]['max_new_tokens']} new tokens, fp32, "
-          f"1 optimizer step per batch, median over steps 2..{steps}\n" + format_smollm2(results), flush=True)
+    print(f"SmolLM2-135M-Instruct, {Path(recipe).name}, 8 prompts x 8 completions, <= {results[0]['max_new_tokens']} "
+          f"new tokens, fp32, 1 optimizer step per batch, lr {LR} (LoRA {LORA_LR}), median over steps 2..{steps}\n"
+          + format_smollm2(results), flush=True)
     print(format_peaks(before, after), flush=True)
     for r in results:
         dtype = "bf16" if r["dtype"] == "bfloat16" else "fp32"

@@ -236,14 +236,14 @@ def bench(quick: bool = typer.Option(False, help="fewer steps"),
                                     "GSPO-token on the upcycled SmolLM2 MoE) | moe-tiny (those and GSPO eps auto over 3 seeds on the tiny "
                                     "MoE, where routing moves) | regime (routing drift after one update over a "
                                     "grid of upcycled MoEs) | rollout (generation tokens/s, weight "
-                                    "push) | probe (the base model's pass@k per task) | learn (a recipe learning its "
+                                    "push) | lora-vs-full (the sum recipe with LoRA against full fine-tuning) | probe (the base model's pass@k per task) | learn (a recipe learning its "
                                     "task over seeds; --recipe, default make run's) | recovery (a trainer kill in a "
                                     "60-step run) | scale (our planning code at cluster shapes, no weights) | all (tiny + smollm2)"),
           steps: int = typer.Option(6, help="steps per mode (smollm2) or per run (moe)"),
           seeds: str = typer.Option("0", help="moe, moe-tiny, learn and recovery suites: comma-separated seeds "
                                     "(moe-tiny and learn: default 0,1,2; recovery: 0,1)"),
           recipe: Optional[Path] = typer.Option(None, help="learn suite: the recipe to learn with (default: make "
-                                                "run's tiny-MoE recipe)")):
+                                                "run's tiny-MoE recipe); lora-vs-full: the recipe to train")):
     """Benchmarks (gspo_ray/bench/): per-phase time of training steps and what each suite measures, as tables."""
     from gspo_ray.bench import SUITES, run
 
