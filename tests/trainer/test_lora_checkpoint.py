@@ -100,10 +100,10 @@ def test_exported_adapter_loads_in_peft_and_init_from(run, tiny_qwen2_dir):
     assert (out["init_from"] - out["after1"]).abs().max() < 1e-6
 
 
-def _moe_push(rank, world_size, ports, model_dir):
+def _merged_push(rank, world_size, ports, model_dir, serve):
     from gspo_ray.trainer.lora_io import export_adapter, load_full_adapter
 
-    w = _worker(ports[0], model_dir, target_modules=["q_proj", "gate_proj", "down_proj"])
+    w = _worker(ports[0], model_dir, target_modules=["q_proj", "gate_proj", "down_proj"], serve=serve)
     g = torch.Generator().manual_seed(0)
     adapter = {k: 0.3 * torch.randn(v.shape, generator=g) for k, v in export_adapter(w.gpt, w.spec).items()}
     load_full_adapter(w.gpt, w.spec, adapter, "test")
@@ -116,15 +116,19 @@ def _moe_push(rank, world_size, ports, model_dir):
     return {"state": {n: t for b in buckets for n, t in b}, "base_moved": moved, "logp": logp, "batch": batch}
 
 
-def test_moe_push_is_the_merged_model(tiny_moe_dir, tmp_path):
+@pytest.mark.parametrize("model", ["moe", "dense_serve_merged"])
+def test_push_is_the_merged_model(tiny_moe_dir, tiny_qwen2_dir, tmp_path, model):
+    """An MoE always, a dense model with trainer.lora.serve merged: the push is W + scale B A, not the adapter."""
     from gspo_ray.trainer.bridge import write_hf_dir
     from gspo_ray.trainer.model_spec import read_hf_config
 
-    out = run_ranks(_moe_push, 1, (str(tiny_moe_dir),))[0]
+    model_dir, serve = (tiny_moe_dir, "adapter") if model == "moe" else (tiny_qwen2_dir, "merged")
+    out = run_ranks(_merged_push, 1, (str(model_dir), serve))[0]
     assert out["base_moved"] == 0.0  # the merge is on copies
-    assert any(".experts.3.down_proj.weight" in n for n in out["state"])  # full weights, not adapters
-    write_hf_dir(out["state"], read_hf_config(tiny_moe_dir), tiny_moe_dir, tmp_path / "merged")
+    full = ".experts.3.down_proj.weight" if model == "moe" else ".mlp.down_proj.weight"
+    assert any(full in n for n in out["state"]) and not any("lora_" in n for n in out["state"])  # not adapters
+    write_hf_dir(out["state"], read_hf_config(model_dir), model_dir, tmp_path / "merged")
     ref, _ = hf_logprobs(tmp_path / "merged", out["batch"].tokens, out["batch"].lengths)
     assert (ref - out["logp"]).abs().max() < 1e-4
-    base, _ = hf_logprobs(tiny_moe_dir, out["batch"].tokens, out["batch"].lengths)
+    base, _ = hf_logprobs(model_dir, out["batch"].tokens, out["batch"].lengths)
     assert (base - out["logp"]).abs().max() > 1e-3  # the adapter moved the model: the push carries it
