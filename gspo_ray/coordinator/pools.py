@@ -59,7 +59,7 @@ def rollout_config(cfg: JobConfig):
     r = cfg.rollout
     lora = cfg.trainer.lora
     if lora is not None and lora.serve == "adapter" and r.lora_rank is None:  # the engines serve the adapter
-        r = r.model_copy(update={"lora_rank": cfg.trainer.lora.rank})
+        r = r.model_copy(update={"lora_rank": lora.rank})
     if r.num_threads is not None:
         return r
     return r.model_copy(update={"num_threads": auto_threads(cfg, r.num_workers, r.num_cpus_per_worker)})

@@ -38,15 +38,14 @@ def _random_adapter(root, rank=8, alpha=16):
     """A PEFT adapter of the recipe's tiny model built as qwen2, with A and B random (B = 0 would be the base)."""
     import torch
     from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
 
+    from gspo_ray.config.lora import LORA_TARGETS
     from gspo_ray.models.tiny import make_tiny_model
 
     base = make_tiny_model("qwen2", root / "base", seed=0)
-    from transformers import AutoModelForCausalLM
-
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(base), LoraConfig(
-        r=rank, lora_alpha=alpha, lora_dropout=0.0,
-        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+        r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=list(LORA_TARGETS)))
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():
