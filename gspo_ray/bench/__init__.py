@@ -29,12 +29,23 @@ SUITES = ("tiny", "smollm2", "profile", "moe", "moe-tiny", "regime", "rollout", 
           "learn", "recovery", "scale", "all")
 
 
-def run(suite: str = "all", *, quick: bool = False, steps: int = 6, seeds: tuple[int, ...] = (0,),
+# each multi-seed suite's seeds when --seeds is not given
+DEFAULT_SEEDS = {"moe": (0,), "moe-tiny": (0, 1, 2), "learn": (0, 1, 2), "recovery": (0, 1)}
+
+
+def seeds_for(suite: str, seeds: tuple[int, ...] | None) -> tuple[int, ...]:
+    """The seeds a suite runs: the ones asked for (`--seeds 0` is seed 0 alone), else the suite's default."""
+    return tuple(seeds) if seeds is not None else DEFAULT_SEEDS.get(suite, (0,))
+
+
+def run(suite: str = "all", *, quick: bool = False, steps: int = 6, seeds: tuple[int, ...] | None = None,
         recipe=None) -> None:
-    """Run one suite and print its tables. `steps` is per mode (smollm2) or per run (moe); `recipe` is the learn
-    suite's recipe (default make run's)."""
+    """Run one suite and print its tables. `steps` is per mode (smollm2) or per run (moe); `seeds` None gives each
+    suite its default (an explicit `(0,)` runs seed 0 alone); `recipe` is the learn suite's recipe (default make
+    run's)."""
     if suite not in SUITES:
         raise ValueError(f"--suite {suite!r}; valid: {', '.join(SUITES)}")
+    seeds = seeds_for(suite, seeds)
     if suite == "moe":
         from gspo_ray.bench.moe import run_moe_bench
 
@@ -42,7 +53,7 @@ def run(suite: str = "all", *, quick: bool = False, steps: int = 6, seeds: tuple
     if suite == "moe-tiny":
         from gspo_ray.bench.moe_tiny import run_moe_tiny_bench
 
-        run_moe_tiny_bench(steps=5 if quick else 40, seeds=seeds if seeds != (0,) else (0, 1, 2))
+        run_moe_tiny_bench(steps=5 if quick else 40, seeds=seeds)
     if suite == "regime":
         from gspo_ray.bench.moe_regime import main as run_regime_probe
 
@@ -71,12 +82,12 @@ def run(suite: str = "all", *, quick: bool = False, steps: int = 6, seeds: tuple
         from gspo_ray.bench.common import TINY_RECIPE
         from gspo_ray.bench.learning import run_learning_bench
 
-        run_learning_bench(recipe or TINY_RECIPE, seeds=seeds if seeds != (0,) else (0, 1, 2))
+        run_learning_bench(recipe or TINY_RECIPE, seeds=seeds)
     if suite == "recovery":
         from gspo_ray.bench.recovery import run_recovery_bench
 
         run_recovery_bench(steps=20 if quick else 60, kill_at=7 if quick else 25,
-                           seeds=seeds if seeds != (0,) else (0, 1))
+                           seeds=seeds)
     if suite == "scale":
         from gspo_ray.bench.scale import run_scale_bench
 

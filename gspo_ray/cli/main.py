@@ -240,8 +240,9 @@ def bench(quick: bool = typer.Option(False, help="fewer steps"),
                                     "task over seeds; --recipe, default make run's) | recovery (a trainer kill in a "
                                     "60-step run) | scale (our planning code at cluster shapes, no weights) | all (tiny + smollm2)"),
           steps: int = typer.Option(6, help="steps per mode (smollm2) or per run (moe)"),
-          seeds: str = typer.Option("0", help="moe, moe-tiny, learn and recovery suites: comma-separated seeds "
-                                    "(moe-tiny and learn: default 0,1,2; recovery: 0,1)"),
+          seeds: Optional[str] = typer.Option(None, help="moe, moe-tiny, learn and recovery suites: "
+                                              "comma-separated seeds (default: moe 0; moe-tiny and learn 0,1,2; "
+                                              "recovery 0,1)"),
           recipe: Optional[Path] = typer.Option(None, help="learn suite: the recipe to learn with (default: make "
                                                 "run's tiny-MoE recipe); lora-vs-full: the recipe to train")):
     """Benchmarks (gspo_ray/bench/): per-phase time of training steps and what each suite measures, as tables."""
@@ -251,7 +252,7 @@ def bench(quick: bool = typer.Option(False, help="fewer steps"),
         typer.echo(f"error: --suite {suite!r}; valid: {', '.join(SUITES)}", err=True)
         raise typer.Exit(2)
     try:
-        seed_list = tuple(int(s) for s in seeds.split(","))
+        seed_list = None if seeds is None else tuple(int(s) for s in seeds.split(","))
     except ValueError:
         typer.echo(f"error: --seeds {seeds!r}: expected comma-separated integers", err=True)
         raise typer.Exit(2)
