@@ -1,6 +1,7 @@
 """`gspo-ray bench --suite profile`: where the SmolLM2 train step's time goes, by op class (torch profiler).
 
-One in-process trainer (no Ray) on SmolLM2-135M-Instruct with the recipe's trainer settings, a batch shaped like the
+One in-process trainer (no Ray) on SmolLM2-135M-Instruct with the recipe's trainer settings (and a third row with
+LoRA: the base frozen, the lora-vs-full suite's rank-16 adapters on every linear), a batch shaped like the
 recipe's step (8 prompt groups x 8 completions: the chat-template prompts of the repeat task, completions of 15-31
 random tokens, ~23 on average), one warm-up step, then `--steps` profiled train steps, with group rows
 (`shared_prefix`) on and off. Prints per layout: the step's seconds, the tokens forwarded, useful GFLOP/s (6 x
@@ -81,15 +82,22 @@ def op_class(name: str) -> str:
     return "other"
 
 
-def profile_layout(model_dir: Path, shared: bool, steps: int, port: int) -> dict:
+def profile_layout(model_dir: Path, shared: bool, steps: int, port: int, lora: bool = False) -> dict:
+    """One layout's row. lora: the base frozen, rank-16 adapters on every linear (the lora-vs-full suite's): the
+    useful FLOPs drop the weight-gradient matmuls (4 x params x tokens instead of 6) plus the adapters' own."""
     from torch.profiler import ProfilerActivity, profile
 
-    from gspo_ray.bench.smollm2 import nonembedding_params
+    from gspo_ray.bench.smollm2 import LORA_ALPHA, LORA_RANK, nonembedding_params
+    from gspo_ray.config.lora import LoRAConfig
     from gspo_ray.trainer.worker import TrainerWorker
 
     batch, cfg = recipe_batch(model_dir)
-    tcfg = cfg.trainer.model_copy(update={"shared_prefix": shared, "router_churn_every": 0, "lr": 1e-7})
+    update = {"shared_prefix": shared, "router_churn_every": 0, "lr": 1e-7}
+    if lora:
+        update["lora"] = LoRAConfig(rank=LORA_RANK, alpha=LORA_ALPHA)
+    tcfg = cfg.trainer.model_copy(update=update)
     worker = TrainerWorker(0, 1, "127.0.0.1", port, str(model_dir), tcfg, cfg.algorithm)
+    trainable = sum(p.numel() for p in worker.gpt.parameters() if p.requires_grad)
     try:
         batch.old_logp = worker.compute_logprobs(batch)
         worker.train_step(batch)  # warm-up
@@ -109,9 +117,14 @@ def profile_layout(model_dir: Path, shared: bool, steps: int, port: int) -> dict
             by_class[op_class(evt.key)] += evt.self_cpu_time_total / 1e6
     body, head = nonembedding_params(model_dir)
     scored = float(batch.loss_mask.sum())
-    flops = 6 * body * metrics["train/forward_tokens"] + 6 * head * scored
+    tokens = metrics["train/forward_tokens"]
+    if lora:  # forward + input gradient of the frozen base, forward + both gradients of the adapters
+        flops = 4 * body * tokens + 4 * head * scored + 6 * trainable * tokens
+    else:
+        flops = 6 * body * tokens + 6 * head * scored
     total_ops = sum(by_class.values())
-    return {"layout": "group rows" if shared else "one row per sample", "step s": step_s,
+    layout = "group rows" if shared else "one row per sample"
+    return {"layout": layout + (", LoRA" if lora else ""), "step s": step_s,
             "tokens forwarded": metrics["train/forward_tokens"], "GFLOP/s": flops / step_s / 1e9,
             "traced step s": traced_s, **{f"{c} s": by_class.get(c, 0.0) for c, _ in OP_CLASSES},
             "other s": by_class.get("other", 0.0), "outside aten ops s": max(traced_s - total_ops, 0.0)}
@@ -126,7 +139,8 @@ def run_train_profile(steps: int = 2, model_dir: Path = Path("runs/models/smollm
     ensure_imported(model_dir)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
     peak = matmul_peak_gflops()
-    rows = [profile_layout(model_dir, shared, steps, free_port()) for shared in (True, False)]
+    rows = [profile_layout(model_dir, shared, steps, free_port(), lora) for shared, lora in
+            ((True, False), (False, False), (True, True))]
     text = (f"SmolLM2 train step, 8 x 8 rows, fp32, {torch.get_num_threads()} threads, mean of {steps} steps; "
             f"2048^2 fp32 matmul peak here {peak:.0f} GFLOP/s\n{markdown_table(rows)}")
     print(text, flush=True)
