@@ -97,8 +97,8 @@ def profile_layout(model_dir: Path, shared: bool, steps: int, port: int, lora: b
         update["lora"] = LoRAConfig(rank=LORA_RANK, alpha=LORA_ALPHA)
     tcfg = cfg.trainer.model_copy(update=update)
     worker = TrainerWorker(0, 1, "127.0.0.1", port, str(model_dir), tcfg, cfg.algorithm)
-    trainable = sum(p.numel() for p in worker.gpt.parameters() if p.requires_grad)
     try:
+        trainable = sum(p.numel() for p in worker.gpt.parameters() if p.requires_grad)
         batch.old_logp = worker.compute_logprobs(batch)
         worker.train_step(batch)  # warm-up
         t0 = time.perf_counter()
