@@ -206,11 +206,13 @@ class RolloutPool:
                 self.workers.pop(wid, None)
         if not self.workers:
             self._surviving_worker()  # starts a replacement, which receives these weights first
-        out = {"sync/push_s": time.perf_counter() - t0}
-        for key in ("sync/push_mb", "sync/verify_max_abs_diff", "sync/verify_mean_abs_diff", "sync/verify_s",
+        out = {"sync/push_s": time.perf_counter() - t0}  # the whole call: fetch, load, check
+        for key in ("sync/push_mb", "sync/load_s", "sync/adapter_write_s", "sync/adapter_load_s",
+                    "sync/verify_max_abs_diff", "sync/verify_mean_abs_diff", "sync/verify_s",
                     "sync/probe_expert_coverage", "sync/probe_min_expert_tokens"):
-            vals = [r[key] for r in results if key in r]
-            if vals:  # the worst worker: largest diff, smallest coverage
+            worker_key = "sync/push_s" if key == "sync/load_s" else key  # a worker's push_s has no check in it
+            vals = [r[worker_key] for r in results if worker_key in r]
+            if vals:  # the worst worker: slowest, largest diff, smallest coverage
                 out[key] = min(vals) if key.startswith("sync/probe_") else max(vals)
         return out
 

@@ -22,7 +22,7 @@ import logging
 import math
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
@@ -66,10 +66,13 @@ class PushStats:
     num_tensors: int = 0
     nbytes: int = 0
     seconds: float = 0.0
+    engine: dict[str, float] = field(default_factory=dict)  # the engine's own `sync/*` split (adapter pushes)
 
     def metrics(self) -> dict[str, float]:
+        """`sync/push_s` here: fetching the buckets and loading them into the engine (the check not included)."""
         return {"sync/push_s": self.seconds, "sync/push_mb": self.nbytes / MiB,
-                "sync/num_buckets": float(self.num_buckets), "sync/num_tensors": float(self.num_tensors)}
+                "sync/num_buckets": float(self.num_buckets), "sync/num_tensors": float(self.num_tensors)
+                } | self.engine
 
 
 def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_mb: float) -> Iterator[Bucket]:
@@ -136,8 +139,9 @@ def push_buckets(engine, buckets: Iterable[Any]) -> PushStats:
     """Stream buckets into `engine.load_weights` (a `RolloutEngine`); returns counts and wall time."""
     stats = PushStats()
     start = time.perf_counter()
-    engine.load_weights(flatten_buckets(buckets, stats))
+    loaded = engine.load_weights(flatten_buckets(buckets, stats))
     stats.seconds = time.perf_counter() - start
+    stats.engine = {k: float(v) for k, v in (loaded or {}).items() if k.startswith("sync/")}
     if stats.num_tensors == 0:
         raise WeightSyncError("weight push received no tensors")
     return stats

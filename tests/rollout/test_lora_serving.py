@@ -10,7 +10,7 @@ import torch
 from gspo_ray.config import RolloutConfig
 from gspo_ray.data.records import Prompt
 from gspo_ray.models.tiny import make_tiny_model
-from gspo_ray.rollout.lora_adapter import vllm_max_rank
+from gspo_ray.rollout.lora_adapter import swaps_in_memory, vllm_max_rank
 from gspo_ray.rollout.weight_sync import WeightProbe, WeightSyncError, hf_teacher_forced_logprobs
 from gspo_ray.rollout.worker import RolloutWorker
 
@@ -75,14 +75,35 @@ def test_engine_serves_the_pushed_adapter(setup):
     assert diff <= TOL
     assert {v for s in samples for v in s.versions} == {1}
 
-    # a second adapter replaces the first in place (same slot); the spent push directory is removed
+    # a second adapter replaces the first in place (same slot), in memory: no file written, and the spent push
+    # directory is removed (a re-read would serve a stale adapter)
     second, push2 = _peft_model(base, seed=2)
     stale = _probe(first)
     with pytest.raises(WeightSyncError, match="verify_tol"):
         worker.update_weights(2, [push2], stale)  # the probe check catches an adapter that is not the trainer's
     metrics = worker.update_weights(2, [push2], _probe(second))
     assert metrics["sync/verify_max_abs_diff"] <= TOL
-    assert len(list((root / "run" / "rollout-0" / "adapter").iterdir())) == 1
+    assert swaps_in_memory() and metrics["sync/adapter_write_s"] == 0.0
+    assert list((root / "run" / "rollout-0" / "adapter").iterdir()) == []
+    samples = worker.generate(prompts, seed=4)
+    refs = hf_teacher_forced_logprobs(second, [s.prompt_ids + s.completion_ids for s in samples])
+    diff = max(abs(a - b) for s, r in zip(samples, refs) for a, b in zip(s.logprobs, r[len(s.prompt_ids) - 1:]))
+    assert diff <= TOL  # sampling serves the swapped adapter, not only the probe
+
+
+def test_in_memory_swap_refuses_a_module_the_engine_lacks(setup):
+    worker, base, _ = setup
+    _, push = _peft_model(base, seed=5)
+    worker.update_weights(10, [push], None)
+    bad = push + [("base_model.model.model.layers.0.self_attn.nope.lora_A.weight", push[0][1]),
+                  ("base_model.model.model.layers.0.self_attn.nope.lora_B.weight", push[1][1])]
+    with pytest.raises(WeightSyncError, match="lacks"):
+        worker.update_weights(11, [bad], None)
+    with pytest.raises(WeightSyncError, match="needs a complete weight push"):
+        worker.generate([Prompt(uid="p", prompt_ids=[2, 3, 4])], seed=0)  # nothing samples from the failed push
+    repaired = worker.update_weights(12, [push], None)  # a good push repairs it, through the file path again
+    assert repaired["sync/adapter_write_s"] > 0.0
+    worker.generate([Prompt(uid="p", prompt_ids=[2, 3, 4])], seed=0)
 
 
 def test_vllm_rank_sizes():
