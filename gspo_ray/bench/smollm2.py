@@ -159,7 +159,8 @@ def bench_smollm2_mode(mode: str, steps: int, out_dir: Path, model_dir: Path, re
                       decode_steps=mean("rollout/mean_len"), bytes_per_param=4 if cfg.rollout.dtype == "float32" else 2,
                       push_bytes=mean("sync/push_mb") * 2 ** 20)
     return {"mode": mode, "steps": len(steady), "step_s": step, "rollout_s": mean("time/rollout_s"),
-            "push_mb": push_mb, "load_s": mean("sync/load_s"), "verify_s": mean("sync/verify_s"),
+            "push_mb": push_mb, "export_s": mean("sync/export_s"), "load_s": mean("sync/load_s"),
+            "verify_s": mean("sync/verify_s"),
             "train_s": mean("time/train_s"), "sync_s": mean("time/sync_s"), "push_s": push_s,
             "push_mb_s": push_mb / push_s if push_s else 0.0, "completions_per_s": completions / step,
             "gen_tokens_per_s": mean("rollout/tokens_per_s"),
@@ -174,13 +175,13 @@ def bench_smollm2_mode(mode: str, steps: int, out_dir: Path, model_dir: Path, re
 
 
 def format_smollm2(results: list[dict]) -> str:
-    head = ("| mode | s/step | rollout s | train s | sync s | push s: load + probe check (MB) | completions/s | gen tok/s | "
+    head = ("| mode | s/step | rollout s | train s | sync s | push s: export, load, probe check (MB) | completions/s | gen tok/s | "
             "trainer forwards per batch: train / old-logp / push probe | tokens forwarded (one row per sample) | "
             "train GFLOP/s | peak PSS trainer GiB | peak PSS job GiB |")
     lines = table_head(head)
     for r in results:
         lines.append(f"| {r['mode']} | {r['step_s']:.1f} | {r['rollout_s']:.1f} | {r['train_s']:.1f} | "
-                     f"{r['sync_s']:.2f} | {r['push_s']:.3f}: {r['load_s']:.3f} + {r['verify_s']:.3f} "
+                     f"{r['sync_s']:.2f} | {r['export_s']:.3f}, {r['load_s']:.3f}, {r['verify_s']:.3f} "
                      f"({r['push_mb']:.1f}) | {r['completions_per_s']:.2f} | "
                      f"{r['gen_tokens_per_s']:.0f} | {r['fwd_train']:.0f} / {r['fwd_old']:.0f} / {r['fwd_probe']:.0f} | "
                      f"{r['forward_tokens']:.0f} ({r['row_tokens']:.0f}) | {r['train_gflops']:.0f} | "

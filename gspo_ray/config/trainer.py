@@ -65,7 +65,7 @@ class TrainerConfig(Strict):
     lora: LoRAConfig | None = Field(None, description="LoRA adapters on the frozen base (docs/lora.md); None = "
                                     "full fine-tuning")
     export_bucket_mb: float = Field(64, gt=0, description="bucket size when exporting weights to rollout")
-    export_shared_memory: bool = Field(True, description="full-weight pushes go through a shared-memory file of "
+    export_shared_memory: bool = Field(True, description="weight pushes (full or adapter) go through a shared-memory file of "
                                        "trainer rank 0 that engines on its node map (one copy, no pickling); "
                                        "engines on other nodes get object-store buckets, made only when the "
                                        "cluster has more than one node. false: object-store buckets always")

@@ -182,7 +182,7 @@ class Coordinator:
         """Export the trainer's weights and push them into every rollout engine (verified by a probe on the first
         push, every `rollout.verify_every`-th, and when `verify`)."""
         t0 = time.perf_counter()
-        shared = self.cfg.trainer.export_shared_memory and self.cfg.trainer.lora is None
+        shared = self.cfg.trainer.export_shared_memory
         # refs: the weights never pass through here; with shared memory only where an engine may be on another node
         export = self.trainer.export_weights(as_refs=not shared or cluster_nodes() > 1, shared=shared)
         buckets = export.shared if export.shared is not None else export.buckets

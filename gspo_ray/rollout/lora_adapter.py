@@ -95,7 +95,9 @@ class AdapterServing:
         from vllm.lora.request import LoRARequest
 
         start = time.perf_counter()
-        tensors = dict(named_tensors)
+        # copies: vLLM's LoRAModel keeps the tensors it is given, and a shared-memory push's are views of a file
+        # the trainer rewrites at its next export
+        tensors = {name: t.clone() for name, t in named_tensors}
         bad = [n for n in tensors if not is_adapter_tensor(n)]
         if bad or not tensors:
             raise ValueError(f"adapter push holds {len(bad)} non-adapter tensors (e.g. {bad[:2]}) or none")

@@ -438,7 +438,7 @@ class TrainerWorker:
         buckets = []
         source = (self.lora.weights(self.gpt, self.spec, bucket_mb) if self.lora is not None
                   else export_hf_weights(self.gpt, self.spec, bucket_mb=bucket_mb))
-        if shared and self.lora is None:  # rank 0 writes every tensor once into its file; the others only gather
+        if shared:  # rank 0 writes every tensor once into its file (an adapter push too); the others only gather
             tensors = (pair for bucket in source for pair in bucket)
             if self.rank != 0:
                 for _ in tensors:
