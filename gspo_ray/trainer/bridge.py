@@ -24,6 +24,7 @@ Layouts (what `param_map` encodes per Megatron parameter):
 """
 from __future__ import annotations
 
+import functools
 import json
 import re
 import shutil
@@ -96,6 +97,7 @@ def _rename(hf_name: str, arch: str | None) -> str:
     return hf_name
 
 
+@functools.lru_cache(maxsize=65536)  # pure and called per tensor at every export: a push names ~420 adapters
 def param_map(megatron_name: str, arch: str | None = None) -> ParamMap:
     """Megatron parameter name -> ParamMap (expert names keep an `{e}` placeholder for the global index).
     `arch` (the HF model_type) picks that architecture's HF names (see _ARCH_RENAMES)."""

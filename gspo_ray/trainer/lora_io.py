@@ -42,19 +42,22 @@ def _gather(t: Tensor, group, dim: int) -> Tensor:
     return torch.cat(parts, dim=dim)
 
 
-def gather_pair(pair: LoRAPair, lora: ParallelLoRA) -> tuple[Tensor, Tensor]:
-    """Full (A, B) of one target (collective over TP for the split factor; every TP rank gets them)."""
+def gather_pair(pair: LoRAPair, lora: ParallelLoRA, copy: bool = True) -> tuple[Tensor, Tensor]:
+    """Full (A, B) of one target (collective over TP for the split factor; every TP rank gets them). copy=False:
+    a factor that needs no gather is the parameter's own (detached) tensor, for a caller that copies at once."""
     a, b = pair.A.detach(), pair.B.detach()
+    own = (lambda t: t.clone()) if copy else (lambda t: t)  # noqa: E731
     if lora.local:
-        return a.clone(), b.clone()
+        return own(a), own(b)
     if lora.target.kind == "col":
-        return a.clone(), _gather(b, lora.tp_group, 0)
-    return _gather(a, lora.tp_group, 1), b.clone()
+        return own(a), _gather(b, lora.tp_group, 0)
+    return _gather(a, lora.tp_group, 1), own(b)
 
 
-def export_adapter(model: nn.Module, spec: ModelSpec) -> dict[str, Tensor]:
+def export_adapter(model: nn.Module, spec: ModelSpec, copy: bool = True) -> dict[str, Tensor]:
     """{PEFT name: full fp32 tensor} of every adapter (collective: every rank of the world calls it; each gets
-    the whole adapter, gathered over TP and, for experts, over EP)."""
+    the whole adapter, gathered over TP and, for experts, over EP). copy=False: tensors that need no gather are
+    the parameters' own, valid until the next optimizer step (a weight push, which copies them at once)."""
     from megatron.core import parallel_state as ps
 
     out: dict[str, Tensor] = {}
@@ -62,7 +65,7 @@ def export_adapter(model: nn.Module, spec: ModelSpec) -> dict[str, Tensor]:
         lora: ParallelLoRA = linear.lora
         t = lora.target
         for target, pair in lora.pairs.items():
-            a, b = gather_pair(pair, lora)
+            a, b = gather_pair(pair, lora, copy)
             if t.local_expert is not None and spec.ep > 1:
                 group = ps.get_expert_model_parallel_group()
                 a_all, b_all = _gather(a[None], group, 0), _gather(b[None], group, 0)

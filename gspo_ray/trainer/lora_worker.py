@@ -62,7 +62,7 @@ class TrainerLoRA:
                 yield from export_hf_weights(gpt, spec, bucket_mb=bucket_mb)
             return
         scale = self.cfg.scale
-        state = export_adapter(gpt, spec)
+        state = export_adapter(gpt, spec, copy=False)  # the exporter copies the bucket before training resumes
         yield [(k, v * scale if ".lora_B." in k else v) for k, v in state.items()]
 
     def meta(self) -> dict:
