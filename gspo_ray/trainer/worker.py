@@ -59,6 +59,7 @@ from gspo_ray.trainer.batch_layout import (
     row_micro_batches,
 )
 from gspo_ray.trainer.group_rows import shard_token_order, warn_once
+from gspo_ray.trainer.heap import release_free_heap
 from gspo_ray.trainer.lora_worker import TrainerLoRA, check_checkpoint_kind, load_model, model_state
 from gspo_ray.trainer.metric_accumulator import MetricAccumulator, dp_token_metrics
 from gspo_ray.trainer.pg_weights import build_pg_weight
@@ -314,9 +315,11 @@ class TrainerWorker:
         return [x for x in (self.replay, self.drift, self.noise) if x is not None]
 
     def end_batch(self) -> None:
-        """The rollout batch's passes are done (the coordinator says so): forget its routing records."""
+        """The rollout batch's passes are done (the coordinator says so): forget its routing records, and give the
+        step's freed heap back to the OS while this rank waits for the next batch (trainer/heap.py)."""
         for records in self._record_stores():
             records.end_batch()
+        release_free_heap()
 
     def routing_record_bytes(self) -> int:
         """Bytes of routing records (R2, drift, probe) this rank holds."""
