@@ -162,7 +162,11 @@ def test_two_sigterms_then_resume_and_ctrl_c_twice(tmp_path):
     point = CheckpointManager(run_dir).latest()  # the newest checkpoint that verifies (hashes): the line's
     assert point is not None and f"resume point {point} " in line, line
     reached = int(point.name.split("_")[1])
-    assert reached >= 3
+    # the first SIGTERM came after step 3: the step boundary it stops at is saved, unless the second SIGTERM came
+    # before that save was done (a loaded machine: the step plus the save took > 1 s), which stops at once and
+    # leaves the last periodic checkpoint (every 2 steps) as the resume point
+    forced = "SIGTERM again: stopping now, saving nothing more" in output
+    assert reached >= (2 if forced else 3), (reached, forced)
     assert not (run_dir / ".gspo-ray.lock").exists()  # released
     loop = json.loads((point / "loop.json").read_text())
     assert loop["state"]["step"] == loop["state"]["version"] == reached  # one optimizer step a step
