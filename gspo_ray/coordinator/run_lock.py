@@ -40,6 +40,7 @@ START_LEASE_S = 1800.0  # until the first step boundary: pools of a big model ca
 LEASE_STEPS = 5  # the lease after that: 5 x the longest renewal interval seen (a step + its eval and save) ...
 LEASE_FLOOR_S = 300.0  # ... and never less than 5 minutes
 UNREADABLE_GRACE_S = LEASE_FLOOR_S  # a lock file that does not parse (written by hand?) is stale after this long
+TAKEOVER_STALE_S = 10.0  # a takeover file older than this was left by a taker that died mid-takeover
 
 
 class RunLockError(ValueError):
@@ -208,12 +209,14 @@ class RunLock:
                 return self._hold()
         raise RunLockError(f"{self.path}: could not take the run directory's lock (another job keeps taking it)")
 
-    def _create(self, data: bytes) -> bool:
-        """Create the lock whole: a temp file hard-linked into place (fails if a lock exists). False: one exists."""
+    def _create(self, data: bytes, path: Path | None = None) -> bool:
+        """Create the lock (or `path`) whole: a temp file hard-linked into place (fails if it exists). False: one
+        exists."""
+        path = self.path if path is None else path
         tmp = self._temp()
         _write_private(tmp, data)
         try:
-            os.link(tmp, self.path)
+            os.link(tmp, path)
             return True
         except FileExistsError:
             return False
@@ -221,7 +224,7 @@ class RunLock:
             if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV):
                 raise
             try:
-                _write_private(self.path, data)
+                _write_private(path, data)
                 return True
             except FileExistsError:
                 return False
@@ -229,7 +232,16 @@ class RunLock:
             tmp.unlink(missing_ok=True)
 
     def _replace(self, stale_raw: bytes | None, data: bytes) -> bool:
-        """Rename a whole new lock over the stale one if the file still holds what was judged; confirm it is ours."""
+        """Rename a whole new lock over the stale one if the file still holds what was judged. One taker at a
+        time (a takeover file created like the lock): two takers that both read the stale lock before either
+        renamed would otherwise both rename, and both read their own lock back. False: judge again."""
+        mutex = self.path.with_name(self.path.name + ".takeover")
+        if not self._create(data, mutex):  # another job is taking over now; one that died leaves it: 10 s
+            age = _mtime(mutex)
+            if age is not None and time.time() - age > TAKEOVER_STALE_S:
+                mutex.unlink(missing_ok=True)
+            time.sleep(0.05)
+            return False
         tmp = self._temp()
         _write_private(tmp, data)
         try:
@@ -238,7 +250,8 @@ class RunLock:
             os.replace(tmp, self.path)
         finally:
             tmp.unlink(missing_ok=True)
-        return _read_raw(self.path) == data  # another taker's rename after ours: theirs
+            mutex.unlink(missing_ok=True)
+        return _read_raw(self.path) == data
 
     def _hold(self) -> "RunLock":
         self.held = True
