@@ -6,7 +6,8 @@ recipe's step (8 prompt groups x 8 completions: the chat-template prompts of the
 random tokens, ~23 on average), one warm-up step, then `--steps` profiled train steps, with group rows
 (`shared_prefix`) on and off. Prints per layout: the step's seconds, the tokens forwarded, useful GFLOP/s (6 x
 non-embedding parameters x forwarded tokens + the output layer on the scored tokens) against this machine's 2-thread
-fp32 matmul peak (measured here, best of 3), and, from one more step traced by the profiler (which slows it), the
+fp32 matmul peak (measured here, best of 3), the process's peak RSS during the timed steps (VmHWM reset after
+the warm-up), and, from one more step traced by the profiler (which slows it), the
 CPU self-time of aten ops split by op class: matmul, attention (softmax, masking, the batched products of scores
 and values), norms and elementwise, optimizer, copies and layout, other; and the traced time outside aten ops
 (Python, autograd bookkeeping).
@@ -42,6 +43,21 @@ def matmul_peak_gflops(n: int = 2048, reps: int = 3) -> float:
     torch.mm(a, b)
     best = min(_timed(lambda: torch.mm(a, b)) for _ in range(reps))
     return 2 * n ** 3 / best / 1e9
+
+
+def reset_peak_rss() -> None:
+    """Start this process's VmHWM (peak resident set) afresh from its current RSS (Linux clear_refs, mode 5)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def peak_rss_gib() -> float:
+    """This process's VmHWM since the last reset_peak_rss (or its start), GiB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 2 ** 20
+    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def _timed(fn) -> float:
@@ -101,10 +117,12 @@ def profile_layout(model_dir: Path, shared: bool, steps: int, port: int, lora: b
         trainable = sum(p.numel() for p in worker.gpt.parameters() if p.requires_grad)
         batch.old_logp = worker.compute_logprobs(batch)
         worker.train_step(batch)  # warm-up
+        reset_peak_rss()
         t0 = time.perf_counter()
         for _ in range(steps):
             metrics = worker.train_step(batch)
         step_s = (time.perf_counter() - t0) / steps
+        peak_gib = peak_rss_gib()
         with profile(activities=[ProfilerActivity.CPU]) as prof:  # one more step, traced (the tracer slows it)
             t0 = time.perf_counter()
             worker.train_step(batch)
@@ -126,7 +144,7 @@ def profile_layout(model_dir: Path, shared: bool, steps: int, port: int, lora: b
     layout = "group rows" if shared else "one row per sample"
     return {"layout": layout + (", LoRA" if lora else ""), "step s": step_s,
             "tokens forwarded": metrics["train/forward_tokens"], "GFLOP/s": flops / step_s / 1e9,
-            "traced step s": traced_s, **{f"{c} s": by_class.get(c, 0.0) for c, _ in OP_CLASSES},
+            "peak RSS GiB": peak_gib, "traced step s": traced_s, **{f"{c} s": by_class.get(c, 0.0) for c, _ in OP_CLASSES},
             "other s": by_class.get("other", 0.0), "outside aten ops s": max(traced_s - total_ops, 0.0)}
 
 

@@ -12,8 +12,10 @@ excluded, so padding never changes the numbers.
 Cost. The output layer and the log-softmax over a large vocabulary (49,152 for SmolLM2) dominate memory and much of
 the time when every position is scored, yet the loss needs only completion tokens. `score_mask` names the tokens
 whose log-probs are wanted: the output layer then runs on those positions only (unless sequence parallelism shards
-the positions), the log-softmax runs in row chunks so no second [N, V] fp32 tensor is held whole, and the entropy
-(a metric) is computed without a graph.
+the positions). With the whole vocabulary on one rank (TP 1) the output layer and the log-softmax run as one
+autograd function (trainer/logprob_head.py: one [N, V] buffer for logits, probabilities and their gradient);
+under a vocabulary split the log-softmax runs in row chunks so no second [N, V] fp32 tensor is held whole. The
+entropy (a metric) is computed without a graph.
 
 Shared prefixes. `forward_group_logprobs(model, tokens, lengths, layout)` returns the same [B, L] numbers from one
 forward of the rows' shared-prefix layout (trainer/group_rows.py): each prompt once per group row, its completions
@@ -27,6 +29,7 @@ import torch
 from torch import Tensor
 
 from gspo_ray.compat.torch_matmul_fold import foldable_grad
+from gspo_ray.trainer.logprob_head import linear_logprobs
 
 
 def causal_mask(length: int, device) -> Tensor:
@@ -155,9 +158,9 @@ def forward_logprobs(model, tokens: Tensor, lengths: Tensor | None = None, *, wi
     if score_mask is not None:
         valid = valid & score_mask.to(device).bool()
     b_idx, t_idx = valid.nonzero(as_tuple=True)  # scored tokens; position t - 1 predicts token t
-    logits = _scored_logits(model, inner, inputs, position_ids, causal_mask(padded, device), t_idx - 1, b_idx)
-    return _scatter_logprobs(logits, tokens[b_idx, t_idx], b_idx, t_idx, (batch, length), inner, vocab_size,
-                             with_entropy, temperature)
+    scored = _score(model, inner, inputs, position_ids, causal_mask(padded, device), t_idx - 1, b_idx,
+                    tokens[b_idx, t_idx], vocab_size, with_entropy, temperature)
+    return _scatter(scored, b_idx, t_idx, (batch, length), with_entropy)
 
 
 def forward_group_logprobs(model, tokens: Tensor, lengths: Tensor, layout, *, with_entropy: bool = False,
@@ -193,10 +196,51 @@ def forward_group_logprobs(model, tokens: Tensor, lengths: Tensor, layout, *, wi
     r_idx, s_idx = row_of[b_idx], col_of[b_idx, t_idx - 1]  # the column that predicts tokens[b, t]
     positions = layout.position_ids.to(device)
     with rope_positions(model, positions):
-        logits = _scored_logits(model, inner, layout.tokens.to(device), positions,
-                                layout.attention_mask.to(device), s_idx, r_idx)
-    return _scatter_logprobs(logits, tokens[b_idx, t_idx], b_idx, t_idx, (batch, length), inner, vocab_size,
-                             with_entropy, temperature)
+        scored = _score(model, inner, layout.tokens.to(device), positions, layout.attention_mask.to(device),
+                        s_idx, r_idx, tokens[b_idx, t_idx], vocab_size, with_entropy, temperature)
+    return _scatter(scored, b_idx, t_idx, (batch, length), with_entropy)
+
+
+@contextlib.contextmanager
+def output_hidden(inner, seq_idx: Tensor, batch_idx: Tensor, weights: list):
+    """Within the block, `inner.output_layer` returns hidden_states[seq_idx, batch_idx] ([N, 1, H], so GPTModel
+    returns [1, N, H]) instead of logits, and appends the weight it would have used (its own, or the tied
+    embedding's) to `weights`: the caller runs the output layer fused with the log-softmax (logprob_head.py).
+    Valid where the output layer is a plain x W^T on one rank: TP 1, no bias."""
+    layer = inner.output_layer
+
+    def forward(hidden_states, *args, weight=None, **kwargs):
+        weights.append(layer.weight if weight is None else weight)
+        return hidden_states[seq_idx, batch_idx].unsqueeze(1), None
+
+    layer.forward = forward
+    try:
+        yield
+    finally:
+        del layer.forward
+
+
+def _fused_head(inner) -> bool:
+    """Whether the output layer can run fused with the log-softmax: the whole vocabulary on this rank, no bias."""
+    from megatron.core import parallel_state
+
+    return (parallel_state.get_tensor_model_parallel_world_size() == 1 and not inner.config.sequence_parallel
+            and getattr(inner.output_layer, "bias", None) is None)
+
+
+def _score(model, inner, inputs: Tensor, position_ids: Tensor, mask: Tensor, seq_idx: Tensor, batch_idx: Tensor,
+           labels: Tensor, vocab_size: int | None, with_entropy: bool, temperature: float):
+    """Log-probs [N] (, entropies [N]) of labels at (position seq_idx[n], row batch_idx[n]) of a forward of
+    inputs [B, S]."""
+    vocab_size = vocab_size or getattr(inner, "hf_vocab_size", inner.vocab_size)
+    if _fused_head(inner):
+        weights: list = []
+        with output_hidden(inner, seq_idx, batch_idx, weights):
+            hidden = model(inputs, position_ids, mask)[0]
+        return linear_logprobs(hidden, weights[0], labels, vocab_size, temperature=temperature,
+                               with_entropy=with_entropy)
+    logits = _scored_logits(model, inner, inputs, position_ids, mask, seq_idx, batch_idx)
+    return _logits_logprobs(logits, labels, vocab_size, with_entropy, temperature)
 
 
 def _scored_logits(model, inner, inputs: Tensor, position_ids: Tensor, mask: Tensor, seq_idx: Tensor,
@@ -208,21 +252,24 @@ def _scored_logits(model, inner, inputs: Tensor, position_ids: Tensor, mask: Ten
         return model(inputs, position_ids, mask)[0]
 
 
-def _scatter_logprobs(logits: Tensor, labels: Tensor, b_idx: Tensor, t_idx: Tensor, shape: tuple[int, int], inner,
-                      vocab_size: int | None, with_entropy: bool, temperature: float):
-    """Log-probs (, entropies) of labels [N] under logits [N, V/tp], put at (b_idx, t_idx) of zeros of `shape`."""
+def _logits_logprobs(logits: Tensor, labels: Tensor, vocab_size: int, with_entropy: bool, temperature: float):
+    """Log-probs [N] (, entropies [N]) of labels [N] under logits [N, V/tp] (the vocabulary split over TP)."""
     from megatron.core import parallel_state
 
-    vocab_size = vocab_size or getattr(inner, "hf_vocab_size", inner.vocab_size)
-    device = logits.device
     tp = parallel_state.get_tensor_model_parallel_world_size()
     group = parallel_state.get_tensor_model_parallel_group() if tp > 1 else None
     if temperature > 0 and temperature != 1.0:  # vLLM divides fp32 logits by T before its log-softmax
         logits = logits.float() / temperature
     if group is None:
-        logp_n, ent_n = compute_logprobs_local(logits[:, :vocab_size], labels, with_entropy)
-    else:
-        logp_n, ent_n = compute_vocab_parallel_logprobs(logits, labels, vocab_size, group, with_entropy)
+        return compute_logprobs_local(logits[:, :vocab_size], labels, with_entropy)
+    return compute_vocab_parallel_logprobs(logits, labels, vocab_size, group, with_entropy)
+
+
+def _scatter(scored: tuple[Tensor, Tensor | None], b_idx: Tensor, t_idx: Tensor, shape: tuple[int, int],
+             with_entropy: bool):
+    """Per-token log-probs [N] (, entropies [N]) put at (b_idx, t_idx) of zeros of `shape`."""
+    logp_n, ent_n = scored
+    device = logp_n.device
     logp = torch.zeros(*shape, device=device, dtype=logp_n.dtype).index_put((b_idx, t_idx), logp_n)
     if not with_entropy:
         return logp
