@@ -156,6 +156,32 @@ class ParallelLoRA(nn.Module):
                 outs[name] = (h @ self._weight(pair.B).t()) * self.scale
         return self._assemble(outs).to(x.dtype)
 
+    def add_to(self, out: Tensor, x: Tensor) -> Tensor:
+        """out + the adapter's contribution for input x. Without TP collectives (TP 1, experts) and in fp32, the
+        targets of a fused linear run as one product: h = x [A_1; A_2; ...]^T, then out + h S with S
+        [sum r, out_local] the B's placed in the base's output layout (block-diagonal, interleaved for qkv) and the
+        scale folded in, added by one addmm: two small matmuls a linear instead of two per target, and no
+        [tokens, out] temporaries for the scale, the concatenation and the sum. Equal to out + self(x) up to
+        float summation order."""
+        if not self.local or out.dtype != torch.float32 or x.dtype != torch.float32:
+            return out + self(x)
+        pairs = list(self.pairs.values())
+        a = pairs[0].A if len(pairs) == 1 else torch.cat([p.A for p in pairs])
+        h_in = F.dropout(x, self.dropout, self.training) if self.dropout else x
+        h = h_in.reshape(-1, h_in.shape[-1]) @ a.t()
+        return torch.addmm(out.reshape(-1, out.shape[-1]), h, self._stacked_b()).view(out.shape)
+
+    def _stacked_b(self) -> Tensor:
+        """scale * [B_1; B_2; ...] as one [sum r, out_local] factor in the base's output layout: target j's
+        B_j^T sits in rows of j's rank block, zeros elsewhere, and _assemble lays its columns out like the
+        base's rows."""
+        ranks = [p.B.shape[1] for p in self.pairs.values()]
+        total, blocks, offset = sum(ranks), {}, 0
+        for (name, pair), r in zip(self.pairs.items(), ranks):
+            blocks[name] = F.pad(pair.B.t() * self.scale, (0, 0, offset, total - offset - r))
+            offset += r
+        return self._assemble(blocks)
+
     def _assemble(self, outs: dict[str, Tensor]) -> Tensor:
         t = self.target
         if t.layout == "copy":
@@ -179,7 +205,7 @@ class ParallelLoRA(nn.Module):
 def _add_adapter_output(module: nn.Module, inputs: tuple, output):
     """Forward hook of an adapted linear: Megatron linears return (output, bias)."""
     out, bias = output
-    return out + module.lora(inputs[0]), bias
+    return module.lora.add_to(out, inputs[0]), bias
 
 
 def adapted_linears(model: nn.Module) -> list[tuple[str, nn.Module]]:

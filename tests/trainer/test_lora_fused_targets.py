@@ -1,0 +1,63 @@
+"""ParallelLoRA.add_to's one-product path (TP 1 / experts, fp32: every target of a fused linear in one pair of
+matmuls) against the per-target path out + lora(x): output and every gradient, for each layout (qkv interleaved
+per query group, gated, a single target) and subsets of a fused linear's targets; B = 0 adds exactly nothing."""
+import pytest
+import torch
+from torch import nn
+
+from gspo_ray.config.lora import LoRAConfig
+from gspo_ray.trainer.lora import ParallelLoRA, match_linear
+from gspo_ray.trainer.model_spec import ModelSpec
+
+SPEC = ModelSpec(arch="test", hf_config={}, hf_dir="", vocab_size=10, padded_vocab_size=10, num_layers=1,
+                 hidden_size=24, num_heads=4, num_kv_heads=2, head_dim=6, ffn_hidden_size=40)
+LAYER = "decoder.layers.0."
+CASES = [  # (module, targets, in, out)
+    ("self_attention.linear_qkv", ["q_proj", "k_proj", "v_proj"], 24, 48),
+    ("self_attention.linear_qkv", ["q_proj", "v_proj"], 24, 48),
+    ("self_attention.linear_qkv", ["k_proj"], 24, 48),
+    ("mlp.linear_fc1", ["gate_proj", "up_proj"], 24, 80),
+    ("mlp.linear_fc1", ["up_proj"], 24, 80),
+    ("mlp.linear_fc2", ["down_proj"], 40, 24),
+    ("self_attention.linear_proj", ["o_proj"], 24, 24),
+]
+
+
+def _lora(module: str, targets: list[str], seed: int = 0) -> ParallelLoRA:
+    lora = ParallelLoRA(match_linear(LAYER + module, targets), SPEC,
+                        LoRAConfig(rank=4, alpha=8, target_modules=targets), nn.Linear(1, 1))
+    g = torch.Generator().manual_seed(seed)
+    for p in lora.parameters():
+        p.data = torch.randn(p.shape, generator=g) / 4
+    return lora
+
+
+@pytest.mark.parametrize("module,targets,n_in,n_out", CASES)
+def test_one_product_path_equals_per_target_path(module, targets, n_in, n_out):
+    lora = _lora(module, targets)
+    assert lora.local
+    torch.manual_seed(1)
+    x = torch.randn(5, 2, n_in).requires_grad_()
+    out = torch.randn(5, 2, n_out).requires_grad_()
+    fast, ref = lora.add_to(out, x), out + lora(x)
+    grad = torch.randn_like(ref)
+    wrt = [x, out, *lora.parameters()]
+    for a, b in zip((fast, *torch.autograd.grad(fast, wrt, grad)), (ref, *torch.autograd.grad(ref, wrt, grad))):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)  # fp32, summation order differs
+
+
+@pytest.mark.parametrize("module,targets,n_in,n_out", CASES[:1] + CASES[3:4])
+def test_zero_b_adds_exactly_nothing(module, targets, n_in, n_out):
+    lora = _lora(module, targets)
+    for pair in lora.pairs.values():
+        pair.B.data.zero_()
+    out = torch.randn(7, n_out)
+    assert torch.equal(lora.add_to(out, torch.randn(7, n_in)), out)
+
+
+def test_non_fp32_input_takes_the_per_target_path():
+    lora = _lora(*CASES[0][:2])
+    x, out = torch.randn(3, 24, dtype=torch.bfloat16), torch.randn(3, 48, dtype=torch.bfloat16)
+    fast = lora.add_to(out, x)
+    assert fast.dtype == torch.bfloat16
+    assert torch.equal(fast, out + lora(x))
