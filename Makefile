@@ -41,10 +41,10 @@ bench: $(STAMP)
 # The peer on this machine: TRL's GRPOTrainer on the SmolLM2 recipe (same prompts, reward, settings), in its own
 # venv; TRL is not a dependency of gspo-ray. Compare with `gspo-ray bench --suite smollm2`. ARGS="--lr 1e-5 --steps 10"
 TRL_VENV := .venv-trl
-$(TRL_VENV)/.installed: $(STAMP)
+$(TRL_VENV)/.installed: $(STAMP) Makefile
 	$(PY) -m venv $(TRL_VENV)
 	$(TRL_VENV)/bin/pip install -q torch==2.13.0 && $(TRL_VENV)/bin/pip install -q trl==1.16.0 \
-	  $$(grep -iE '^(transformers|tokenizers|safetensors|huggingface-hub|accelerate|peft|pydantic|pyyaml)==' $(LOCK)) datasets
+	  $$(grep -iE '^(transformers|tokenizers|safetensors|huggingface-hub|accelerate|peft|pydantic|pyyaml|math-verify|latex2sympy2-extended|antlr4-python3-runtime|sympy)==' $(LOCK)) datasets
 	touch $@
 bench-trl: $(TRL_VENV)/.installed
 	$(BIN)/python -c "from gspo_ray.models.gguf import ensure_imported; ensure_imported('runs/models/smollm2-135m-instruct')"

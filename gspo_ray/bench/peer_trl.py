@@ -21,6 +21,7 @@ recipe's `trainer.lora` rank, alpha, dropout and target modules (TRL's `peft_con
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import resource
 import statistics
@@ -72,24 +73,22 @@ def run_trl(steps: int, lr: float, model_dir: Path, out_dir: Path, seed: int = 0
     from trl import GRPOConfig, GRPOTrainer
 
     from gspo_ray.config import load_config
-    from gspo_ray.data.tasks import build_task_splits
-    from gspo_ray.envs import rewards
+    from gspo_ray.data.prompts import PromptSource
 
     torch.set_num_threads(2)
     cfg = load_config(recipe, [f"seed={seed}"])
-    data, rollout = cfg.data, cfg.rollout
-    # the recipe's data seed, as gspo-ray's learn bench keeps it: the same held-out set for every seed
-    train, held_out = build_task_splits(data.task, num_train=data.num_train, num_eval=data.num_eval, seed=data.seed,
-                                        min_digits=data.min_digits, max_digits=data.max_digits)
+    rollout = cfg.rollout
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-
-    def chat(text: str) -> str:
-        return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                             add_generation_prompt=True)
-
-    prompts = [chat(e.prompt) for e in train]
-    dataset = Dataset.from_dict({"prompt": prompts, "reference": [e.reference for e in train]})
-    reward_fn = getattr(rewards, cfg.rollout.reward.fn.rsplit(":", 1)[1])
+    # the recipe's own prompt sources (built-in task or files, chat template, system prompt) and its data seed, as
+    # gspo-ray's learn bench keeps it: the same prompts and the same held-out set for every seed
+    limits = dict(max_new_tokens=rollout.max_new_tokens, max_model_len=rollout.max_model_len)
+    train, held_out = (PromptSource.from_config(cfg.data, tokenizer, split=split, **limits)
+                       for split in ("train", "eval"))
+    train_prompts = train.prompts()
+    dataset = Dataset.from_dict({"prompt": [p.text for p in train_prompts],
+                                 "reference": [p.reference for p in train_prompts]})
+    module, name = cfg.rollout.reward.fn.split(":")
+    reward_fn = getattr(importlib.import_module(module), name)
 
     def reward(prompts, completions, reference, **_):
         return [reward_fn(c, r)["reward"] for c, r in zip(completions, reference)]
@@ -124,7 +123,8 @@ def run_trl(steps: int, lr: float, model_dir: Path, out_dir: Path, seed: int = 0
     trainer._generate_and_score_completions = timed
     rows: list[dict] = []
     evals: list[dict] = []  # held-out scores at step 0 and every eval_every steps
-    eval_prompts, eval_refs = [chat(e.prompt) for e in held_out], [e.reference for e in held_out]
+    eval_rows = held_out.prompts() if held_out is not None else []
+    eval_prompts, eval_refs = [p.text for p in eval_rows], [p.reference for p in eval_rows]
     t_start = time.perf_counter()
 
     def evaluate(model, step: int) -> None:
