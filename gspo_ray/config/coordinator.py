@@ -22,7 +22,9 @@ class CoordinatorConfig(Strict):
                                "on them. 1 = one-step off-policy: the batch sampled while the previous one trained "
                                "is kept; a batch's own passes never count against it")
     filter_zero_adv: bool = Field(True, description="drop groups whose rewards are all equal (no signal) and refill")
-    max_refill_rounds: int = Field(4, ge=0, description="extra rollout rounds to refill filtered groups")
+    max_refill_rounds: int = Field(4, ge=0, description="extra rollout rounds to refill filtered groups. Every "
+                                   "round, the first too, draws missing / (1 - the observed filter rate) prompts "
+                                   "(at most 4x missing), so 0 still over-samples")
     recompute_old_logprobs: bool = Field(False, description="recompute old log-probs with the trainer instead of "
                                          "using the engine's (to measure the engine-trainer gap)")
     eval_every: int = Field(5, ge=0, description="held-out evaluation every N steps (0 = only start and end)")
