@@ -21,7 +21,6 @@ recipe's `trainer.lora` rank, alpha, dropout and target modules (TRL's `peft_con
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import resource
 import statistics
@@ -74,6 +73,7 @@ def run_trl(steps: int, lr: float, model_dir: Path, out_dir: Path, seed: int = 0
 
     from gspo_ray.config import load_config
     from gspo_ray.data.prompts import PromptSource
+    from gspo_ray.envs.plugins import resolve_callable
 
     torch.set_num_threads(2)
     cfg = load_config(recipe, [f"seed={seed}"])
@@ -87,8 +87,7 @@ def run_trl(steps: int, lr: float, model_dir: Path, out_dir: Path, seed: int = 0
     train_prompts = train.prompts()
     dataset = Dataset.from_dict({"prompt": [p.text for p in train_prompts],
                                  "reference": [p.reference for p in train_prompts]})
-    module, name = cfg.rollout.reward.fn.split(":")
-    reward_fn = getattr(importlib.import_module(module), name)
+    reward_fn = resolve_callable(cfg.rollout.reward.fn, "rollout.reward.fn")
 
     def reward(prompts, completions, reference, **_):
         return [reward_fn(c, r)["reward"] for c, r in zip(completions, reference)]

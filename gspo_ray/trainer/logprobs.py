@@ -110,14 +110,37 @@ def output_rows(inner, seq_idx: Tensor, batch_idx: Tensor):
     """Within the block, `inner.output_layer` computes logits for hidden_states[seq_idx, batch_idx] only (an
     [N, 1, H] input, so GPTModel returns [1, N, V]). Not valid under sequence parallelism, where the layer first
     gathers position shards."""
-    layer = inner.output_layer
-    original = layer.forward
+    original = inner.output_layer.forward
 
     def forward(hidden_states, *args, **kwargs):
         logits, bias = original(hidden_states[seq_idx, batch_idx].unsqueeze(1), *args, **kwargs)
         # a frozen output layer (LoRA) would otherwise take its input gradient as N matrix-vector products
         return foldable_grad(logits), bias
 
+    with _output_forward(inner, forward):
+        yield
+
+
+@contextlib.contextmanager
+def output_hidden(inner, seq_idx: Tensor, batch_idx: Tensor, weights: list):
+    """Within the block, `inner.output_layer` returns hidden_states[seq_idx, batch_idx] ([N, 1, H], so GPTModel
+    returns [1, N, H]) instead of logits, and appends the weight it would have used (its own, or the tied
+    embedding's) to `weights`: the caller runs the output layer fused with the log-softmax (logprob_head.py).
+    Valid where the output layer is a plain x W^T on one rank: TP 1, no bias."""
+    layer = inner.output_layer
+
+    def forward(hidden_states, *args, weight=None, **kwargs):
+        weights.append(layer.weight if weight is None else weight)
+        return hidden_states[seq_idx, batch_idx].unsqueeze(1), None
+
+    with _output_forward(inner, forward):
+        yield
+
+
+@contextlib.contextmanager
+def _output_forward(inner, forward):
+    """`inner.output_layer.forward` replaced by `forward` within the block (an instance attribute, removed after)."""
+    layer = inner.output_layer
     layer.forward = forward
     try:
         yield
@@ -199,25 +222,6 @@ def forward_group_logprobs(model, tokens: Tensor, lengths: Tensor, layout, *, wi
         scored = _score(model, inner, layout.tokens.to(device), positions, layout.attention_mask.to(device),
                         s_idx, r_idx, tokens[b_idx, t_idx], vocab_size, with_entropy, temperature)
     return _scatter(scored, b_idx, t_idx, (batch, length), with_entropy)
-
-
-@contextlib.contextmanager
-def output_hidden(inner, seq_idx: Tensor, batch_idx: Tensor, weights: list):
-    """Within the block, `inner.output_layer` returns hidden_states[seq_idx, batch_idx] ([N, 1, H], so GPTModel
-    returns [1, N, H]) instead of logits, and appends the weight it would have used (its own, or the tied
-    embedding's) to `weights`: the caller runs the output layer fused with the log-softmax (logprob_head.py).
-    Valid where the output layer is a plain x W^T on one rank: TP 1, no bias."""
-    layer = inner.output_layer
-
-    def forward(hidden_states, *args, weight=None, **kwargs):
-        weights.append(layer.weight if weight is None else weight)
-        return hidden_states[seq_idx, batch_idx].unsqueeze(1), None
-
-    layer.forward = forward
-    try:
-        yield
-    finally:
-        del layer.forward
 
 
 def _fused_head(inner) -> bool:
