@@ -20,7 +20,10 @@ def data_make(task: str = typer.Argument(..., help="wordproblems"),
               seed: int = typer.Option(0, help="generator seed"),
               min_ops: int = typer.Option(2, help="fewest arithmetic operations a problem takes (2-3)"),
               max_ops: int = typer.Option(3, help="most arithmetic operations a problem takes (2-3)"),
-              max_value: int = typer.Option(5, help="largest quantity in a problem")):
+              max_value: int = typer.Option(5, help="largest quantity in a problem"),
+              instruction: str = typer.Option("reason", help="what each prompt asks for after the question: "
+                                              "'reason' (step by step, then the answer line) or 'oneline' (one "
+                                              "line of arithmetic, then the answer line)")):
     """Write TASK's train and held-out splits as verl-layout parquet (OUT/train.parquet, OUT/test.parquet) and
     TRL-style `datasets` directories (OUT/trl/train, OUT/trl/test)."""
     from gspo_ray.data.wordproblems import write_wordproblems
@@ -29,7 +32,7 @@ def data_make(task: str = typer.Argument(..., help="wordproblems"),
         typer.echo(f"error: task {task!r} unknown; valid: {', '.join(TASKS)}", err=True)
         raise typer.Exit(2)
     try:
-        paths = write_wordproblems(out, num_train, num_eval, seed, min_ops, max_ops, max_value)
+        paths = write_wordproblems(out, num_train, num_eval, seed, min_ops, max_ops, max_value, instruction)
     except ValueError as e:
         typer.echo(f"error: {' '.join(str(e).split())}", err=True)
         raise typer.Exit(2) from None

@@ -21,7 +21,13 @@ from pathlib import Path
 from typing import Callable
 
 DATA_SOURCE = "gspo_ray/wordproblems"
-INSTRUCTION = "Reason step by step, then finish with a last line of the form \"The answer is N.\" with N a number."
+# What the prompt asks for after the question. "reason" (the default) lets a small model ramble: SmolLM2-135M's
+# completions fill most of 128 tokens; "oneline" asks for the arithmetic alone and roughly halves them (docs/data.md).
+INSTRUCTIONS = {
+    "reason": "Reason step by step, then finish with a last line of the form \"The answer is N.\" with N a number.",
+    "oneline": "Write the calculation as one line of arithmetic, then a last line of the form \"The answer is N.\"",
+}
+INSTRUCTION = INSTRUCTIONS["reason"]
 NAMES = ("Mia", "Noah", "Ava", "Liam", "Zoe", "Omar", "Lena", "Ravi", "Sara", "Tom", "Yuki", "Ines")
 ITEMS = ("apples", "marbles", "stickers", "cookies", "pencils", "shells", "stamps", "books", "eggs", "cards")
 _MAX_DRAWS = 50  # draws per wanted problem before the space counts as exhausted
@@ -38,7 +44,13 @@ class WordProblem:
 
     @property
     def prompt(self) -> str:
-        return f"{self.question}\n{INSTRUCTION}"
+        return self.prompt_with("reason")
+
+    def prompt_with(self, instruction: str) -> str:
+        """The question followed by one of INSTRUCTIONS (by name)."""
+        if instruction not in INSTRUCTIONS:
+            raise ValueError(f"instruction {instruction!r} unknown; valid: {', '.join(INSTRUCTIONS)}")
+        return f"{self.question}\n{INSTRUCTIONS[instruction]}"
 
 
 def _buy_packs(r: random.Random, hi: int) -> WordProblem:
@@ -130,36 +142,39 @@ def build_wordproblem_splits(num_train: int = 4000, num_eval: int = 64, seed: in
     return train, held_out
 
 
-def verl_rows(problems: list[WordProblem], split: str) -> list[dict]:
+def verl_rows(problems: list[WordProblem], split: str, instruction: str = "reason") -> list[dict]:
     """Rows in verl's parquet layout (its examples/data_preprocess scripts write the same columns)."""
-    return [{"data_source": DATA_SOURCE, "prompt": [{"role": "user", "content": p.prompt}], "ability": "math",
+    return [{"data_source": DATA_SOURCE, "prompt": [{"role": "user", "content": p.prompt_with(instruction)}], "ability": "math",
              "reward_model": {"style": "rule", "ground_truth": str(p.answer)},
              "extra_info": {"split": split, "index": i, "question": p.question, "solution": p.solution, "ops": p.ops}}
             for i, p in enumerate(problems)]
 
 
-def trl_rows(problems: list[WordProblem]) -> list[dict]:
+def trl_rows(problems: list[WordProblem], instruction: str = "reason") -> list[dict]:
     """Rows of a conversational TRL dataset: `prompt` messages, the answer in `solution` (TRL's accuracy reward
     reads that column), the operation count as an extra column."""
-    return [{"prompt": [{"role": "user", "content": p.prompt}], "solution": str(p.answer), "ops": p.ops}
+    return [{"prompt": [{"role": "user", "content": p.prompt_with(instruction)}], "solution": str(p.answer), "ops": p.ops}
             for p in problems]
 
 
 def write_wordproblems(out: str | Path, num_train: int = 4000, num_eval: int = 64, seed: int = 0, min_ops: int = 2,
-                       max_ops: int = 3, max_value: int = 5) -> dict[str, Path]:
-    """Write both splits as verl parquet files and TRL save_to_disk directories under `out`; returns the paths."""
+                       max_ops: int = 3, max_value: int = 5, instruction: str = "reason") -> dict[str, Path]:
+    """Write both splits as verl parquet files and TRL save_to_disk directories under `out`; returns the paths.
+    `instruction` names the INSTRUCTIONS entry each prompt ends with."""
     import datasets
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    if instruction not in INSTRUCTIONS:
+        raise ValueError(f"instruction {instruction!r} unknown; valid: {', '.join(INSTRUCTIONS)}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     train, held_out = build_wordproblem_splits(num_train, num_eval, seed, min_ops, max_ops, max_value)
     paths = {}
     for split, problems in (("train", train), ("test", held_out)):
         paths[f"verl/{split}"] = out / f"{split}.parquet"
-        pq.write_table(pa.Table.from_pylist(verl_rows(problems, split)), paths[f"verl/{split}"])
+        pq.write_table(pa.Table.from_pylist(verl_rows(problems, split, instruction)), paths[f"verl/{split}"])
         paths[f"trl/{split}"] = out / "trl" / split
         datasets.disable_progress_bars()  # a command-line tool prints its own summary
-        datasets.Dataset.from_list(trl_rows(problems)).save_to_disk(str(paths[f"trl/{split}"]))
+        datasets.Dataset.from_list(trl_rows(problems, instruction)).save_to_disk(str(paths[f"trl/{split}"]))
     return paths

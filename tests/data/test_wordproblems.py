@@ -49,3 +49,18 @@ def test_data_make_writes_verl_parquet_and_trl_datasets(tmp_path):
         assert math_verify_reward(f"The answer is {int(r.reference) + 1}.", r.reference)["reward"] == 0.0
     bad = CliRunner().invoke(app, ["data", "make", "riddles", "--out", str(tmp_path)])
     assert bad.exit_code == 2 and bad.stderr.strip() == "error: task 'riddles' unknown; valid: wordproblems"
+
+
+def test_data_make_oneline_instruction_and_unknown_instruction(tmp_path):
+    result = CliRunner().invoke(app, ["data", "make", "wordproblems", "--out", str(tmp_path), "--num-train", "10",
+                                      "--num-eval", "4", "--instruction", "oneline"])
+    assert result.exit_code == 0, result.output
+    rows = read_rows(tmp_path / "test.parquet", "parquet", "prompt", "reward_model.ground_truth", True)
+    _, held_out = build_wordproblem_splits(num_train=10, num_eval=4)
+    assert [r.prompt[0]["content"] for r in rows] == [
+        f'{p.question}\nWrite the calculation as one line of arithmetic, then a last line of the form "The answer is '
+        f'N."' for p in held_out]  # the same problems as the default, only the instruction differs
+    bad = CliRunner().invoke(app, ["data", "make", "wordproblems", "--out", str(tmp_path / "x"), "--instruction",
+                                   "terse"])
+    assert bad.exit_code == 2 and bad.stderr.strip() == "error: instruction 'terse' unknown; valid: reason, oneline"
+    assert not (tmp_path / "x").exists()
