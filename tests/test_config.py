@@ -102,3 +102,17 @@ def test_the_job_seed_seeds_the_engines_unless_rollout_seed_is_set():
     assert JobConfig().rollout.seed == 0
     assert JobConfig.model_validate({"seed": 3}).rollout.seed == 3
     assert JobConfig.model_validate({"seed": 3, "rollout": {"seed": 7}}).rollout.seed == 7
+
+
+@pytest.mark.parametrize("dtypes,named", [(["rollout.dtype=bfloat16"], "rollout.dtype bfloat16"),
+                                          (["trainer.dtype=bfloat16"], "trainer.dtype bfloat16"),
+                                          (["rollout.dtype=bfloat16", "trainer.dtype=bfloat16"],
+                                           "rollout.dtype and trainer.dtype bfloat16")])
+def test_bf16_needs_the_trainer_anchor(dtypes, named):
+    """bf16 log-probs are no old policy for a 3e-4 band: refused unless the trainer recomputes them."""
+    with pytest.raises(ConfigError, match=f"{named} needs coordinator.recompute_old_logprobs: true"):
+        load_config(RECIPE, dtypes)
+    cfg = load_config(RECIPE, [*dtypes, "coordinator.recompute_old_logprobs=true",
+                               "algorithm.mismatch_correction.level=sequence"])
+    assert [f"{k}.dtype={getattr(cfg, k).dtype}" for k in ("rollout", "trainer") if f"{k}.dtype=bfloat16" in dtypes] == dtypes
+    assert load_config(RECIPE, []).rollout.dtype == "float32"  # the default needs no anchor

@@ -100,6 +100,16 @@ class JobConfig(Strict):
         if a.mismatch_correction.level != "none" and not c.recompute_old_logprobs:
             raise ValueError("algorithm.mismatch_correction needs coordinator.recompute_old_logprobs: true (the "
                              "engine's log-probs are the anchor otherwise, so there is no gap to correct)")
+        bf16 = [f"{name}.dtype" for name, dtype in (("rollout", self.rollout.dtype), ("trainer", self.trainer.dtype))
+                if dtype == "bfloat16"]
+        if bf16 and not c.recompute_old_logprobs:
+            # measured (docs/real-models.md): a bf16 engine's log-probs sit ~0.2 per token from the trainer's, so
+            # 48-56% of sequences fall outside GSPO's 3e-4 band before any update; the ratio needs a same-precision
+            # anchor
+            raise ValueError(f"{' and '.join(bf16)} bfloat16 needs coordinator.recompute_old_logprobs: true (the "
+                             "trainer's own log-probs as the old policy; add algorithm.mismatch_correction for the "
+                             "engine-trainer gap): the engine's bf16 log-probs differ from the trainer's by far "
+                             "more than the clip band")
         if a.eps == "auto" and c.mode == "sync" and c.num_iterations * c.num_minibatches == 1:
             raise ValueError("algorithm.eps 'auto' measures drift on reuse mini-batches: set "
                              "coordinator.num_iterations or num_minibatches above 1 (or mode async)")
