@@ -23,18 +23,25 @@ def data_make(task: str = typer.Argument(..., help="wordproblems"),
               max_value: int = typer.Option(5, help="largest quantity in a problem"),
               instruction: str = typer.Option("reason", help="what each prompt asks for after the question: "
                                               "'reason' (step by step, then the answer line) or 'oneline' (one "
-                                              "line of arithmetic, then the answer line)")):
+                                              "line of arithmetic, then the answer line)"),
+              max_answer_share: float = typer.Option(0.04, help="the most of a split one answer value may take, "
+                                                     "so that printing a frequent answer scores little")):
     """Write TASK's train and held-out splits as verl-layout parquet (OUT/train.parquet, OUT/test.parquet) and
-    TRL-style `datasets` directories (OUT/trl/train, OUT/trl/test)."""
-    from gspo_ray.data.wordproblems import write_wordproblems
+    TRL-style `datasets` directories (OUT/trl/train, OUT/trl/test), then what a constant guess would score."""
+    from gspo_ray.data.wordproblems import best_constant_guess, build_wordproblem_splits, write_wordproblems
 
     if task not in TASKS:
         typer.echo(f"error: task {task!r} unknown; valid: {', '.join(TASKS)}", err=True)
         raise typer.Exit(2)
     try:
-        paths = write_wordproblems(out, num_train, num_eval, seed, min_ops, max_ops, max_value, instruction)
+        paths = write_wordproblems(out, num_train, num_eval, seed, min_ops, max_ops, max_value, instruction,
+                                   max_answer_share)
     except ValueError as e:
         typer.echo(f"error: {' '.join(str(e).split())}", err=True)
         raise typer.Exit(2) from None
     for name, path in paths.items():
         typer.echo(f"{name:<11} {path}")
+    splits = build_wordproblem_splits(num_train, num_eval, seed, min_ops, max_ops, max_value, max_answer_share)
+    for split, problems in zip(("train", "test"), splits):  # the floor a policy that ignores the question reaches
+        answer, share = best_constant_guess(problems)
+        typer.echo(f"{split:<5} {len(problems)} problems; the best constant guess ({answer}) scores pass@1 {share:.3f}")

@@ -15,7 +15,9 @@ disjoint and the held-out set does not change with num_train. Deterministic in t
 """
 from __future__ import annotations
 
+import math
 import random
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -31,6 +33,10 @@ INSTRUCTION = INSTRUCTIONS["reason"]
 NAMES = ("Mia", "Noah", "Ava", "Liam", "Zoe", "Omar", "Lena", "Ravi", "Sara", "Tom", "Yuki", "Ines")
 ITEMS = ("apples", "marbles", "stickers", "cookies", "pencils", "shells", "stamps", "books", "eggs", "cards")
 _MAX_DRAWS = 50  # draws per wanted problem before the space counts as exhausted
+# The most of a split one answer value may take. Uncapped, small answers pile up (_share's "each - eaten" is often
+# 1): "1" was 12.5% of the held-out set and a policy learned to print it (docs/data.md). At 4% a constant guess
+# scores at most ceil(0.04 * n) / n of a split (3 of 64 held-out problems).
+MAX_ANSWER_SHARE = 0.04
 
 
 @dataclass(frozen=True)
@@ -110,35 +116,50 @@ TEMPLATES: dict[int, tuple[Callable[[random.Random, int], WordProblem], ...]] = 
     2: (_buy_packs, _pick_and_give, _share, _wage), 3: (_packs_then_give, _shop_day, _reading)}
 
 
-def _draw(n: int, rng: random.Random, ops: list[int], max_value: int, exclude: set[str]) -> list[WordProblem]:
+def _draw(n: int, rng: random.Random, ops: list[int], max_value: int, exclude: set[str],
+          max_answer_share: float) -> list[WordProblem]:
+    """n distinct problems not in `exclude`, no answer value on more than ceil(max_answer_share * n) of them."""
     out: list[WordProblem] = []
-    seen = set(exclude)
+    seen, answers, cap = set(exclude), Counter(), max(1, math.ceil(max_answer_share * n))
     for _ in range(n * _MAX_DRAWS):
         if len(out) == n:
             break
         problem = rng.choice(TEMPLATES[rng.choice(ops)])(rng, max_value)
-        if problem.question not in seen:
+        if problem.question not in seen and answers[problem.answer] < cap:
             seen.add(problem.question)
+            answers[problem.answer] += 1
             out.append(problem)
     return out
 
 
+def best_constant_guess(problems: list[WordProblem]) -> tuple[int, float]:
+    """The answer a policy that ignores the question would print, and the pass@1 it would score on `problems`."""
+    answer, count = Counter(p.answer for p in problems).most_common(1)[0]
+    return answer, count / len(problems)
+
+
 def build_wordproblem_splits(num_train: int = 4000, num_eval: int = 64, seed: int = 0, min_ops: int = 2,
-                             max_ops: int = 3, max_value: int = 5) -> tuple[list[WordProblem], list[WordProblem]]:
+                             max_ops: int = 3, max_value: int = 5, max_answer_share: float = MAX_ANSWER_SHARE
+                             ) -> tuple[list[WordProblem], list[WordProblem]]:
     """(train, held-out) problems, disjoint by text; each problem takes min_ops..max_ops operations (chosen
-    uniformly, then a template of that many uniformly) over quantities of at most `max_value`."""
+    uniformly, then a template of that many uniformly) over quantities of at most `max_value`; within a split no
+    answer value covers more than `max_answer_share` of the problems (rounded up), so no constant guess pays."""
     if not 2 <= min_ops <= max_ops <= 3:
         raise ValueError(f"need 2 <= min_ops <= max_ops <= 3, got {min_ops} and {max_ops}")
     if max_value < 3 or num_train < 1 or num_eval < 1:
         raise ValueError(f"need max_value >= 3, num_train >= 1, num_eval >= 1; got {max_value}, {num_train}, "
                          f"{num_eval}")
     ops = list(range(min_ops, max_ops + 1))
-    held_out = _draw(num_eval, random.Random(f"gspo_ray.wordproblems:{seed}:eval"), ops, max_value, set())
+    if not 0.0 < max_answer_share <= 1.0:
+        raise ValueError(f"need 0 < max_answer_share <= 1, got {max_answer_share}")
+    held_out = _draw(num_eval, random.Random(f"gspo_ray.wordproblems:{seed}:eval"), ops, max_value, set(),
+                     max_answer_share)
     train = _draw(num_train, random.Random(f"gspo_ray.wordproblems:{seed}:train"), ops, max_value,
-                  {p.question for p in held_out})
+                  {p.question for p in held_out}, max_answer_share)
     if len(held_out) < num_eval or len(train) < num_train:
         raise ValueError(f"only {len(train)} training and {len(held_out)} held-out distinct problems with "
-                         f"max_value={max_value}; raise max_value or ask for fewer")
+                         f"max_value={max_value}, no answer on more than {max_answer_share:g} of a split; raise "
+                         "max_value or ask for fewer")
     return train, held_out
 
 
@@ -158,7 +179,8 @@ def trl_rows(problems: list[WordProblem], instruction: str = "reason") -> list[d
 
 
 def write_wordproblems(out: str | Path, num_train: int = 4000, num_eval: int = 64, seed: int = 0, min_ops: int = 2,
-                       max_ops: int = 3, max_value: int = 5, instruction: str = "reason") -> dict[str, Path]:
+                       max_ops: int = 3, max_value: int = 5, instruction: str = "reason",
+                       max_answer_share: float = MAX_ANSWER_SHARE) -> dict[str, Path]:
     """Write both splits as verl parquet files and TRL save_to_disk directories under `out`; returns the paths.
     `instruction` names the INSTRUCTIONS entry each prompt ends with."""
     import datasets
@@ -169,7 +191,8 @@ def write_wordproblems(out: str | Path, num_train: int = 4000, num_eval: int = 6
         raise ValueError(f"instruction {instruction!r} unknown; valid: {', '.join(INSTRUCTIONS)}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    train, held_out = build_wordproblem_splits(num_train, num_eval, seed, min_ops, max_ops, max_value)
+    train, held_out = build_wordproblem_splits(num_train, num_eval, seed, min_ops, max_ops, max_value,
+                                               max_answer_share)
     paths = {}
     for split, problems in (("train", train), ("test", held_out)):
         paths[f"verl/{split}"] = out / f"{split}.parquet"

@@ -7,7 +7,7 @@ from typer.testing import CliRunner
 
 from gspo_ray.cli import app
 from gspo_ray.data.sources import read_rows
-from gspo_ray.data.wordproblems import DATA_SOURCE, build_wordproblem_splits
+from gspo_ray.data.wordproblems import DATA_SOURCE, best_constant_guess, build_wordproblem_splits
 from gspo_ray.envs.rewards import math_verify_reward
 
 
@@ -64,3 +64,22 @@ def test_data_make_oneline_instruction_and_unknown_instruction(tmp_path):
                                    "terse"])
     assert bad.exit_code == 2 and bad.stderr.strip() == "error: instruction 'terse' unknown; valid: reason, oneline"
     assert not (tmp_path / "x").exists()
+
+
+def test_no_answer_value_takes_more_than_its_share_of_a_split(tmp_path):
+    """Uncapped, "1" was 8 of 64 held-out answers and a policy learned to print it; capped at 4%, a constant
+    guess scores at most ceil(0.04 * n) / n of each split."""
+    train, held_out = build_wordproblem_splits(num_train=1000, num_eval=64, seed=0)
+    assert best_constant_guess(held_out)[1] <= 3 / 64 and best_constant_guess(train)[1] <= 40 / 1000
+    uncapped = build_wordproblem_splits(num_train=1000, num_eval=64, seed=0, max_answer_share=1.0)[1]
+    assert best_constant_guess(uncapped)[1] > 3 / 64  # the cap is what keeps it down
+    answer, share = best_constant_guess(held_out)
+    answers = [p.answer for p in held_out]
+    assert share == answers.count(answer) / 64 == max(map(answers.count, answers)) / 64
+    with pytest.raises(ValueError, match="need 0 < max_answer_share <= 1, got 0"):
+        build_wordproblem_splits(max_answer_share=0)
+    result = CliRunner().invoke(app, ["data", "make", "wordproblems", "--out", str(tmp_path), "--num-train", "100",
+                                      "--num-eval", "16"])
+    answer, share = best_constant_guess(build_wordproblem_splits(num_train=100, num_eval=16)[1])
+    assert result.exit_code == 0 and share == 1 / 16
+    assert f"test  16 problems; the best constant guess ({answer}) scores pass@1 0.062" in result.output

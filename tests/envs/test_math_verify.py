@@ -1,5 +1,6 @@
-"""math_verify_reward (final answer by \\boxed{}, ####, last number; checked with math-verify), row fields reaching
-rewards as keyword arguments (TRL's way), and a reward per data_source (verl's way), in the killable reward process."""
+"""math_verify_reward (final answer by \\boxed{}, ####, "answer is", last number; checked with math-verify; a
+completion cut at max_new_tokens scores 0), row fields reaching rewards as keyword arguments (TRL's way), and a
+reward per data_source (verl's way), in the killable reward process."""
 import pickle
 
 import pytest
@@ -25,6 +26,8 @@ TABLE = [
     ("she loses 5, so -5", "-5", "-5", 1.0),                                        # a sign
     ("Natalia sold 48 + 24 = 72 clips", "#### 72", "72", 1.0),                      # a GSM8K-style reference
     ("6/8", "\\frac{3}{4}", "6/8", 1.0),
+    ("The answer is 7 apples, not 8", "7", "7", 1.0),                               # the stated answer wins
+    ("3 + 4 = 7. Final answer: $7 in all, 2 left", "7", "7", 1.0),                   # over the last number
     ("The answer is 17.", "18", "17", 0.0),                                         # wrong
     ("\\boxed{18} but 19 at the end", "19", "18", 0.0),                             # the box wins over the tail
     ("", "18", None, 0.0),                                                          # empty
@@ -39,6 +42,26 @@ def test_math_verify_reward_table(completion, reference, extracted, reward):
     out = math_verify_reward(completion, reference)
     assert out["reward"] == reward and out["exact"] == reward
     assert out["has_answer"] == float(extracted is not None)
+
+
+def test_a_completion_cut_at_max_new_tokens_scores_nothing():
+    """The hack a last-number rule invites: repeat a frequent answer until the cap. Cut (finish_reason "length",
+    no EOS) scores 0 by default; `require_stop=False` pays it; the same text stopped by EOS is paid."""
+    ramble = "1\n" * 40
+    cut = math_verify_reward(ramble, "1", finish_reason="length", eos_found=False)
+    assert cut == {"reward": 0.0, "exact": 0.0, "has_answer": 1.0, "stopped": 0.0}
+    assert math_verify_reward(ramble, "1", finish_reason="length", eos_found=False, require_stop=False)["reward"] == 1.0
+    assert math_verify_reward(ramble, "1", finish_reason="stop", eos_found=True)["reward"] == 1.0
+    # an EOS sampled as the very last allowed token is a stop, though the engine says "length"
+    assert math_verify_reward("The answer is 1.", "1", finish_reason="length", eos_found=True)["stopped"] == 1.0
+
+
+def test_strict_format_without_the_last_number_rule():
+    """last_number=False (verl's strict GSM8K scoring): only \\boxed{}, #### or "answer is" count."""
+    assert extract_final_answer("2 bags of 9 is 18 apples.", last_number=False) is None
+    assert math_verify_reward("2 bags of 9 is 18 apples.", "18", last_number=False)["reward"] == 0.0
+    assert math_verify_reward("9 * 2 = 18\nThe answer is 18.", "18", last_number=False)["reward"] == 1.0
+    assert math_verify_reward("#### 18", "18", last_number=False)["reward"] == 1.0
 
 
 def test_unparsable_references_are_named():
