@@ -112,7 +112,24 @@ def test_bf16_needs_the_trainer_anchor(dtypes, named):
     """bf16 log-probs are no old policy for a 3e-4 band: refused unless the trainer recomputes them."""
     with pytest.raises(ConfigError, match=f"{named} needs coordinator.recompute_old_logprobs: true"):
         load_config(RECIPE, dtypes)
-    cfg = load_config(RECIPE, [*dtypes, "coordinator.recompute_old_logprobs=true",
+    cfg = load_config(RECIPE, [*dtypes, "coordinator.recompute_old_logprobs=true", "algorithm.eps=fixed",
                                "algorithm.mismatch_correction.level=sequence"])
     assert [f"{k}.dtype={getattr(cfg, k).dtype}" for k in ("rollout", "trainer") if f"{k}.dtype=bfloat16" in dtypes] == dtypes
     assert load_config(RECIPE, []).rollout.dtype == "float32"  # the default needs no anchor
+
+
+def test_the_recomputed_anchor_in_async_one_pass_is_refused_where_it_silences_the_ratio():
+    """The recipe is async, 1 pass x 1 mini-batch, eps auto. With the trainer recomputing the old log-probs the
+    only mini-batch trains against its own policy: the ratio is 1 (no band clips, auto never observes), and the
+    samples' one-update staleness is corrected only by mismatch_correction. Both are refused, each by its field."""
+    recompute = ["rollout.dtype=bfloat16", "coordinator.recompute_old_logprobs=true"]
+    with pytest.raises(ConfigError, match="algorithm.eps 'auto' .* the trainer recomputes the old log-probs"):
+        load_config(RECIPE, [*recompute, "algorithm.mismatch_correction.level=sequence"])
+    with pytest.raises(ConfigError, match="coordinator.mode async with coordinator.recompute_old_logprobs needs "
+                                          "algorithm.mismatch_correction"):
+        load_config(RECIPE, [*recompute, "algorithm.eps=fixed"])
+    # with reuse mini-batches auto has drift to measure, even on the recomputed anchor
+    cfg = load_config(RECIPE, [*recompute, "coordinator.num_minibatches=2", "algorithm.mismatch_correction.level=token"])
+    assert cfg.algorithm.eps == "auto"
+    # sync mode with recompute has no staleness to correct: a fixed band alone is accepted
+    assert load_config(RECIPE, [*recompute, "algorithm.eps=fixed", "coordinator.mode=sync"]).coordinator.mode == "sync"

@@ -110,9 +110,23 @@ class JobConfig(Strict):
                              "trainer's own log-probs as the old policy; add algorithm.mismatch_correction for the "
                              "engine-trainer gap): the engine's bf16 log-probs differ from the trainer's by far "
                              "more than the clip band")
-        if a.eps == "auto" and c.mode == "sync" and c.num_iterations * c.num_minibatches == 1:
-            raise ValueError("algorithm.eps 'auto' measures drift on reuse mini-batches: set "
-                             "coordinator.num_iterations or num_minibatches above 1 (or mode async)")
+        one_pass = c.num_iterations * c.num_minibatches == 1
+        if a.eps == "auto" and one_pass and (c.mode == "sync" or c.recompute_old_logprobs):
+            # auto measures drift on mini-batches trained after the anchor's version. With one pass x one
+            # mini-batch the only mini-batch is the anchor's own when the anchor is the sampling policy in sync
+            # mode, and always when the trainer recomputes it (the ratio is then 1 up to recompute noise)
+            anchor = ("the trainer recomputes the old log-probs, so the ratio is 1" if c.recompute_old_logprobs
+                      else "sync mode trains each batch on the policy that sampled it")
+            raise ValueError(f"algorithm.eps 'auto' measures drift on reuse mini-batches, and with one pass x one "
+                             f"mini-batch {anchor}: set coordinator.num_iterations or num_minibatches above 1, or "
+                             "a fixed algorithm.eps" + ("" if c.recompute_old_logprobs else " (or mode async)"))
+        if c.mode == "async" and c.recompute_old_logprobs and a.mismatch_correction.level == "none":
+            # the recomputed anchor is the trainer's current policy, one update newer than the one that sampled:
+            # the ratio no longer sees that staleness, and only the engine-vs-trainer correction weighs it
+            raise ValueError("coordinator.mode async with coordinator.recompute_old_logprobs needs "
+                             "algorithm.mismatch_correction (token, sequence or geometric): the ratio then anchors "
+                             "on the trainer's current policy, so the samples' one-update staleness is corrected by "
+                             "nothing else")
         return self
 
     @model_validator(mode="after")
