@@ -42,13 +42,16 @@ class AutoscaleConfig(Strict):
                             "completions trained per second by at least this share, after its cost")
     shrink_tolerance: float = Field(0.03, ge=0, description="a worker is given back (shrink) when the throughput "
                                     "predicted without it is at most this share lower")
-    horizon_steps: int = Field(20, ge=1, description="steps over which a move's measured cost (a rollout engine's "
-                               "start, a trainer resize's save + rebuild + load) must be paid back by the time it "
-                               "saves (fewer when the job has fewer steps left)")
+    give_back: bool = Field(True, description="shrink a pool whose workers the throughput does not need, giving "
+                            "their devices back to the cluster (a shared cluster); false = keep every device of "
+                            "the sizes reached and only move them between the pools (a dedicated one)")
+    horizon_steps: int = Field(20, ge=1, description="steps over which a move's measured cost (a rollout grow's "
+                               "engine start, a trainer resize's save + rebuild + load) must be paid back by the "
+                               "time it saves (fewer when the job has fewer steps left)")
     scaling_prior: float = Field(0.8, ge=0, le=1, description="per-pool scaling exponent assumed before a move "
                                  "measured it: n workers take (n0 / n)^e of the time n0 took (1 = linear)")
-    move_cost_prior_s: float = Field(30.0, ge=0, description="seconds a move is assumed to cost (per rollout engine "
-                                     "started; per trainer resize) before one was measured")
+    move_cost_prior_s: float = Field(30.0, ge=0, description="seconds a move is assumed to cost (a rollout grow, "
+                                     "whose engines start together; a trainer resize) before one was measured")
     max_move: int = Field(1, ge=1, description="most workers one decision adds to or takes from a pool (trainer: "
                           "layout steps); large clusters move several at once")
 

@@ -13,7 +13,7 @@ measured from the last move that changed that pool (`scaling_prior` before one d
 and it picks, among the sizes one decision can reach (at most `max_move` workers or trainer layout steps per
 pool, within each pool's bounds, the device budget, and trainer sizes `TrainerConfig.resize_problem` accepts):
   - the grow or move whose time saved over the next `horizon_steps` steps (fewer when the job ends sooner) pays
-    its measured cost (a rollout engine's start per engine added, a trainer resize's save + rebuild + load), and
+    its measured cost (a rollout grow: its engines' start, together; a trainer resize: save + rebuild + load), and
     that is predicted to raise completions trained per second by at least `min_gain`;
   - else the shrink that gives back the most devices for at most `shrink_tolerance` of throughput;
   - else hold.
@@ -49,6 +49,7 @@ class StepTimes:
     stale_dropped: int = 0  # groups dropped for age this step
     buffer_depth: int = 0  # scored groups waiting after the step
     staleness: float = 0.0  # the oldest trained group's age, in train steps
+    tokens: int = 0  # their completion tokens (0: unknown; the times are then compared per completion)
 
 
 @dataclass(frozen=True)
@@ -92,7 +93,7 @@ class Move:
     at_s: float
     decision: Decision
     before: tuple[int, int]
-    per_completion: tuple[float, float, float]  # the window before it: rollout, train, sync seconds per completion
+    per_token: tuple[float, float, float]  # the window before it: rollout, train, sync seconds per token
     measured: float = math.nan  # completions/s in the first full window after it
     paid: bool | None = None
 
@@ -107,7 +108,7 @@ class Autoscaler:
     history: list[Move] = field(default_factory=list)
     window: list[StepTimes] = field(default_factory=list)
     scaling: dict[str, float] = field(default_factory=dict)  # pool -> measured exponent e
-    costs: dict[str, float] = field(default_factory=dict)  # "rollout": s per engine started; "trainer": s a resize
+    costs: dict[str, float] = field(default_factory=dict)  # "rollout": s a grow; "trainer": s a resize
     blocked: dict[tuple[int, int, int, int], tuple[float, float]] = field(default_factory=dict)
     settling: bool = False  # the first step after a move is not measured
     current: tuple[int, int] = (0, 0)  # (rollout workers, trainer ranks) now
@@ -127,19 +128,25 @@ class Autoscaler:
             self.window = []  # sizes changed outside the controller (`gspo-ray scale`): measure afresh
         self.window = (self.window + [s])[-self.cfg.window_steps:]
 
-    def per_completion(self) -> tuple[float, float, float]:
-        """Median rollout, train and sync seconds per completion over the window."""
-        w = self.window
-        return tuple(statistics.median(getattr(s, k) / max(s.completions, 1) for s in w)
+    def per_token(self) -> tuple[float, float, float]:
+        """Median rollout, train and sync seconds per completion token over the window (per completion where
+        tokens are unknown): a completion-length drift then shows up neither as a pool's scaling nor as a move
+        that paid or did not."""
+        return tuple(statistics.median(getattr(s, k) / max(s.tokens or s.completions, 1) for s in self.window)
                      for k in ("rollout_s", "train_s", "sync_s"))
 
-    def time_per_completion(self, r: int, t: int, base: tuple[float, float, float] | None = None) -> float:
-        """Predicted seconds per completion at r rollout workers and t trainer ranks."""
-        a, b, s = base or self.per_completion()
+    def tokens_per_completion(self) -> float:
+        return statistics.median((s.tokens or s.completions) / max(s.completions, 1) for s in self.window)
+
+    def phase_times(self, r: int, t: int, base: tuple[float, float, float] | None = None) -> tuple[float, ...]:
+        """Predicted rollout, train and sync seconds per token at r rollout workers and t trainer ranks."""
+        a, b, s = base or self.per_token()
         r0, t0 = self.sizes()
-        a *= (r0 / r) ** self.scaling["rollout"]
-        b *= (t0 / t) ** self.scaling["trainer"]
-        return a + b + s if self.pools.mode == "sync" else max(a, b + s)
+        return a * (r0 / r) ** self.scaling["rollout"], b * (t0 / t) ** self.scaling["trainer"], s
+
+    def time_per_token(self, r: int, t: int, base: tuple[float, float, float] | None = None) -> float:
+        """Predicted seconds per token (per completion where tokens are unknown) at these sizes."""
+        return _time(self.phase_times(r, t, base), self.pools.mode)
 
     def sizes(self) -> tuple[int, int]:
         return self.current
@@ -152,8 +159,8 @@ class Autoscaler:
             r, t = self.sizes()
             return Decision("hold", r, t, f"measuring: {len(self.window)} of {c.window_steps} steps at these sizes")
         r, t = self.sizes()
-        base = self.per_completion()
-        now = 1 / max(self.time_per_completion(r, t, base), 1e-12)
+        base, per = self.per_token(), self.tokens_per_completion()
+        now = 1 / max(self.time_per_token(r, t, base) * per, 1e-12)
         self._judge_last_move(now, base)
         hold = lambda why: Decision("hold", r, t, why, now, now)  # noqa: E731
         last = self.history[-1] if self.history else None
@@ -172,13 +179,13 @@ class Autoscaler:
             if stale and self._favours_rollout(r, t, r2, t2):
                 skipped.append(f"{r}/{t} -> {r2}/{t2}: {stale} groups dropped for staleness in the window")
                 continue
-            pred = 1 / max(self.time_per_completion(r2, t2, base), 1e-12)
+            pred = 1 / max(self.time_per_token(r2, t2, base) * per, 1e-12)
             action = "grow" if r2 >= r and t2 >= t else "shrink" if r2 <= r and t2 <= t else "move"
             if action == "shrink":
-                if pred >= now * (1 - c.shrink_tolerance):
+                if c.give_back and self._shrink_ok(r, t, r2, t2, base, now, pred):
                     shrinks.append((self.pools.devices(r, t) - self.pools.devices(r2, t2), pred, r2, t2))
                 continue
-            cost = self.costs["rollout"] * max(r2 - r, 0) + (self.costs["trainer"] if t2 != t else 0.0)
+            cost = (self.costs["rollout"] if r2 > r else 0.0) + (self.costs["trainer"] if t2 != t else 0.0)
             saved = horizon * per_step * (1 / now - 1 / pred) - cost
             if pred >= now * (1 + c.min_gain) and saved > 0:
                 gains.append((saved, pred, r2, t2, action, cost))
@@ -206,8 +213,8 @@ class Autoscaler:
             if decision.trainer_workers != before[1]:
                 self.costs["trainer"] = cost_s  # the resize dominates: an engine start is seconds of it
             elif started > 0:
-                self.costs["rollout"] = cost_s / started
-        self.history.append(Move(step, now_s, decision, before, self.per_completion()))
+                self.costs["rollout"] = cost_s  # new engines start together: a grow costs about one start
+        self.history.append(Move(step, now_s, decision, before, self.per_token()))
         self.window, self.settling = [], True
         self.current = (decision.rollout_workers, decision.trainer_workers)
 
@@ -215,7 +222,7 @@ class Autoscaler:
         """The resize was refused (the cluster's room, a placement that failed): not tried again from here until
         the workload drifts."""
         r, t = self.sizes()
-        self.blocked[(r, t, decision.rollout_workers, decision.trainer_workers)] = self.per_completion()[:2]
+        self.blocked[(r, t, decision.rollout_workers, decision.trainer_workers)] = self.per_token()[:2]
 
     def metrics(self, decision: Decision) -> dict[str, float]:
         last = self.history[-1] if self.history else None
@@ -245,6 +252,25 @@ class Autoscaler:
                     continue
                 yield r2, t2
 
+    def _shrink_ok(self, r: int, t: int, r2: int, t2: int, base, now: float, pred: float) -> bool:
+        """A shrink may lose at most the tolerance x the share of devices it gives back (a run of shrinks cannot
+        add up to more than the tolerance). In async mode a pool off the critical path must also stay min_gain
+        below it once shrunk, so measurement noise does not make it the bottleneck (and grow it back) next."""
+        c, p = self.cfg, self.pools
+        share = (p.devices(r, t) - p.devices(r2, t2)) / p.devices(r, t)
+        if pred < now * (1 - c.shrink_tolerance * share):
+            return False
+        if p.mode == "sync":
+            return True
+        a0, b0, s0 = self.phase_times(r, t, base)
+        a, b, s = self.phase_times(r2, t2, base)
+        rollout_critical = a0 >= b0 + s0
+        if r2 < r and not rollout_critical and a * (1 + c.min_gain) > b + s:
+            return False
+        if t2 < t and rollout_critical and (b + s) * (1 + c.min_gain) > a:
+            return False
+        return True
+
     @staticmethod
     def _favours_rollout(r: int, t: int, r2: int, t2: int) -> bool:
         """More rollout per trainer rank than now: the producer gains on the consumer, groups wait longer."""
@@ -256,26 +282,35 @@ class Autoscaler:
 
     def _phases(self, base: tuple[float, float, float]) -> str:
         a, b, s = base
-        return f"rollout {a:.3g} s, train {b:.3g} s, sync {s:.3g} s per completion ({self.pools.mode})"
+        return f"rollout {a:.3g} s, train {b:.3g} s, sync {s:.3g} s per token ({self.pools.mode})"
 
     def _judge_last_move(self, now: float, base: tuple[float, float, float]) -> None:
-        """The first full window after a move: measure what it bought, update the pool's scaling, block it when it
-        did not pay."""
+        """The first full window after a move: measure what it bought, update the changed pools' scaling, block
+        it when it did not pay. Compared per token, so a drift in completion length is not taken for the move's
+        effect; a small move's measured scaling is weighted by its size (a 10% change in workers is within the
+        drift and noise of a few steps; one of 35% or more replaces the estimate)."""
         last = self.history[-1] if self.history else None
         if last is None or last.paid is not None:
             return
-        c, before = self.cfg, last.decision.throughput
+        c = self.cfg
         last.measured = now
         r0, t0 = last.before
         r1, t1 = self.sizes()
         for pool, n0, n1, i in (("rollout", r0, r1, 0), ("trainer", t0, t1, 1)):
-            if n0 != n1 and last.per_completion[i] > 0 and base[i] > 0:  # what the pool's change bought
-                e = math.log(last.per_completion[i] / base[i]) / math.log(n1 / n0)
-                self.scaling[pool] = min(max(e, 0.0), 1.0)
+            if n0 != n1 and last.per_token[i] > 0 and base[i] > 0:  # what the pool's change bought
+                e = min(max(math.log(last.per_token[i] / base[i]) / math.log(n1 / n0), 0.0), 1.0)
+                weight = min(abs(math.log(n1 / n0)) / math.log(1.35), 1.0)
+                self.scaling[pool] += weight * (e - self.scaling[pool])
+        before = 1 / max(_time(last.per_token, self.pools.mode), 1e-12)  # tokens/s before and after
+        after = 1 / max(_time(base, self.pools.mode), 1e-12)
         if last.decision.action == "shrink":
-            last.paid = now >= before * (1 - 2 * c.shrink_tolerance)
+            last.paid = after >= before * (1 - 2 * c.shrink_tolerance)
         else:
-            last.paid = now >= before * (1 + c.min_gain / 2)
+            last.paid = after >= before * (1 + c.min_gain / 2)
         if not last.paid:
-            self.blocked[(r0, t0, r1, t1)] = last.per_completion[:2]
+            self.blocked[(r0, t0, r1, t1)] = last.per_token[:2]
 
+
+def _time(base: tuple[float, float, float], mode: str) -> float:
+    a, b, s = base
+    return a + b + s if mode == "sync" else max(a, b + s)

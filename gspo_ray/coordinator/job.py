@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gspo_ray.config import JobConfig
+from gspo_ray.coordinator.autoscale_run import autoscale_step, autoscaler_for
 from gspo_ray.coordinator.checkpoint import CheckpointManager, checkpoint_bytes
 from gspo_ray.coordinator.control import resize_pool, start_control, stop_control
 from gspo_ray.coordinator.evaluation import early_stop_value
@@ -257,6 +258,8 @@ def _loop(cfg: JobConfig, coord: Coordinator, eval_prompts, tracker, ckpts, summ
     job_start = time.perf_counter() if job_start is None else job_start
     saved_at = [coord.state.step if coord.state.step else None]  # a resumed run's step is already checkpointed
     recovery = TrainerRecovery.for_job(cfg, coord, ckpts)
+    scaler = autoscaler_for(cfg, lambda n: coord.trainer.cfg.resize_problem(n))  # coordinator.autoscale
+    coord.rollout.track_busy = scaler is not None
     sized: list[bool] = []  # the first save of this process printed its size
 
     last_save = [time.perf_counter()]  # the job's first step counts from here (checkpoint_every_s)
@@ -298,6 +301,9 @@ def _loop(cfg: JobConfig, coord: Coordinator, eval_prompts, tracker, ckpts, summ
                     _record_eval(summary, step, m)
                 metrics.update(recovery.step_metrics(step))
                 metrics["time/job_s"] = time.perf_counter() - job_start
+                if scaler is not None:  # before `gspo-ray scale` requests, which then have the last word
+                    autoscale_step(scaler, coord, metrics, lambda n: recovery.rescale(coord, n, save), step,
+                                   time.perf_counter() - job_start)
                 _apply_control(coord, control, metrics, lambda n: recovery.rescale(coord, n, save),
                                refused=recovery)
                 tracker.log(step, metrics)
