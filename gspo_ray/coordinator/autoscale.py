@@ -18,8 +18,8 @@ pool, within each pool's bounds, the device budget, and trainer sizes `TrainerCo
   - else the shrink that gives back the most devices for at most `shrink_tolerance` of throughput;
   - else hold.
 Never inside the cool-down (`cooldown_steps` and `cooldown_s` since the last move), never a move that raises the
-rollout's lead over the trainer while the window dropped groups for staleness (`coordinator.max_staleness`: they
-would age further), and never again a move that did not pay: after each move the next window is compared with
+rollout's lead over the trainer while the window dropped groups for staleness, or trained groups at the staleness
+bound with more waiting in the buffer (`coordinator.max_staleness`: they would age further), and never again a move that did not pay: after each move the next window is compared with
 the one before it; a grow or move that gained less than half of `min_gain` (a shrink that lost more than twice
 `shrink_tolerance`) is blocked from the same sizes until the workload drifts (the time per completion at those
 sizes moves by more than `DRIFT`).
@@ -63,6 +63,7 @@ class Pools:
     max_devices: float | None = None
     trainer_problem: Callable[[int], str | None] = lambda n: None  # TrainerConfig.resize_problem
     mode: Literal["sync", "async"] = "sync"
+    max_staleness: float | None = None  # coordinator.max_staleness in train steps (async); None: no bound to hold
 
     def devices(self, r: int, t: int) -> float:
         return r * self.rollout_devices + t * self.trainer_devices
@@ -168,6 +169,8 @@ class Autoscaler:
             return hold(f"cool-down: {step - last.step} steps, {now_s - last.at_s:.0f} s since the last move "
                         f"(cooldown_steps {c.cooldown_steps}, cooldown_s {c.cooldown_s:g})")
         stale = sum(s.stale_dropped for s in self.window)
+        bound = self.pools.max_staleness
+        at_bound = bound is not None and all(s.buffer_depth > 0 and s.staleness >= bound for s in self.window)
         horizon = max(min(c.horizon_steps, steps_left), 0)
         per_step = statistics.median(s.completions for s in self.window)
         gains, shrinks, skipped = [], [], []
@@ -176,8 +179,9 @@ class Autoscaler:
             if key in self.blocked and not self._drifted(self.blocked[key], base):
                 skipped.append(f"{r}/{t} -> {r2}/{t2} did not pay")
                 continue
-            if stale and self._favours_rollout(r, t, r2, t2):
-                skipped.append(f"{r}/{t} -> {r2}/{t2}: {stale} groups dropped for staleness in the window")
+            if (stale or at_bound) and self._favours_rollout(r, t, r2, t2):
+                skipped.append(f"{r}/{t} -> {r2}/{t2}: " + (f"{stale} groups dropped for staleness in the window"
+                               if stale else "groups wait in the buffer at the staleness bound"))
                 continue
             pred = 1 / max(self.time_per_token(r2, t2, base) * per, 1e-12)
             action = "grow" if r2 >= r and t2 >= t else "shrink" if r2 <= r and t2 <= t else "move"

@@ -30,25 +30,30 @@ def autoscaler_for(cfg: JobConfig, trainer_problem) -> Autoscaler | None:
                                rollout_devices=a.devices(r.num_gpus_per_worker, r.num_cpus_per_worker),
                                trainer_devices=a.devices(t.num_gpus_per_worker, t.num_cpus_per_worker),
                                max_devices=a.max_devices, trainer_problem=trainer_problem,
-                               mode=cfg.coordinator.mode))
+                               mode=cfg.coordinator.mode,
+                               max_staleness=cfg.coordinator.max_staleness if cfg.coordinator.mode == "async"
+                               else None))
 
 
-def step_times(metrics: dict, rollout_workers: int, trainer_workers: int, group_size: int, at_s: float) -> StepTimes:
+def step_times(metrics: dict, rollout_workers: int, trainer_workers: int, group_size: int, at_s: float,
+               buffer_depth: int = 0) -> StepTimes:
     """A step's row -> what the controller measures. The rollout's time is its pool's busy time (`rollout/busy_s`,
-    submit to the last call back), `rollout/gen_s` where that is missing."""
+    submit to the last call back), `rollout/gen_s` where that is missing; `rollout/tokens` (every generated
+    completion's) is the work index the phases are compared per."""
     return StepTimes(rollout_workers, trainer_workers,
                      rollout_s=metrics.get("rollout/busy_s", metrics.get("rollout/gen_s", 0.0)),
                      train_s=metrics.get("time/train_s", 0.0), sync_s=metrics.get("time/sync_s", 0.0),
                      completions=int(metrics.get("rollout/groups_trained", 0)) * group_size, at_s=at_s,
                      stale_dropped=int(metrics.get("rollout/stale_dropped", 0)),
-                     staleness=metrics.get("rollout/staleness_max_updates", 0.0))
+                     staleness=metrics.get("rollout/staleness_max_updates", 0.0),
+                     tokens=int(metrics.get("rollout/tokens", 0)), buffer_depth=buffer_depth)
 
 
 def autoscale_step(scaler: Autoscaler, coord, metrics: dict, rescale_trainer, step: int, at_s: float) -> Decision:
     """Observe the step just done, decide, act; the decision's metrics go into `metrics`."""
     c = coord.cfg
     scaler.observe(step_times(metrics, coord.rollout.num_workers, coord.trainer.num_workers,
-                              c.rollout.group_size, at_s))
+                              c.rollout.group_size, at_s, buffer_depth=len(coord.buffer)))
     d = scaler.decide(step, at_s, c.coordinator.steps - step)
     if d.action != "hold":
         t0 = time.perf_counter()

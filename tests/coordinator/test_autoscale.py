@@ -3,6 +3,8 @@ device budget, trainer sizes the layout refuses, a move's cost, the staleness ga
 and a move that did not pay is not repeated."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from gspo_ray.config.autoscale import AutoscaleConfig, PoolBounds
@@ -105,6 +107,15 @@ def test_no_rollout_growth_while_groups_go_stale():
     feed(s, 2, 1, 1, rollout_s=10, train_s=2, stale_dropped=3)
     d = s.decide(step=2, now_s=2, steps_left=100)
     assert d.action == "hold" and "dropped for staleness" in d.reason
+    s = scaler()  # none dropped yet, but the trained groups were at the bound and more wait behind them
+    s.pools = replace(s.pools, max_staleness=1)
+    feed(s, 2, 1, 1, rollout_s=10, train_s=2, buffer_depth=4, staleness=1.0)
+    d = s.decide(step=2, now_s=2, steps_left=100)
+    assert d.action == "hold" and "staleness bound" in d.reason
+    s = scaler()
+    s.pools = replace(s.pools, max_staleness=1)
+    feed(s, 2, 1, 1, rollout_s=10, train_s=2, buffer_depth=0, staleness=1.0)  # at the bound, nothing waiting
+    assert s.decide(step=2, now_s=2, steps_left=100).action == "grow"
 
 
 def test_an_idle_pool_gives_its_workers_back():
