@@ -73,6 +73,7 @@ def autoscale_step(scaler: Autoscaler, coord, metrics: dict, rescale_trainer, st
             scaler.applied(d, step, at_s, cost_s=time.perf_counter() - t0)
             metrics["autoscale/move_s"] = time.perf_counter() - t0
     metrics.update(scaler.metrics(d))
-    log.info("autoscale step %d: %s -> rollout %d, trainer %d: %s", step, d.action, d.rollout_workers,
-             d.trainer_workers, d.reason)
+    judged = [m for m in scaler.history if m.judged_at == step]  # the last move, measured at this boundary
+    log.info("autoscale step %d: %s -> rollout %d, trainer %d: %s%s", step, d.action, d.rollout_workers,
+             d.trainer_workers, d.reason, f" ({judged[0].outcome()})" if judged else "")
     return d

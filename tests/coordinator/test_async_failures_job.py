@@ -149,6 +149,8 @@ def test_autoscaler_grows_the_bottleneck_pool_then_gives_it_back(plugins, tmp_pa
     assert paid[0]["autoscale/measured_after"] > 1.3 * rows[grown]["autoscale/throughput"]
     lines = [m for m in caplog.messages if m.startswith("autoscale step")]
     assert len(lines) == steps and "grow -> rollout 2" in lines[grown] and "shrink -> rollout 1" in lines[back[0]]
+    # the step rate before and after the grow, in the log line of the decision that measured it
+    assert any(f"(the grow at step {grown + 1}: " in line and line.endswith(", paid)") for line in lines), lines
     # lossless: the trained groups are exactly the first steps x 16 drawn (the last batch drawn is still in
     # flight at the end), none twice; staleness within coordinator.max_staleness
     trained = [json.loads(line)["uid"] for step in range(1, steps + 1)

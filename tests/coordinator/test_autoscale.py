@@ -137,6 +137,8 @@ def test_a_move_that_did_not_pay_is_not_repeated():
     d = s.decide(step=5, now_s=5, steps_left=100)
     last = s.history[-1]
     assert last.paid is False and last.measured == pytest.approx(grow.throughput)
+    assert last.outcome().startswith("the grow at step 2: 1 -> 1 completions/s measured") and \
+        last.outcome().endswith("did not pay")
     assert s.scaling["rollout"] == 0.0  # measured: one more worker bought nothing
     m = s.metrics(d)
     assert m["autoscale/paid"] == 0.0 and m["autoscale/measured_after"] == pytest.approx(1.0)
