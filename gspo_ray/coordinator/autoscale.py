@@ -1,27 +1,30 @@
 """The pool-size controller: grow, shrink or move a pool's workers, or hold, from measured phase times. No Ray.
 
 Inputs, per step (`StepTimes`): the rollout pool's busy seconds for the step's completions (submit to last
-completion), the train and sync seconds, the completions trained, the buffer's depth and the oldest trained
-group's age, at the sizes the step ran with. The controller keeps the last `window_steps` of them at the current
-sizes (the first step after a move, half at the old sizes, is not counted) and predicts the time per completion
-at other sizes from the measured scaling of each pool: n workers take (n0 / n)^e of the time n0 took, e per pool
-measured from the last move that changed that pool (`scaling_prior` before one did). Then
+completion), the train and sync seconds, the completions trained and their tokens, the groups dropped for age, the
+buffer's depth and the oldest trained group's age, at the sizes the step ran with. The controller keeps the last
+`window_steps` of them at the current sizes (the first step after a move, half at the old sizes, is not counted)
+and predicts each phase's seconds per token (a length drift then reads as neither scaling nor a move's effect) at
+other sizes from the measured scaling of each pool: n workers take (n0 / n)^e of the time n0 took, e per pool
+measured from the last move that changed that pool (`scaling_prior` before one did; weighted by the move's size).
 
-    sync mode  (the pools alternate)  time per completion = rollout + train + sync   -> balance phase times
-    async mode (the pools overlap)    time per completion = max(rollout, train + sync) -> balance throughputs
+    sync mode  (the pools alternate)  time per token = rollout + train + sync   -> balance phase times
+    async mode (the pools overlap)    time per token = max(rollout, train + sync) -> balance throughputs
 
 and it picks, among the sizes one decision can reach (at most `max_move` workers or trainer layout steps per
 pool, within each pool's bounds, the device budget, and trainer sizes `TrainerConfig.resize_problem` accepts):
   - the grow or move whose time saved over the next `horizon_steps` steps (fewer when the job ends sooner) pays
     its measured cost (a rollout grow: its engines' start, together; a trainer resize: save + rebuild + load), and
     that is predicted to raise completions trained per second by at least `min_gain`;
-  - else the shrink that gives back the most devices for at most `shrink_tolerance` of throughput;
+  - else (`give_back`) the shrink that gives back the most devices for at most `shrink_tolerance` x their share
+    of throughput, leaving an async pool off the critical path by `min_gain`;
   - else hold.
 Never inside the cool-down (`cooldown_steps` and `cooldown_s` since the last move), never a move that raises the
 rollout's lead over the trainer while the window dropped groups for staleness, or trained groups at the staleness
-bound with more waiting in the buffer (`coordinator.max_staleness`: they would age further), and never again a move that did not pay: after each move the next window is compared with
-the one before it; a grow or move that gained less than half of `min_gain` (a shrink that lost more than twice
-`shrink_tolerance`) is blocked from the same sizes until the workload drifts (the time per completion at those
+bound with more waiting in the buffer (`coordinator.max_staleness`: they would age further), and never again a
+move that did not pay: after each move the next window is compared with the one before it, per token; a grow or
+move that gained less than half of `min_gain` (a shrink that lost more than twice `shrink_tolerance`), or a
+resize the job refused, is blocked from the same sizes until the workload drifts (the time per token at those
 sizes moves by more than `DRIFT`).
 """
 from __future__ import annotations
