@@ -22,6 +22,9 @@
     recovery in-job trainer recovery: a 60-step tiny run with a trainer kill vs one without (recovery.py)
     scale    the scale model: our DP layout, routing-record store, weight-sync buckets and checkpoint shards at
              cluster shapes (DP 8-256, TP, EP; four model shapes), no weights (scale.py, docs/scale.md)
+    autoscale the pool-size controller (coordinator/autoscale.py) on a model of phase times at 64-512 GPUs, dense
+             and MoE, completion lengths growing 4x: against the best fixed split in hindsight and the step-0 one
+             (autoscale.py, docs/autoscale.md; no Ray, seconds)
     all      tiny + smollm2
 """
 from __future__ import annotations
@@ -29,7 +32,7 @@ from __future__ import annotations
 from pathlib import Path
 
 SUITES = ("tiny", "smollm2", "profile", "moe", "moe-tiny", "regime", "rollout", "push", "lora", "lora-vs-full", "probe",
-          "learn", "recovery", "scale", "all")
+          "learn", "recovery", "scale", "autoscale", "all")
 
 
 # each multi-seed suite's seeds when --seeds is not given
@@ -97,6 +100,10 @@ def run(suite: str = "all", *, quick: bool = False, steps: int = 6, seeds: tuple
         from gspo_ray.bench.scale import run_scale_bench
 
         run_scale_bench()
+    if suite == "autoscale":
+        from gspo_ray.bench.autoscale import run_autoscale_bench
+
+        run_autoscale_bench()
     if suite in ("tiny", "all"):
         from gspo_ray.bench.tiny import run_bench
 

@@ -5,6 +5,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
+from gspo_ray.config.autoscale import AutoscaleConfig
 from gspo_ray.config.base import Strict
 
 
@@ -44,6 +45,9 @@ class CoordinatorConfig(Strict):
                                    description="the held-out metric early_stop_reward is compared with: "
                                    "eval/reward, eval/pass@1, or eval/<name> for what the reward returns besides "
                                    "`reward` (e.g. eval/exact); a key the first evaluation does not log is an error")
+    autoscale: AutoscaleConfig | None = Field(None, description="set both pools' sizes from measured throughput "
+                                              "while the job runs (docs/autoscale.md); None = the sizes stay as "
+                                              "configured (`gspo-ray scale` still resizes by hand)")
 
     @model_validator(mode="after")
     def _check(self) -> "CoordinatorConfig":

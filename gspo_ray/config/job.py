@@ -5,6 +5,7 @@ from pathlib import Path
 
 from pydantic import Field, field_validator, model_validator
 
+from gspo_ray.config.autoscale import autoscale_problem
 from gspo_ray.config.base import Strict, RUN_NAME, GUESS_ENV
 from gspo_ray.config.model import TinyModelConfig, ModelConfig
 from gspo_ray.config.data import DataConfig, missing_path_message
@@ -149,6 +150,14 @@ class JobConfig(Strict):
             if self.rollout.partial is not None:
                 raise ValueError(f"{name} cannot be combined with rollout.partial: a continued completion's "
                                  "tokens were sampled by several policies, and it records one routing per sequence")
+        return self
+
+    @model_validator(mode="after")
+    def _autoscale_fits(self) -> "JobConfig":
+        """Bounds against each other, the budget, the trainer's layout and the node (config/autoscale.py)."""
+        problem = autoscale_problem(self)
+        if problem is not None:
+            raise ValueError(problem)
         return self
 
     @model_validator(mode="after")

@@ -105,3 +105,16 @@ class TrainerConfig(Strict):
     @property
     def dp(self) -> int:
         return self.num_workers // self.tp
+
+    def resize_problem(self, num_workers: int) -> str | None:
+        """Why a live pool of this config cannot be resized to `num_workers` ranks (None: the layout and the
+        checkpoint can follow), whatever the cluster's room: the rule `gspo-ray scale trainer` and the
+        autoscaler share (coordinator/recovery.py adds the cluster's room)."""
+        for name, size in (("tp", self.tp), ("ep", self.ep)):
+            if num_workers % size:
+                return f"trainer.{name} ({size}) must divide trainer.num_workers ({num_workers})"
+        if self.use_distributed_optimizer and num_workers // self.tp != self.dp:
+            return (f"trainer.use_distributed_optimizer: the optimizer state is sharded over the {self.dp} "
+                    f"data-parallel ranks and cannot be resharded to {num_workers // self.tp} ({num_workers} ranks "
+                    f"at tp {self.tp})")
+        return None

@@ -10,10 +10,6 @@ rebuilds the pool at the new size and reloads it: coordinator/recovery.py).
 """
 from __future__ import annotations
 
-import logging
-from contextlib import contextmanager
-from typing import Iterator
-
 import ray
 
 
@@ -157,22 +153,25 @@ def find_control(job_name: str, namespace: str):
         raise ValueError(f"no running job named {job_name!r} in namespace {namespace!r}") from None
 
 
-@contextmanager
-def refusal_reasons() -> Iterator[list[str]]:
-    """Collect the reasons of refusals the job logs inside the block (`... refused: REASON` at ERROR or WARNING
-    from any gspo_ray logger), so `gspo-ray scale` is told why, whichever check refused."""
-    reasons: list[str] = []
-
-    class _Collect(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            message = record.getMessage()
-            if "refused" in message:
-                reasons.append(message.split("refused: ", 1)[-1])
-
-    handler = _Collect(level=logging.WARNING)
-    root = logging.getLogger("gspo_ray")
-    root.addHandler(handler)
+def resize_pool(coord, key: str, size: int, rescale_trainer=None) -> tuple[bool, str, dict[str, float]]:
+    """Apply one pool size at a step boundary, the path `gspo-ray scale` and the autoscaler share: `key` is
+    "rollout_workers" or "trainer_workers"; `rescale_trainer(n)` resizes the trainer pool (checkpoint, rebuild,
+    reload) and returns a `recovery.Resize`. Returns (applied, the refusal's reason or "", the step's metrics);
+    each refusal returns its own reason (the log is not read back)."""
+    metrics: dict[str, float] = {}
+    reason = None
     try:
-        yield reasons
-    finally:
-        root.removeHandler(handler)
+        if key == "rollout_workers":
+            metrics.update(coord.rollout.scale(size))
+        elif rescale_trainer is not None:
+            result = rescale_trainer(size)
+            metrics.update(result.metrics)
+            reason = result.refused
+        else:
+            reason = "this job cannot resize its trainer pool"
+    except ValueError as e:  # a size the pool refuses outright
+        reason = str(e)
+    pool = coord.rollout if key == "rollout_workers" else coord.trainer
+    if reason is None and pool.num_workers != size:
+        reason = f"the pool stayed at {pool.num_workers}"
+    return reason is None, reason or "", metrics

@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gspo_ray.config import JobConfig
+from gspo_ray.coordinator.autoscale_run import autoscale_step, autoscaler_for
 from gspo_ray.coordinator.checkpoint import CheckpointManager, checkpoint_bytes
-from gspo_ray.coordinator.control import refusal_reasons, start_control, stop_control
+from gspo_ray.coordinator.control import resize_pool, start_control, stop_control
 from gspo_ray.coordinator.evaluation import early_stop_value
 from gspo_ray.coordinator.export import export_after_save, export_final
 from gspo_ray.coordinator.failures import TooManyFailedSamples, failure_line
@@ -257,6 +258,8 @@ def _loop(cfg: JobConfig, coord: Coordinator, eval_prompts, tracker, ckpts, summ
     job_start = time.perf_counter() if job_start is None else job_start
     saved_at = [coord.state.step if coord.state.step else None]  # a resumed run's step is already checkpointed
     recovery = TrainerRecovery.for_job(cfg, coord, ckpts)
+    scaler = autoscaler_for(cfg, lambda n: coord.trainer.cfg.resize_problem(n))  # coordinator.autoscale
+    coord.rollout.track_busy = scaler is not None
     sized: list[bool] = []  # the first save of this process printed its size
 
     last_save = [time.perf_counter()]  # the job's first step counts from here (checkpoint_every_s)
@@ -298,6 +301,9 @@ def _loop(cfg: JobConfig, coord: Coordinator, eval_prompts, tracker, ckpts, summ
                     _record_eval(summary, step, m)
                 metrics.update(recovery.step_metrics(step))
                 metrics["time/job_s"] = time.perf_counter() - job_start
+                if scaler is not None:  # before `gspo-ray scale` requests, which then have the last word
+                    autoscale_step(scaler, coord, metrics, lambda n: recovery.rescale(coord, n, save), step,
+                                   time.perf_counter() - job_start)
                 _apply_control(coord, control, metrics, lambda n: recovery.rescale(coord, n, save),
                                refused=recovery)
                 tracker.log(step, metrics)
@@ -379,26 +385,16 @@ def _record_eval(summary: RunSummary, step: int, m: dict[str, float]) -> None:
 
 def _apply_control(coord: Coordinator, control, metrics: dict, rescale_trainer=None, refused=None) -> None:
     """Apply requests from `gspo-ray scale ...` between steps, answer each (applied, or refused with the reason
-    the job logged) and report progress back. `rescale_trainer(n)` resizes the trainer pool (checkpoint, rebuild,
-    reload: TrainerRecovery.rescale) and returns its metrics. refused: the TrainerRecovery whose `scale_refused`
-    (the last refused resize and why) the report carries."""
+    resize_pool returns) and report progress back. `rescale_trainer(n)` resizes the trainer pool (checkpoint,
+    rebuild, reload: TrainerRecovery.rescale) and returns a recovery.Resize. refused: the TrainerRecovery whose
+    `scale_refused` (the last refused resize and why) the report carries."""
     import ray
 
     requests = ray.get(control.take_requests.remote())
     for key, size in requests.items():
+        applied, reason, m = resize_pool(coord, key, size, rescale_trainer)
+        metrics.update(m)
         pool = coord.rollout if key == "rollout_workers" else coord.trainer
-        with refusal_reasons() as reasons:
-            try:
-                if key == "rollout_workers":
-                    metrics.update(coord.rollout.scale(size))
-                elif rescale_trainer is not None:
-                    metrics.update(rescale_trainer(size))
-                else:
-                    reasons.append("this job cannot resize its trainer pool")
-            except ValueError as e:  # a size the pool refuses outright
-                reasons.append(str(e))
-        applied = pool.num_workers == size and not reasons
-        reason = "" if applied else (reasons[-1] if reasons else f"the pool stayed at {pool.num_workers}")
         control.answer.remote(key, applied, reason, pool.num_workers)
     metrics["trainer/workers"] = coord.trainer.num_workers
     status = {"step": coord.state.step, "version": coord.state.version, "rollout_workers": coord.rollout.num_workers,

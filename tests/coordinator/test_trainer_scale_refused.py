@@ -3,6 +3,7 @@ data-parallel ranks, to another DP size) is refused before anything is saved or 
 `job/trainer_scale_refused`, and the job's control status says why (the channel `gspo-ray scale` reads)."""
 from __future__ import annotations
 
+import logging
 from types import SimpleNamespace
 
 import pytest
@@ -32,8 +33,12 @@ def _never(*_):
     raise AssertionError("a refused resize must not save (nor stop the pool)")
 
 
+@pytest.mark.parametrize("logged", [True, False], ids=["logged", "log-off"])
 @pytest.mark.usefixtures("local_ray")
-def test_a_distributed_optimizer_resize_is_refused_before_anything_is_saved(tmp_path):
+def test_a_distributed_optimizer_resize_is_refused_before_anything_is_saved(tmp_path, logged):
+    """The reason reaches `gspo-ray scale` as the resize's return value: with the job's log switched off (a user's
+    logging config, a quiet CLI) the answer still says why, not "the pool stayed at 1"."""
+    logging.disable(logging.NOTSET if logged else logging.CRITICAL)
     cfg = _job(tmp_path, "trainer.use_distributed_optimizer=true")
     coord, recovery = _running(cfg), TrainerRecovery(cfg, ckpts=None)
     control = ray.remote(num_cpus=0)(JobControl).remote()
@@ -49,6 +54,7 @@ def test_a_distributed_optimizer_resize_is_refused_before_anything_is_saved(tmp_
         answer = ray.get(control.answer_of.remote(request))  # what `gspo-ray scale` prints (and exits 1 on)
         assert not answer["applied"] and answer["reason"] == refused["reason"] and answer["size"] == 1
     finally:
+        logging.disable(logging.NOTSET)
         ray.kill(control)
 
 
