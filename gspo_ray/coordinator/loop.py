@@ -251,13 +251,15 @@ class Coordinator:
 
     def state_dict(self) -> dict:
         """What a checkpoint needs besides LoopState and the trainer: prompts drawn but not trained yet (the
-        async batch in flight), scored groups waiting in the buffer, and partial rollouts' unfinished groups."""
+        async batch in flight), scored groups waiting in the buffer, partial rollouts' unfinished groups, the
+        auto-eps band, the buffer's shuffle RNG and the failure streak."""
         fresh, carried = (self._pending.fresh, self._pending.carried) if self._pending is not None else ([], [])
         return {"requeued": [dataclasses.asdict(p) for p in self._requeued + fresh],
                 "waiting": [group_to_dict(g.prompt, g.samples) for g in self.buffer.groups],
                 "partial_open": ((self.partial.state_dict() if self.partial is not None else [])
                                  + [group_to_dict(p, samples) for p, samples, _ in carried]),
-                "auto_eps": self.auto_eps.state_dict() if self.auto_eps is not None else None}
+                "auto_eps": self.auto_eps.state_dict() if self.auto_eps is not None else None,
+                "buffer_rng": self.buffer.rng_state(), "failures": self.failures.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore `state_dict()`; waiting groups are admitted again under the resumed version (staleness
@@ -269,6 +271,10 @@ class Coordinator:
             self.partial.load_state_dict(state.get("partial_open", []))
         if self.auto_eps is not None and state.get("auto_eps"):
             self.auto_eps.load_state_dict(state["auto_eps"])
+        if state.get("buffer_rng"):  # checkpoints before 2026-12-06 have neither: re-seeded, streak 0
+            self.buffer.load_rng_state(state["buffer_rng"])
+        if state.get("failures"):
+            self.failures.load_state_dict(state["failures"])
 
     def _probe(self):
         """(token ids, trainer log-probs) of fixed sequences: each engine checks its own log-probs against them.

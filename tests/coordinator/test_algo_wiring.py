@@ -1,5 +1,7 @@
 """Pure-python wiring of the algorithm options: robust advantages in the buffer, engine log-probs kept next to
 recomputed ones in a TrainBatch, auto-eps state in the coordinator's checkpoint, the trainer's metric reduction."""
+from pathlib import Path
+
 import pytest
 
 from gspo_ray.config import load_config
@@ -155,3 +157,35 @@ def test_step_metrics_reduce_maxima_by_max_counts_by_sum_states_by_last():
     assert out["train/forward_passes_train"] == 4.0 and out["train/dilution_max_abs_logr"] == 0.6
     assert (out["train/policy_version"], out["train/skipped_steps"]) == (5.0, 1.0)
     assert out["train/clip_frac_seq"] == pytest.approx(0.2)  # a share: the mean
+
+
+def test_a_resumed_loop_deals_the_same_mini_batches_and_keeps_the_failure_streak(tmp_path):
+    """Through a real job checkpoint (loop.json, no trainer): the buffer's shuffle RNG and the failure streak come
+    back, so the resumed loop puts the same groups together in the same mini-batches and stops at the same step as
+    the uninterrupted one (before: the RNG was re-seeded and the streak started at 0)."""
+    from gspo_ray.coordinator.checkpoint import CheckpointManager
+    from gspo_ray.coordinator.failures import TooManyFailedSamples
+
+    cfg = load_config(None, ["coordinator.prompts_per_step=8", "coordinator.num_minibatches=2",
+                             "rollout.reward.max_failed_share=0.5", "rollout.reward.max_failed_steps=2"])
+    groups = [_group(f"g{i}", [1.0, 0.0]) for i in range(8)]
+    for g in groups:
+        g.advantages = [0.7, -0.7]
+
+    def deal(coord):  # the groups of each mini-batch, as one step's train_on splits them
+        return [sorted(b.uids) for b in coord.buffer.minibatches(groups, 2)]
+
+    run = Coordinator(cfg, None, None, None, LoopState(step=3, version=3))
+    deal(run), deal(run)  # three steps trained: the RNG moved
+    run.failures.check(3, 3, 4, {"boom": 3})  # step 3: 75% failed, one step of the streak
+    ckpts = CheckpointManager(tmp_path)
+    ckpts.save(run.state, lambda d: (Path(d) / "meta.json").write_text("{}"),  # the trainer's part: its marker
+               extra={"coordinator": run.state_dict()})
+
+    state, extra = ckpts.load_state(ckpts.latest())
+    resumed = Coordinator(cfg, None, None, None, state)
+    resumed.load_state_dict(extra["coordinator"])
+    assert [deal(resumed) for _ in range(3)] == [deal(run) for _ in range(3)]
+    for coord in (run, resumed):  # step 4 fails too: the second step in a row stops both
+        with pytest.raises(TooManyFailedSamples, match="for 2 steps in a row"):
+            coord.failures.check(4, 3, 4, {"boom": 3})
