@@ -48,11 +48,21 @@ class MetricAccumulator:
         kept_tok, kept_seq = metrics.get("train/n_kept_tokens", n_tok), metrics.get("train/n_kept_seqs", n_seq)
         for key, value in metrics.items():
             if key.startswith(self.KEPT_PREFIXES):
-                if kept_tok == 0:
+                if kept_tok == 0:  # the key stays (0.0 when no micro-batch kept a token), the value does not count
+                    self._add_nothing(key)
                     continue
                 self._add_one(key, value, kept_tok, kept_seq, n_units)
             else:
                 self._add_one(key, value, n_tok, n_seq, n_units)
+
+    def _add_nothing(self, key: str) -> None:
+        if self._is_max(key):
+            self.extrema.setdefault(key, -math.inf)
+        elif key.endswith("_min"):
+            self.extrema.setdefault(key, math.inf)
+        else:
+            self.sums.setdefault(key, 0.0)
+            self.weights.setdefault(key, 0.0)
 
     def _add_one(self, key: str, value: float, n_tok: float, n_seq: float, n_units: float) -> None:
         if self._is_max(key):

@@ -106,3 +106,8 @@ def test_the_trainer_weighs_clip_metrics_by_kept_tokens():
     out = acc.reduce()
     assert out["train/clip_frac_tok"] == pytest.approx(3 / 14) and out["train/ratio_min"] == 0.9
     assert out["train/n_kept_tokens"] == 14
+    nothing = MetricAccumulator(per_sequence_ratio=True)  # no micro-batch kept a token: the keys stay, at 0
+    nothing.add({"train/clip_frac_seq": 0.0, "train/ratio_min": 0.0, "train/ratio_max": 0.0,
+                 "train/n_kept_tokens": 0, "train/n_kept_seqs": 0}, n_tok=10, n_seq=2, n_units=2)
+    assert {k: v for k, v in nothing.reduce().items() if "ratio" in k or "clip" in k} == \
+        {"train/clip_frac_seq": 0.0, "train/ratio_min": 0.0, "train/ratio_max": 0.0}
