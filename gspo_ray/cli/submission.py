@@ -131,14 +131,17 @@ def split_secret_overrides(overrides: Sequence[str]) -> tuple[list[str], list[st
 
 
 def write_secret_module(secret: Sequence[str], directory: Path) -> tuple[Path, str]:
-    """A 0600 one-line module holding the secret overrides, in `directory` (a private temp directory).
-    Returns (its path, its module name): a fresh random name, so two jobs never share one."""
+    """A package (a 0700 directory with a 0600 one-line `__init__.py`) holding the secret overrides, in
+    `directory` (a private temp directory). Returns (its directory, its module name): a fresh random name, so two
+    jobs never share one. A package, not a one-file module: Ray's job client uploads py_modules entries as
+    directories (a .py file fails there, Ray 2.60)."""
     name = f"gspo_ray_job_{secrets.token_hex(8)}"
-    path = directory / f"{name}.py"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    package = directory / name
+    package.mkdir(mode=0o700)
+    fd = os.open(package / "__init__.py", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(f"OVERRIDES = {json.dumps(list(secret))!r}  # JSON, read by gspo-ray train\n")
-    return path, name
+    return package, name
 
 
 def secret_overrides_from_env() -> list[str]:

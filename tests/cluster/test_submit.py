@@ -62,7 +62,7 @@ def test_secret_overrides_leave_the_command_line_for_a_private_module(monkeypatc
     public, secret = jobs.split_secret_overrides(overrides)
     assert public == ["coordinator.steps=2"] and secret == overrides[1:]
     path, name = jobs.write_secret_module(secret, tmp_path)
-    assert (path.stat().st_mode & 0o777) == 0o600 and path.name == f"{name}.py"
+    assert path.name == name and (path / "__init__.py").stat().st_mode & 0o777 == 0o600
     # in the job, Ray's py_modules puts the module's directory on the path and the env var names it
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setenv(jobs.SECRET_MODULE_ENV, name)
