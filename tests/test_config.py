@@ -97,6 +97,22 @@ def test_coordinator_staleness_that_partial_rollouts_would_ignore_is_refused():
     assert load_config(RECIPE, ["coordinator.max_staleness=3"]).coordinator.max_staleness == 3  # without partial
 
 
+def test_partial_keep_is_refused_where_a_token_age_would_go_unseen():
+    keep = ["rollout.partial.segment_tokens=2", "rollout.partial.stale_policy=keep"]
+    # keep trains tokens of any age: a max_staleness beside it would be ignored
+    with pytest.raises(ConfigError, match=r"rollout\.partial\.max_staleness \(2\) is not used.*'keep'"):
+        load_config(RECIPE, [*keep, "rollout.partial.max_staleness=2"])
+    # a recomputed anchor is the current policy: a stale token would train as on-policy, unclipped
+    with pytest.raises(ConfigError, match=r"stale_policy 'keep' with coordinator\.recompute_old_logprobs"):
+        load_config(RECIPE, [*keep, "coordinator.recompute_old_logprobs=true"])
+    ok = load_config(RECIPE, [*keep, "coordinator.recompute_old_logprobs=true",
+                              "algorithm.mismatch_correction.level=geometric"])
+    assert ok.rollout.partial.stale_policy == "keep" and load_config(RECIPE, keep).rollout.partial is not None
+    masked = load_config(RECIPE, ["rollout.partial.segment_tokens=2", "rollout.partial.stale_policy=mask",
+                                  "coordinator.recompute_old_logprobs=true", "rollout.partial.max_staleness=2"])
+    assert masked.rollout.partial.max_staleness == 2
+
+
 def test_the_job_seed_seeds_the_engines_unless_rollout_seed_is_set():
     """`seed=1` alone gives other samples (before, every "seed" of a pretrained model repeated one run)."""
     assert JobConfig().rollout.seed == 0

@@ -74,19 +74,23 @@ class AutoEpsController:
     _logr_sq: float = 0.0
     _seqs: float = 0.0
     _clip: float = 0.0
+    _clip_seqs: float = 0.0  # the clip fraction's weight: completions the loss kept (a dropped one is neither)
 
     def band(self) -> tuple[float, float]:
         """(eps_low, eps_high) to train with now."""
         return self.eps_low, self.eps_low * HIGH_LOW_RATIO
 
     def observe(self, logr_mean: float, logr_sq_mean: float, n_tokens: float, n_seqs: float,
-                clip_frac_seq: float) -> None:
-        """Add one reuse mini-batch: token means of log r and (log r)^2, its sizes, its sequence clip fraction."""
+                clip_frac_seq: float, kept_seqs: float | None = None) -> None:
+        """Add one reuse mini-batch: token means of log r and (log r)^2, its sizes, its sequence clip fraction
+        (over the `kept_seqs` completions a dilution mask or mismatch correction left in the loss; default all)."""
+        kept_seqs = n_seqs if kept_seqs is None else kept_seqs
         self._tok += n_tokens
         self._logr += logr_mean * n_tokens
         self._logr_sq += logr_sq_mean * n_tokens
         self._seqs += n_seqs
-        self._clip += clip_frac_seq * n_seqs
+        self._clip += clip_frac_seq * kept_seqs
+        self._clip_seqs += kept_seqs
 
     def observe_step(self, metrics: dict[str, float], *, reuse: bool, skipped: bool = False) -> bool:
         """Observe one trained mini-batch's metrics if they say something about the band: a reuse mini-batch
@@ -96,6 +100,7 @@ class AutoEpsController:
             return False
         stats = [float(metrics[k]) for k in ("train/logr_mean", "train/logr_sq_mean", "train/n_tokens",
                                               "train/n_seqs", "train/clip_frac_seq")]
+        stats.append(float(metrics.get("train/n_kept_seqs", stats[3])))
         if not all(math.isfinite(v) for v in stats):
             return False
         self.observe(*stats)
@@ -107,8 +112,9 @@ class AutoEpsController:
         if self._tok <= 0 or self._seqs <= 0:
             return {}
         sigma = logr_sigma(self._logr / self._tok, self._logr_sq / self._tok)
-        mean_len, clip = self._tok / self._seqs, self._clip / self._seqs
-        self._tok = self._logr = self._logr_sq = self._seqs = self._clip = 0.0
+        # no kept completion: the clip fraction is unknown (nan), so the band stays
+        mean_len, clip = self._tok / self._seqs, self._clip / self._clip_seqs if self._clip_seqs > 0 else math.nan
+        self._tok = self._logr = self._logr_sq = self._seqs = self._clip = self._clip_seqs = 0.0
         metrics = {"train/auto_eps_sigma": sigma, "train/auto_eps_len": mean_len, "train/auto_eps_clip_frac": clip}
         if not (math.isfinite(sigma) and math.isfinite(mean_len) and math.isfinite(clip)) or sigma <= 0.0:
             # the policy did not move (or a value is not a number): no scale to set the band from

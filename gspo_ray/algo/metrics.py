@@ -23,6 +23,14 @@ from torch import Tensor
 from gspo_ray.algo.aggregation import SEQ_MEAN_TOKEN_MEAN, aggregate, masked_mean
 
 
+MAX_KEYS = ("train/dilution_max_abs_logr",)  # maxima whose key does not end in `_max`
+
+
+def is_max_key(key: str) -> bool:
+    """Whether a metric is a maximum (reduced by max over micro-batches, ranks and mini-batches, never averaged)."""
+    return key.endswith("_max") or key in MAX_KEYS
+
+
 def to_floats(values: dict[str, Tensor]) -> dict[str, float]:
     """One device-to-host copy for the whole dict."""
     if not values:

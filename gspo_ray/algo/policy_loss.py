@@ -116,7 +116,8 @@ def compute_policy_loss(
     norm_len: Dr.GRPO constant for aggregation="seq-mean-token-sum-norm".
     pg_weight: [B, T] >= 0, no gradient: multiplies each token's policy-gradient term (mismatch corrections);
     a 0 drops the token: no loss, left out of the sequence ratio s, still counted by the aggregation (like a
-    clipped token), see `mismatch_correction` and `dilution`.
+    clipped token), left out of the clip and ratio metrics (``train/n_kept_tokens`` / ``n_kept_seqs`` count what
+    they read), see `mismatch_correction` and `dilution`.
     Padding (mask False) may hold anything, nan/inf included: it never reaches the loss or the gradient.
     Returns (loss: 0-d tensor, metrics: {"train/...": float}).
     """
@@ -153,13 +154,17 @@ def compute_policy_loss(
             loss_tok = pg_tok + beta * kl_tok
     loss = aggregate(loss_tok, mask, aggregation, norm_len)
 
+    counts = {"train/n_tokens": mask.sum(), "train/n_seqs": mask.any(dim=-1).sum()}
+    if pg_weight is not None:  # the weights of the clip and ratio metrics, which read kept tokens only
+        counts |= {"train/n_kept_tokens": kept.sum(), "train/n_kept_seqs": kept.any(dim=-1).sum()}
     metrics = to_floats({
         "train/pg_loss": aggregate(pg_tok.detach(), mask, aggregation, norm_len),
-        "train/n_tokens": mask.sum(),  # weights for the caller's reduction over micro-batches and ranks
-        "train/n_seqs": mask.any(dim=-1).sum(),
+        **counts,  # weights for the caller's reduction over micro-batches and ranks
     })
-    metrics |= compute_clip_metrics(w, adv, mask, eps_low, eps_high, dual_clip_c)
-    metrics |= compute_ratio_metrics(w, mask, per_sequence=level != "token")
+    # a dropped token (pg_weight 0) is neither clipped nor unclipped: its ratio is not the one trained, and as
+    # "unclipped" it would dilute the clip fraction that eps: auto steers by
+    metrics |= compute_clip_metrics(w, adv, kept, eps_low, eps_high, dual_clip_c)
+    metrics |= compute_ratio_metrics(w, kept, per_sequence=level != "token")
     metrics |= compute_mismatch_metrics(logp, old_logp, mask)
     metrics |= compute_logr_moments(logp, old_logp, mask)
     if kl_tok is not None:

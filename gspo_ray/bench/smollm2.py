@@ -118,6 +118,16 @@ def mean_prompt_tokens(cfg, model_dir: Path, steps: int) -> float:
     return statistics.mean(len(p.prompt_ids) for p in prompts)
 
 
+def train_work(steady: list[dict], body: int, head: int) -> tuple[float, float]:
+    """(tokens the trainer's forwards computed, useful training FLOPs) of a step: the median over the `steady`
+    metric rows. FLOPs: 6 x the `body` (non-embedding) parameters per forwarded token (forward 2, backward 4) plus
+    the `head` (output layer) on the scored (generated) tokens only. `train/forward_tokens` is already the sum over
+    the DP ranks and the step's mini-batches (trainer/metric_accumulator.py dp_token_metrics): never x DP again."""
+    forward_tokens = statistics.median(r.get("train/forward_tokens") or 0.0 for r in steady)
+    scored = statistics.median(r.get("rollout/tokens") or 0.0 for r in steady)
+    return forward_tokens, 6 * body * forward_tokens + 6 * head * scored
+
+
 def bench_smollm2_mode(mode: str, steps: int, out_dir: Path, model_dir: Path, recipe: Path = RECIPE) -> dict:
     from gspo_ray.coordinator.job import run_job
 
@@ -145,14 +155,8 @@ def bench_smollm2_mode(mode: str, steps: int, out_dir: Path, model_dir: Path, re
     step = mean("time/step_s")
     completions = cfg.coordinator.prompts_per_step * cfg.rollout.group_size
     push_s, push_mb = mean("sync/push_s"), mean("sync/push_mb")
-    # useful training FLOPs: 6 x non-embedding parameters per forwarded token (forward 2, backward 4) plus the
-    # output layer on the scored (generated) tokens only
     body, head = nonembedding_params(model_dir)
-    # train/forward_tokens is rank 0's own count; train/row_tokens the whole mini-batch's: x DP for the job's
-    # (exact at the recipe's one rank; at DP > 1 it assumes the ranks balanced, train/dp_imbalance says how far)
-    dp = cfg.trainer.num_workers // cfg.trainer.tp
-    forward_tokens = dp * mean("train/forward_tokens")
-    flops = 6 * body * forward_tokens + 6 * head * mean("rollout/tokens")
+    forward_tokens, flops = train_work(steady, body, head)
     work = phase_work(body, head, forward_tokens=forward_tokens, scored_tokens=mean("rollout/tokens"),
                       decode_tokens=mean("rollout/tokens"),
                       prefill_tokens=cfg.coordinator.prompts_per_step * mean_prompt_tokens(cfg, model_dir, steps),

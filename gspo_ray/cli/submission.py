@@ -11,17 +11,20 @@ $RAY_API_SERVER_ADDRESS as in `ray job submit`. The config is validated here, be
 so a bad field fails in seconds on the submitting machine instead of minutes into the job.
 
 The job's driver runs `gspo-ray` from the cluster's Python environment, with `working_dir` (the project tree,
-minus `DEFAULT_EXCLUDES`) uploaded and put first on its PYTHONPATH. Relative paths in the job file (data files,
+minus `DEFAULT_EXCLUDES`: environments, caches and credential files) uploaded and put first on its PYTHONPATH. Relative paths in the job file (data files,
 `logging.out_dir`) are resolved inside that uploaded copy, which lives in the head's Ray session directory:
 point `logging.out_dir` at storage that outlives the cluster.
 """
 from __future__ import annotations
 
 import asyncio
+import importlib
 import json
 import logging
 import os
+import secrets
 import shlex
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -32,8 +35,15 @@ from gspo_ray.config.secrets import redact_args
 log = logging.getLogger(__name__)
 
 # Uploaded with every job otherwise (Ray caps a working_dir at 500 MiB): environments, run outputs, caches.
-DEFAULT_EXCLUDES = [".venv", "venv", ".git", "runs", "build", "dist", "*.egg-info", "**/__pycache__", "*.pyc",
-                    ".pytest_cache", ".hypothesis", ".mypy_cache", ".ruff_cache"]
+BULK_EXCLUDES = [".venv", "venv", ".git", "runs", "build", "dist", "*.egg-info", "**/__pycache__", "*.pyc",
+                 ".pytest_cache", ".hypothesis", ".mypy_cache", ".ruff_cache"]
+# Never uploaded: credential files a working directory tends to hold (gitwildmatch patterns, at any depth). The
+# uploaded package sits in the cluster's object store and in every node's session directory that runs the job.
+SECRET_EXCLUDES = [".env", ".env.*", "*.env", ".envrc", "*.pem", "*.key", "*.p12", "*.pfx", "*.jks", "*.token",
+                   "id_rsa*", "id_dsa*", "id_ecdsa*", "id_ed25519*", ".netrc", ".pgpass", ".git-credentials",
+                   ".pypirc", ".npmrc", "*credentials*", "*service-account*.json", "auth_token", ".aws/", ".ssh/",
+                   ".gnupg/", ".kube/", ".docker/", ".ray/"]
+DEFAULT_EXCLUDES = BULK_EXCLUDES + SECRET_EXCLUDES
 
 TRAIN_ENTRYPOINT = "gspo-ray train"
 # `stop_job` sends SIGTERM to the driver, then SIGKILL after RAY_JOB_STOP_WAIT_TIME_S, read by the job's supervisor
@@ -107,7 +117,9 @@ def _config_arg(config_path: Path, working_dir: Path) -> str:
         return str(config_path.resolve())
 
 
-SECRET_OVERRIDES_ENV = "GSPO_RAY_SECRET_OVERRIDES"  # JSON list of `key=value`; `gspo-ray train` appends them
+# The module (a name, not a secret) that carries a submitted job's secret-valued overrides; `gspo-ray train`
+# appends them. The module travels as a `py_modules` package: Ray's job record keeps its URI, never its content.
+SECRET_MODULE_ENV = "GSPO_RAY_SECRET_MODULE"
 
 
 def split_secret_overrides(overrides: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -118,10 +130,31 @@ def split_secret_overrides(overrides: Sequence[str]) -> tuple[list[str], list[st
     return public, secret
 
 
+def write_secret_module(secret: Sequence[str], directory: Path) -> tuple[Path, str]:
+    """A package (a 0700 directory with a 0600 one-line `__init__.py`) holding the secret overrides, in
+    `directory` (a private temp directory). Returns (its directory, its module name): a fresh random name, so two
+    jobs never share one. A package, not a one-file module: Ray's job client uploads py_modules entries as
+    directories (a .py file fails there, Ray 2.60)."""
+    name = f"gspo_ray_job_{secrets.token_hex(8)}"
+    package = directory / name
+    package.mkdir(mode=0o700)
+    fd = os.open(package / "__init__.py", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(f"OVERRIDES = {json.dumps(list(secret))!r}  # JSON, read by gspo-ray train\n")
+    return package, name
+
+
 def secret_overrides_from_env() -> list[str]:
-    """The overrides `submit` put in the job's environment (none outside a submitted job)."""
-    raw = os.environ.get(SECRET_OVERRIDES_ENV)
-    return [str(o) for o in json.loads(raw)] if raw else []
+    """The overrides `submit` handed to the job in its secret module (none outside a submitted job)."""
+    name = os.environ.get(SECRET_MODULE_ENV)
+    if not name:
+        return []
+    try:
+        raw = importlib.import_module(name).OVERRIDES
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"{SECRET_MODULE_ENV}={name}: the job's secret overrides did not arrive with it "
+                          f"({type(e).__name__}: {e}); submit it again with gspo-ray submit") from None
+    return [str(o) for o in json.loads(raw)]
 
 
 def build_entrypoint(config_arg: str, overrides: Sequence[str] = (), entrypoint: str = TRAIN_ENTRYPOINT,
@@ -147,14 +180,19 @@ def submit(config_path: str | Path, address: str | None, overrides: Sequence[str
         log.warning("logging.out_dir %r is relative: the run directory lands in the job's working_dir copy on "
                     "the head and is deleted with the cluster; use shared storage", str(cfg.logging.out_dir))
     env = build_runtime_env(wd, runtime_env, cfg, stop_grace_s)
-    # secret-valued overrides travel in the job's environment, not on its command line, which Ray prints at the
-    # top of the job's log ("Running entrypoint for job ...") and shows in its job table
+    # secret-valued overrides travel neither on the job's command line, which Ray prints at the top of the job's
+    # log ("Running entrypoint for job ...") and keeps in its job record, nor in its runtime_env's env_vars, which
+    # the job record keeps too (`gspo-ray jobs status`, the dashboard): they go in a module uploaded with the job,
+    # of which the record holds only the package URI
     public, secret = split_secret_overrides(overrides)
-    if secret:
-        env["env_vars"][SECRET_OVERRIDES_ENV] = json.dumps(secret)
     cmd = build_entrypoint(_config_arg(config_path, wd), public, entrypoint, resume)
     metadata = {"config": config_path.name} | ({"name": cfg.name} if cfg is not None else {})
-    job = _client(address).submit_job(entrypoint=cmd, runtime_env=env, submission_id=job_id, metadata=metadata)
+    with tempfile.TemporaryDirectory(prefix="gspo-ray-submit-") as scratch:  # 0700, gone once uploaded
+        if secret:
+            module, name = write_secret_module(secret, Path(scratch))
+            env["py_modules"] = [*env.get("py_modules", []), str(module)]
+            env["env_vars"][SECRET_MODULE_ENV] = name
+        job = _client(address).submit_job(entrypoint=cmd, runtime_env=env, submission_id=job_id, metadata=metadata)
     log.info("submitted %s: %s", job, shlex.join(redact_args(shlex.split(cmd))))  # no secret in a log line
     return job
 

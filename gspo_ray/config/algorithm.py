@@ -98,6 +98,15 @@ class AlgorithmConfig(Strict):
         if self.advantage.robust != "none" and self.advantage.per_token:
             raise ValueError("algorithm.advantage.robust applies to one reward per completion; it cannot be "
                              "combined with advantage.per_token")
+        mc = self.mismatch_correction
+        if level == "sequence" and mc.level == "token" and mc.mode == "truncate":
+            # every token of a completion shares one gradient direction through s, so per-token weights only
+            # rescale the completion by mean_t min(rho_t, upper): an arithmetic mean no correction is defined by
+            raise ValueError("algorithm.mismatch_correction.level 'token' with mode 'truncate' (token TIS) under "
+                             "importance_sampling_level 'sequence' (GSPO) only weighs each completion by the "
+                             "mean of its truncated token ratios: use mismatch_correction.level 'geometric' (the "
+                             "length-normalised ratio, like GSPO's s) or 'sequence', or importance_sampling_level "
+                             "'sequence_token', where each token keeps its own weight")
         return self
 
     @model_validator(mode="after")

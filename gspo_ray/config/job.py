@@ -74,6 +74,8 @@ class JobConfig(Strict):
                                  "rollout.partial.max_staleness (counted in policy versions = optimizer steps; a "
                                  "train step is coordinator.num_iterations x num_minibatches of them). Set that and "
                                  f"leave coordinator.max_staleness at {default_staleness}")
+            if partial.stale_policy == "keep":
+                self._check_partial_keep(partial)
             if partial.segment_tokens >= self.rollout.max_new_tokens:
                 raise ValueError(f"rollout.partial.segment_tokens ({partial.segment_tokens}) must be below "
                                  f"rollout.max_new_tokens ({self.rollout.max_new_tokens}), else no completion is "
@@ -82,6 +84,23 @@ class JobConfig(Strict):
             raise ValueError(f"rollout.max_new_tokens ({self.rollout.max_new_tokens}) leaves no room for a prompt "
                              f"in rollout.max_model_len ({self.rollout.max_model_len})")
         return self
+
+    def _check_partial_keep(self, partial) -> None:
+        """`stale_policy: keep` trains tokens of any age, which is sound only while each token's ratio is anchored
+        on the engine log-prob of the policy that sampled it: an old token's ratio then moves away from 1 and the
+        clip band stops its gradient, so age costs signal, not correctness. A recomputed anchor is the trainer's
+        current policy, under which a stale token reads as on-policy; a mismatch correction (rho = pi_old /
+        pi_engine over each token's own sampling log-prob) restores the link."""
+        if "max_staleness" in partial.model_fields_set:  # would be silently ignored
+            raise ValueError(f"rollout.partial.max_staleness ({partial.max_staleness}) is not used with "
+                             "rollout.partial.stale_policy 'keep' (tokens of any age train, anchored on their own "
+                             "sampling log-probs): set stale_policy 'mask' or 'drop' to bound their age")
+        if self.coordinator.recompute_old_logprobs and self.algorithm.mismatch_correction.level == "none":
+            raise ValueError("rollout.partial.stale_policy 'keep' with coordinator.recompute_old_logprobs: true "
+                             "trains tokens sampled several policy versions ago as if the current policy had "
+                             "sampled them (the recomputed anchor hides their age from the clip band): set "
+                             "algorithm.mismatch_correction (it weighs each token by pi_old / pi_engine of its own "
+                             "sampling policy) or rollout.partial.stale_policy 'mask' or 'drop'")
 
     @model_validator(mode="after")
     def _micro_batch_holds_a_row(self) -> "JobConfig":

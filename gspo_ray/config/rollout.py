@@ -93,11 +93,13 @@ class PartialRolloutConfig(Strict):
     max_segments: int = Field(4, ge=2, description="segments a completion may span; its last one runs without a "
                               "budget (to max_new_tokens), so every completion ends within this many rounds")
     stale_policy: Literal["keep", "mask", "drop"] = Field(
-        "keep", description="tokens older than max_staleness: keep = train them (their engine log-prob is the "
-        "policy that sampled them), mask = loss_mask 0, drop = discard the whole sample. Measured: with mask, "
-        "max_staleness 1 and 3 segments, ~46% of the trained tokens are masked")
+        "keep", description="tokens older than max_staleness: keep = train tokens of any age (each token's ratio "
+        "is anchored on the engine log-prob of the policy that sampled it, so a stale one moves away from 1 and the "
+        "clip band stops it; refused with recompute_old_logprobs unless algorithm.mismatch_correction is set), "
+        "mask = loss_mask 0, drop = discard the whole sample. Measured: with mask, max_staleness 1 and 3 segments, "
+        "~46% of the trained tokens are masked")
     max_staleness: int = Field(1, ge=0, description="policy versions (optimizer steps) a token may lag behind the "
-                               "training policy under mask/drop")
+                               "training policy under mask/drop (setting it under keep is refused)")
 
 
 class RolloutConfig(Strict):

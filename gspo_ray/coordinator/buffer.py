@@ -92,6 +92,16 @@ class GroupBuffer:
     def __len__(self) -> int:
         return len(self.groups)
 
+    def rng_state(self) -> list:
+        """The mini-batch shuffle's RNG state, JSON-able (a checkpoint carries it: a resumed run deals the same
+        groups into the same mini-batches as the uninterrupted one)."""
+        version, internal, gauss = self._rng.getstate()
+        return [version, list(internal), gauss]
+
+    def load_rng_state(self, state: list) -> None:
+        version, internal, gauss = state
+        self._rng.setstate((version, tuple(internal), gauss))
+
     def admit(self, groups: list[Group], current_version: int) -> AdmitStats:
         """Compute advantages and keep the informative, fresh groups. Failed samples follow the FailurePolicy."""
         stats = AdmitStats(offered=len(groups))

@@ -99,6 +99,15 @@ class FailureGuard:
                                    f"{format_reasons(reasons)}. The run cannot learn: fix the reward function or "
                                    "environment (or raise rollout.reward.max_failed_share)")
 
+    def state_dict(self) -> dict:
+        """The streak and tallies: a resumed run stops at the same step as the uninterrupted one."""
+        return {"streak": self.streak, "steps": self.steps, "steps_over": self.steps_over,
+                "last_reasons": dict(self.last_reasons)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.streak, self.steps, self.steps_over = int(state["streak"]), int(state["steps"]), int(state["steps_over"])
+        self.last_reasons = dict(state.get("last_reasons", {}))
+
     def check_end(self) -> None:
         """At the end of a run: every step it ran was above the share (too few steps for the streak rule)."""
         if self.steps and self.steps_over == self.steps:

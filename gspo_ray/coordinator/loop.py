@@ -25,6 +25,7 @@ from gspo_ray.config import JobConfig
 from gspo_ray.coordinator.buffer import AdmitStats, GroupBuffer, pack_groups
 from gspo_ray.coordinator.failures import FailureGuard, FailurePolicy
 from gspo_ray.coordinator.partial_carry import PartialCarry, group_from_dict, group_to_dict
+from gspo_ray.coordinator.step_metrics import combine_minibatches
 from gspo_ray.data.records import Group, Prompt, Sample, TrainBatch, collate
 from gspo_ray.rollout.weight_sync import WeightProbe
 
@@ -107,7 +108,9 @@ class Coordinator:
             self.state.filter_rate = 1 - stats.admitted / stats.offered
         self.last_failures = (stats.failed_samples, stats.samples, dict(stats.failure_reasons))  # the console line
         self.failures.check(self.state.step + 1, stats.failed_samples, stats.samples, stats.failure_reasons)
-        taken = self.buffer.take(want)
+        # fewer groups than mini-batches cannot be split: they wait in the buffer (checkpointed, staleness-checked)
+        # for the next step's refill instead of being thrown away untrained
+        taken = self.buffer.take(want) if len(self.buffer) >= c.num_minibatches else []
         self.last_groups, self.last_version = taken, self.state.version
         lo, hi = _version_span(taken)
         rewards = stats.rewards or [float("nan")]
@@ -141,7 +144,7 @@ class Coordinator:
             return {"train/skipped": 1.0, "time/train_s": 0.0}
         if c.recompute_old_logprobs:
             self._recompute_old_logprobs(groups)
-        metrics, first, steps, empty = {}, {}, 0, 0
+        rows, first, steps, empty = [], {}, 0, 0
         first_sight = self.state.version  # the version of the trainer's first forward over these groups
         # the version whose log-probs anchor the ratio: the trainer's own (recomputed now) or the sampling policy's
         anchor_version = self.state.version if c.recompute_old_logprobs else _version_span(groups)[0]
@@ -167,10 +170,10 @@ class Coordinator:
                     # ... which came this many versions after the batch's oldest sampling policy (0: exact, sync
                     # without partial rollouts; async / partial: drift since sampling is at least drift_churn_at{k})
                     first["moe/drift_first_sight_lag"] = float(first_sight - _version_span(groups)[0])
-                _accumulate(metrics, m)
+                rows.append(m)
                 steps += 1
         self.trainer.end_batch()  # no later step sees these rows: their routing records go
-        out = {k: v / steps for k, v in metrics.items()} if steps else {"train/skipped": 1.0}
+        out = combine_minibatches(rows) if steps else {"train/skipped": 1.0}  # maxima by max, counts summed
         out.update(first)
         if self.auto_eps is not None:
             out.update(self.auto_eps.update())  # sets the band of the next rollout batch
@@ -248,13 +251,15 @@ class Coordinator:
 
     def state_dict(self) -> dict:
         """What a checkpoint needs besides LoopState and the trainer: prompts drawn but not trained yet (the
-        async batch in flight), scored groups waiting in the buffer, and partial rollouts' unfinished groups."""
+        async batch in flight), scored groups waiting in the buffer, partial rollouts' unfinished groups, the
+        auto-eps band, the buffer's shuffle RNG and the failure streak."""
         fresh, carried = (self._pending.fresh, self._pending.carried) if self._pending is not None else ([], [])
         return {"requeued": [dataclasses.asdict(p) for p in self._requeued + fresh],
                 "waiting": [group_to_dict(g.prompt, g.samples) for g in self.buffer.groups],
                 "partial_open": ((self.partial.state_dict() if self.partial is not None else [])
                                  + [group_to_dict(p, samples) for p, samples, _ in carried]),
-                "auto_eps": self.auto_eps.state_dict() if self.auto_eps is not None else None}
+                "auto_eps": self.auto_eps.state_dict() if self.auto_eps is not None else None,
+                "buffer_rng": self.buffer.rng_state(), "failures": self.failures.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore `state_dict()`; waiting groups are admitted again under the resumed version (staleness
@@ -266,6 +271,10 @@ class Coordinator:
             self.partial.load_state_dict(state.get("partial_open", []))
         if self.auto_eps is not None and state.get("auto_eps"):
             self.auto_eps.load_state_dict(state["auto_eps"])
+        if state.get("buffer_rng"):  # checkpoints before 2026-12-06 have neither: re-seeded, streak 0
+            self.buffer.load_rng_state(state["buffer_rng"])
+        if state.get("failures"):
+            self.failures.load_state_dict(state["failures"])
 
     def _probe(self):
         """(token ids, trainer log-probs) of fixed sequences: each engine checks its own log-probs against them.

@@ -35,6 +35,7 @@ from ray.exceptions import RayError
 from gspo_ray.config import JobConfig
 from gspo_ray.coordinator.checkpoint import CheckpointError, CheckpointManager
 from gspo_ray.coordinator.loop import Coordinator, LoopState
+from gspo_ray.coordinator.tracking import metric_rows
 from gspo_ray.trainer.pool import TrainerRankDied
 
 log = logging.getLogger(__name__)
@@ -234,8 +235,7 @@ def trim_metrics(path: Path, keep_through: int) -> None:
     path = Path(path)
     if not path.exists():
         return
-    keep = [line for line in path.read_text().splitlines()
-            if line.strip() and json.loads(line)["step"] <= keep_through]
+    keep = [row for row in metric_rows(path) if row["step"] <= keep_through]  # a cut-short row goes too
     tmp = path.with_name(path.name + ".trim")
-    tmp.write_text("".join(line + "\n" for line in keep))
+    tmp.write_text("".join(json.dumps(row) + "\n" for row in keep))
     os.replace(tmp, path)

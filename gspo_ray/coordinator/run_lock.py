@@ -2,7 +2,10 @@
 
 The file (JSON, mode 0600: pid, host, process start time, lock and renewal times, the lease, the command line with
 secret values redacted) is created whole (written to a temp file, then hard-linked into place: never empty), renewed
-by the job at every step boundary (`RunLock.refresh`) and removed when the job ends.
+by the job at every step boundary (`RunLock.refresh`) and every `HEARTBEAT_S` by a thread of the holding process
+(start-up, long saves and in-job recovery included), and removed when the job ends. A renewal is a
+compare-and-replace under the takeover mutex: a taker cannot rename its lock between the renewal's read and its
+replace, and a renewal that finds another job's lock raises (RunLockError) instead of overwriting it.
 
 Two jobs on one run directory would prune each other's in-flight checkpoints, interleave metrics, and `--fresh`
 would delete a live run's checkpoints. A second job is refused (RunLockError, exit 2 in the CLI) while the holder
@@ -26,6 +29,7 @@ import logging
 import os
 import socket
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -41,6 +45,7 @@ LEASE_STEPS = 5  # the lease after that: 5 x the longest renewal interval seen (
 LEASE_FLOOR_S = 300.0  # ... and never less than 5 minutes
 UNREADABLE_GRACE_S = LEASE_FLOOR_S  # a lock file that does not parse (written by hand?) is stale after this long
 TAKEOVER_STALE_S = 10.0  # a takeover file older than this was left by a taker that died mid-takeover
+HEARTBEAT_S = 60.0  # the holder's thread renews the lease this often, whatever the job is doing (<< LEASE_FLOOR_S)
 
 
 class RunLockError(ValueError):
@@ -178,9 +183,13 @@ class RunLock:
         self.path = lock_path(run_dir)
         self.held = False
         self._record: dict = {}
-        self._renewed: float | None = None  # monotonic time of the last renewal
-        self._longest: float | None = None  # the longest interval between two renewals
+        self._renewed: float | None = None  # monotonic time of the last step-boundary renewal
+        self._longest: float | None = None  # the longest interval between two step-boundary renewals
         self._renewals = 0
+        self._write_lock = threading.Lock()  # the heartbeat and the step boundary never renew at once
+        self._stop = threading.Event()
+        self._heartbeat: threading.Thread | None = None
+        self._lost: RunLockError | None = None  # the heartbeat found the lock taken over: refresh raises it
 
     def _temp(self) -> Path:
         return self.path.with_name(f"{LOCK_NAME}.tmp-{uuid.uuid4().hex[:8]}")
@@ -231,16 +240,24 @@ class RunLock:
         finally:
             tmp.unlink(missing_ok=True)
 
+    def _mutex(self, data: bytes) -> Path | None:
+        """Take the takeover mutex (a file created like the lock): the path to unlink, or None when another job
+        holds it now (one that died leaves it: after TAKEOVER_STALE_S it is removed)."""
+        mutex = self.path.with_name(self.path.name + ".takeover")
+        if self._create(data, mutex):
+            return mutex
+        age = _mtime(mutex)
+        if age is not None and time.time() - age > TAKEOVER_STALE_S:
+            mutex.unlink(missing_ok=True)
+        time.sleep(0.05)
+        return None
+
     def _replace(self, stale_raw: bytes | None, data: bytes) -> bool:
         """Rename a whole new lock over the stale one if the file still holds what was judged. One taker at a
-        time (a takeover file created like the lock): two takers that both read the stale lock before either
-        renamed would otherwise both rename, and both read their own lock back. False: judge again."""
-        mutex = self.path.with_name(self.path.name + ".takeover")
-        if not self._create(data, mutex):  # another job is taking over now; one that died leaves it: 10 s
-            age = _mtime(mutex)
-            if age is not None and time.time() - age > TAKEOVER_STALE_S:
-                mutex.unlink(missing_ok=True)
-            time.sleep(0.05)
+        time (the mutex): two takers that both read the stale lock before either renamed would otherwise both
+        rename, and both read their own lock back. False: judge again."""
+        mutex = self._mutex(data)
+        if mutex is None:
             return False
         tmp = self._temp()
         _write_private(tmp, data)
@@ -257,7 +274,46 @@ class RunLock:
         self.held = True
         self._renewed = time.monotonic()
         HELD.add(self.path.resolve())
+        self._stop.clear()
+        self._heartbeat = threading.Thread(target=self._beat, name="run-lock-heartbeat", daemon=True)
+        self._heartbeat.start()
         return self
+
+    def _beat(self) -> None:
+        """Renew every HEARTBEAT_S until released: a start-up, save or recovery longer than the lease never lets
+        a job on another host take a live run directory. Stops when the lock was taken over (refresh raises)."""
+        while not self._stop.wait(HEARTBEAT_S):
+            try:
+                self._renew()
+            except RunLockError as e:
+                self._lost = e
+                return
+            except OSError as e:  # a full disk or a storage hiccup: the next beat or boundary tries again
+                log.warning("%s: could not renew the lease (%s); trying again", self.path, e)
+
+    def _renew(self) -> None:
+        """Write the record with `renewed_at` now, compare-and-replace: under the takeover mutex, only over a
+        file that still holds this job's lock. Raises RunLockError when another job took it over."""
+        with self._write_lock:
+            self._record["renewed_at"] = time.time()
+            data = self._data()
+            for _ in range(int(4 * TAKEOVER_STALE_S / 0.05)):  # a taker holds the mutex for milliseconds
+                mutex = self._mutex(data)
+                if mutex is not None:
+                    break
+            else:
+                raise RunLockError(f"{self.path}: could not renew the lease (the takeover mutex stays taken)")
+            tmp = self._temp()
+            try:
+                holder = read_lock(self.run_dir)
+                if not holder or holder.get("owner") != self._record["owner"]:
+                    raise RunLockError(f"{self.path}: this job's lock was taken over by another job "
+                                       f"({describe(holder) if holder else 'the lock file is gone'}); stopping")
+                _write_private(tmp, data)
+                os.replace(tmp, self.path)
+            finally:
+                tmp.unlink(missing_ok=True)
+                mutex.unlink(missing_ok=True)
 
     def refresh(self) -> None:
         """Renew the lease (each step boundary): now, for `LEASE_STEPS` x the longest interval between renewals
@@ -265,19 +321,15 @@ class RunLock:
         expired): two jobs must never write one run directory."""
         if not self.held:
             return
+        if self._lost is not None:
+            raise self._lost
         mono = time.monotonic()
         if self._renewals:  # the interval since the previous renewal; not the start-up before the first one
             self._longest = max(self._longest or 0.0, mono - self._renewed)
-        holder = read_lock(self.run_dir)
-        if not holder or holder.get("owner") != self._record["owner"]:
-            raise RunLockError(f"{self.path}: this job's lock was taken over by another job "
-                               f"({describe(holder) if holder else 'the lock file is gone'}); stopping")
-        self._record["renewed_at"] = time.time()
         if self._longest is not None:
-            self._record["lease_s"] = max(LEASE_FLOOR_S, LEASE_STEPS * self._longest)
-        tmp = self._temp()
-        _write_private(tmp, self._data())
-        os.replace(tmp, self.path)
+            with self._write_lock:
+                self._record["lease_s"] = max(LEASE_FLOOR_S, LEASE_STEPS * self._longest)
+        self._renew()
         self._renewed = mono
         self._renewals += 1
 
@@ -285,6 +337,9 @@ class RunLock:
         """Remove the lock if it is still ours (never another job's that took over a lock we lost)."""
         if not self.held:
             return
+        self._stop.set()
+        if self._heartbeat is not None:
+            self._heartbeat.join()
         HELD.discard(self.path.resolve())
         holder = read_lock(self.run_dir)
         if holder and holder.get("owner") == self._record.get("owner"):

@@ -3,10 +3,14 @@ and the final PNG plot."""
 from __future__ import annotations
 
 import json
+import logging
 import math
+import os
 import sys
 import uuid
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 # the progress bar's fields (docs/real-models.md explains them); "failed" only on a step where samples failed
 PROGRESS_KEYS = {"eval/reward": "eval", "rollout/reward_mean": "R", "train/clip_frac_seq": "clip",
@@ -25,6 +29,7 @@ class MetricsTracker:
         """wandb: a `WandbConfig` (None or mode disabled = off); run_config is logged as the W&B run's config."""
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        drop_partial_row(self.path)  # a resumed run appends: never onto the fragment a kill left
         self._tb = None
         self._tb_dir = Path(run_dir) / "tensorboard"
         if tensorboard:  # a resumed run: events past the checkpoint's step are the dead run's, purged
@@ -125,14 +130,44 @@ def _clean(v) -> float | None:
     return None if math.isnan(v) or math.isinf(v) else v
 
 
+def metric_rows(path: Path) -> list[dict]:
+    """Every readable row of a metrics.jsonl in file order. A line that is not a whole JSON object with a `step`
+    (the row a kill cut short mid-write) is skipped with a warning naming file:line, never raised on."""
+    out = []
+    for n, line in enumerate(Path(path).read_text(errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            if isinstance(row, dict) and isinstance(row.get("step"), int):
+                out.append(row)
+                continue
+        except ValueError:
+            pass
+        log.warning("%s:%d: not a whole metrics row (a write cut short?), skipped: %.60r", path, n, line)
+    return out
+
+
 def read_metrics(path: Path) -> list[dict]:
     """All rows of a metrics.jsonl (a resumed run appends; later rows win for a repeated step)."""
-    rows: dict[int, dict] = {}
-    for line in Path(path).read_text().splitlines():
-        if line.strip():
-            row = json.loads(line)
-            rows[row["step"]] = row
+    rows = {row["step"]: row for row in metric_rows(path)}
     return [rows[s] for s in sorted(rows)]
+
+
+def drop_partial_row(path: Path) -> None:
+    """Cut a last line without its newline (a kill mid-write) off the file, so the next appended row starts on
+    a line of its own instead of being glued to the fragment."""
+    path = Path(path)
+    if not path.exists() or path.stat().st_size == 0:
+        return
+    with path.open("rb+") as f:
+        f.seek(-1, os.SEEK_END)
+        if f.read(1) == b"\n":
+            return
+        data = f.seek(0) or f.read()
+        keep = data.rfind(b"\n") + 1
+        log.warning("%s: dropped an unfinished last row (%d bytes, a write cut short)", path, len(data) - keep)
+        f.truncate(keep)
 
 
 PLOT_PANELS = [

@@ -29,12 +29,6 @@ from gspo_ray.data.tasks import build_task_splits
 SPLITS = ("train", "eval")
 
 
-def read_jsonl_rows(path: str | Path, prompt_field: str = "prompt", reference_field: str | None = "reference",
-                    apply_chat_template: bool = False) -> list[PromptRow]:
-    """Parse and check every row of a JSONL file (or directory of shards): `sources.read_rows` for JSONL."""
-    return read_rows(path, "jsonl", prompt_field, reference_field, apply_chat_template)
-
-
 def load_tokenizer(tokenizer: Any) -> Any:
     """An HF tokenizer object as is, or loaded from a model directory / name (local files only)."""
     if not isinstance(tokenizer, (str, Path)):

@@ -35,6 +35,8 @@ from typing import Iterable
 
 import torch
 
+from gspo_ray.compat.vllm_version import vllm_minor
+
 log = logging.getLogger(__name__)
 VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm.config.lora.MaxLoRARanks
 ADAPTER_NAME, ADAPTER_ID = "policy", 1
@@ -124,10 +126,7 @@ IN_MEMORY_MINOR_VERSIONS = ((0, 32),)  # vLLM versions whose LoRA manager swap_i
 def swaps_in_memory() -> bool:
     """Whether pushes after the first skip the PEFT files: the vLLM versions swap_in_memory was written against
     (its worker runs in this process: RolloutEngine always starts the engine core in-process)."""
-    import vllm
-
-    major, minor = (int(x) for x in vllm.__version__.split(".")[:2])
-    return (major, minor) in IN_MEMORY_MINOR_VERSIONS
+    return vllm_minor() in IN_MEMORY_MINOR_VERSIONS
 
 
 def swap_in_memory(worker, tensors: dict[str, torch.Tensor], config: dict) -> bool:

@@ -6,6 +6,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from gspo_ray.algo.metrics import is_max_key
 from gspo_ray.trainer.routing.churn import comm_device
 
 
@@ -18,13 +19,15 @@ class MetricAccumulator:
     token contribute nothing (their min/max would read 0).
     """
 
-    SUMS = ("train/n_tokens", "train/n_seqs", "train/loss")
+    SUMS = ("train/n_tokens", "train/n_seqs", "train/loss", "train/n_kept_tokens", "train/n_kept_seqs")
+    # read over kept tokens only (a pg_weight of 0 drops a token): weighted by the kept counts when the
+    # micro-batch reports them, and left out where it kept nothing (their min/max would read 0)
+    KEPT_PREFIXES = ("train/clip_frac", "train/dual_clip_frac", "train/ratio_")
     SEQ_WEIGHTED = ("train/dilution_frac",)  # shares of completions whose key has no `_seq`
-    MAXES = ("train/dilution_max_abs_logr",)  # maxima whose key does not end in `_max`
 
-    @classmethod
-    def _is_max(cls, key: str) -> bool:
-        return key.endswith("_max") or key in cls.MAXES
+    @staticmethod
+    def _is_max(key: str) -> bool:
+        return is_max_key(key)
 
     def __init__(self, per_sequence_ratio: bool):
         self.per_sequence_ratio = per_sequence_ratio
@@ -42,17 +45,36 @@ class MetricAccumulator:
     def add(self, metrics: dict[str, float], n_tok: float, n_seq: float, n_units: float) -> None:
         if n_tok == 0:
             return
+        kept_tok, kept_seq = metrics.get("train/n_kept_tokens", n_tok), metrics.get("train/n_kept_seqs", n_seq)
         for key, value in metrics.items():
-            if self._is_max(key):
-                self.extrema[key] = max(self.extrema.get(key, -math.inf), value)
-            elif key.endswith("_min"):
-                self.extrema[key] = min(self.extrema.get(key, math.inf), value)
-            elif key in self.SUMS:
-                self.sums[key] = self.sums.get(key, 0.0) + value
+            if key.startswith(self.KEPT_PREFIXES):
+                if kept_tok == 0:  # the key stays (0.0 when no micro-batch kept a token), the value does not count
+                    self._add_nothing(key)
+                    continue
+                self._add_one(key, value, kept_tok, kept_seq, n_units)
             else:
-                w = self._weight(key, n_tok, n_seq, n_units)
-                self.sums[key] = self.sums.get(key, 0.0) + value * w
-                self.weights[key] = self.weights.get(key, 0.0) + w
+                self._add_one(key, value, n_tok, n_seq, n_units)
+
+    def _add_nothing(self, key: str) -> None:
+        if self._is_max(key):
+            self.extrema.setdefault(key, -math.inf)
+        elif key.endswith("_min"):
+            self.extrema.setdefault(key, math.inf)
+        else:
+            self.sums.setdefault(key, 0.0)
+            self.weights.setdefault(key, 0.0)
+
+    def _add_one(self, key: str, value: float, n_tok: float, n_seq: float, n_units: float) -> None:
+        if self._is_max(key):
+            self.extrema[key] = max(self.extrema.get(key, -math.inf), value)
+        elif key.endswith("_min"):
+            self.extrema[key] = min(self.extrema.get(key, math.inf), value)
+        elif key in self.SUMS:
+            self.sums[key] = self.sums.get(key, 0.0) + value
+        else:
+            w = self._weight(key, n_tok, n_seq, n_units)
+            self.sums[key] = self.sums.get(key, 0.0) + value * w
+            self.weights[key] = self.weights.get(key, 0.0) + w
 
     def add_sum(self, key: str, value: float) -> None:
         self.sums[key] = self.sums.get(key, 0.0) + value
@@ -97,3 +119,4 @@ def dp_token_metrics(tokens: float, group=None) -> dict[str, float]:
     mean = float(counts.mean())
     return {"train/forward_tokens": float(counts.sum()),
             "train/dp_imbalance": float(counts.max()) / mean if mean > 0 else 1.0}
+

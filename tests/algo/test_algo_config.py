@@ -14,7 +14,10 @@ def _load(*overrides):
 @pytest.mark.parametrize("overrides,match", [
     (["algorithm.eps=auto", "algorithm.importance_sampling_level=token", *REUSE], "algorithm.eps 'auto'"),
     (["algorithm.eps=auto"], "reuse mini-batches"),  # 1 pass x 1 mini-batch, sync: nothing to measure
-    (["algorithm.mismatch_correction.level=token"], "recompute_old_logprobs"),
+    (["algorithm.mismatch_correction.level=geometric"], "recompute_old_logprobs"),
+    # token TIS under GSPO's one ratio per completion: only a per-completion weight mean_t min(rho_t, C)
+    (["algorithm.mismatch_correction.level=token", "coordinator.recompute_old_logprobs=true"],
+     r"mismatch_correction\.level 'token' with mode 'truncate'.*importance_sampling_level 'sequence'"),
     (["algorithm.dilution_mask=token", "algorithm.importance_sampling_level=token"], "dilution_mask"),
     (["algorithm.advantage.robust=rank", "algorithm.advantage.per_token=true",
       "algorithm.importance_sampling_level=sequence_token"], "advantage.robust"),
@@ -42,3 +45,12 @@ def test_good_combinations_load():
     d = _load().algorithm
     assert (d.eps, d.dilution_mask, d.advantage.robust, d.mismatch_correction.level) == \
         ("fixed", "none", "none", "none")
+
+
+def test_token_level_corrections_where_each_token_keeps_its_weight_load():
+    recompute = "coordinator.recompute_old_logprobs=true"
+    for overrides in (["algorithm.importance_sampling_level=sequence_token"],  # GSPO-token: per-token gradients
+                      ["algorithm.importance_sampling_level=token"],           # GRPO
+                      ["algorithm.mismatch_correction.mode=mask"]):             # IcePop: a masked token leaves s
+        cfg = _load(recompute, "algorithm.mismatch_correction.level=token", *overrides)
+        assert cfg.algorithm.mismatch_correction.level == "token"

@@ -131,3 +131,16 @@ def test_a_nan_band_in_an_old_checkpoint_is_not_restored():
     assert ctl.eps_low == 3e-4 and ctl.k is None
     ctl.load_state_dict({"eps_low": 1e-2, "k": 1.5})
     assert (ctl.eps_low, ctl.k) == (1e-2, 1.5)
+
+
+def test_the_clip_fraction_is_over_the_completions_the_loss_kept():
+    # mini-batch 1: 10 completions, 8 dropped by a dilution mask or mismatch correction, 1 of the 2 kept clipped
+    # (0.5); mini-batch 2: 10 kept, none clipped -> 1 / 12. Weighted by all completions it read 5 / 20 = 0.25.
+    ctl = AutoEpsController()
+    assert ctl.observe_step(_step_metrics(clip=0.5) | {"train/n_kept_seqs": 2.0}, reuse=True)
+    assert ctl.observe_step(_step_metrics(clip=0.0), reuse=True)
+    assert ctl.update()["train/auto_eps_clip_frac"] == pytest.approx(1 / 12)
+    # every completion dropped: no clip fraction to steer by, so the band stays
+    assert ctl.observe_step(_step_metrics(clip=0.0) | {"train/n_kept_seqs": 0.0}, reuse=True)
+    band = ctl.band()
+    assert math.isnan(ctl.update()["train/auto_eps_clip_frac"]) and ctl.band() == band

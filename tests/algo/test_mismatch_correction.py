@@ -74,3 +74,40 @@ def test_bad_arguments():
         compute_mismatch_weights(z, z, m, "token", "clip", 0.5, 2.0)
     with pytest.raises(ValueError, match="lower < 1 < upper"):
         compute_mismatch_weights(z, z, m, "token", "mask", 0.5, 0.9)
+
+
+def test_a_dropped_completion_is_neither_clipped_nor_unclipped():
+    # GSPO, band [0.8, 1.27], A = +1 on both completions of 2 tokens. Row 0: log r_t = 0.5, s = e^0.5 = 1.6487 >
+    # 1.27 -> clipped high. Row 1: log r_t = -1, but its weight is 0 (MIS dropped it): no loss, no s. Counted as
+    # unclipped it would halve the clip fraction (0.5) and put its empty-row s = e^0 = 1 into ratio_min.
+    old = torch.full((2, 2), -1.0, dtype=F64)
+    logp = old + torch.tensor([[0.5, 0.5], [-1.0, -1.0]], dtype=F64)
+    mask = torch.ones(2, 2, dtype=torch.bool)
+    weight = torch.tensor([[1.0, 1.0], [0.0, 0.0]], dtype=F64)
+    _, m = compute_policy_loss(logp, old, torch.ones(2, dtype=F64), mask, "sequence", 0.2, 0.27, pg_weight=weight)
+    assert m["train/clip_frac_seq"] == 1.0 and m["train/clip_frac_tok_high"] == 1.0
+    assert m["train/ratio_min"] == pytest.approx(math.exp(0.5)) == m["train/ratio_max"]
+    assert (m["train/n_kept_tokens"], m["train/n_kept_seqs"], m["train/n_tokens"]) == (2, 1, 4)
+
+
+def test_the_trainer_weighs_clip_metrics_by_kept_tokens():
+    from gspo_ray.trainer.metric_accumulator import MetricAccumulator
+
+    acc = MetricAccumulator(per_sequence_ratio=True)
+    # micro-batch 1: 10 tokens, 4 kept, clip_frac_tok 0.5 (2 tokens); micro-batch 2: 10 tokens, 10 kept, 0.1
+    # (1 token) -> 3 / 14 by kept tokens (by all tokens: 0.3). Micro-batch 3 kept nothing: its ratio_min of 0
+    # (an empty selection) is not a ratio.
+    acc.add({"train/clip_frac_tok": 0.5, "train/ratio_min": 1.1, "train/n_kept_tokens": 4, "train/n_kept_seqs": 1},
+            n_tok=10, n_seq=2, n_units=2)
+    acc.add({"train/clip_frac_tok": 0.1, "train/ratio_min": 0.9, "train/n_kept_tokens": 10,
+             "train/n_kept_seqs": 2}, n_tok=10, n_seq=2, n_units=2)
+    acc.add({"train/clip_frac_tok": 0.0, "train/ratio_min": 0.0, "train/n_kept_tokens": 0, "train/n_kept_seqs": 0},
+            n_tok=10, n_seq=2, n_units=2)
+    out = acc.reduce()
+    assert out["train/clip_frac_tok"] == pytest.approx(3 / 14) and out["train/ratio_min"] == 0.9
+    assert out["train/n_kept_tokens"] == 14
+    nothing = MetricAccumulator(per_sequence_ratio=True)  # no micro-batch kept a token: the keys stay, at 0
+    nothing.add({"train/clip_frac_seq": 0.0, "train/ratio_min": 0.0, "train/ratio_max": 0.0,
+                 "train/n_kept_tokens": 0, "train/n_kept_seqs": 0}, n_tok=10, n_seq=2, n_units=2)
+    assert {k: v for k, v in nothing.reduce().items() if "ratio" in k or "clip" in k} == \
+        {"train/clip_frac_seq": 0.0, "train/ratio_min": 0.0, "train/ratio_max": 0.0}

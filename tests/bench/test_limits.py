@@ -46,3 +46,13 @@ def test_limit_is_the_roofline():
 def test_probes_return_rates():
     peaks = measure_peaks(threads=1, n=128, copy_mib=4, reps=1)
     assert set(peaks) == {"fp32_gflops", "bf16_gflops", "copy_gbs"} and min(peaks.values()) > 0
+
+
+def test_the_smollm2_bench_counts_forward_tokens_once_at_dp_2():
+    from gspo_ray.bench.smollm2 import train_work
+
+    # a DP 2 job's steps: train/forward_tokens is already the sum of both ranks (dp_token_metrics), so the step
+    # forwarded 100 tokens, not 2 x 100; the first row is warm-up and was dropped by the caller
+    steady = [{"train/forward_tokens": 100.0, "rollout/tokens": 40.0, "train/dp_imbalance": 1.0}] * 3
+    tokens, flops = train_work(steady, BODY, HEAD)
+    assert tokens == 100.0 and flops == 6 * BODY * 100 + 6 * HEAD * 40

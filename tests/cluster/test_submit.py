@@ -57,14 +57,43 @@ def test_runtime_env_and_entrypoint():
     assert jobs._config_arg(ROOT / RECIPE, ROOT) == RECIPE
 
 
-def test_secret_overrides_leave_the_command_line_for_the_environment(monkeypatch):
+def test_secret_overrides_leave_the_command_line_for_a_private_module(monkeypatch, tmp_path):
     overrides = ["coordinator.steps=2", "cluster.runtime_env.env_vars.HF_TOKEN=hf_x", "data.url=https://u:p@h/x"]
     public, secret = jobs.split_secret_overrides(overrides)
     assert public == ["coordinator.steps=2"] and secret == overrides[1:]
-    monkeypatch.setenv(jobs.SECRET_OVERRIDES_ENV, json.dumps(secret))
+    path, name = jobs.write_secret_module(secret, tmp_path)
+    assert path.name == name and (path / "__init__.py").stat().st_mode & 0o777 == 0o600
+    # in the job, Ray's py_modules puts the module's directory on the path and the env var names it
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv(jobs.SECRET_MODULE_ENV, name)
     assert jobs.secret_overrides_from_env() == secret  # what `gspo-ray train` appends in the job
-    monkeypatch.delenv(jobs.SECRET_OVERRIDES_ENV)
+    monkeypatch.setenv(jobs.SECRET_MODULE_ENV, "gspo_ray_job_missing")
+    with pytest.raises(ConfigError, match="did not arrive"):
+        jobs.secret_overrides_from_env()
+    monkeypatch.delenv(jobs.SECRET_MODULE_ENV)
     assert jobs.secret_overrides_from_env() == []
+
+
+def test_credential_files_of_the_working_dir_are_never_packaged(tmp_path):
+    """What Ray would upload, zipped by Ray's own packager with the excludes `submit` sends: planted credential
+    files stay home at any depth, the code goes."""
+    import zipfile
+
+    from ray._private.runtime_env.packaging import create_package
+
+    wd = tmp_path / "project"
+    planted = [".env", ".env.local", "deploy/prod.env", "deploy/tls/server.pem", "keys/id_ed25519", ".netrc",
+               "conf/gcp-service-account.json", "aws/credentials", ".aws/config", ".ray/auth_token"]
+    kept = ["train.py", "recipes/job.yaml", "data/train.jsonl", "gspo_ray/envs/rewards.py"]
+    for rel in planted + kept:
+        (wd / rel).parent.mkdir(parents=True, exist_ok=True)
+        (wd / rel).write_text("HF_TOKEN=hf_planted\n" if rel in planted else "x\n")
+    env = jobs.build_runtime_env(wd)
+    target = tmp_path / "pkg.zip"
+    create_package(str(wd), target, include_gitignore=True, excludes=env["excludes"])
+    names = {n.rstrip("/") for n in zipfile.ZipFile(target).namelist()}
+    assert set(kept) <= names, sorted(names)
+    assert not [p for p in planted if p in names], sorted(names)
 
 
 def test_cli_submit_reports_bad_field(monkeypatch):
@@ -116,10 +145,18 @@ def test_the_cluster_answers_only_its_own_token(cluster, tmp_path):
     assert proc.returncode != 0 and "CONNECTED" not in proc.stdout, proc.stdout[-500:]
 
 
+PLANTED_ENV = ".env.gspo-submit-probe"  # a credential file in the working dir the job is submitted from
+
+
 @pytest.mark.slow
 def test_job_sees_both_nodes_with_shipped_code(cluster):
-    job = jobs.submit_command("python tests/cluster/_probe_job.py", cluster.dashboard_url, working_dir=ROOT,
-                              runtime_env={"env_vars": {"GSPO_PROBE": "job"}})
+    planted = ROOT / PLANTED_ENV
+    planted.write_text("HF_TOKEN=hf_planted_in_the_working_dir\n")
+    try:
+        job = jobs.submit_command("python tests/cluster/_probe_job.py", cluster.dashboard_url, working_dir=ROOT,
+                                  runtime_env={"env_vars": {"GSPO_PROBE": "job"}})
+    finally:
+        planted.unlink()
     out = "".join(jobs.logs(job, cluster.dashboard_url, follow=True))
     assert jobs.wait(job, cluster.dashboard_url, timeout_s=120) == "SUCCEEDED", out
     probe = json.loads(next(line for line in out.splitlines() if line.startswith("PROBE "))[6:])
@@ -128,6 +165,8 @@ def test_job_sees_both_nodes_with_shipped_code(cluster):
     # The entrypoint runs in the environment the cluster was started from.
     assert probe["gspo_ray_exe"] == str(VENV_BIN / "gspo-ray")
     task = probe["task"]
+    unpacked = Path(task["gspo_ray"]).parents[1]  # the job's working_dir copy on the worker node
+    assert (unpacked / "gspo_ray").is_dir() and not (unpacked / PLANTED_ENV).exists()  # submit's excludes
     assert task["node"] != probe["driver_node"]  # rollout_node exists only on the worker node
     assert task["env"] == "driver"  # the driver's ray.init env_vars win over the job's (no clash error)
     # The code came with the job, unpacked under the worker node's own --temp-dir.
@@ -174,8 +213,12 @@ def test_train_job_writes_metrics(cluster, tmp_path, caplog):
                           ["coordinator.steps=2", "coordinator.eval_every=0", f"logging.out_dir={tmp_path}",
                            "logging.progress=false", f"cluster.runtime_env.env_vars.HF_TOKEN={secret}"],
                           working_dir=ROOT)
-    # the logged entrypoint: the secret override is not on the command line at all (it rides in the environment)
+    # the logged entrypoint: the secret override is not on the command line at all (it rides in a module)
     assert "submitted" in caplog.text and secret not in caplog.text
+    # ... nor in what Ray keeps of the job: its record (runtime_env included) as the job API returns it (R15)
+    record = jobs.info(job, cluster.dashboard_url)
+    assert record.runtime_env["env_vars"][jobs.SECRET_MODULE_ENV].startswith("gspo_ray_job_")
+    assert secret not in json.dumps(record.runtime_env) and secret not in repr(record)
     try:
         status = jobs.wait(job, cluster.dashboard_url, timeout_s=300)
     except TimeoutError as e:
@@ -196,7 +239,7 @@ def test_train_job_writes_metrics(cluster, tmp_path, caplog):
     assert res.exit_code == 0 and f"run dir     {tmp_path / 'tiny-moe-gspo'}" in res.output, res.output[-2000:]
     assert "steps       2 (" in res.output and secret not in res.output  # the driver's log
     assert not [p for p in tmp_path.rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
-    # ... yet the job had it: the override came through the job's environment (its config copy says redacted)
+    # ... yet the job had it: the override came through the job's module (its config copy says redacted)
     assert "HF_TOKEN: <redacted>" in (tmp_path / "tiny-moe-gspo" / "config.yaml").read_text()
 
 

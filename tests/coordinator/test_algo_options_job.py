@@ -23,7 +23,7 @@ def test_all_options_in_one_reuse_run(tmp_path):
         "rollout.verify_every=1",
         "coordinator.eval_every=0", "coordinator.checkpoint_every=0", "data.num_eval=0",
         "coordinator.filter_zero_adv=false", "coordinator.recompute_old_logprobs=true", "algorithm.eps=auto",
-        "algorithm.mismatch_correction.level=token", "algorithm.dilution_mask=token",
+        "algorithm.mismatch_correction.level=geometric", "algorithm.dilution_mask=token",
         "algorithm.dilution_threshold=1e-4", "algorithm.advantage.robust=rank", "logging.save_rollouts=true"])
     run_job(cfg)
     rows = read_metrics(cfg.run_dir / "metrics.jsonl")
@@ -43,7 +43,7 @@ def test_all_options_in_one_reuse_run(tmp_path):
         # the controller's own band, not one of the clamp bounds that would hold it whatever it measured
         assert 1e-5 < r["train/eps_low"] < 0.2
         assert r["train/eps_high"] == pytest.approx(r["train/eps_low"] * 4 / 3)
-        # fp32 engine vs trainer: rho = pi_old / pi_engine is 1 to ~1e-4, so token TIS leaves the weights at 1
+        # fp32 engine vs trainer: rho = pi_old / pi_engine is 1 to ~1e-4, so TIS leaves the weights at 1
         assert abs(r["train/is_rho_max"] - 1) < 1e-3 and abs(r["train/is_rho_min"] - 1) < 1e-3
         assert r["train/is_weight_mean"] == pytest.approx(1.0, abs=1e-3)
         # reuse mini-batches (after an update) hold unclipped tokens whose |log r| passed the 1e-4 threshold: the

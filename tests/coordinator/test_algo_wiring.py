@@ -1,5 +1,7 @@
 """Pure-python wiring of the algorithm options: robust advantages in the buffer, engine log-probs kept next to
 recomputed ones in a TrainBatch, auto-eps state in the coordinator's checkpoint, the trainer's metric reduction."""
+from pathlib import Path
+
 import pytest
 
 from gspo_ray.config import load_config
@@ -94,3 +96,96 @@ def test_mini_batches_with_every_token_masked_are_skipped_not_trained():
     assert out["train/skipped"] == 1.0 and out["train/optimizer_steps"] == 0
     assert out["train/empty_minibatches"] == 4  # 2 passes x 2 mini-batches
     assert out["train/version"] == coord.state.version == 3 and trainer.ended == 1
+
+
+class _Rollout:
+    """The rollout pool's calls collect_groups makes: every round returns the next scripted list of groups."""
+    num_workers, redispatched, max_restarts, restarts_left = 1, 0, 0, 0
+
+    def __init__(self, rounds):
+        self.rounds = list(rounds)
+
+    def submit(self, prompts, group_size, version):
+        return prompts
+
+    def wait(self, pending):
+        return self.rounds.pop(0), {"rollout/samples": 2.0}
+
+
+class _Prompts:
+    def take(self, n):
+        return [Prompt(uid=f"p{i}", prompt_ids=[5, 6]) for i in range(n)]
+
+
+def test_fewer_groups_than_mini_batches_wait_in_the_buffer_not_dropped():
+    # 2 mini-batches, no refill round: the first step yields one informative group (the other is all-equal), which
+    # cannot fill 2 mini-batches. It must wait for the next step, not vanish while the step counts as done.
+    cfg = load_config(None, ["coordinator.prompts_per_step=2", "coordinator.num_minibatches=2",
+                             "coordinator.max_refill_rounds=0", "algorithm.eps=fixed"])
+    rollout = _Rollout([[_group("a", [1.0, 0.0]), _group("b", [1.0, 1.0])], [_group("c", [0.0, 1.0])]])
+    coord = Coordinator(cfg, rollout, None, _Prompts(), LoopState())
+    taken, m = coord.collect_groups()
+    assert taken == [] and m["rollout/groups_trained"] == 0 and [g.prompt.uid for g in coord.buffer.groups] == ["a"]
+    taken, m = coord.collect_groups()
+    assert [g.prompt.uid for g in taken] == ["a", "c"] and m["rollout/groups_trained"] == 2
+
+
+def test_step_metrics_reduce_maxima_by_max_counts_by_sum_states_by_last():
+    class Scripted:  # two mini-batches' metrics, as the trainer returns them
+        rows = [{"train/ratio_max": 1.5, "train/ratio_min": 0.9, "train/forward_tokens": 100.0,
+                 "train/forward_passes_train": 2.0, "train/policy_version": 4.0, "train/skipped_steps": 0.0,
+                 "train/dilution_max_abs_logr": 0.2, "train/clip_frac_seq": 0.1},
+                {"train/ratio_max": 1.1, "train/ratio_min": 0.7, "train/forward_tokens": 60.0,
+                 "train/forward_passes_train": 2.0, "train/policy_version": 5.0, "train/skipped_steps": 1.0,
+                 "train/dilution_max_abs_logr": 0.6, "train/clip_frac_seq": 0.3}]
+
+        def train_step(self, batch, eps=None):
+            return self.rows.pop(0)
+
+        def end_batch(self):
+            pass
+
+    cfg = load_config(None, ["coordinator.num_minibatches=2", "algorithm.eps=fixed",
+                             "coordinator.recompute_old_logprobs=false"])
+    coord = Coordinator(cfg, None, Scripted(), None, LoopState(version=3))
+    groups = [_group("a", [1.0, 0.0]), _group("b", [0.0, 1.0])]
+    for g in groups:
+        g.advantages = [0.7, -0.7]
+    out = coord.train_on(groups)
+    # a mean would read 1.3, 0.8, 80, 2, 4.5, 0.5, 0.4
+    assert (out["train/ratio_max"], out["train/ratio_min"], out["train/forward_tokens"]) == (1.5, 0.7, 160.0)
+    assert out["train/forward_passes_train"] == 4.0 and out["train/dilution_max_abs_logr"] == 0.6
+    assert (out["train/policy_version"], out["train/skipped_steps"]) == (5.0, 1.0)
+    assert out["train/clip_frac_seq"] == pytest.approx(0.2)  # a share: the mean
+
+
+def test_a_resumed_loop_deals_the_same_mini_batches_and_keeps_the_failure_streak(tmp_path):
+    """Through a real job checkpoint (loop.json, no trainer): the buffer's shuffle RNG and the failure streak come
+    back, so the resumed loop puts the same groups together in the same mini-batches and stops at the same step as
+    the uninterrupted one (before: the RNG was re-seeded and the streak started at 0)."""
+    from gspo_ray.coordinator.checkpoint import CheckpointManager
+    from gspo_ray.coordinator.failures import TooManyFailedSamples
+
+    cfg = load_config(None, ["coordinator.prompts_per_step=8", "coordinator.num_minibatches=2",
+                             "rollout.reward.max_failed_share=0.5", "rollout.reward.max_failed_steps=2"])
+    groups = [_group(f"g{i}", [1.0, 0.0]) for i in range(8)]
+    for g in groups:
+        g.advantages = [0.7, -0.7]
+
+    def deal(coord):  # the groups of each mini-batch, as one step's train_on splits them
+        return [sorted(b.uids) for b in coord.buffer.minibatches(groups, 2)]
+
+    run = Coordinator(cfg, None, None, None, LoopState(step=3, version=3))
+    deal(run), deal(run)  # three steps trained: the RNG moved
+    run.failures.check(3, 3, 4, {"boom": 3})  # step 3: 75% failed, one step of the streak
+    ckpts = CheckpointManager(tmp_path)
+    ckpts.save(run.state, lambda d: (Path(d) / "meta.json").write_text("{}"),  # the trainer's part: its marker
+               extra={"coordinator": run.state_dict()})
+
+    state, extra = ckpts.load_state(ckpts.latest())
+    resumed = Coordinator(cfg, None, None, None, state)
+    resumed.load_state_dict(extra["coordinator"])
+    assert [deal(resumed) for _ in range(3)] == [deal(run) for _ in range(3)]
+    for coord in (run, resumed):  # step 4 fails too: the second step in a row stops both
+        with pytest.raises(TooManyFailedSamples, match="for 2 steps in a row"):
+            coord.failures.check(4, 3, 4, {"boom": 3})

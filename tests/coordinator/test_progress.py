@@ -24,3 +24,27 @@ def test_notes_without_a_bar_are_plain_stderr_lines(tmp_path, capsys):
     tracker.close()
     assert capsys.readouterr().err == ("checkpoint step_000001: 2.2 MB on disk; coordinator.keep_checkpoints 2 "
                                        "keeps ~4.5 MB\n")
+
+
+def test_a_row_cut_short_by_a_kill_never_breaks_reading_trimming_or_resuming(tmp_path, caplog):
+    """A kill mid-write leaves `{"step": 3, "rollout/rew` without its newline. Reading (plot, benches), the
+    recovery's trim and a resumed run's appends must neither raise nor glue the next row onto the fragment."""
+    import json
+
+    from gspo_ray.coordinator.recovery import trim_metrics
+    from gspo_ray.coordinator.tracking import read_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    whole = "".join(json.dumps({"step": s, "rollout/reward_mean": s / 10}) + "\n" for s in (1, 2))
+    path.write_text(whole + '{"step": 3, "rollout/rew')
+    assert [r["step"] for r in read_metrics(path)] == [1, 2]
+    assert "metrics.jsonl:3: not a whole metrics row" in caplog.text
+    trim_metrics(path, keep_through=5)  # in-job recovery: the fragment goes, the whole rows stay
+    assert path.read_text() == whole
+    path.write_text(whole + '{"step": 3, "rollout/rew')
+    tracker = MetricsTracker(tmp_path, total_steps=4, start_step=2, tensorboard=False, progress=False)  # --resume
+    tracker.log(3, {"rollout/reward_mean": 0.3})
+    tracker.close()
+    lines = path.read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1, 2, 3]  # every line whole, the new row its own
+    assert read_metrics(path)[-1]["rollout/reward_mean"] == 0.3

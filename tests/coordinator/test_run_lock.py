@@ -140,6 +140,67 @@ def test_a_job_whose_lock_was_taken_over_stops_at_its_next_boundary(tmp_path):
     assert read_lock(tmp_path)["host"] == "old-pod-abc"  # never removed another job's lock
 
 
+def test_a_renewal_never_overwrites_a_lock_taken_between_its_read_and_its_replace(tmp_path, monkeypatch):
+    """R17: our lease looks expired to a job on another host, which takes the lock over exactly while our renewal
+    runs (after its read, before its replace). Read-then-replace overwrote the taker's lock: both jobs held the
+    run directory. Under the mutex the taker must wait, and is refused; or it wins first and the renewal raises."""
+    with RunLock(tmp_path) as lock:
+        path = tmp_path / LOCK_NAME
+        # as another host sees us: a lease that expired an hour ago (same owner, so the renewal takes it as ours)
+        path.write_text(json.dumps({**lock._record, "host": "old-pod-abc", "renewed_at": time.time() - 3600,
+                                    "lease_s": 300}))
+        taker, outcome, read_raw = RunLock(tmp_path), [], run_lock._read_raw
+
+        def racing_read(p):
+            raw = read_raw(p)
+            if not outcome and p == path:  # the renewal's read: the other job strikes now
+                outcome.append("racing")
+                run_lock.HELD.discard(path.resolve())  # the taker plays another process
+                try:
+                    taker.acquire()
+                    outcome.append("taken")
+                except RunLockError:
+                    outcome.append("refused")
+                run_lock.HELD.add(path.resolve())
+            return raw
+
+        monkeypatch.setattr(run_lock, "_read_raw", racing_read)
+        lock.refresh()
+        assert outcome == ["racing", "refused"]  # read-then-replace: "taken", then overwritten
+        assert read_lock(tmp_path)["owner"] == lock._record["owner"] and not taker.held
+
+
+def test_the_lease_is_renewed_while_the_job_is_between_boundaries(tmp_path, monkeypatch):
+    """A start-up, save or recovery longer than the lease: the holder's heartbeat renews it meanwhile; once the
+    lock is taken over, the heartbeat stops and the next step boundary raises; release stops the thread."""
+    monkeypatch.setattr(run_lock, "HEARTBEAT_S", 0.05)
+    with RunLock(tmp_path) as lock:
+        first = read_lock(tmp_path)["renewed_at"]
+        deadline = time.time() + 10
+        while read_lock(tmp_path)["renewed_at"] == first:  # no refresh() called: a long save is running
+            assert time.time() < deadline, "the lease was not renewed between step boundaries"
+            time.sleep(0.05)
+        mutex = tmp_path / f"{LOCK_NAME}.takeover"
+        while True:  # another host's job takes the lock over as takers do: under the mutex
+            try:
+                os.close(os.open(mutex, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+                break
+            except FileExistsError:  # the heartbeat is renewing right now
+                time.sleep(0.01)
+        _other_host_lock(tmp_path, renewed_ago_s=0)
+        mutex.unlink()
+        while lock._heartbeat.is_alive():
+            assert time.time() < deadline
+            time.sleep(0.05)
+        assert read_lock(tmp_path)["host"] == "old-pod-abc"  # the heartbeat never overwrote it
+        with pytest.raises(RunLockError, match="taken over"):
+            lock.refresh()
+    assert read_lock(tmp_path)["host"] == "old-pod-abc"
+    with RunLock(tmp_path / "b") as other:
+        beat = other._heartbeat
+    assert not beat.is_alive()
+
+
 RACER = """import sys, time
 from gspo_ray.coordinator.run_lock import RunLock, RunLockError
 while time.time() < float(sys.argv[2]):  # start together
