@@ -102,14 +102,16 @@ def test_partial_keep_is_refused_where_a_token_age_would_go_unseen():
     # keep trains tokens of any age: a max_staleness beside it would be ignored
     with pytest.raises(ConfigError, match=r"rollout\.partial\.max_staleness \(2\) is not used.*'keep'"):
         load_config(RECIPE, [*keep, "rollout.partial.max_staleness=2"])
-    # a recomputed anchor is the current policy: a stale token would train as on-policy, unclipped
+    # a recomputed anchor is the current policy: a stale token would train as on-policy, unclipped (sync mode,
+    # fixed band: the async / eps-auto refusals of the recomputed anchor would speak first)
+    recompute = ["coordinator.recompute_old_logprobs=true", "algorithm.eps=fixed"]
     with pytest.raises(ConfigError, match=r"stale_policy 'keep' with coordinator\.recompute_old_logprobs"):
-        load_config(RECIPE, [*keep, "coordinator.recompute_old_logprobs=true"])
-    ok = load_config(RECIPE, [*keep, "coordinator.recompute_old_logprobs=true",
-                              "algorithm.mismatch_correction.level=geometric"])
+        load_config(RECIPE, [*keep, *recompute, "coordinator.mode=sync"])
+    ok = load_config(RECIPE, [*keep, *recompute, "algorithm.mismatch_correction.level=geometric"])
     assert ok.rollout.partial.stale_policy == "keep" and load_config(RECIPE, keep).rollout.partial is not None
     masked = load_config(RECIPE, ["rollout.partial.segment_tokens=2", "rollout.partial.stale_policy=mask",
-                                  "coordinator.recompute_old_logprobs=true", "rollout.partial.max_staleness=2"])
+                                  *recompute, "algorithm.mismatch_correction.level=geometric",
+                                  "rollout.partial.max_staleness=2"])
     assert masked.rollout.partial.max_staleness == 2
 
 
@@ -145,7 +147,8 @@ def test_the_recomputed_anchor_in_async_one_pass_is_refused_where_it_silences_th
                                           "algorithm.mismatch_correction"):
         load_config(RECIPE, [*recompute, "algorithm.eps=fixed"])
     # with reuse mini-batches auto has drift to measure, even on the recomputed anchor
-    cfg = load_config(RECIPE, [*recompute, "coordinator.num_minibatches=2", "algorithm.mismatch_correction.level=token"])
+    cfg = load_config(RECIPE, [*recompute, "coordinator.num_minibatches=2",
+                               "algorithm.mismatch_correction.level=geometric"])
     assert cfg.algorithm.eps == "auto"
     # sync mode with recompute has no staleness to correct: a fixed band alone is accepted
     assert load_config(RECIPE, [*recompute, "algorithm.eps=fixed", "coordinator.mode=sync"]).coordinator.mode == "sync"
