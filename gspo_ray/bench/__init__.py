@@ -22,6 +22,8 @@
     recovery in-job trainer recovery: a 60-step tiny run with a trainer kill vs one without (recovery.py)
     scale    the scale model: our DP layout, routing-record store, weight-sync buckets and checkpoint shards at
              cluster shapes (DP 8-256, TP, EP; four model shapes), no weights (scale.py, docs/scale.md)
+    preflight  the data preflight over 100k GSM8K-like rows: read and reference checks in worker processes, again
+             with the run directory's verdicts (a --resume), against one process's parse (preflight_data.py)
     all      tiny + smollm2
 """
 from __future__ import annotations
@@ -29,7 +31,7 @@ from __future__ import annotations
 from pathlib import Path
 
 SUITES = ("tiny", "smollm2", "profile", "moe", "moe-tiny", "regime", "rollout", "push", "lora", "lora-vs-full", "probe",
-          "learn", "recovery", "scale", "all")
+          "learn", "recovery", "scale", "preflight", "all")
 
 
 # each multi-seed suite's seeds when --seeds is not given
@@ -97,6 +99,10 @@ def run(suite: str = "all", *, quick: bool = False, steps: int = 6, seeds: tuple
         from gspo_ray.bench.scale import run_scale_bench
 
         run_scale_bench()
+    if suite == "preflight":
+        from gspo_ray.bench.preflight_data import run_preflight_bench
+
+        run_preflight_bench(quick=quick)
     if suite in ("tiny", "all"):
         from gspo_ray.bench.tiny import run_bench
 
