@@ -23,7 +23,7 @@ Tensor parallelism (sizes per TP rank):
 
 Frozen base: every base parameter has requires_grad False, so Megatron runs `linear_with_frozen_weight` (no weight
 gradient matmul), DDP allocates no gradient buffer and the optimizer holds no state for it. Adapters are fp32 (the
-input is cast to fp32, the output back to the base's dtype).
+input is cast to fp32, the output back to the base's dtype), on their base weight's device.
 
 Init (PEFT's): A kaiming-uniform(a=sqrt 5) over the full tensor, B = 0, drawn from a generator seeded by the
 trainer seed and the adapter's HF name, so every TP/EP layout starts from the same full adapter.
@@ -96,12 +96,13 @@ def full_in_size(t: LinearTarget, spec: ModelSpec) -> int:
 
 
 class LoRAPair(nn.Module):
-    """A [r, in_local] and B [out_local, r] of one HF target, fp32."""
+    """A [r, in_local] and B [out_local, r] of one HF target, fp32, on `device` (the base weight's: a CUDA model's
+    adapters on the CPU fail Megatron's optimizer type check and the first forward's matmul)."""
 
-    def __init__(self, rank: int, in_local: int, out_local: int):
+    def __init__(self, rank: int, in_local: int, out_local: int, device: torch.device | str | None = None):
         super().__init__()
-        self.A = nn.Parameter(torch.zeros(rank, in_local, dtype=torch.float32))
-        self.B = nn.Parameter(torch.zeros(out_local, rank, dtype=torch.float32))
+        self.A = nn.Parameter(torch.zeros(rank, in_local, dtype=torch.float32, device=device))
+        self.B = nn.Parameter(torch.zeros(out_local, rank, dtype=torch.float32, device=device))
 
 
 class ParallelLoRA(nn.Module):
@@ -121,8 +122,10 @@ class ParallelLoRA(nn.Module):
         self.qkv_widths = {n: s // self.tp for n, s in full_out_sizes(
             LinearTarget(t.name, t.all_targets, t.all_targets, t.layout, t.kind, t.layer, t.local_expert),
             spec).items()} if t.layout == "qkv" else {}
+        weight = getattr(base, "weight", None)
+        device = weight.device if isinstance(weight, Tensor) else None
         self.pairs = nn.ModuleDict({
-            n: LoRAPair(cfg.rank, inp if col else inp // self.tp, s // self.tp if col else s)
+            n: LoRAPair(cfg.rank, inp if col else inp // self.tp, s // self.tp if col else s, device)
             for n, s in outs.items()})
 
     def _weight(self, p: Tensor) -> Tensor:
@@ -337,4 +340,4 @@ def shard_pair(pair: LoRAPair, lora: ParallelLoRA, a_full: Tensor, b_full: Tenso
         if tuple(local.shape) != tuple(p.shape):
             raise ValueError(f"{where or 'adapter'}: {label} gives shape {tuple(local.shape)} on this rank, the "
                              f"model needs {tuple(p.shape)} (an adapter of another base model, or another rank)")
-        p.copy_(local.to(p.dtype))
+        p.copy_(local.to(device=p.device, dtype=p.dtype))
