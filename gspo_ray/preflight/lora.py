@@ -1,5 +1,6 @@
 """Preflight of trainer.lora: the adapter settings against the model and the engines, and an `init_from` adapter
-directory read (config and tensor shapes) before anything starts. One line naming the field or path, exit 2.
+directory read (config, LoRA variant and tensor shapes) before anything starts. One line naming the field or path,
+exit 2. Dropout is refused: it moves the ratio of every sequence against GSPO's narrow band.
 
 The rank never has to divide trainer.tp: TP splits only the base's own split dimension (a column-parallel
 linear's B rows, a row-parallel linear's A columns), never the rank (trainer/lora.py).
@@ -25,6 +26,10 @@ def check_lora(cfg: JobConfig, hf_config: dict | None, report: PreflightReport) 
             raise PreflightError(f"rollout.lora_rank ({served}) without trainer.lora: there is no adapter to serve "
                                  "(the job sets rollout.lora_rank from trainer.lora; leave it unset)")
         return
+    if lora.dropout > 0:
+        raise PreflightError(f"trainer.lora.dropout ({lora.dropout:g}) > 0: the old log-probs are computed without "
+                             "dropout and the train forward with it, so the importance ratio moves by dropout noise "
+                             "alone (GSPO's sequence band is ~3e-4 wide); set it to 0")
     if served is not None and lora.serve == "merged":
         raise PreflightError(f"rollout.lora_rank ({served}) with trainer.lora.serve merged: the engines get merged "
                              "full weights and run without LoRA; leave rollout.lora_rank unset")
@@ -74,6 +79,11 @@ def check_adapter_dir(path: Path, rank: int, alpha: float, shapes: dict[str, tup
         raise PreflightError(f"{where}/adapter_config.json: not JSON ({e})") from None
     if str(peft.get("peft_type", "")).upper() != "LORA":
         raise PreflightError(f"{where}: peft_type {peft.get('peft_type')!r}; only LORA adapters load")
+    from gspo_ray.trainer.lora_io import peft_kind_problem
+
+    problem = peft_kind_problem(peft)
+    if problem:  # the trainer refuses these too, but only once Ray and both pools are up
+        raise PreflightError(f"{where}: {problem}")
     if peft.get("r") != rank or float(peft.get("lora_alpha", -1)) != alpha:
         raise PreflightError(f"{where}: adapter r={peft.get('r')} lora_alpha={peft.get('lora_alpha')}, "
                              f"trainer.lora has rank={rank} alpha={alpha:g}: set them equal")

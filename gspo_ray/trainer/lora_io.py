@@ -137,12 +137,28 @@ def read_peft_dir(adapter_dir: str | Path) -> tuple[dict, dict[str, Tensor]]:
     return cfg, {k.replace(".default.weight", ".weight"): v for k, v in tensors.items()}
 
 
+# adapter_config.json fields of LoRA variants the trainer cannot reproduce: (key, why)
+UNSUPPORTED_PEFT = (
+    ("use_rslora", "rsLoRA scales the update by alpha / sqrt(r), the trainer by alpha / r"),
+    ("use_dora", "DoRA adds a magnitude vector the trainer does not have"),
+    ("rank_pattern", "per-module ranks; the trainer uses one trainer.lora.rank"),
+    ("alpha_pattern", "per-module alphas; the trainer uses one trainer.lora.alpha"),
+)
+
+
+def peft_kind_problem(cfg: dict) -> str | None:
+    """Why an adapter_config.json describes a LoRA the trainer cannot load (None: plain LoRA), naming the field."""
+    for key, why in UNSUPPORTED_PEFT:
+        if cfg.get(key):
+            return f"adapter_config.json sets {key}={json.dumps(cfg[key])}: {why} (plain LoRA only)"
+    return None
+
+
 def peft_rank_alpha(cfg: dict, where: str) -> tuple[int, float]:
-    """(r, lora_alpha) of an adapter_config.json; rank patterns (per-module ranks) are refused."""
-    if cfg.get("rank_pattern") or cfg.get("alpha_pattern"):
-        raise ValueError(f"{where}: per-module rank_pattern/alpha_pattern adapters are not supported")
-    if cfg.get("use_rslora") or cfg.get("use_dora"):
-        raise ValueError(f"{where}: rsLoRA/DoRA adapters are not supported (plain LoRA only)")
+    """(r, lora_alpha) of an adapter_config.json; the variants of UNSUPPORTED_PEFT are refused."""
+    problem = peft_kind_problem(cfg)
+    if problem:
+        raise ValueError(f"{where}: {problem}")
     return int(cfg["r"]), float(cfg.get("lora_alpha", cfg["r"]))
 
 
