@@ -30,6 +30,7 @@ trainer seed and the adapter's HF name, so every TP/EP layout starts from the sa
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 import zlib
@@ -111,6 +112,7 @@ class ParallelLoRA(nn.Module):
     def __init__(self, t: LinearTarget, spec: ModelSpec, cfg: LoRAConfig, base: nn.Module):
         super().__init__()
         self.target, self.scale, self.dropout = t, cfg.scale, cfg.dropout
+        self.bypass = False  # the reference policy's forward: the base linear alone (reference_adapters)
         group = getattr(base, "tp_group", None)
         tp = group.size() if group is not None else 1
         self.local = bool(getattr(base, "explicit_expert_comm", False)) or tp == 1  # no TP collectives
@@ -207,8 +209,38 @@ class ParallelLoRA(nn.Module):
 
 def _add_adapter_output(module: nn.Module, inputs: tuple, output):
     """Forward hook of an adapted linear: Megatron linears return (output, bias)."""
+    if module.lora.bypass:
+        return output
     out, bias = output
     return module.lora.add_to(out, inputs[0]), bias
+
+
+@contextlib.contextmanager
+def reference_adapters(model: nn.Module, state: dict[str, Tensor] | None = None):
+    """Within the block `model` computes the reference policy of a LoRA run, in eval mode, with no second model:
+    the base alone (`state` None: every adapter bypassed), or the adapters holding `state` (lora_state names: the
+    adapter the run started from, trainer.lora.init_from). The trained adapters come back afterwards, bit for bit."""
+    was_training = model.training
+    linears = [m for _, m in adapted_linears(model)]
+    params = dict(model.named_parameters())
+    saved = {}
+    model.eval()
+    try:
+        with torch.no_grad():
+            if state is None:
+                for m in linears:
+                    m.lora.bypass = True
+            for k, v in (state or {}).items():
+                saved[k] = params[k].detach().clone()
+                params[k].copy_(v)
+        yield
+    finally:
+        with torch.no_grad():
+            for m in linears:
+                m.lora.bypass = False
+            for k, v in saved.items():
+                params[k].copy_(v)
+        model.train(was_training)
 
 
 def adapted_linears(model: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -117,7 +117,9 @@ class TrainerWorker:
         self.optimizer = build_optimizer(self.ddp, trainer_cfg)
         self.scheduler = build_scheduler(self.optimizer, trainer_cfg)
         self.ref_model = None
-        if algo_cfg.beta > 0:
+        if algo_cfg.beta > 0 and self.lora is not None:
+            self.ref_model = self.gpt  # its starting adapters (or none) under self._reference(): no second model
+        elif algo_cfg.beta > 0:
             # frozen copy of the initial weights; no DDP, no optimizer
             self.ref_model, _ = build_model(self.model_path, dtype=dtype, moe_dispatcher=trainer_cfg.moe_dispatcher)
             self.ref_model.eval()
@@ -173,6 +175,10 @@ class TrainerWorker:
         logp, entropy = out
         return logp.float(), entropy.detach().float()
 
+    def _reference(self):
+        """Around a forward of self.ref_model: with LoRA that is the policy model with its starting adapters."""
+        return self.lora.as_reference(self.gpt) if self.lora is not None else contextlib.nullcontext()
+
     def _plan(self, batch: TrainBatch, policy_routing: bool) -> list[MicroBatch]:
         """This DP rank's micro-batches of `batch`: shared-prefix group rows when trainer.shared_prefix is on and
         the batch has prompts to share, else padded rows. policy_routing: a policy forward that Routing Replay /
@@ -211,7 +217,7 @@ class TrainerWorker:
         passes = self._fetch_routing_records(batch, mbs) if sampler else [(False, False)] * len(mbs)
         for mb, (record_first, _) in zip(mbs, passes):
             with self._routing_records(mb, sampler=True, record_first=record_first) if sampler else \
-                    contextlib.nullcontext():
+                    self._reference() if reference else contextlib.nullcontext():
                 lp = self._logprobs(model, mb, "reference" if reference else purpose,
                                     temperature=temperature).cpu()
             real = [i for i, r in enumerate(mb.rows) if r >= 0]  # padding rows and dummies are dropped
@@ -236,7 +242,7 @@ class TrainerWorker:
         mb = micro.batch
         ref_logp = mb.ref_logp
         if ref_logp is None and self.ref_model is not None:
-            with torch.no_grad():
+            with torch.no_grad(), self._reference():
                 ref_logp = self._logprobs(self.ref_model, micro, "reference", loss_tokens_only=True)
         capture = self._churn_capture(micro, "before") if churn else contextlib.nullcontext()
         # replay first: a recording forward it runs is neither captured nor watched
