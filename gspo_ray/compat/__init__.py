@@ -20,3 +20,12 @@ A workaround whose bug depends on the CPU as well as the version (vllm_cpu_bindi
 harmless where the bug does not show, and its test demands the fix wherever the bug shows, never the bug itself.
 This package imports nothing else of gspo_ray: rollout/ and trainer/ use it, never the reverse.
 """
+
+
+def vllm_minor_version() -> tuple[int, int]:
+    """(major, minor) of the installed vLLM: what every vLLM workaround here, and rollout's in-memory adapter swap,
+    is guarded by."""
+    import vllm
+
+    major, minor = vllm.__version__.split(".")[:2]
+    return int(major), int(minor)

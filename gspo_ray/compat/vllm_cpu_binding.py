@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import logging
 
+from gspo_ray.compat import vllm_minor_version
+
 logger = logging.getLogger(__name__)
 
 AFFECTED_MINOR_VERSIONS = ((0, 32),)
@@ -23,11 +25,9 @@ _first_binding: list = []  # the cores of this process's first in-process engine
 
 def needs_binding_fix() -> bool:
     """True on the CPU platform with a vLLM version known to carry the bug."""
-    import vllm
     from vllm.platforms import current_platform
 
-    major, minor = (int(x) for x in vllm.__version__.split(".")[:2])
-    return current_platform.is_cpu() and (major, minor) in AFFECTED_MINOR_VERSIONS
+    return current_platform.is_cpu() and vllm_minor_version() in AFFECTED_MINOR_VERSIONS
 
 
 def engine_cores(requested: str | None) -> str | None:

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from gspo_ray.compat import vllm_minor_version
+
 AFFECTED_MINOR_VERSIONS = ((0, 32),)
 _OPS = ("bgmv_shrink", "bgmv_expand", "bgmv_expand_slice")
 _originals: dict[str, object] = {}
@@ -27,11 +29,9 @@ _originals: dict[str, object] = {}
 
 def needs_lora_fix() -> bool:
     """True on the CPU platform with a vLLM version whose LoRA ops were measured to copy weights per token."""
-    import vllm
     from vllm.platforms import current_platform
 
-    major, minor = (int(x) for x in vllm.__version__.split(".")[:2])
-    return current_platform.is_cpu() and (major, minor) in AFFECTED_MINOR_VERSIONS
+    return current_platform.is_cpu() and vllm_minor_version() in AFFECTED_MINOR_VERSIONS
 
 
 def _one_slot(indices: torch.Tensor) -> int | None:

@@ -21,17 +21,12 @@ import logging
 
 import torch
 
+from gspo_ray.compat import vllm_minor_version
+
 logger = logging.getLogger(__name__)
 
 # Versions on which both bugs were reproduced and the fix was checked (major, minor).
 AFFECTED_MINOR_VERSIONS = ((0, 32),)
-
-
-def _vllm_minor_version() -> tuple[int, int]:
-    import vllm
-
-    major, minor = vllm.__version__.split(".")[:2]
-    return int(major), int(minor)
 
 
 def needs_reload_fix() -> bool:
@@ -40,7 +35,7 @@ def needs_reload_fix() -> bool:
 
     if not current_platform.is_cpu():
         return False
-    version = _vllm_minor_version()
+    version = vllm_minor_version()
     if version not in AFFECTED_MINOR_VERSIONS:
         # Unknown version: applying could double-pack; the post-push probe (`verify`) is the safety net.
         logger.warning("vLLM %s.%s is not a version the CPU reload fix was checked on; not applying it", *version)

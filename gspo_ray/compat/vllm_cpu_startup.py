@@ -22,16 +22,16 @@ from __future__ import annotations
 
 import gc
 
+from gspo_ray.compat import vllm_minor_version
+
 AFFECTED_MINOR_VERSIONS = ((0, 32),)
 
 
 def needs_startup_fix() -> bool:
     """True on the CPU platform with a vLLM version whose start-up was measured to carry both costs."""
-    import vllm
     from vllm.platforms import current_platform
 
-    major, minor = (int(x) for x in vllm.__version__.split(".")[:2])
-    return current_platform.is_cpu() and (major, minor) in AFFECTED_MINOR_VERSIONS
+    return current_platform.is_cpu() and vllm_minor_version() in AFFECTED_MINOR_VERSIONS
 
 
 def compiled_token_ranks():

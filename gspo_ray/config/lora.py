@@ -1,4 +1,4 @@
-"""trainer.lora: low-rank adapters on the frozen base model (trainer/lora.py), pushed to vLLM as adapters."""
+"""trainer.lora: low-rank adapters on the frozen base model (trainer/lora/adapters.py), pushed to vLLM as adapters."""
 from __future__ import annotations
 
 from typing import Literal

@@ -60,7 +60,7 @@ from gspo_ray.trainer.batch_layout import (
 )
 from gspo_ray.trainer.group_rows import shard_token_order, warn_once
 from gspo_ray.trainer.heap import release_free_heap
-from gspo_ray.trainer.lora_worker import TrainerLoRA, check_checkpoint_kind, load_model, model_state
+from gspo_ray.trainer.lora.worker import TrainerLoRA, check_checkpoint_kind, load_model, model_state
 from gspo_ray.trainer.metric_accumulator import MetricAccumulator, dp_token_metrics
 from gspo_ray.trainer.pg_weights import build_pg_weight
 from gspo_ray.trainer.routing.churn import RouterRecorder, comm_device
@@ -109,7 +109,7 @@ class TrainerWorker:
         self.gpt, self.spec = build_model(self.model_path, dtype=dtype, moe_dispatcher=trainer_cfg.moe_dispatcher,
                                           routing_replay=trainer_cfg.routing_replay != "none"
                                           or trainer_cfg.routing_noise)
-        self.lora = None  # trainer.lora: the base frozen, adapters trained and pushed (trainer/lora_worker.py)
+        self.lora = None  # trainer.lora: the base frozen, adapters trained and pushed (trainer/lora/worker.py)
         if trainer_cfg.lora is not None:
             self.lora = TrainerLoRA.attach(self.gpt, self.spec, trainer_cfg.lora, trainer_cfg.seed)
         self.ddp = build_ddp(self.gpt, dtype=trainer_cfg.dtype,

@@ -15,7 +15,7 @@ from gspo_ray.models.tiny import build_config
 from gspo_ray.preflight.lora import check_lora
 from gspo_ray.preflight.model import PreflightError
 from gspo_ray.preflight.report import PreflightReport
-from gspo_ray.trainer.lora_io import expected_adapter_shapes, write_peft_dir
+from gspo_ray.trainer.lora.peft_io import expected_adapter_shapes, write_peft_dir
 from gspo_ray.trainer.model_spec import spec_from_hf_config
 
 RECIPE = Path(__file__).resolve().parents[2] / "gspo_ray" / "recipes" / "tiny_moe.yaml"

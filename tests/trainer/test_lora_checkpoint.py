@@ -25,7 +25,7 @@ def _worker(port, model_dir, beta=0.0, **lora):
 
 
 def _scenario(rank, world_size, ports, model_dir, batch, root):
-    from gspo_ray.trainer.lora_export import export_adapter_dir, merged_hf_state
+    from gspo_ray.trainer.lora.export import export_adapter_dir, merged_hf_state
     from gspo_ray.trainer.bridge import write_hf_dir
     from gspo_ray.trainer.model_spec import read_hf_config
 
@@ -128,7 +128,7 @@ def test_kl_reference_is_the_starting_adapter_without_a_second_model(run):
 
 
 def _merged_push(rank, world_size, ports, model_dir, serve):
-    from gspo_ray.trainer.lora_io import export_adapter, load_full_adapter
+    from gspo_ray.trainer.lora.peft_io import export_adapter, load_full_adapter
 
     w = _worker(ports[0], model_dir, target_modules=["q_proj", "gate_proj", "down_proj"], serve=serve)
     g = torch.Generator().manual_seed(0)

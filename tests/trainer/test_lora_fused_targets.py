@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from gspo_ray.config.lora import LoRAConfig
-from gspo_ray.trainer.lora import ParallelLoRA, match_linear
+from gspo_ray.trainer.lora.adapters import ParallelLoRA, match_linear
 from gspo_ray.trainer.model_spec import ModelSpec
 
 SPEC = ModelSpec(arch="test", hf_config={}, hf_dir="", vocab_size=10, padded_vocab_size=10, num_layers=1,
@@ -77,7 +77,7 @@ def test_adapters_are_created_on_their_base_weights_device():
     """R1: a model on CUDA got fp32 adapters on the CPU (Megatron's bf16 optimizer refuses them; the first forward
     mixes devices). The meta device stands in for CUDA on this CPU machine: each adapter follows its base, the
     full adapter's init is copied onto it, and the other linears keep theirs on the CPU."""
-    from gspo_ray.trainer.lora import adapted_linears, apply_lora
+    from gspo_ray.trainer.lora.adapters import adapted_linears, apply_lora
 
     spec = dataclasses.replace(SPEC, arch="llama")  # HF names for the adapters' init seeds
     layer = nn.Module()
@@ -97,3 +97,14 @@ def test_adapters_are_created_on_their_base_weights_device():
             for p in (pair.A, pair.B):
                 assert p.device == linear.weight.device and p.dtype == torch.float32, (linear, p.device)
     assert {str(p.device) for p in model.parameters() if p.requires_grad} == {"cpu", "meta"}
+
+
+def test_a_tensor_parallel_linear_without_sequence_parallelism_is_refused():
+    """At TP > 1 the adapters are written for sequence parallelism only (build_model's default there)."""
+    base = nn.Linear(1, 1)
+    base.tp_group = type("Group", (), {"size": lambda self: 2})()
+    t = match_linear(LAYER + CASES[0][0], CASES[0][1])
+    with pytest.raises(ValueError, match="LoRA at TP 2 needs sequence parallelism"):
+        ParallelLoRA(t, SPEC, LoRAConfig(rank=4, alpha=8, target_modules=CASES[0][1]), base)
+    base.sequence_parallel = True
+    assert ParallelLoRA(t, SPEC, LoRAConfig(rank=4, alpha=8, target_modules=CASES[0][1]), base).sequence_parallel

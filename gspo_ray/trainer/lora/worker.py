@@ -25,8 +25,8 @@ from torch import Tensor, nn
 
 from gspo_ray.config.lora import LoRAConfig, check_lora_kind, lora_meta
 from gspo_ray.trainer.bridge import is_lora_param
-from gspo_ray.trainer.lora import apply_lora, count_params, load_lora_state, lora_state, reference_adapters
-from gspo_ray.trainer.lora_io import (
+from gspo_ray.trainer.lora.adapters import apply_lora, count_params, load_lora_state, lora_state, reference_adapters
+from gspo_ray.trainer.lora.peft_io import (
     export_adapter,
     load_full_adapter,
     merged_base,

@@ -10,14 +10,14 @@ target: `linear_qkv` -> q_proj / k_proj / v_proj (their outputs interleaved per 
 are), `linear_fc1` -> gate_proj / up_proj ([gate; up]), `linear_proj` -> o_proj, `linear_fc2` -> down_proj; the
 same for each MoE expert's linear_fc1 / linear_fc2 (SequentialMLP, expert-TP 1, experts split over EP).
 
-Tensor parallelism (sizes per TP rank):
-- column-parallel base (W rows split): A [r, in] replicated, B [out / tp, r] split on output rows. With sequence
-  parallelism the input arrives split on tokens: h = A x is computed on the local tokens and all-gathered (r
-  numbers a token instead of the hidden size), its gradient reduce-scattered; A's gradient, a sum over all tokens,
-  is all-reduced over TP by `copy_to_tensor_model_parallel_region` applied to A itself. Without it, h's gradient
-  (partial: each rank holds one slice of B) is all-reduced.
+Tensor parallelism (sizes per TP rank; always with sequence parallelism, which build_model sets at TP > 1; an
+adapter on a TP linear without it is refused):
+- column-parallel base (W rows split): A [r, in] replicated, B [out / tp, r] split on output rows. The input
+  arrives split on tokens: h = A x is computed on the local tokens and all-gathered (r numbers a token instead of
+  the hidden size), its gradient reduce-scattered; A's gradient, a sum over all tokens, is all-reduced over TP by
+  `copy_to_tensor_model_parallel_region` applied to A itself.
 - row-parallel base (W columns split): A [r, in / tp] split on input columns, B [out, r] replicated; the partial h
-  is all-reduced (reduce-scattered onto token shards under sequence parallelism, then B's gradient all-reduced).
+  is reduce-scattered onto token shards, then B's gradient all-reduced.
 - experts: local matmuls (the dispatcher moved the tokens; expert-TP is 1), adapter grads reduced over the expert
   data-parallel group like the expert weights (`allreduce=False` copied from the base weight).
 
@@ -118,6 +118,8 @@ class ParallelLoRA(nn.Module):
         self.local = bool(getattr(base, "explicit_expert_comm", False)) or tp == 1  # no TP collectives
         self.tp, self.tp_group = (1, None) if self.local else (tp, group)
         self.sequence_parallel = bool(getattr(base, "sequence_parallel", False)) and not self.local
+        if not self.local and not self.sequence_parallel:  # build_model sets SP at TP > 1; nothing else is written
+            raise ValueError(f"{t.name}: LoRA at TP {tp} needs sequence parallelism (build_model's default)")
         self.groups = spec.num_kv_heads // self.tp  # local query groups (qkv layout)
         outs, inp = full_out_sizes(t, spec), full_in_size(t, spec)
         col = t.kind == "col"
@@ -149,15 +151,11 @@ class ParallelLoRA(nn.Module):
                 h = h_in @ self._weight(pair.A).t()
                 if self.sequence_parallel:  # tokens split over TP: gather r numbers a token, not the hidden size
                     h = mp.gather_from_sequence_parallel_region(h, True, group=self.tp_group)
-                elif not self.local:
-                    h = mp.copy_to_tensor_model_parallel_region(h, group=self.tp_group)  # bwd: sum B slices
                 outs[name] = (h @ pair.B.t()) * self.scale
             else:
                 h = h_in @ pair.A.t()  # partial over TP (A split on the input columns)
                 if self.sequence_parallel:
                     h = mp.reduce_scatter_to_sequence_parallel_region(h, group=self.tp_group)
-                elif not self.local:
-                    h = mp.reduce_from_tensor_model_parallel_region(h, group=self.tp_group)
                 outs[name] = (h @ self._weight(pair.B).t()) * self.scale
         return self._assemble(outs).to(x.dtype)
 
