@@ -65,7 +65,8 @@ def _scenario(rank, world_size, ports, model_dir, batch, root):
     out["init_from"] = w.compute_logprobs(batch, temperature=1.0)
     out["init_from_ref"] = w.compute_logprobs(batch, reference=True, temperature=1.0)
     out["ref_is_policy"] = w.ref_model is w.gpt
-    out["kl_first"] = w.train_step(batch)["train/kl"]  # before the step's update
+    on_policy = with_old_logp(dataclasses.replace(batch), out["init_from"])  # this run's own old log-probs
+    out["kl_first"] = w.train_step(on_policy)["train/kl"]  # before the step's update
     out["moved"] = w.compute_logprobs(batch, temperature=1.0)
     out["init_from_ref_after"] = w.compute_logprobs(batch, reference=True, temperature=1.0)
     w.shutdown()
