@@ -17,6 +17,7 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.connection
 import os
+import signal
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -47,6 +48,11 @@ def _context():
 def _serve(conn, checks: Sequence[Callable], current) -> None:
     """A worker: chunks of (check index, reference) in, {index: problem} out per chunk; `current` holds the index
     of the reference being checked (-1 between chunks)."""
+    # A forked worker inherits the CLI's stop handlers and wakeup fd. Ctrl-C reaches the whole foreground group:
+    # the parent decides (it stops the workers on its way out), so a worker ignores it; SIGTERM ends a worker.
+    signal.set_wakeup_fd(-1)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     while True:
         job = conn.recv()
         if job is None:
