@@ -238,8 +238,8 @@ def bench(quick: bool = typer.Option(False, help="fewer steps"),
                                     "grid of upcycled MoEs) | rollout (generation tokens/s, weight "
                                     "push) | lora-vs-full (the sum recipe with LoRA against full fine-tuning) | probe (the base model's pass@k per task) | learn (a recipe learning its "
                                     "task over seeds; --recipe, default make run's) | recovery (a trainer kill in a "
-                                    "60-step run) | scale (our planning code at cluster shapes, no weights) | preflight (the data "
-                                    "preflight over 100k GSM8K-like rows) | all (tiny + smollm2)"),
+                                    "60-step run) | scale (our planning code at cluster shapes, no weights) | "
+                                    "preflight (the data preflight over 100k GSM8K-like rows) | all (tiny + smollm2)"),
           steps: int = typer.Option(6, help="steps per mode (smollm2) or per run (moe)"),
           seeds: Optional[str] = typer.Option(None, help="moe, moe-tiny, learn and recovery suites: "
                                               "comma-separated seeds (default: moe 0; moe-tiny and learn 0,1,2; "

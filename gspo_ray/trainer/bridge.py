@@ -113,7 +113,8 @@ def param_map(megatron_name: str, arch: str | None = None) -> ParamMap:
 
 
 def is_lora_param(name: str) -> bool:
-    """A LoRA adapter parameter (trainer/lora/adapters.py names them `<linear>.lora.pairs.<target>.A|B`), not a base tensor."""
+    """A LoRA adapter parameter (trainer/lora/adapters.py names them `<linear>.lora.pairs.<target>.A|B`), not a
+    base tensor."""
     return ".lora." in name
 
 

@@ -1,4 +1,5 @@
-"""LoRA on the Megatron trainer (gspo_ray/trainer/lora/adapters.py): exact at B = 0, gradients equal PEFT's, TP/EP-invariant.
+"""LoRA on the Megatron trainer (gspo_ray/trainer/lora/adapters.py): exact at B = 0, gradients equal PEFT's,
+TP/EP-invariant.
 
 One scenario per layout: build the tiny model, wrap it (rank 4, every target), load one fixed full adapter (A and
 B random, so every gradient is non-zero), forward the batch, backward `-sum(logp)` and gather the adapter
