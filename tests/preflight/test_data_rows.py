@@ -159,14 +159,14 @@ def slow_reward(tmp_path, monkeypatch):
 
 def test_a_stalled_reference_check_is_named_and_the_preflight_ends(tmp_path, slow_reward):
     rows = [verl_row(1), verl_row(2, answer="slow"), verl_row(3), verl_row(4, answer="bad"), verl_row(5)]
-    path = job(tmp_path, rows, reward="pf_slow_ref:reward", data={"reference_check_timeout_s": 0.5})
+    path = job(tmp_path, rows, reward="pf_slow_ref:reward", data={"reference_check_timeout_s": 2.0})
     start = time.perf_counter()
     lines = errors(path)
     took = time.perf_counter() - start
     data = tmp_path / "train.parquet"
     assert lines == [
         f"error: data.path: {data} row 1: field 'reward_model.ground_truth' (data.reference_field): the reference "
-        "check did not finish within 0.5 s (data.reference_check_timeout_s)",
+        "check did not finish within 2 s (data.reference_check_timeout_s)",
         f"error: data.path: {data} row 3: field 'reward_model.ground_truth' (data.reference_field): not a usable "
         "reference"]
     assert took < 15, took  # the stalled check sleeps 60 s; tokenizer and model checks take the rest
