@@ -299,7 +299,7 @@ def math_reference_problem(reference: Any) -> str | None:
     """Why math-verify cannot use this reference (None when it can): the preflight's check of every row.
     A final answer that is a plain number (`_NUMBER`: integer, decimal, thousands commas, a fraction a/b) needs no
     parse: math-verify parses every such number (tests/envs/test_math_verify.py checks the forms), and the parse
-    costs 2-5 ms where the match costs microseconds (100k GSM8K rows: docs/benchmarks.md)."""
+    costs ~1-5 ms where the match costs microseconds (100k GSM8K rows: docs/benchmarks.md)."""
     if reference is None or not str(reference).strip():
         return "the reference is empty; math_verify_reward needs an answer to verify against"
     if _NUMBER.fullmatch(_reference_answer(str(reference))):
