@@ -76,7 +76,7 @@ def test_unparsable_references_are_named():
 
 def test_plain_numbers_skip_the_parse_and_math_verify_parses_every_such_form(monkeypatch):
     """math_reference_problem passes a plain-number final answer without math-verify (microseconds instead of
-    2-5 ms): math-verify must parse each such form, or the short cut would pass a reference the reward cannot use."""
+    ~1-5 ms): math-verify must parse each such form, or the short cut would pass a reference the reward cannot use."""
     forms = ["0", "-7", "007", "18", "1,200", "-1,234,567.25", "3.5", "3/4", "3 / 4", "12/5.5", "-2/3",
              "99999999999999999999999"]
     for form in forms:
