@@ -25,6 +25,8 @@
     autoscale the pool-size controller (coordinator/autoscale.py) on a model of phase times at 64-512 GPUs, dense
              and MoE, completion lengths growing 4x: against the best fixed split in hindsight and the step-0 one
              (autoscale.py, docs/autoscale.md; no Ray, seconds)
+    preflight  the data preflight over 100k GSM8K-like rows: read and reference checks in worker processes, again
+             with the run directory's verdicts (a --resume), against one process's parse (preflight_data.py)
     all      tiny + smollm2
 """
 from __future__ import annotations
@@ -32,7 +34,7 @@ from __future__ import annotations
 from pathlib import Path
 
 SUITES = ("tiny", "smollm2", "profile", "moe", "moe-tiny", "regime", "rollout", "push", "lora", "lora-vs-full", "probe",
-          "learn", "recovery", "scale", "autoscale", "all")
+          "learn", "recovery", "scale", "autoscale", "preflight", "all")
 
 
 # each multi-seed suite's seeds when --seeds is not given
@@ -104,6 +106,10 @@ def run(suite: str = "all", *, quick: bool = False, steps: int = 6, seeds: tuple
         from gspo_ray.bench.autoscale import run_autoscale_bench
 
         run_autoscale_bench()
+    if suite == "preflight":
+        from gspo_ray.bench.preflight_data import run_preflight_bench
+
+        run_preflight_bench(quick=quick)
     if suite in ("tiny", "all"):
         from gspo_ray.bench.tiny import run_bench
 

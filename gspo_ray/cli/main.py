@@ -56,11 +56,11 @@ def _load(path: Optional[Path], overrides: list[str]):
         return load_config(path, overrides)
 
 
-def _preflight(cfg, verbose: bool = False):
+def _preflight(cfg, verbose: bool = False, remember: bool = False):
     """Model dir, data, plug-ins and their dry calls: one line and exit 2 on a bad input, before Ray starts."""
     from gspo_ray.cli.errors import preflight_or_exit
 
-    return preflight_or_exit(cfg, verbose)
+    return preflight_or_exit(cfg, verbose, remember)
 
 
 @config_app.command("validate")
@@ -139,7 +139,7 @@ def _train(cfg, resume: bool, fresh: bool, stop) -> int:
     except (RunDirError, RunLockError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2)
-    _preflight(cfg)
+    _preflight(cfg, remember=True)  # data files that passed are recorded in the run dir: --resume skips them
     from gspo_ray.coordinator.failures import TooManyFailedSamples
     from gspo_ray.coordinator.checkpoint import CheckpointDiskFull, CheckpointError
     from gspo_ray.coordinator.control import ControlNameTaken
@@ -240,7 +240,7 @@ def bench(quick: bool = typer.Option(False, help="fewer steps"),
                                     "task over seeds; --recipe, default make run's) | recovery (a trainer kill in a "
                                     "60-step run) | scale (our planning code at cluster shapes, no weights) | autoscale (the "
                                     "pool-size controller on a model of phase times, against fixed splits) | "
-                                    "all (tiny + smollm2)"),
+                                    "preflight (the data preflight over 100k GSM8K-like rows) | all (tiny + smollm2)"),
           steps: int = typer.Option(6, help="steps per mode (smollm2) or per run (moe)"),
           seeds: Optional[str] = typer.Option(None, help="moe, moe-tiny, learn and recovery suites: "
                                               "comma-separated seeds (default: moe 0; moe-tiny and learn 0,1,2; "

@@ -18,5 +18,7 @@ tests say is no longer needed.
 
 A workaround whose bug depends on the CPU as well as the version (vllm_cpu_binding) is applied by version: it is
 harmless where the bug does not show, and its test demands the fix wherever the bug shows, never the bug itself.
+Every vLLM guard reads the installed version through vllm_version.vllm_minor().
 This package imports nothing else of gspo_ray: rollout/ and trainer/ use it, never the reverse.
 """
+

@@ -42,6 +42,9 @@ class DataConfig(Strict):
     system_prompt: str | None = Field(None, description="a system message put before each prompt's messages "
                                       "(a row that has its own system message keeps it); needs apply_chat_template")
     apply_chat_template: bool = Field(False, description="wrap prompts with the tokenizer's chat template")
+    reference_check_timeout_s: float = Field(
+        10.0, gt=0, description="the preflight's limit on the reward's check of one reference (math_verify_reward: "
+        "math-verify parses it); a reference past it is reported like an unparsable one, naming its row")
     num_train: int = Field(10_000, ge=1, description="training prompts of the built-in task (source=builtin)")
     num_eval: int = Field(64, ge=0, description="held-out prompts scored at each evaluation")
     seed: int = Field(0, description="prompt order / generator seed")

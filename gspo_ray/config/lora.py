@@ -1,4 +1,4 @@
-"""trainer.lora: low-rank adapters on the frozen base model (trainer/lora.py), pushed to vLLM as adapters."""
+"""trainer.lora: low-rank adapters on the frozen base model (trainer/lora/adapters.py), pushed to vLLM as adapters."""
 from __future__ import annotations
 
 from typing import Literal
@@ -19,7 +19,8 @@ class LoRAConfig(Strict):
     rank: int = Field(8, ge=1, description="adapter rank r (A: [r, in], B: [out, r])")
     alpha: float = Field(16.0, gt=0, description="scaling numerator: the update is (alpha / rank) * B A")
     dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter's input while training "
-                           "(PEFT's lora_dropout); 0 keeps the trainer's log-probs equal to the engine's")
+                           "(PEFT's lora_dropout); the preflight refuses > 0: the old log-probs have no dropout, "
+                           "so the ratio would move by dropout noise alone, against GSPO's ~3e-4 sequence band")
     target_modules: list[str] = Field(list(LORA_TARGETS), min_length=1, description="HF linears to adapt, of "
                                       f"{', '.join(LORA_TARGETS)}; on an MoE, gate/up/down_proj adapt every expert")
     init_from: str | None = Field(None, description="a PEFT adapter directory (adapter_config.json + "

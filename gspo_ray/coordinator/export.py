@@ -87,11 +87,11 @@ def export_hf(path: str | Path, out: str | Path, dtype: str | None = None,
     A LoRA run's checkpoint gives a PEFT adapter directory (over the run's base model), or with `merge` the
     merged HF model; `merge` changes nothing for a full fine-tuning checkpoint."""
     from gspo_ray.trainer.hf_export import export_checkpoint
-    from gspo_ray.trainer.lora_export import export_adapter_dir, lora_meta
+    from gspo_ray.trainer.lora.export import checkpoint_lora, export_adapter_dir
     from gspo_ray.trainer.model_spec import DTYPES
 
     ref = resolve_checkpoint(path, model_dir)
-    if lora_meta(ref.trainer_dir) is not None and not merge:
+    if checkpoint_lora(ref.trainer_dir) is not None and not merge:
         if dtype is not None and dtype not in DTYPES:
             raise ValueError(f"export dtype {dtype!r} unknown; valid: {', '.join(DTYPES)}")
         return export_adapter_dir(ref.trainer_dir, ref.model_dir, out, dtype=DTYPES[dtype or "float32"])

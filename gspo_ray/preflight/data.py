@@ -1,14 +1,18 @@
-"""The job's data: every row of its files read and checked (cheap, before a tokenizer), then both splits tokenised
-whole. Every bad row is reported, one line each naming the field, the file, the row (first ten, then a count)."""
+"""The job's data: every row of its files read and checked (cheap, before a tokenizer; the reward's reference
+checks in worker processes with a timeout, references.py; a file that passed before, unchanged, skipped,
+verdicts.py), then both splits tokenised whole. Every bad row is reported, one line each naming the field, the
+file, the row (first ten, then a count)."""
 from __future__ import annotations
 
 import warnings
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from gspo_ray.config import JobConfig
 from gspo_ray.preflight.model import PreflightError
+from gspo_ray.preflight.references import check_references
 from gspo_ray.preflight.report import PreflightReport, one_line
+from gspo_ray.preflight.verdicts import DataVerdicts
 
 MAX_PROBLEMS = 10  # problems listed one per line; the rest are counted
 
@@ -50,37 +54,67 @@ def _data_errors(cfg: JobConfig, split: str) -> Iterator[None]:
         raise PreflightError(f"{fld}: {one_line(e)}") from None
 
 
-def _reward_problem(reward_fn: Any, row: Any, reference_field: str) -> str | None:
-    """The reward's view of one row: its data_source maps to a function (rollout.reward.fn as a mapping), and that
-    function's `check_reference` (math_verify_reward: math-verify parses it) accepts the row's reference."""
+def _reward_checks(reward_fn: Any) -> list[Callable]:
+    """The `check_reference` functions of the reward (one per mapped function of a RoutedReward that has one)."""
+    from gspo_ray.envs.reward_calls import RoutedReward
+
+    fns = reward_fn.fns.values() if isinstance(reward_fn, RoutedReward) else [reward_fn]
+    return list(dict.fromkeys(c for c in (getattr(fn, "check_reference", None) for fn in fns) if callable(c)))
+
+
+def _reference_problems(cfg: JobConfig, reward_fn: Any, rows: list) -> list[str]:
+    """The reward's view of each row: its data_source maps to a function (rollout.reward.fn as a mapping), and that
+    function's `check_reference` (math_verify_reward: math-verify parses it) accepts the row's reference. The
+    checks run in worker processes, each reference within data.reference_check_timeout_s (references.py)."""
     from gspo_ray.envs.reward_calls import DATA_SOURCE_FIELD, RoutedReward
 
-    fn = reward_fn
-    if isinstance(reward_fn, RoutedReward):
-        source = row.fields.get(DATA_SOURCE_FIELD)
-        key = reward_fn.route(source)
-        if key is None:
-            got = f"is {source!r}" if DATA_SOURCE_FIELD in row.fields else "is missing"
-            return (f"{row.origin}: field {DATA_SOURCE_FIELD!r} {got}, which rollout.reward.fn maps to no reward "
-                    f"function (mapped: {', '.join(reward_fn.routes)}; '*' maps any other)")
-        fn = reward_fn.fns[key]
-    check = getattr(fn, "check_reference", None)
-    problem = check(row.reference) if callable(check) else None
-    return f"{row.origin}: field {reference_field!r} (data.reference_field): {problem}" if problem else None
+    checks = _reward_checks(reward_fn)
+    index = {id(c): i for i, c in enumerate(checks)}
+    problems: list[tuple[int, str]] = []
+    items, item_rows = [], []
+    for n, row in enumerate(rows):
+        fn = reward_fn
+        if isinstance(reward_fn, RoutedReward):
+            source = row.fields.get(DATA_SOURCE_FIELD)
+            key = reward_fn.route(source)
+            if key is None:
+                got = f"is {source!r}" if DATA_SOURCE_FIELD in row.fields else "is missing"
+                problems.append((n, f"{row.origin}: field {DATA_SOURCE_FIELD!r} {got}, which rollout.reward.fn maps "
+                                    f"to no reward function (mapped: {', '.join(reward_fn.routes)}; '*' maps any "
+                                    "other)"))
+                continue
+            fn = reward_fn.fns[key]
+        check = getattr(fn, "check_reference", None)
+        if callable(check):
+            items.append((index[id(check)], row.reference))
+            item_rows.append(n)
+    found = check_references(checks, items, cfg.data.reference_check_timeout_s,
+                             timeout_field="data.reference_check_timeout_s")
+    field = cfg.data.reference_field
+    problems += [(n, f"{rows[n].origin}: field {field!r} (data.reference_field): {p}")
+                 for n, p in zip(item_rows, found) if p]
+    return [line for _, line in sorted(problems)]
 
 
-def parse_data(cfg: JobConfig, reward_fn: Any = None) -> None:
+def parse_data(cfg: JobConfig, reward_fn: Any = None, verdicts: DataVerdicts | None = None) -> None:
     """Every row of the data files read and checked, before any tokenizer is loaded (the cheap half): the fields,
-    the prompts' types, messages and roles, and the reward's view of each row (`_reward_problem`). Every problem of
-    both files is collected: one line each, then exit 2."""
+    the prompts' types, messages and roles, and the reward's view of each row (`_reference_problems`). Every
+    problem of both files is collected: one line each, then exit 2. `verdicts`: the run directory's record of
+    files that passed (verdicts.py); a file it holds, unchanged, is not read again, and one that passes is added."""
     from gspo_ray.data.sources import DataRowsError, read_rows
 
     d = cfg.data
     if d.source == "builtin":
         return
+    checked = reward_fn is not None and cfg.rollout.multi_turn is None
+    settings = {"source": d.source, "prompt_field": d.prompt_field, "reference_field": d.reference_field,
+                "apply_chat_template": d.apply_chat_template, "reward": cfg.rollout.reward.fn if checked else None}
     problems, total = [], 0
     for split, path in (("train", d.path), ("eval", d.eval_path)):
         if path is None:
+            continue
+        key = verdicts.key(path, settings, _reward_checks(reward_fn) if checked else []) if verdicts else None
+        if verdicts is not None and verdicts.passed(key):
             continue
         fld = _split_field(cfg, split)
         with _data_errors(cfg, split):
@@ -90,10 +124,11 @@ def parse_data(cfg: JobConfig, reward_fn: Any = None) -> None:
                 problems += [f"{fld}: {line}" for line in e.problems]
                 total += e.total
                 continue
-        if reward_fn is not None and cfg.rollout.multi_turn is None:
-            found = [p for p in (_reward_problem(reward_fn, row, d.reference_field) for row in rows) if p]
-            problems += [f"{fld}: {line}" for line in found]
-            total += len(found)
+        found = _reference_problems(cfg, reward_fn, rows) if checked else []
+        problems += [f"{fld}: {line}" for line in found]
+        total += len(found)
+        if not found and verdicts is not None:
+            verdicts.remember(key, path, len(rows))
     if total:
         raise PreflightRowsError(problems, total)
 

@@ -17,11 +17,13 @@ max_new_tokens` named), one dry call of the reward on a dummy completion (the fi
 and of the environment's `reset`, their return types checked. Plug-in code runs on a daemon thread with a timeout.
 A `model.tiny` job has no directory yet: the config it will be built from is checked, the directory is not.
 
-Nothing here writes to disk, and nothing imports Ray, vLLM or Megatron.
+Nothing here imports Ray, vLLM or Megatron. Nothing writes to disk but, when `remember_in` is given (`gspo-ray
+train`: the run directory), the data files that passed (preflight/verdicts.py: a `--resume` reads them no more).
 """
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 from gspo_ray.config import JobConfig
 from gspo_ray.preflight.data import check_data, parse_data
@@ -29,11 +31,14 @@ from gspo_ray.preflight.job_model import check_tiny_config, checked_tokenizer, m
 from gspo_ray.preflight.lora import check_lora
 from gspo_ray.preflight.plugins import dry_env, dry_reward, import_env, import_reward
 from gspo_ray.preflight.report import IMPORT_TIMEOUT_S, PreflightReport
+from gspo_ray.preflight.verdicts import DataVerdicts
 
 
-def run_preflight(cfg: JobConfig, *, import_timeout_s: float = IMPORT_TIMEOUT_S) -> PreflightReport:
+def run_preflight(cfg: JobConfig, *, import_timeout_s: float = IMPORT_TIMEOUT_S,
+                  remember_in: Path | None = None) -> PreflightReport:
     """Check everything about `cfg`'s input that can be checked without Ray or an engine. Raises PreflightError
-    (one line naming the field, file and line, and what would be valid) on the first problem."""
+    (one line naming the field, file and line, and what would be valid) on the first problem. `remember_in`: a
+    run directory whose record of data files that passed is read and added to."""
     start = time.perf_counter()
     report = PreflightReport()
     facts = model_facts(cfg, report)
@@ -41,7 +46,8 @@ def run_preflight(cfg: JobConfig, *, import_timeout_s: float = IMPORT_TIMEOUT_S)
         check_lora(cfg, facts.hf_config if facts is not None else None, report)
     reward_fn = import_reward(cfg, import_timeout_s)
     env_cls = import_env(cfg, import_timeout_s)
-    parse_data(cfg, reward_fn)
+    verdicts = DataVerdicts(remember_in) if remember_in is not None else None
+    parse_data(cfg, reward_fn, verdicts)
     tokenizer, vocab_size = checked_tokenizer(cfg, facts, report)
     prompt = check_data(cfg, tokenizer, vocab_size, report)
     if env_cls is None:
@@ -52,5 +58,7 @@ def run_preflight(cfg: JobConfig, *, import_timeout_s: float = IMPORT_TIMEOUT_S)
         dry_env(cfg, env_cls, tokenizer, prompt, report)
     if facts is None and cfg.model.tiny is not None:  # last: importing a transformers config class takes seconds
         check_lora(cfg, check_tiny_config(cfg, cfg.rollout.num_gpus_per_worker == 0), report)
+    if verdicts is not None:  # every check passed: the data files' verdicts may be kept
+        verdicts.save()
     report.seconds = time.perf_counter() - start
     return report

@@ -1,8 +1,9 @@
 """Preflight of trainer.lora: the adapter settings against the model and the engines, and an `init_from` adapter
-directory read (config and tensor shapes) before anything starts. One line naming the field or path, exit 2.
+directory read (config, LoRA variant and tensor shapes) before anything starts. One line naming the field or path,
+exit 2. Dropout is refused: it moves the ratio of every sequence against GSPO's narrow band.
 
 The rank never has to divide trainer.tp: TP splits only the base's own split dimension (a column-parallel
-linear's B rows, a row-parallel linear's A columns), never the rank (trainer/lora.py).
+linear's B rows, a row-parallel linear's A columns), never the rank (trainer/lora/adapters.py).
 """
 from __future__ import annotations
 
@@ -13,9 +14,6 @@ from gspo_ray.config import JobConfig
 from gspo_ray.preflight.model import PreflightError
 from gspo_ray.preflight.report import PreflightReport
 
-VLLM_MAX_RANK = 512  # vllm.config.lora.MaxLoRARanks' largest
-
-
 def check_lora(cfg: JobConfig, hf_config: dict | None, report: PreflightReport) -> None:
     """trainer.lora / rollout.lora_rank against each other and the model (hf_config: its config.json, None when
     the model does not exist yet)."""
@@ -25,19 +23,25 @@ def check_lora(cfg: JobConfig, hf_config: dict | None, report: PreflightReport) 
             raise PreflightError(f"rollout.lora_rank ({served}) without trainer.lora: there is no adapter to serve "
                                  "(the job sets rollout.lora_rank from trainer.lora; leave it unset)")
         return
+    if lora.dropout > 0:
+        raise PreflightError(f"trainer.lora.dropout ({lora.dropout:g}) > 0: the old log-probs are computed without "
+                             "dropout and the train forward with it, so the importance ratio moves by dropout noise "
+                             "alone (GSPO's sequence band is ~3e-4 wide); set it to 0")
     if served is not None and lora.serve == "merged":
         raise PreflightError(f"rollout.lora_rank ({served}) with trainer.lora.serve merged: the engines get merged "
                              "full weights and run without LoRA; leave rollout.lora_rank unset")
     if served is not None and served != lora.rank:
         raise PreflightError(f"rollout.lora_rank ({served}) differs from trainer.lora.rank ({lora.rank}); leave "
                              "rollout.lora_rank unset (the job sets it)")
-    if lora.rank > VLLM_MAX_RANK:
+    from gspo_ray.rollout.lora_adapter import VLLM_RANKS  # torch: imported only for a LoRA job
+
+    if lora.rank > VLLM_RANKS[-1]:
         raise PreflightError(f"trainer.lora.rank ({lora.rank}) is above vLLM's largest max_lora_rank "
-                             f"({VLLM_MAX_RANK}); valid: 1..{VLLM_MAX_RANK}")
+                             f"({VLLM_RANKS[-1]}); valid: 1..{VLLM_RANKS[-1]}")
     if hf_config is None:
         report.add("lora", "skipped", "the model is built when training starts: adapter shapes not checked")
         return
-    from gspo_ray.trainer.lora_io import expected_adapter_shapes
+    from gspo_ray.trainer.lora.peft_io import expected_adapter_shapes
     from gspo_ray.trainer.model_spec import spec_from_hf_config
 
     spec = spec_from_hf_config(hf_config, "model", tp=cfg.trainer.tp, ep=cfg.trainer.ep)
@@ -74,6 +78,11 @@ def check_adapter_dir(path: Path, rank: int, alpha: float, shapes: dict[str, tup
         raise PreflightError(f"{where}/adapter_config.json: not JSON ({e})") from None
     if str(peft.get("peft_type", "")).upper() != "LORA":
         raise PreflightError(f"{where}: peft_type {peft.get('peft_type')!r}; only LORA adapters load")
+    from gspo_ray.trainer.lora.peft_io import peft_kind_problem
+
+    problem = peft_kind_problem(peft)
+    if problem:  # the trainer refuses these too, but only once Ray and both pools are up
+        raise PreflightError(f"{where}: {problem}")
     if peft.get("r") != rank or float(peft.get("lora_alpha", -1)) != alpha:
         raise PreflightError(f"{where}: adapter r={peft.get('r')} lora_alpha={peft.get('lora_alpha')}, "
                              f"trainer.lora has rank={rank} alpha={alpha:g}: set them equal")

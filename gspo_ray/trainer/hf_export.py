@@ -69,10 +69,10 @@ def export_checkpoint(ckpt_dir: str | Path, model_dir: str | Path, out_dir: str 
     bfloat16 | float16 (default: the training dtype). A LoRA checkpoint gives the merged model."""
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"export dtype {dtype!r} unknown; valid: {', '.join(DTYPES)}")
-    from gspo_ray.trainer.lora_export import lora_meta, merged_hf_state
+    from gspo_ray.trainer.lora.export import checkpoint_lora, merged_hf_state
 
-    # a LoRA checkpoint holds adapters only: the HF model is the base with them merged (trainer/lora_export.py)
-    lora = lora_meta(ckpt_dir) is not None
+    # a LoRA checkpoint holds adapters only: the HF model is the base with them merged (trainer/lora/export.py)
+    lora = checkpoint_lora(ckpt_dir) is not None
     state = merged_hf_state(ckpt_dir, model_dir) if lora else hf_state_from_checkpoint(ckpt_dir, model_dir)
     if dtype is not None:
         state = {k: v.to(DTYPES[dtype]) for k, v in state.items()}

@@ -60,7 +60,7 @@ from gspo_ray.trainer.batch_layout import (
 )
 from gspo_ray.trainer.group_rows import shard_token_order, warn_once
 from gspo_ray.trainer.heap import release_free_heap
-from gspo_ray.trainer.lora_worker import TrainerLoRA, check_checkpoint_kind, load_model, model_state
+from gspo_ray.trainer.lora.worker import TrainerLoRA, check_checkpoint_kind, load_model, model_state
 from gspo_ray.trainer.metric_accumulator import MetricAccumulator, dp_token_metrics
 from gspo_ray.trainer.pg_weights import build_pg_weight
 from gspo_ray.trainer.routing.churn import RouterRecorder, comm_device
@@ -109,7 +109,7 @@ class TrainerWorker:
         self.gpt, self.spec = build_model(self.model_path, dtype=dtype, moe_dispatcher=trainer_cfg.moe_dispatcher,
                                           routing_replay=trainer_cfg.routing_replay != "none"
                                           or trainer_cfg.routing_noise)
-        self.lora = None  # trainer.lora: the base frozen, adapters trained and pushed (trainer/lora_worker.py)
+        self.lora = None  # trainer.lora: the base frozen, adapters trained and pushed (trainer/lora/worker.py)
         if trainer_cfg.lora is not None:
             self.lora = TrainerLoRA.attach(self.gpt, self.spec, trainer_cfg.lora, trainer_cfg.seed)
         self.ddp = build_ddp(self.gpt, dtype=trainer_cfg.dtype,
@@ -117,7 +117,9 @@ class TrainerWorker:
         self.optimizer = build_optimizer(self.ddp, trainer_cfg)
         self.scheduler = build_scheduler(self.optimizer, trainer_cfg)
         self.ref_model = None
-        if algo_cfg.beta > 0:
+        if algo_cfg.beta > 0 and self.lora is not None:
+            self.ref_model = self.gpt  # its starting adapters (or none) under self._reference(): no second model
+        elif algo_cfg.beta > 0:
             # frozen copy of the initial weights; no DDP, no optimizer
             self.ref_model, _ = build_model(self.model_path, dtype=dtype, moe_dispatcher=trainer_cfg.moe_dispatcher)
             self.ref_model.eval()
@@ -173,6 +175,10 @@ class TrainerWorker:
         logp, entropy = out
         return logp.float(), entropy.detach().float()
 
+    def _reference(self):
+        """Around a forward of self.ref_model: with LoRA that is the policy model with its starting adapters."""
+        return self.lora.as_reference(self.gpt) if self.lora is not None else contextlib.nullcontext()
+
     def _plan(self, batch: TrainBatch, policy_routing: bool) -> list[MicroBatch]:
         """This DP rank's micro-batches of `batch`: shared-prefix group rows when trainer.shared_prefix is on and
         the batch has prompts to share, else padded rows. policy_routing: a policy forward that Routing Replay /
@@ -211,7 +217,7 @@ class TrainerWorker:
         passes = self._fetch_routing_records(batch, mbs) if sampler else [(False, False)] * len(mbs)
         for mb, (record_first, _) in zip(mbs, passes):
             with self._routing_records(mb, sampler=True, record_first=record_first) if sampler else \
-                    contextlib.nullcontext():
+                    self._reference() if reference else contextlib.nullcontext():
                 lp = self._logprobs(model, mb, "reference" if reference else purpose,
                                     temperature=temperature).cpu()
             real = [i for i, r in enumerate(mb.rows) if r >= 0]  # padding rows and dummies are dropped
@@ -236,7 +242,7 @@ class TrainerWorker:
         mb = micro.batch
         ref_logp = mb.ref_logp
         if ref_logp is None and self.ref_model is not None:
-            with torch.no_grad():
+            with torch.no_grad(), self._reference():
                 ref_logp = self._logprobs(self.ref_model, micro, "reference", loss_tokens_only=True)
         capture = self._churn_capture(micro, "before") if churn else contextlib.nullcontext()
         # replay first: a recording forward it runs is neither captured nor watched

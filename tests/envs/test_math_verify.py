@@ -8,7 +8,9 @@ import pytest
 from gspo_ray.data.records import Prompt, Sample
 from gspo_ray.envs.plugins import PluginError
 from gspo_ray.envs.reward_calls import RoutedReward, build_call_kwargs
-from gspo_ray.envs.rewards import extract_final_answer, math_reference_problem, math_verify_reward
+from gspo_ray.envs import rewards
+from gspo_ray.envs.rewards import (extract_final_answer, math_reference_problem, math_verify_reward,
+                                  parse_math_reference)
 from gspo_ray.models.tiny import build_tokenizer
 from gspo_ray.rollout.scoring import RewardRunner
 
@@ -70,6 +72,25 @@ def test_unparsable_references_are_named():
     assert math_reference_problem("") == "the reference is empty; math_verify_reward needs an answer to verify against"
     assert math_reference_problem(None) is not None
     assert math_verify_reward.check_reference is math_reference_problem  # what the preflight calls per row
+
+
+def test_plain_numbers_skip_the_parse_and_math_verify_parses_every_such_form(monkeypatch):
+    """math_reference_problem passes a plain-number final answer without math-verify (microseconds instead of
+    ~1-5 ms): math-verify must parse each such form, or the short cut would pass a reference the reward cannot use."""
+    forms = ["0", "-7", "007", "18", "1,200", "-1,234,567.25", "3.5", "3/4", "3 / 4", "12/5.5", "-2/3",
+             "99999999999999999999999"]
+    for form in forms:
+        assert parse_math_reference(form), form  # math-verify's parse: a non-string value
+
+    def no_parse(answer):
+        raise AssertionError(f"parsed {answer!r}")
+
+    monkeypatch.setattr(rewards, "_math_parse", no_parse)
+    for form in forms:
+        assert math_reference_problem(f"She has {form} apples.\n#### {form}") is None, form
+        assert math_reference_problem(form) is None, form
+    with pytest.raises(AssertionError, match="parsed"):  # not a number as written (math-verify reads a set)
+        math_reference_problem("1,2345")
 
 
 def test_row_fields_reach_the_reward_as_keyword_arguments():

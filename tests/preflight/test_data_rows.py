@@ -1,16 +1,23 @@
 """The preflight reads every row of the configured files (JSONL, parquet, save_to_disk) before Ray starts: each bad row
 is one `error:` line naming the field, the file and the row (the first ten, then a count), exit 2."""
 import json
+import time
 from pathlib import Path
 
 import pyarrow as pa
+import pytest
 import pyarrow.parquet as pq
 import yaml
 from typer.testing import CliRunner
 
 from gspo_ray.cli import app
 from gspo_ray.config import load_config
-from gspo_ray.preflight import run_preflight
+from gspo_ray.data import sources
+from gspo_ray.preflight import PreflightError, run_preflight
+from gspo_ray.preflight.data import parse_data
+from gspo_ray.preflight.plugins import import_reward
+from gspo_ray.preflight.references import check_references
+from gspo_ray.preflight.verdicts import VERDICTS_FILE, DataVerdicts
 
 MATH = "gspo_ray.envs.rewards:math_verify_reward"
 COPY = "gspo_ray.envs.rewards:copy_reward"
@@ -119,3 +126,103 @@ def test_reward_fn_mapping_is_checked(tmp_path):
     lines = errors(path)
     assert len(lines) == 1 and lines[0].startswith("error: rollout.reward.fn.copy: 'gspo_ray.envs.rewards' has no "
                                                    "attribute 'no_such_reward'"), lines
+
+
+# ---- reference checks at dataset scale: worker processes with a per-reference timeout, verdicts remembered ----
+# A reward whose check stalls on the reference "slow" (as sympy may on odd input), refuses "bad", and appends every
+# reference it sees to the file COUNT names: the worker processes import it by its module path like any plug-in.
+PLUGIN = '''
+import os, time
+
+def reward(completion, reference, **kw):
+    return float(completion == reference)
+
+def check(reference):
+    with open(os.environ["PF_REF_COUNT"], "a") as f:
+        f.write(str(reference) + "\\n")
+    if reference == "slow":
+        time.sleep(60)
+    return "not a usable reference" if reference == "bad" else None
+
+reward.check_reference = check
+'''
+
+
+@pytest.fixture
+def slow_reward(tmp_path, monkeypatch):
+    (tmp_path / "pf_slow_ref.py").write_text(PLUGIN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    count = tmp_path / "seen.txt"
+    monkeypatch.setenv("PF_REF_COUNT", str(count))
+    return count
+
+
+def test_a_stalled_reference_check_is_named_and_the_preflight_ends(tmp_path, slow_reward):
+    rows = [verl_row(1), verl_row(2, answer="slow"), verl_row(3), verl_row(4, answer="bad"), verl_row(5)]
+    path = job(tmp_path, rows, reward="pf_slow_ref:reward", data={"reference_check_timeout_s": 2.0})
+    start = time.perf_counter()
+    lines = errors(path)
+    took = time.perf_counter() - start
+    data = tmp_path / "train.parquet"
+    assert lines == [
+        f"error: data.path: {data} row 1: field 'reward_model.ground_truth' (data.reference_field): the reference "
+        "check did not finish within 2 s (data.reference_check_timeout_s)",
+        f"error: data.path: {data} row 3: field 'reward_model.ground_truth' (data.reference_field): not a usable "
+        "reference"]
+    assert took < 15, took  # the stalled check sleeps 60 s; tokenizer and model checks take the rest
+    seen = slow_reward.read_text().split()
+    # every reference checked; the stalled one once (its chunk's others go to a fresh worker, "1" again with them)
+    assert set(seen) == {"1", "3", "5", "bad", "slow"} and seen.count("slow") == 1, seen
+
+
+def test_checks_that_raise_or_kill_their_process_name_the_reference():
+    def check(reference):
+        if reference == "raise":
+            raise ValueError("odd input")
+        if reference == "exit":
+            import os
+            os._exit(7)
+        return None
+
+    items = [(0, r) for r in ["a", "raise", "b", "exit", "c", "a"]]
+    found = check_references([check], items, timeout_s=5.0, workers=1)
+    assert found == [None, "check_reference raised ValueError: odd input", None,
+                     "the reference check ended its process (exit code 7)", None, None]
+
+
+def test_a_file_that_passed_is_not_read_again_until_it_changes(tmp_path, slow_reward, monkeypatch):
+    rows = [verl_row(i) for i in range(1, 4)]
+    cfg = load_config(job(tmp_path, rows, reward="pf_slow_ref:reward"))
+    reward = import_reward(cfg, 30.0)
+    run_dir = tmp_path / "run"
+    verdicts = DataVerdicts(run_dir)
+    parse_data(cfg, reward, verdicts)
+    assert not run_dir.exists()  # written once the whole preflight passed
+    verdicts.save()
+    assert sorted(slow_reward.read_text().split()) == ["1", "2", "3"] and (run_dir / VERDICTS_FILE).is_file()
+
+    read = sources.read_rows
+
+    def no_read(*args, **kw):
+        raise AssertionError("read again")
+
+    monkeypatch.setattr(sources, "read_rows", no_read)
+    parse_data(cfg, reward, DataVerdicts(run_dir))  # the --resume: nothing read, nothing checked
+    assert sorted(slow_reward.read_text().split()) == ["1", "2", "3"]
+
+    monkeypatch.setattr(sources, "read_rows", read)
+    job(tmp_path, rows + [verl_row(4, answer="bad")], reward="pf_slow_ref:reward")  # the same path, new content
+    with pytest.raises(PreflightError, match="row 3: .*not a usable reference"):
+        parse_data(cfg, reward, DataVerdicts(run_dir))
+    with pytest.raises(PreflightError, match="row 3: .*not a usable reference"):  # a failure is never remembered
+        parse_data(cfg, reward, DataVerdicts(run_dir))
+
+
+def test_train_remembers_in_the_run_dir_and_validate_writes_nothing(tmp_path, slow_reward):
+    cfg = load_config(job(tmp_path, [verl_row(1)], reward="pf_slow_ref:reward"))
+    run_preflight(cfg)
+    assert not (cfg.run_dir / VERDICTS_FILE).exists()
+    run_preflight(cfg, remember_in=cfg.run_dir)
+    assert (cfg.run_dir / VERDICTS_FILE).is_file()
+    known = yaml.safe_load((cfg.run_dir / VERDICTS_FILE).read_text())
+    assert [v["rows"] for v in known.values()] == [1]

@@ -1,5 +1,6 @@
 """Preflight of trainer.lora (gspo_ray/preflight/lora.py): every bad LoRA input is one line naming the field or path,
 exit 2, before Ray starts; a good adapter directory passes. No model is built (the tiny model's config is used)."""
+import json
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ from gspo_ray.models.tiny import build_config
 from gspo_ray.preflight.lora import check_lora
 from gspo_ray.preflight.model import PreflightError
 from gspo_ray.preflight.report import PreflightReport
-from gspo_ray.trainer.lora_io import expected_adapter_shapes, write_peft_dir
+from gspo_ray.trainer.lora.peft_io import expected_adapter_shapes, write_peft_dir
 from gspo_ray.trainer.model_spec import spec_from_hf_config
 
 RECIPE = Path(__file__).resolve().parents[2] / "gspo_ray" / "recipes" / "tiny_moe.yaml"
@@ -66,6 +67,33 @@ def test_bad_init_from_is_one_line(tmp_path, case, expected):
     assert expected.format(p=path) in str(e.value) and "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("key, value, expected", [
+    ("use_rslora", True, "use_rslora=true: rsLoRA scales the update by alpha / sqrt(r)"),
+    ("use_dora", True, "use_dora=true: DoRA adds a magnitude vector"),
+    ("rank_pattern", {"q_proj": 4}, 'rank_pattern={"q_proj": 4}: per-module ranks'),
+    ("alpha_pattern", {"q_proj": 4.0}, 'alpha_pattern={"q_proj": 4.0}: per-module alphas'),
+])
+def test_init_from_lora_variants_the_trainer_refuses_stop_the_preflight(tmp_path, key, value, expected):
+    """R12: the trainer refuses these adapter kinds when it loads them (after Ray and both pools started); the
+    preflight names the adapter_config.json field first."""
+    path = _adapter(tmp_path)
+    peft = json.loads((path / "adapter_config.json").read_text())
+    (path / "adapter_config.json").write_text(json.dumps({**peft, key: value}))
+    with pytest.raises(PreflightError) as e:
+        _check(_cfg(tmp_path, init_from=str(path)))
+    assert str(e.value) == (f"trainer.lora.init_from: {path}: adapter_config.json sets {expected}"
+                            + str(e.value).split(expected, 1)[1]) and "\n" not in str(e.value)
+    assert str(e.value).endswith("(plain LoRA only)")
+
+
+def test_dropout_is_refused_naming_the_field(tmp_path):
+    """R10: the old log-probs have no dropout, the train forward would; the ratio moves by noise alone."""
+    with pytest.raises(PreflightError, match=r"^trainer\.lora\.dropout \(0\.05\) > 0: .*\(GSPO's sequence band is "
+                                             r"~3e-4 wide\); set it to 0$"):
+        _check(_cfg(tmp_path, dropout=0.05))
+    assert _check(_cfg(tmp_path, dropout=0.0))
+
+
 def test_rank_and_serving_combinations(tmp_path):
     with pytest.raises(PreflightError, match=r"trainer.lora.rank \(100\) exceeds .* smaller side \(64\)"):
         _check(_cfg(tmp_path, rank=100))
@@ -104,6 +132,13 @@ def test_cli_stops_in_one_line_with_exit_2(tmp_path):
     assert result.exit_code == 2, result.output
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "trainer.lora.init_from" in lines[0] and "not a PEFT adapter directory" in lines[0]
+    raw["trainer"]["lora"] = {"rank": 8, "dropout": 0.1}
+    job.write_text(yaml.safe_dump(raw))
+    result = CliRunner().invoke(app, ["config", "validate", str(job)])
+    assert result.exit_code == 2 and result.stderr.strip().splitlines() == [
+        "error: trainer.lora.dropout (0.1) > 0: the old log-probs are computed without dropout and the train forward "
+        "with it, so the importance ratio moves by dropout noise alone (GSPO's sequence band is ~3e-4 wide); set it "
+        "to 0"], result.output
     raw["trainer"]["lora"] = {"rank": 8, "target_modules": ["qkv"]}
     job.write_text(yaml.safe_dump(raw))
     result = CliRunner().invoke(app, ["config", "validate", str(job)])

@@ -1,4 +1,5 @@
-"""LoRA on the Megatron trainer (gspo_ray/trainer/lora.py): exact at B = 0, gradients equal PEFT's, TP/EP-invariant.
+"""LoRA on the Megatron trainer (gspo_ray/trainer/lora/adapters.py): exact at B = 0, gradients equal PEFT's,
+TP/EP-invariant.
 
 One scenario per layout: build the tiny model, wrap it (rank 4, every target), load one fixed full adapter (A and
 B random, so every gradient is non-zero), forward the batch, backward `-sum(logp)` and gather the adapter
@@ -31,8 +32,8 @@ def _random_adapter(names_shapes: dict[str, tuple[int, ...]], seed: int = 3) -> 
 def _scenario(rank, world_size, ports, model_dir, tp, ep, tokens, lengths, adapter, targets):
     """(base logp, logp at B = 0, adapter shapes) with adapter None; else (logp, full grads) under `adapter`."""
     from gspo_ray.trainer.logprobs import forward_logprobs
-    from gspo_ray.trainer.lora import adapted_linears, adapter_hf_module, apply_lora, count_params
-    from gspo_ray.trainer.lora_io import export_adapter, gather_pair, load_full_adapter, peft_names
+    from gspo_ray.trainer.lora.adapters import adapted_linears, adapter_hf_module, apply_lora, count_params
+    from gspo_ray.trainer.lora.peft_io import export_adapter, gather_pair, load_full_adapter, peft_names
     from gspo_ray.trainer.model import build_model
     from gspo_ray.trainer.parallel import destroy_distributed, init_distributed
 

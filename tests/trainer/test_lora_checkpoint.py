@@ -1,7 +1,8 @@
 """LoRA through TrainerWorker: checkpoints hold adapters and their optimizer state only, a resume continues the
 uninterrupted run exactly, a LoRA checkpoint is refused by a full fine-tuning run, the exported PEFT adapter (and
-the merged model) give the trainer's log-probs in transformers + peft, and `init_from` starts from it. On the MoE
-the push is the merged full weights, and it leaves the base weights untouched.
+the merged model) give the trainer's log-probs in transformers + peft, and `init_from` starts from it; with a KL
+term the reference is the starting adapter (or the base) on the same model. On the MoE the push is the merged full
+weights, and it leaves the base weights untouched.
 """
 from __future__ import annotations
 
@@ -16,20 +17,21 @@ from conftest import hf_logprobs
 LORA = {"rank": 4, "alpha": 8.0}
 
 
-def _worker(port, model_dir, **lora):
+def _worker(port, model_dir, beta=0.0, **lora):
     from gspo_ray.trainer.worker import TrainerWorker
 
     cfg = trainer_cfg(1, lr=3e-2, lora=(LORA | lora) if lora is not None else None)
-    return TrainerWorker(0, 1, "127.0.0.1", port, model_dir, cfg, algo_cfg())
+    return TrainerWorker(0, 1, "127.0.0.1", port, model_dir, cfg, algo_cfg(beta=beta))
 
 
 def _scenario(rank, world_size, ports, model_dir, batch, root):
-    from gspo_ray.trainer.lora_export import export_adapter_dir, merged_hf_state
+    from gspo_ray.trainer.lora.export import export_adapter_dir, merged_hf_state
     from gspo_ray.trainer.bridge import write_hf_dir
     from gspo_ray.trainer.model_spec import read_hf_config
 
     out = {}
     w = _worker(ports[0], model_dir)
+    out["base"] = w.compute_logprobs(batch, temperature=1.0)  # B = 0: the base model
     batch = with_old_logp(batch, w.compute_logprobs(batch))
     w.train_step(batch)
     w.save(root / "ckpt")
@@ -58,8 +60,20 @@ def _scenario(rank, world_size, ports, model_dir, batch, root):
 
     export_adapter_dir(root / "ckpt", model_dir, root / "adapter")
     write_hf_dir(merged_hf_state(root / "ckpt", model_dir), read_hf_config(model_dir), model_dir, root / "merged")
-    w = _worker(ports[3], model_dir, init_from=str(root / "adapter"))
+    # with a KL term the reference is this model with the adapter it started from: no second model
+    w = _worker(ports[3], model_dir, beta=0.1, init_from=str(root / "adapter"))
     out["init_from"] = w.compute_logprobs(batch, temperature=1.0)
+    out["init_from_ref"] = w.compute_logprobs(batch, reference=True, temperature=1.0)
+    out["ref_is_policy"] = w.ref_model is w.gpt
+    on_policy = with_old_logp(dataclasses.replace(batch), out["init_from"])  # this run's own old log-probs
+    out["kl_first"] = w.train_step(on_policy)["train/kl"]  # before the step's update
+    out["moved"] = w.compute_logprobs(batch, temperature=1.0)
+    out["init_from_ref_after"] = w.compute_logprobs(batch, reference=True, temperature=1.0)
+    w.shutdown()
+    w = _worker(ports[4], model_dir, beta=0.1)  # without init_from: the base, adapters bypassed
+    w.load(root / "ckpt")
+    out["bypassed_ref"] = w.compute_logprobs(batch, reference=True, temperature=1.0)
+    out["trained"] = w.compute_logprobs(batch, temperature=1.0)
     w.shutdown()
     out["batch"] = batch
     return out
@@ -68,7 +82,7 @@ def _scenario(rank, world_size, ports, model_dir, batch, root):
 @pytest.fixture(scope="module")
 def run(tiny_qwen2_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("lora_ckpt")
-    return run_ranks(_scenario, 1, (str(tiny_qwen2_dir), make_batch(8, vocab=23), root), n_ports=4)[0], root
+    return run_ranks(_scenario, 1, (str(tiny_qwen2_dir), make_batch(8, vocab=23), root), n_ports=5)[0], root
 
 
 def test_checkpoint_holds_adapters_only_and_resume_is_exact(run):
@@ -100,8 +114,22 @@ def test_exported_adapter_loads_in_peft_and_init_from(run, tiny_qwen2_dir):
     assert (out["init_from"] - out["after1"]).abs().max() < 1e-6
 
 
+def test_kl_reference_is_the_starting_adapter_without_a_second_model(run):
+    """R11: with beta > 0 a LoRA run built a second full base model as the reference, which with init_from is
+    not the policy the run started from. Now: the policy model itself, the init_from adapter swapped in (the KL
+    at the first step, before any update, is 0), or every adapter bypassed (the base)."""
+    out, _ = run
+    assert out["ref_is_policy"]
+    assert torch.equal(out["init_from_ref"], out["init_from"])
+    assert abs(out["kl_first"]) < 1e-7, out["kl_first"]
+    assert (out["moved"] - out["init_from"]).abs().max() > 1e-4  # the step moved the policy, not the reference
+    assert torch.equal(out["init_from_ref_after"], out["init_from_ref"])
+    assert (out["trained"] - out["base"]).abs().max() > 1e-4  # trained adapters, yet the reference is the base
+    assert (out["bypassed_ref"] - out["base"]).abs().max() < 1e-6
+
+
 def _merged_push(rank, world_size, ports, model_dir, serve):
-    from gspo_ray.trainer.lora_io import export_adapter, load_full_adapter
+    from gspo_ray.trainer.lora.peft_io import export_adapter, load_full_adapter
 
     w = _worker(ports[0], model_dir, target_modules=["q_proj", "gate_proj", "down_proj"], serve=serve)
     g = torch.Generator().manual_seed(0)

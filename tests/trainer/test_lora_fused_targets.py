@@ -1,12 +1,14 @@
 """ParallelLoRA.add_to's one-product path (TP 1 / experts, fp32: every target of a fused linear in one pair of
 matmuls) against the per-target path out + lora(x): output and every gradient, for each layout (qkv interleaved
 per query group, gated, a single target) and subsets of a fused linear's targets; B = 0 adds exactly nothing."""
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
 
 from gspo_ray.config.lora import LoRAConfig
-from gspo_ray.trainer.lora import ParallelLoRA, match_linear
+from gspo_ray.trainer.lora.adapters import ParallelLoRA, match_linear
 from gspo_ray.trainer.model_spec import ModelSpec
 
 SPEC = ModelSpec(arch="test", hf_config={}, hf_dir="", vocab_size=10, padded_vocab_size=10, num_layers=1,
@@ -61,3 +63,48 @@ def test_non_fp32_input_takes_the_per_target_path():
     fast = lora.add_to(out, x)
     assert fast.dtype == torch.bfloat16
     assert torch.equal(fast, out + lora(x))
+
+
+class _Linear(nn.Module):
+    """A Megatron linear's parameter as apply_lora sees it, on `device`."""
+
+    def __init__(self, n_in: int, n_out: int, device: str):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n_out, n_in, device=device))
+
+
+def test_adapters_are_created_on_their_base_weights_device():
+    """R1: a model on CUDA got fp32 adapters on the CPU (Megatron's bf16 optimizer refuses them; the first forward
+    mixes devices). The meta device stands in for CUDA on this CPU machine: each adapter follows its base, the
+    full adapter's init is copied onto it, and the other linears keep theirs on the CPU."""
+    from gspo_ray.trainer.lora.adapters import adapted_linears, apply_lora
+
+    spec = dataclasses.replace(SPEC, arch="llama")  # HF names for the adapters' init seeds
+    layer = nn.Module()
+    layer.self_attention, layer.mlp = nn.Module(), nn.Module()
+    layer.self_attention.linear_qkv = _Linear(24, 48, "meta")
+    layer.self_attention.linear_proj = _Linear(24, 24, "cpu")
+    layer.mlp.linear_fc1 = _Linear(24, 80, "meta")
+    layer.mlp.linear_fc2 = _Linear(40, 24, "cpu")
+    model = nn.Module()
+    model.decoder = nn.Module()
+    model.decoder.layers = nn.ModuleList([layer])
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    done = apply_lora(model, spec, LoRAConfig(rank=4, alpha=8, target_modules=targets))
+    assert len(done) == 4
+    for _, linear in adapted_linears(model):
+        for pair in linear.lora.pairs.values():
+            for p in (pair.A, pair.B):
+                assert p.device == linear.weight.device and p.dtype == torch.float32, (linear, p.device)
+    assert {str(p.device) for p in model.parameters() if p.requires_grad} == {"cpu", "meta"}
+
+
+def test_a_tensor_parallel_linear_without_sequence_parallelism_is_refused():
+    """At TP > 1 the adapters are written for sequence parallelism only (build_model's default there)."""
+    base = nn.Linear(1, 1)
+    base.tp_group = type("Group", (), {"size": lambda self: 2})()
+    t = match_linear(LAYER + CASES[0][0], CASES[0][1])
+    with pytest.raises(ValueError, match="LoRA at TP 2 needs sequence parallelism"):
+        ParallelLoRA(t, SPEC, LoRAConfig(rank=4, alpha=8, target_modules=CASES[0][1]), base)
+    base.sequence_parallel = True
+    assert ParallelLoRA(t, SPEC, LoRAConfig(rank=4, alpha=8, target_modules=CASES[0][1]), base).sequence_parallel

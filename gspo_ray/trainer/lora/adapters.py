@@ -10,26 +10,27 @@ target: `linear_qkv` -> q_proj / k_proj / v_proj (their outputs interleaved per 
 are), `linear_fc1` -> gate_proj / up_proj ([gate; up]), `linear_proj` -> o_proj, `linear_fc2` -> down_proj; the
 same for each MoE expert's linear_fc1 / linear_fc2 (SequentialMLP, expert-TP 1, experts split over EP).
 
-Tensor parallelism (sizes per TP rank):
-- column-parallel base (W rows split): A [r, in] replicated, B [out / tp, r] split on output rows. With sequence
-  parallelism the input arrives split on tokens: h = A x is computed on the local tokens and all-gathered (r
-  numbers a token instead of the hidden size), its gradient reduce-scattered; A's gradient, a sum over all tokens,
-  is all-reduced over TP by `copy_to_tensor_model_parallel_region` applied to A itself. Without it, h's gradient
-  (partial: each rank holds one slice of B) is all-reduced.
+Tensor parallelism (sizes per TP rank; always with sequence parallelism, which build_model sets at TP > 1; an
+adapter on a TP linear without it is refused):
+- column-parallel base (W rows split): A [r, in] replicated, B [out / tp, r] split on output rows. The input
+  arrives split on tokens: h = A x is computed on the local tokens and all-gathered (r numbers a token instead of
+  the hidden size), its gradient reduce-scattered; A's gradient, a sum over all tokens, is all-reduced over TP by
+  `copy_to_tensor_model_parallel_region` applied to A itself.
 - row-parallel base (W columns split): A [r, in / tp] split on input columns, B [out, r] replicated; the partial h
-  is all-reduced (reduce-scattered onto token shards under sequence parallelism, then B's gradient all-reduced).
+  is reduce-scattered onto token shards, then B's gradient all-reduced.
 - experts: local matmuls (the dispatcher moved the tokens; expert-TP is 1), adapter grads reduced over the expert
   data-parallel group like the expert weights (`allreduce=False` copied from the base weight).
 
 Frozen base: every base parameter has requires_grad False, so Megatron runs `linear_with_frozen_weight` (no weight
 gradient matmul), DDP allocates no gradient buffer and the optimizer holds no state for it. Adapters are fp32 (the
-input is cast to fp32, the output back to the base's dtype).
+input is cast to fp32, the output back to the base's dtype), on their base weight's device.
 
 Init (PEFT's): A kaiming-uniform(a=sqrt 5) over the full tensor, B = 0, drawn from a generator seeded by the
 trainer seed and the adapter's HF name, so every TP/EP layout starts from the same full adapter.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 import zlib
@@ -96,12 +97,13 @@ def full_in_size(t: LinearTarget, spec: ModelSpec) -> int:
 
 
 class LoRAPair(nn.Module):
-    """A [r, in_local] and B [out_local, r] of one HF target, fp32."""
+    """A [r, in_local] and B [out_local, r] of one HF target, fp32, on `device` (the base weight's: a CUDA model's
+    adapters on the CPU fail Megatron's optimizer type check and the first forward's matmul)."""
 
-    def __init__(self, rank: int, in_local: int, out_local: int):
+    def __init__(self, rank: int, in_local: int, out_local: int, device: torch.device | str | None = None):
         super().__init__()
-        self.A = nn.Parameter(torch.zeros(rank, in_local, dtype=torch.float32))
-        self.B = nn.Parameter(torch.zeros(out_local, rank, dtype=torch.float32))
+        self.A = nn.Parameter(torch.zeros(rank, in_local, dtype=torch.float32, device=device))
+        self.B = nn.Parameter(torch.zeros(out_local, rank, dtype=torch.float32, device=device))
 
 
 class ParallelLoRA(nn.Module):
@@ -110,19 +112,24 @@ class ParallelLoRA(nn.Module):
     def __init__(self, t: LinearTarget, spec: ModelSpec, cfg: LoRAConfig, base: nn.Module):
         super().__init__()
         self.target, self.scale, self.dropout = t, cfg.scale, cfg.dropout
+        self.bypass = False  # the reference policy's forward: the base linear alone (reference_adapters)
         group = getattr(base, "tp_group", None)
         tp = group.size() if group is not None else 1
         self.local = bool(getattr(base, "explicit_expert_comm", False)) or tp == 1  # no TP collectives
         self.tp, self.tp_group = (1, None) if self.local else (tp, group)
         self.sequence_parallel = bool(getattr(base, "sequence_parallel", False)) and not self.local
+        if not self.local and not self.sequence_parallel:  # build_model sets SP at TP > 1; nothing else is written
+            raise ValueError(f"{t.name}: LoRA at TP {tp} needs sequence parallelism (build_model's default)")
         self.groups = spec.num_kv_heads // self.tp  # local query groups (qkv layout)
         outs, inp = full_out_sizes(t, spec), full_in_size(t, spec)
         col = t.kind == "col"
         self.qkv_widths = {n: s // self.tp for n, s in full_out_sizes(
             LinearTarget(t.name, t.all_targets, t.all_targets, t.layout, t.kind, t.layer, t.local_expert),
             spec).items()} if t.layout == "qkv" else {}
+        weight = getattr(base, "weight", None)
+        device = weight.device if isinstance(weight, Tensor) else None
         self.pairs = nn.ModuleDict({
-            n: LoRAPair(cfg.rank, inp if col else inp // self.tp, s // self.tp if col else s)
+            n: LoRAPair(cfg.rank, inp if col else inp // self.tp, s // self.tp if col else s, device)
             for n, s in outs.items()})
 
     def _weight(self, p: Tensor) -> Tensor:
@@ -144,15 +151,11 @@ class ParallelLoRA(nn.Module):
                 h = h_in @ self._weight(pair.A).t()
                 if self.sequence_parallel:  # tokens split over TP: gather r numbers a token, not the hidden size
                     h = mp.gather_from_sequence_parallel_region(h, True, group=self.tp_group)
-                elif not self.local:
-                    h = mp.copy_to_tensor_model_parallel_region(h, group=self.tp_group)  # bwd: sum B slices
                 outs[name] = (h @ pair.B.t()) * self.scale
             else:
                 h = h_in @ pair.A.t()  # partial over TP (A split on the input columns)
                 if self.sequence_parallel:
                     h = mp.reduce_scatter_to_sequence_parallel_region(h, group=self.tp_group)
-                elif not self.local:
-                    h = mp.reduce_from_tensor_model_parallel_region(h, group=self.tp_group)
                 outs[name] = (h @ self._weight(pair.B).t()) * self.scale
         return self._assemble(outs).to(x.dtype)
 
@@ -204,8 +207,38 @@ class ParallelLoRA(nn.Module):
 
 def _add_adapter_output(module: nn.Module, inputs: tuple, output):
     """Forward hook of an adapted linear: Megatron linears return (output, bias)."""
+    if module.lora.bypass:
+        return output
     out, bias = output
     return module.lora.add_to(out, inputs[0]), bias
+
+
+@contextlib.contextmanager
+def reference_adapters(model: nn.Module, state: dict[str, Tensor] | None = None):
+    """Within the block `model` computes the reference policy of a LoRA run, in eval mode, with no second model:
+    the base alone (`state` None: every adapter bypassed), or the adapters holding `state` (lora_state names: the
+    adapter the run started from, trainer.lora.init_from). The trained adapters come back afterwards, bit for bit."""
+    was_training = model.training
+    linears = [m for _, m in adapted_linears(model)]
+    params = dict(model.named_parameters())
+    saved = {}
+    model.eval()
+    try:
+        with torch.no_grad():
+            if state is None:
+                for m in linears:
+                    m.lora.bypass = True
+            for k, v in (state or {}).items():
+                saved[k] = params[k].detach().clone()
+                params[k].copy_(v)
+        yield
+    finally:
+        with torch.no_grad():
+            for m in linears:
+                m.lora.bypass = False
+            for k, v in saved.items():
+                params[k].copy_(v)
+        model.train(was_training)
 
 
 def adapted_linears(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -337,4 +370,4 @@ def shard_pair(pair: LoRAPair, lora: ParallelLoRA, a_full: Tensor, b_full: Tenso
         if tuple(local.shape) != tuple(p.shape):
             raise ValueError(f"{where or 'adapter'}: {label} gives shape {tuple(local.shape)} on this rank, the "
                              f"model needs {tuple(p.shape)} (an adapter of another base model, or another rank)")
-        p.copy_(local.to(p.dtype))
+        p.copy_(local.to(device=p.device, dtype=p.dtype))
