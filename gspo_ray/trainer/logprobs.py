@@ -30,12 +30,7 @@ from torch import Tensor
 
 from gspo_ray.compat.torch_matmul_fold import foldable_grad
 from gspo_ray.trainer.logprob_head import linear_logprobs
-
-
-def causal_mask(length: int, device) -> Tensor:
-    """[1, 1, L, L] bool, True = masked (Megatron's convention). Right padding needs nothing more: later tokens
-    never influence earlier positions under a causal mask."""
-    return torch.triu(torch.ones(length, length, dtype=torch.bool, device=device), diagonal=1)[None, None]
+from gspo_ray.trainer.segment_attention import Segments
 
 
 def compute_vocab_parallel_logprobs(logits: Tensor, labels: Tensor, vocab_size: int, group=None,
@@ -181,8 +176,9 @@ def forward_logprobs(model, tokens: Tensor, lengths: Tensor | None = None, *, wi
     if score_mask is not None:
         valid = valid & score_mask.to(device).bool()
     b_idx, t_idx = valid.nonzero(as_tuple=True)  # scored tokens; position t - 1 predicts token t
-    scored = _score(model, inner, inputs, position_ids, causal_mask(padded, device), t_idx - 1, b_idx,
-                    tokens[b_idx, t_idx], vocab_size, with_entropy, temperature)
+    segs = Segments.plain([length] * batch if lengths is None else lengths.tolist())  # each row causal, alone
+    scored = _score(model, inner, inputs, position_ids, segs, t_idx - 1, b_idx, tokens[b_idx, t_idx], vocab_size,
+                    with_entropy, temperature)
     return _scatter(scored, b_idx, t_idx, (batch, length), with_entropy)
 
 
@@ -192,7 +188,7 @@ def forward_group_logprobs(model, tokens: Tensor, lengths: Tensor, layout, *, wi
     """forward_logprobs of rows tokens [B, L] / lengths [B], computed on their shared-prefix layout.
 
     `layout` is the `group_rows.GroupLayout` of exactly these rows: the model runs once on its group rows (prompt
-    once per group row, a [R, 1, W, W] mask, RoPE at the layout's positions) and token t of row b is scored by
+    once per group row, attention by segment (segment_attention.py), RoPE at the layout's positions) and token t of row b is scored by
     the output at column `layout.col_of[b, t - 1]` of group row `layout.row_of[b]`, which attends to exactly
     tokens[b, :t] at positions 0..t-1. Returns logp (, entropy) in the ORIGINAL [B, L] layout, equal to
     forward_logprobs(model, tokens, lengths, ...) up to float summation order. Under sequence parallelism the
@@ -219,8 +215,7 @@ def forward_group_logprobs(model, tokens: Tensor, lengths: Tensor, layout, *, wi
     r_idx, s_idx = row_of[b_idx], col_of[b_idx, t_idx - 1]  # the column that predicts tokens[b, t]
     positions = layout.position_ids.to(device)
     with rope_positions(model, positions):
-        scored = _score(model, inner, layout.tokens.to(device), positions, layout.attention_mask.to(device),
-                        s_idx, r_idx, tokens[b_idx, t_idx], vocab_size, with_entropy, temperature)
+        scored = _score(model, inner, layout.tokens.to(device), positions, layout.segments, s_idx, r_idx, tokens[b_idx, t_idx], vocab_size, with_entropy, temperature)
     return _scatter(scored, b_idx, t_idx, (batch, length), with_entropy)
 
 
@@ -232,7 +227,7 @@ def _fused_head(inner) -> bool:
             and getattr(inner.output_layer, "bias", None) is None)
 
 
-def _score(model, inner, inputs: Tensor, position_ids: Tensor, mask: Tensor, seq_idx: Tensor, batch_idx: Tensor,
+def _score(model, inner, inputs: Tensor, position_ids: Tensor, segs: Segments, seq_idx: Tensor, batch_idx: Tensor,
            labels: Tensor, vocab_size: int | None, with_entropy: bool, temperature: float):
     """Log-probs [N] (, entropies [N]) of labels at (position seq_idx[n], row batch_idx[n]) of a forward of
     inputs [B, S]."""
@@ -240,20 +235,20 @@ def _score(model, inner, inputs: Tensor, position_ids: Tensor, mask: Tensor, seq
     if _fused_head(inner):
         weights: list = []
         with output_hidden(inner, seq_idx, batch_idx, weights):
-            hidden = model(inputs, position_ids, mask)[0]
+            hidden = model(inputs, position_ids, segs)[0]
         return linear_logprobs(hidden, weights[0], labels, vocab_size, temperature=temperature,
                                with_entropy=with_entropy)
-    logits = _scored_logits(model, inner, inputs, position_ids, mask, seq_idx, batch_idx)
+    logits = _scored_logits(model, inner, inputs, position_ids, segs, seq_idx, batch_idx)
     return _logits_logprobs(logits, labels, vocab_size, with_entropy, temperature)
 
 
-def _scored_logits(model, inner, inputs: Tensor, position_ids: Tensor, mask: Tensor, seq_idx: Tensor,
+def _scored_logits(model, inner, inputs: Tensor, position_ids: Tensor, segs: Segments, seq_idx: Tensor,
                    batch_idx: Tensor) -> Tensor:
     """[N, V/tp] logits at (position seq_idx[n], row batch_idx[n]) of a forward of inputs [B, S]."""
     if inner.config.sequence_parallel:  # the output layer gathers position shards first: score afterwards
-        return model(inputs, position_ids, mask)[batch_idx, seq_idx]
+        return model(inputs, position_ids, segs)[batch_idx, seq_idx]
     with output_rows(inner, seq_idx, batch_idx):
-        return model(inputs, position_ids, mask)[0]
+        return model(inputs, position_ids, segs)[0]
 
 
 def _logits_logprobs(logits: Tensor, labels: Tensor, vocab_size: int, with_entropy: bool, temperature: float):
