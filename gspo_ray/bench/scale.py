@@ -19,11 +19,12 @@ padded row of the longest sequence, ~18k tokens, per micro-batch).
 
 Per shape (keys as named): dp_imbalance (the busiest rank's forwarded tokens over the mean, padding and dummies
 included: the trainer's train/dp_imbalance), rows_per_rank_min / _max (completions), busiest_rank_attention_bytes
-(`attention_bytes`: what attention by segment holds for the busiest rank's largest micro-batch, all layers) and
-busiest_rank_activation_bytes (the same micro-batch: bf16 activations without recompute after Korthikanti et al.
-2022, 34 s h bytes per token and layer, split over TP with sequence parallelism, plus the attention bytes; the
-5 a s^2 score term of that paper is gone with the score matrix), group_rows_split_for_width (prompt groups of
-<= micro_batch_size completions planned as more than one group row),
+(`attention_bytes`' transient part: what attention by segment holds beyond a flash kernel's output, for the
+busiest rank's micro-batches, the largest) and busiest_rank_activation_bytes (the largest micro-batch: bf16
+activations without recompute after Korthikanti et al. 2022, 34 s h bytes per token and layer, split over TP with
+sequence parallelism, plus the flash outputs kept and the attention's transient bytes; that paper's 5 a s^2 score
+term is gone with the score matrix), group_rows_split_for_width (prompt groups wider than one padded
+micro-batch's tokens, split into several group rows; attention splits none),
 routing_record_bytes_per_rank (after 64 batches; MoE only), weight_sync_bytes_per_engine (bf16), checkpoint_bytes_
 per_rank, slowest_rank_wait_share (1 - mean / max of the ranks' step FLOPs: fwd + bwd = 3 x forward, the forward
 2 x active matrix parameters per token plus 4 d per query-key pair (GroupRow.pairs) and layer;
@@ -41,7 +42,7 @@ from pathlib import Path
 import torch
 
 from gspo_ray.rollout.weight_sync import iter_buckets
-from gspo_ray.trainer.batch_layout import attention_score_weight, plan_ranks, token_cap
+from gspo_ray.trainer.batch_layout import attention_score_weight, padded_budget, plan_ranks
 from gspo_ray.trainer.group_rows import GroupRow
 from gspo_ray.trainer.bridge import param_map, shard_tp, split_to_hf
 from gspo_ray.trainer.model_spec import ModelSpec
@@ -110,23 +111,25 @@ def synthetic_batch(seed: int = 0) -> tuple[list[tuple[list[int], int]], list[in
     return groups, lengths
 
 
-def attention_bytes(shape: Shape, pack: list[GroupRow], width: int, tp: int) -> int:
-    """Bytes attention by segment (trainer/segment_attention.py) holds for one micro-batch of group rows `pack`
-    padded to `width`, all layers, heads split over TP, bf16: per segment call the keys and values it attends to,
-    gathered ([prefix ; segment]: P keys for the prefix call, P + c_j for segment j) and saved for the backward,
-    2 x 2 x kv_heads x head_dim bytes a key; fp32 log-sum-exp per query and head (4 x heads x width a row); and,
-    once (transient, one call at a time, on CPU only), the largest lower-right causal mask, c (P + c) bools. No
-    score matrix: the flash kernels work block by block."""
-    keys = sum(u.prefix + sum(u.prefix + c for c in u.segments if c) for u in pack)
-    saved = shape.layers * (4 * shape.kv_heads * shape.head_dim * keys + 4 * shape.heads * width * len(pack))
-    mask = max((c * (u.prefix + c) for u in pack for c in u.segments), default=0)
-    return saved // tp + mask
+def attention_bytes(shape: Shape, pack: list[GroupRow], tp: int) -> tuple[int, int]:
+    """(transient, kept) bytes of attention by segment (trainer/segment_attention.py) for one micro-batch of group
+    rows `pack`, heads split over TP, bf16. No score matrix exists (the flash kernels work block by block).
+    transient: one call at a time, the largest completion call's gathered keys and values [prefix ; segment]
+    (2 x 2 x kv_heads x head_dim bytes a key) and its lower-right causal mask (c (P + c) bools, CPU only); the
+    backward recomputes that call and holds the same again. kept, all layers, from forward to backward: what a
+    flash kernel keeps for its backward, the output (2 x heads x head_dim bytes a query) and the fp32 log-sum-exp
+    (4 x heads), for the calls not recomputed (prefixes and plain rows; completion calls keep nothing)."""
+    kv = 4 * max(shape.kv_heads // tp, 1) * shape.head_dim
+    transient = max((kv * (u.prefix + c) + c * (u.prefix + c) for u in pack for c in u.segments if c), default=0)
+    kept = shape.layers * (2 * shape.attn_dim + 4 * shape.heads) * sum(u.prefix for u in pack) // tp
+    return 2 * transient, kept
 
 
 def split_for_width(groups, lengths) -> int:
-    """Prompt groups wider than a micro-batch may hold (batch_layout.token_cap: micro_batch_tokens here), which the
-    planner splits into several group rows, each with its own copy of the prompt (before any split to balance DP)."""
-    cap = token_cap(max(lengths), MICRO_BATCH_SIZE, MICRO_BATCH_TOKENS)
+    """Prompt groups wider than one padded micro-batch's tokens (batch_layout.padded_budget: the activation memory
+    the shared layout keeps within), which the planner splits into several group rows, each with its own copy of
+    the prompt (before any split to balance DP); attention splits none."""
+    cap = padded_budget(max(lengths), MICRO_BATCH_SIZE, MICRO_BATCH_TOKENS).tokens
     return sum(1 for rows, p in groups if p + sum(lengths[r] - p for r in rows) > cap)
 
 
@@ -145,9 +148,9 @@ def layout_stats(shape: Shape, groups, lengths, dp: int, tp: int) -> dict:
             t += r * w
             pairs = sum(u.pairs for u in pack)
             f += 3 * (2 * shape.active_matrix_params * r * w + 4 * shape.layers * shape.attn_dim * pairs) / tp
-            att = attention_bytes(shape, pack, w, tp)
+            att, kept = attention_bytes(shape, pack, tp)
             peak_att = max(peak_att, att)
-            peak_act = max(peak_act, 34 * shape.hidden * r * w * shape.layers // tp + att)
+            peak_act = max(peak_act, 34 * shape.hidden * r * w * shape.layers // tp + kept + att)
         tokens.append(t)
         flops.append(f)
         rows.append(sum(len(u.rows) for pack in packs for u in pack))

@@ -10,14 +10,15 @@ exactly as without sharing.
 
 Group rows over DP (`plan_ranks`, pure lists, also what bench/scale.py runs at cluster shapes):
   1. plan the mini-batch's group rows, at most min(micro_batch_size, ceil(B / dp)) completions each and no wider
-     than `token_cap` (micro_batch_tokens, or one padded micro-batch's R x L tokens when that is more: R =
-     micro_batch_rows, L = the longest row; attention by segment holds no score matrix, so activations, linear in
-     the tokens, are the only memory a group row's width adds); while there are fewer
+     than one padded micro-batch's tokens (`padded_budget`: R x L, R = micro_batch_rows, L = the longest row, so
+     the shared layout never holds more activations than the padded one; attention by segment holds no score
+     matrix, so nothing else caps a group row's width: a prompt group of <= R rows is never split); while there
+     are fewer
      group rows than ranks, the one with the most rows is halved (so B >= dp rows leave no rank idle), and group
      rows costing more than half a rank's share are halved too;
   2. deal the group rows to the ranks by cost (`row_cost`: tokens plus the query-key pairs attention by segment
      computes, weighted), largest first to the least loaded rank (LPT);
-  3. pack each rank's group rows into micro-batches of at most micro_batch_size completions and token_cap tokens.
+  3. pack each rank's group rows into micro-batches within the padded budget (rows and tokens).
 Ranks with fewer micro-batches than the busiest get dummies (one fully masked copy of row 0).
 """
 from __future__ import annotations
@@ -144,14 +145,6 @@ def padded_budget(longest: int, micro_batch_size: int, micro_batch_tokens: int |
     return Budget(rows=rows, tokens=rows * width)
 
 
-def token_cap(longest: int, micro_batch_size: int, micro_batch_tokens: int | None) -> int:
-    """The most tokens (padding included) a micro-batch of group rows holds: micro_batch_tokens, or the padded
-    path's R x L when larger (a row longer than micro_batch_tokens), or R x L without micro_batch_tokens (then a
-    prompt group of <= micro_batch_size rows always fits: it is never split for width)."""
-    tokens = padded_budget(longest, micro_batch_size, micro_batch_tokens).tokens
-    return tokens if micro_batch_tokens is None else max(tokens, micro_batch_tokens)
-
-
 def attention_score_weight(hidden: int, attn_dim: int, ffn_active: int) -> float:
     """Cost of one query-key pair of attention relative to one token through the layer's matrices, per layer and
     forward: a token costs 2 (4 h d + 3 h f) FLOPs (q, k, v, o projections of width d = heads x head_dim; a gated
@@ -203,7 +196,7 @@ def plan_ranks(groups: list[tuple[list[int], int]], lengths: list[int], dp_size:
     """Micro-batches (packs of group rows) of every DP rank, or None when nothing is shared (see the module
     docstring). groups: (rows, common prefix) per prompt; lengths: every row's length."""
     num_rows = len(lengths)
-    cap = token_cap(max(lengths, default=1), micro_batch_size, micro_batch_tokens)
+    cap = padded_budget(max(lengths, default=1), micro_batch_size, micro_batch_tokens).tokens
     max_rows = max(1, min(micro_batch_size, math.ceil(num_rows / dp_size)))
     units = plan_units(groups, lengths, max_rows, cap, uids)
     if units is None:

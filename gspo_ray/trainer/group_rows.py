@@ -24,8 +24,8 @@ Packing. A group row holds at most `max_rows` completions and, when a width cap 
 tokens (activations grow linearly with the width; attention no longer grows with its square, so nothing else
 splits a group row). Group rows are then packed into micro-batches (longest first) of at most `max_rows`
 completions and, with a cap, at most `max_tokens` padded tokens (rows x the longest group row), none padded past
-PAD_SHARE x its width. batch_layout.plan_ranks sets the caps to micro_batch_tokens (batch_layout.token_cap), the
-memory bound the padded path keeps too. The planning below works on
+PAD_SHARE x its width. batch_layout.plan_ranks sets the caps to what one padded micro-batch holds, so the shared
+layout never forwards more tokens per micro-batch than the padded one. The planning below works on
 plain lists (rows, prefix lengths, row lengths), so the scale model (bench/scale.py) runs it without tensors;
 everything is deterministic, so every rank derives the same layout.
 """
