@@ -23,7 +23,7 @@ from gspo_ray.compat.megatron_import import megatron_core  # noqa: F401  (first:
 from megatron.core.transformer.module import MegatronModule  # noqa: E402  (after the guarded import)
 
 from gspo_ray.trainer.bridge import load_hf_weights
-from gspo_ray.trainer.model_spec import ModelSpec, read_hf_config, spec_from_hf_config
+from gspo_ray.trainer.model_spec import ModelSpec, read_hf_config, spec_from_hf_config, te_missing
 from gspo_ray.trainer.segment_attention import Segments, attend_rows, unsupported
 
 
@@ -84,27 +84,26 @@ class SegmentAttention(MegatronModule):
 
 
 def _layer_spec(spec: ModelSpec):
-    """Megatron's local layer spec with our SegmentAttention as core attention (the TE spec with use_te)."""
+    """Megatron's local layer spec (or, with use_te, its Transformer Engine spec: fused linears and norms, named
+    `linear_qkv.layer_norm_weight` / `linear_fc1.layer_norm_weight`, which bridge.py maps) with our SegmentAttention
+    as core attention either way. Experts stay one MLP each (no grouped GEMM: its parameter layout is not mapped)."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     num_experts = spec.num_experts or None
     if spec.use_te:
-        return specs.get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, moe_grouped_gemm=False,
-                                                                qk_layernorm=spec.qk_norm)
-    layer = specs.get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False,
-                                           qk_layernorm=spec.qk_norm, normalization="RMSNorm")
+        layer = specs.get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, moe_grouped_gemm=False,
+                                                                 qk_layernorm=spec.qk_norm)
+    else:
+        layer = specs.get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False,
+                                               qk_layernorm=spec.qk_norm, normalization="RMSNorm")
     layer.submodules.self_attention.submodules.core_attention = SegmentAttention
     return layer
 
 
-def te_available() -> bool:
-    if not torch.cuda.is_available():
-        return False
-    try:
-        import transformer_engine.pytorch  # noqa: F401
-    except ImportError:
-        return False
-    return True
+def resolve_use_te(use_te) -> bool:
+    """trainer.use_te -> whether to build the Transformer Engine spec: "auto" when te_missing() says nothing;
+    True / False as given (True on a machine without them is refused by the preflight and by build_model)."""
+    return te_missing() is None if use_te == "auto" else bool(use_te)
 
 
 def build_model(hf_dir: str, *, dtype: torch.dtype = torch.float32, sequence_parallel: bool | None = None,
@@ -123,8 +122,8 @@ def build_model(hf_dir: str, *, dtype: torch.dtype = torch.float32, sequence_par
 
     if not parallel_state.model_parallel_is_initialized():
         raise RuntimeError("build_model needs Megatron's parallel state: call parallel.init_distributed() first")
-    if use_te and not te_available():
-        raise RuntimeError("use_te=True needs CUDA and an importable transformer_engine")
+    if use_te and te_missing():
+        raise RuntimeError(f"trainer.use_te: true needs CUDA and transformer_engine: {te_missing()}")
     megatron_cpu.apply()
     spec = spec_from_hf_config(
         read_hf_config(hf_dir), hf_dir, tp=parallel_state.get_tensor_model_parallel_world_size(),
