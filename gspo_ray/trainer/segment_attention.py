@@ -90,44 +90,49 @@ def row_pairs(prefix: int, completions) -> int:
 
 def attend_rows(query: Tensor, key: Tensor, value: Tensor, segs: Segments, scale: float | None = None) -> Tensor:
     """query [S, B, Hq, D], key / value [S, B, Hkv, D] (Megatron's layout) -> context [S, B, Hq, D] of `segs`
-    (see the module docstring); Hq a multiple of Hkv (GQA)."""
+    (see the module docstring); Hq a multiple of Hkv (GQA).
+
+    Rows and segments are taken with unbind / split, whose backward concatenates the pieces' gradients once (a
+    slice's backward would fill a zero tensor of the whole input per slice)."""
     width, batch, heads, dim = query.shape
     if segs.num_rows != batch:
         raise ValueError(f"Segments of {segs.num_rows} rows for a micro-batch of {batch}")
     gqa = key.shape[2] != heads
-    q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [B, H, S, D] views
     rows = []
-    for b in range(batch):
-        p, pieces, start = segs.prefix[b], [], segs.prefix[b]
-        if start + sum(segs.completions[b]) > width:
+    for b, (q, k, v) in enumerate(zip(query.unbind(1), key.unbind(1), value.unbind(1))):  # [S, H, D] each
+        p, cs = segs.prefix[b], segs.completions[b]
+        pad = width - segs.length(b)
+        if pad < 0:
             raise ValueError(f"row {b}: segments of {segs.length(b)} tokens in a width of {width}")
+        sizes = [p, *cs, pad]
+        # [1, H, n, D] views (the flash kernel for CPU takes 4-d inputs; 3-d ones fall back to the math kernel)
+        qs, ks, vs = (x.transpose(0, 1)[None].split(sizes, dim=2) for x in (q, k, v))
+        pieces = []
         if p:
-            pieces.append(F.scaled_dot_product_attention(q[b:b + 1, :, :p], k[b:b + 1, :, :p], v[b:b + 1, :, :p],
-                                                         is_causal=True, scale=scale, enable_gqa=gqa))
-        for c in segs.completions[b]:
+            pieces.append(F.scaled_dot_product_attention(qs[0], ks[0], vs[0], is_causal=True, scale=scale,
+                                                         enable_gqa=gqa))
+        for j, c in enumerate(cs, start=1):
             if c == 0:
                 continue
-            args = (q[b:b + 1], k[b:b + 1], v[b:b + 1], p, start, c, scale, gqa)
+            args = (qs[j], ks[0], ks[j], vs[0], vs[j], scale, gqa)
             if p and torch.is_grad_enabled():  # keep no gathered K/V for the backward: recompute it there
                 pieces.append(checkpoint(_segment, *args, use_reentrant=False))
             else:
                 pieces.append(_segment(*args))
-            start += c
-        if start < width:
-            pieces.append(query.new_zeros(1, heads, width - start, dim))
-        rows.append(torch.cat(pieces, dim=2))
-    return torch.cat(rows, dim=0).permute(2, 0, 1, 3)
+        if pad:
+            pieces.append(query.new_zeros(1, heads, pad, dim))
+        rows.append(torch.cat(pieces, dim=2)[0].transpose(0, 1))  # [S, H, D]
+    return torch.stack(rows, dim=1)
 
 
-def _segment(q: Tensor, k: Tensor, v: Tensor, prefix: int, start: int, count: int, scale: float | None,
+def _segment(q: Tensor, k_prefix: Tensor, k: Tensor, v_prefix: Tensor, v: Tensor, scale: float | None,
              gqa: bool) -> Tensor:
-    """Queries start..start+count of one row ([1, H, S, D]) against its keys and values [prefix ; those], the
-    causality aligned bottom-right."""
-    kk = torch.cat((k[:, :, :prefix], k[:, :, start:start + count]), dim=2)
-    vv = torch.cat((v[:, :, :prefix], v[:, :, start:start + count]), dim=2)
-    return F.scaled_dot_product_attention(q[:, :, start:start + count], kk, vv,
-                                          attn_mask=causal_lower_right(count, prefix + count), scale=scale,
-                                          enable_gqa=gqa)
+    """One completion's queries q [1, H, c, D] against keys and values [prefix ; completion] ([1, H, n, D] pieces),
+    the causality aligned bottom-right."""
+    count, prefix = q.shape[2], k_prefix.shape[2]
+    kk, vv = torch.cat((k_prefix, k), dim=2), torch.cat((v_prefix, v), dim=2)
+    return F.scaled_dot_product_attention(q, kk, vv, attn_mask=causal_lower_right(count, prefix + count),
+                                          scale=scale, enable_gqa=gqa)
 
 
 def unsupported(config) -> str | None:
