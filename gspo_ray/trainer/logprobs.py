@@ -203,9 +203,9 @@ def forward_group_logprobs(model, tokens: Tensor, lengths: Tensor, layout, *, wi
     """forward_logprobs of rows tokens [B, L] / lengths [B], computed on their shared-prefix layout.
 
     `layout` is the `group_rows.GroupLayout` of exactly these rows: the model runs once on its group rows (prompt
-    once per group row, attention by segment (segment_attention.py), RoPE at the layout's positions) and token t of row b is scored by
-    the output at column `layout.col_of[b, t - 1]` of group row `layout.row_of[b]`, which attends to exactly
-    tokens[b, :t] at positions 0..t-1. Returns logp (, entropy) in the ORIGINAL [B, L] layout, equal to
+    once per group row, attention by segment (segment_attention.py), RoPE at the layout's positions) and token t
+    of row b is scored by the output at column `layout.col_of[b, t - 1]` of group row `layout.row_of[b]`, which
+    attends to exactly tokens[b, :t] at positions 0..t-1. Returns logp (, entropy) in the ORIGINAL [B, L] layout, equal to
     forward_logprobs(model, tokens, lengths, ...) up to float summation order. Under sequence parallelism the
     layout's width must be a multiple of TP (build_layout's width_multiple).
     """
@@ -230,7 +230,8 @@ def forward_group_logprobs(model, tokens: Tensor, lengths: Tensor, layout, *, wi
     r_idx, s_idx = row_of[b_idx], col_of[b_idx, t_idx - 1]  # the column that predicts tokens[b, t]
     positions = layout.position_ids.to(device)
     with rope_positions(model, positions):
-        scored = _score(model, inner, layout.tokens.to(device), positions, layout.segments, s_idx, r_idx, tokens[b_idx, t_idx], vocab_size, with_entropy, temperature)
+        scored = _score(model, inner, layout.tokens.to(device), positions, layout.segments, s_idx, r_idx,
+                        tokens[b_idx, t_idx], vocab_size, with_entropy, temperature)
     return _scatter(scored, b_idx, t_idx, (batch, length), with_entropy)
 
 

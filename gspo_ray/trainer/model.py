@@ -6,8 +6,9 @@
 
 TP/EP sizes come from Megatron's parallel state. Layers use the local (pure torch) spec, the one verified against
 transformers here, with our SegmentAttention as core attention (segment_attention.py: the forward's
-`attention_mask` is a Segments record, never a dense mask); `use_te=True` picks the Transformer Engine spec on CUDA machines (its parameter names are mapped
-by bridge.py, its numerics are not verified by these tests). MoE routing follows Qwen3-MoE:
+`attention_mask` is a Segments record, never a dense mask); `use_te=True` (trainer.use_te, resolve_use_te) picks
+the Transformer Engine spec on CUDA machines, with the same attention (its parameter names are mapped by
+bridge.py; its numerics are not verified by these tests: no GPU here). MoE routing follows Qwen3-MoE:
 softmax over experts, top-k, top-k probs renormalised when `norm_topk_prob` (softmax over the top-k logits, which
 is the same thing); no Routing Replay, no aux loss. `ModelSpec` is a small picklable record of the architecture.
 """

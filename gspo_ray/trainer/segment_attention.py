@@ -32,15 +32,15 @@ What the kernel computes per row, counted as query-key pairs (`Segments.pairs`, 
 W (W + 1) / 2 for one causal row of width W = P + sum_j c_j, and W^2 for the dense [W, W] mask this replaces.
 
 Torch only (the planner and the scale model import Segments without Megatron); model.SegmentAttention is the
-Megatron core-attention module that calls attend_rows. The record travels as the `attention_mask` argument, which GPTModel hands to every layer's core attention and
-nothing else reads on the local spec. Megatron's `PackedSeqParams` is not used: GPTModel sizes RoPE from its
-max_seqlen fields and attention squeezes THD tensors, neither of which this layout wants. Not covered (refused at
-construction, and by the preflight through model_spec): sliding windows, attention sinks / softmax offsets,
+Megatron core-attention module that calls attend_rows. The record travels as the `attention_mask` argument, which
+GPTModel hands to every layer's core attention and nothing else reads on the local spec. Megatron's
+`PackedSeqParams` is not used: GPTModel sizes RoPE from its max_seqlen fields and attention squeezes THD tensors,
+neither of which this layout wants. Not covered (refused at construction, and by the preflight through
+model_spec): sliding windows, attention sinks / softmax offsets,
 multi-latent attention, context parallelism, attention dropout.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
