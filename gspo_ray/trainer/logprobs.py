@@ -205,9 +205,9 @@ def forward_group_logprobs(model, tokens: Tensor, lengths: Tensor, layout, *, wi
     `layout` is the `group_rows.GroupLayout` of exactly these rows: the model runs once on its group rows (prompt
     once per group row, attention by segment (segment_attention.py), RoPE at the layout's positions) and token t
     of row b is scored by the output at column `layout.col_of[b, t - 1]` of group row `layout.row_of[b]`, which
-    attends to exactly tokens[b, :t] at positions 0..t-1. Returns logp (, entropy) in the ORIGINAL [B, L] layout, equal to
-    forward_logprobs(model, tokens, lengths, ...) up to float summation order. Under sequence parallelism the
-    layout's width must be a multiple of TP (build_layout's width_multiple).
+    attends to exactly tokens[b, :t] at positions 0..t-1. Returns logp (, entropy) in the ORIGINAL [B, L] layout,
+    equal to forward_logprobs(model, tokens, lengths, ...) up to float summation order. Under sequence parallelism
+    the layout's width must be a multiple of TP (build_layout's width_multiple).
     """
     from megatron.core import parallel_state
 
