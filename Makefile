@@ -12,7 +12,7 @@ LOCK  := requirements/cpu.lock
 RECIPE ?= gspo_ray/recipes/tiny_moe.yaml
 ARGS   ?=
 
-.PHONY: venv run test test-fast bench bench-moe bench-moe-tiny bench-trl learn-real clean
+.PHONY: venv run test test-fast bench bench-moe bench-moe-tiny bench-trl learn-real clean gpu-check
 
 venv: $(STAMP)
 
@@ -37,6 +37,10 @@ test-fast: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/gspo-ray bench
+
+# On a lent GPU machine with torch + megatron-core only (no venv build): scripts/gpu_check.sh, one table, <= 8 min
+gpu-check:
+	scripts/gpu_check.sh
 
 # The peer on this machine: TRL's GRPOTrainer on the SmolLM2 recipe (same prompts, reward, settings), in its own
 # venv; TRL is not a dependency of gspo-ray. Compare with `gspo-ray bench --suite smollm2`. ARGS="--lr 1e-5 --steps 10"

@@ -4,7 +4,7 @@
 
 What runs is the trainer's real code, imported, never restated:
   * the DP layout: batch_layout.plan_ranks (group rows planned, dealt to ranks by cost, packed per rank within
-    the padded path's token and attention-score memory) on synthetic mini-batches (the same on every rank);
+    the padded path's tokens) on synthetic mini-batches (the same on every rank);
   * the routing-record store: routing/records.RecordStore fed with the busiest rank's rows of 64 batches the way
     the training loop feeds it, `end_batch` after each (`routing_store_bytes`: one small function, the only place
     that knows the store's API);
@@ -19,12 +19,16 @@ padded row of the longest sequence, ~18k tokens, per micro-batch).
 
 Per shape (keys as named): dp_imbalance (the busiest rank's forwarded tokens over the mean, padding and dummies
 included: the trainer's train/dp_imbalance), rows_per_rank_min / _max (completions), busiest_rank_attention_bytes
-and busiest_rank_activation_bytes (the busiest rank's largest micro-batch: bf16 activations without recompute after
-Korthikanti et al. 2022, 34 s h + 5 a s^2 bytes per sequence and layer, split over TP with sequence parallelism),
+(`attention_bytes`' transient part: what attention by segment holds beyond a flash kernel's output, for the
+busiest rank's micro-batches, the largest) and busiest_rank_activation_bytes (the largest micro-batch: bf16
+activations without recompute after Korthikanti et al. 2022, 34 s h bytes per token and layer, split over TP with
+sequence parallelism, plus the flash outputs kept and the attention's transient bytes; that paper's 5 a s^2 score
+term is gone with the score matrix), group_rows_split_for_width (prompt groups wider than one padded
+micro-batch's tokens, split into several group rows; attention splits none),
 routing_record_bytes_per_rank (after 64 batches; MoE only), weight_sync_bytes_per_engine (bf16), checkpoint_bytes_
 per_rank, slowest_rank_wait_share (1 - mean / max of the ranks' step FLOPs: fwd + bwd = 3 x forward, the forward
-2 x active matrix parameters per token plus 4 d W^2 per row and layer; busiest_rank_step_s gives the seconds at
-PEAK_FLOPS x MFU).
+2 x active matrix parameters per token plus 4 d per query-key pair (GroupRow.pairs) and layer;
+busiest_rank_step_s gives the seconds at PEAK_FLOPS x MFU).
 """
 from __future__ import annotations
 
@@ -38,7 +42,8 @@ from pathlib import Path
 import torch
 
 from gspo_ray.rollout.weight_sync import iter_buckets
-from gspo_ray.trainer.batch_layout import attention_score_weight, plan_ranks
+from gspo_ray.trainer.batch_layout import attention_score_weight, padded_budget, plan_ranks
+from gspo_ray.trainer.group_rows import GroupRow
 from gspo_ray.trainer.bridge import param_map, shard_tp, split_to_hf
 from gspo_ray.trainer.model_spec import ModelSpec
 
@@ -106,22 +111,46 @@ def synthetic_batch(seed: int = 0) -> tuple[list[tuple[list[int], int]], list[in
     return groups, lengths
 
 
+def attention_bytes(shape: Shape, pack: list[GroupRow], tp: int) -> tuple[int, int]:
+    """(transient, kept) bytes of attention by segment (trainer/segment_attention.py) for one micro-batch of group
+    rows `pack`, heads split over TP, bf16. No score matrix exists (the flash kernels work block by block).
+    transient: one call at a time, the largest completion call's gathered keys and values [prefix ; segment]
+    (2 x 2 x kv_heads x head_dim bytes a key) and its lower-right causal mask (c (P + c) bools, CPU only); the
+    backward recomputes that call and holds the same again. kept, all layers, from forward to backward: what a
+    flash kernel keeps for its backward, the output (2 x heads x head_dim bytes a query) and the fp32 log-sum-exp
+    (4 x heads), for the calls not recomputed (prefixes and plain rows; completion calls keep nothing)."""
+    kv = 4 * max(shape.kv_heads // tp, 1) * shape.head_dim
+    transient = max((kv * (u.prefix + c) + c * (u.prefix + c) for u in pack for c in u.segments if c), default=0)
+    kept = shape.layers * (2 * shape.attn_dim + 4 * shape.heads) * sum(u.prefix for u in pack) // tp
+    return 2 * transient, kept
+
+
+def split_for_width(groups, lengths) -> int:
+    """Prompt groups wider than one padded micro-batch's tokens (batch_layout.padded_budget: the activation memory
+    the shared layout keeps within), which the planner splits into several group rows, each with its own copy of
+    the prompt (before any split to balance DP); attention splits none."""
+    cap = padded_budget(max(lengths), MICRO_BATCH_SIZE, MICRO_BATCH_TOKENS).tokens
+    return sum(1 for rows, p in groups if p + sum(lengths[r] - p for r in rows) > cap)
+
+
 def layout_stats(shape: Shape, groups, lengths, dp: int, tp: int) -> dict:
     """plan_ranks at DP dp (width padded to a multiple of tp, sequence parallelism), per-rank work and memory."""
     weight = attention_score_weight(shape.hidden, shape.attn_dim, shape.ffn_active)
     plan = plan_ranks(groups, lengths, dp, MICRO_BATCH_SIZE, MICRO_BATCH_TOKENS, weight)
     forwards = max(len(p) for p in plan)
-    dummy = -(-lengths[0] // tp) * tp  # a dummy is one fully masked copy of row 0
+    dummy = GroupRow((0,), lengths[0], (0,))  # a dummy is one fully masked copy of row 0
     tokens, flops, rows, peak_act, peak_att = [], [], [], 0, 0
     for packs in plan:
         t = f = 0.0
         for pack in packs + [None] * (forwards - len(packs)):
-            r, w = (len(pack), -(-max(u.length for u in pack) // tp) * tp) if pack else (1, dummy)
+            pack = pack or [dummy]
+            r, w = len(pack), -(-max(u.length for u in pack) // tp) * tp
             t += r * w
-            f += 3 * (2 * shape.active_matrix_params * r * w + 4 * shape.layers * shape.attn_dim * r * w * w) / tp
-            att = 5 * shape.heads * r * w * w * shape.layers // tp
+            pairs = sum(u.pairs for u in pack)
+            f += 3 * (2 * shape.active_matrix_params * r * w + 4 * shape.layers * shape.attn_dim * pairs) / tp
+            att, kept = attention_bytes(shape, pack, tp)
             peak_att = max(peak_att, att)
-            peak_act = max(peak_act, 34 * shape.hidden * r * w * shape.layers // tp + att)
+            peak_act = max(peak_act, 34 * shape.hidden * r * w * shape.layers // tp + kept + att)
         tokens.append(t)
         flops.append(f)
         rows.append(sum(len(u.rows) for pack in packs for u in pack))
@@ -130,7 +159,8 @@ def layout_stats(shape: Shape, groups, lengths, dp: int, tp: int) -> dict:
     return mine, {"dp_imbalance": max(tokens) / (sum(tokens) / dp), "rows_per_rank_min": min(rows),
             "rows_per_rank_max": max(rows), "busiest_rank_attention_bytes": peak_att,
             "busiest_rank_activation_bytes": peak_act, "slowest_rank_wait_share": 1 - sum(flops) / dp / max(flops),
-            "busiest_rank_step_s": max(flops) / (PEAK_FLOPS * MFU), "micro_batches_per_rank": forwards}
+            "busiest_rank_step_s": max(flops) / (PEAK_FLOPS * MFU), "micro_batches_per_rank": forwards,
+            "group_rows_split_for_width": split_for_width(groups, lengths)}
 
 
 def megatron_params(shape: Shape) -> list[tuple[str, tuple[int, ...]]]:

@@ -11,6 +11,12 @@ the warm-up), and, from one more step traced by the profiler (which slows it), t
 CPU self-time of aten ops split by op class: matmul, attention (softmax, masking, the batched products of scores
 and values), norms and elementwise, optimizer, copies and layout, other; and the traced time outside aten ops
 (Python, autograd bookkeeping).
+
+At real lengths (`--completion-tokens N`, `--groups G`): G prompt groups x 8 completions of exactly N random
+tokens, group rows only, micro_batch_tokens 8 x the longest row (one prompt group per micro-batch), one untimed
+old-log-prob forward then one timed train step, no profiler; prints the step's
+seconds, the tokens forwarded and the distinct tokens of the batch (prompts once per group, completions), and the
+process's peak RSS over the log-prob forward and the step (VmHWM reset before them).
 """
 from __future__ import annotations
 
@@ -66,8 +72,10 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def recipe_batch(model_dir: Path, groups: int = 8, group_size: int = 8, seed: int = 0):
-    """A TrainBatch shaped like the recipe's step: real chat prompts, random completions of 15-31 tokens."""
+def recipe_batch(model_dir: Path, groups: int = 8, group_size: int = 8, seed: int = 0,
+                 completion_tokens: int | None = None):
+    """A TrainBatch shaped like the recipe's step: real chat prompts, random completions of 15-31 tokens (or of
+    exactly `completion_tokens`)."""
 
     from gspo_ray.config import load_config
     from gspo_ray.data.prompts import PromptSource, load_tokenizer
@@ -81,7 +89,7 @@ def recipe_batch(model_dir: Path, groups: int = 8, group_size: int = 8, seed: in
     samples, advs = [], []
     for p in prompts:
         for j in range(group_size):
-            n = rng.randint(15, 31)
+            n = completion_tokens or rng.randint(15, 31)
             samples.append(Sample(prompt_uid=p.uid, sample_index=j, prompt_ids=p.prompt_ids,
                                   completion_ids=[rng.randrange(3, len(tokenizer)) for _ in range(n)],
                                   logprobs=[0.0] * n, loss_mask=[1] * n, versions=[0] * n, finish_reason="stop"))
@@ -148,7 +156,36 @@ def profile_layout(model_dir: Path, shared: bool, steps: int, port: int, lora: b
             "other s": by_class.get("other", 0.0), "outside aten ops s": max(traced_s - total_ops, 0.0)}
 
 
-def run_train_profile(steps: int = 2, model_dir: Path = Path("runs/models/smollm2-135m-instruct")) -> str:
+def profile_long(model_dir: Path, completion_tokens: int, groups: int, port: int) -> dict:
+    """One train step with group rows on `groups` prompts x 8 completions of `completion_tokens` tokens: seconds,
+    tokens forwarded, distinct tokens, peak RSS (see the module docstring)."""
+    from gspo_ray.trainer.worker import TrainerWorker
+
+    batch, cfg = recipe_batch(model_dir, groups=groups, completion_tokens=completion_tokens)
+    # micro_batch_tokens: 8 padded rows of the longest, so one prompt group fits a micro-batch (the recipe's 640
+    # is below one such row, which its config validation would refuse)
+    tcfg = cfg.trainer.model_copy(update={"shared_prefix": True, "router_churn_every": 0, "lr": 1e-7,
+                                          "micro_batch_tokens": 8 * int(batch.lengths.max())})
+    worker = TrainerWorker(0, 1, "127.0.0.1", port, str(model_dir), tcfg, cfg.algorithm)
+    try:
+        reset_peak_rss()
+        batch.old_logp = worker.compute_logprobs(batch)
+        t0 = time.perf_counter()
+        metrics = worker.train_step(batch)
+        step_s = time.perf_counter() - t0
+        peak_gib = peak_rss_gib()
+    finally:
+        worker.shutdown()
+    prompts = {uid.rsplit("/", 1)[0]: int(n) - completion_tokens for uid, n in zip(batch.uids, batch.lengths)}
+    return {"layout": "group rows", "groups x completions": f"{groups} x 8", "completion tokens": completion_tokens,
+            "step s": step_s, "tokens forwarded": metrics["train/forward_tokens"],
+            "distinct tokens": sum(prompts.values()) + completion_tokens * batch.num_sequences,
+            "peak RSS GiB": peak_gib}
+
+
+def run_train_profile(steps: int = 2, model_dir: Path = Path("runs/models/smollm2-135m-instruct"),
+                      completion_tokens: int | None = None, groups: int | None = None) -> str:
+    """The profile table (the recipe's batch), or with completion_tokens / groups set the long-completion row."""
     import torch
 
     from gspo_ray.models.gguf import ensure_imported
@@ -156,6 +193,12 @@ def run_train_profile(steps: int = 2, model_dir: Path = Path("runs/models/smollm
 
     ensure_imported(model_dir)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
+    if completion_tokens is not None or groups is not None:
+        row = profile_long(model_dir, completion_tokens or 23, groups or 8, free_port())
+        text = (f"SmolLM2 train step at real lengths, fp32, {torch.get_num_threads()} threads, one step after the "
+                f"old-log-prob forward\n{markdown_table([row])}")
+        print(text, flush=True)
+        return text
     peak = matmul_peak_gflops()
     rows = [profile_layout(model_dir, shared, steps, free_port(), lora) for shared, lora in
             ((True, False), (False, False), (True, True))]

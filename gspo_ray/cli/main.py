@@ -246,7 +246,11 @@ def bench(quick: bool = typer.Option(False, help="fewer steps"),
                                               "comma-separated seeds (default: moe 0; moe-tiny and learn 0,1,2; "
                                               "recovery 0,1)"),
           recipe: Optional[Path] = typer.Option(None, help="learn suite: the recipe to learn with (default: make "
-                                                "run's tiny-MoE recipe); lora-vs-full: the recipe to train")):
+                                                "run's tiny-MoE recipe); lora-vs-full: the recipe to train"),
+          completion_tokens: Optional[int] = typer.Option(None, help="profile suite: completions of exactly this "
+                                                          "many tokens (group rows only, one step, peak RSS)"),
+          groups: Optional[int] = typer.Option(None, help="profile suite: prompt groups of 8 completions (default: "
+                                               "the recipe's batch, 8)")):
     """Benchmarks (gspo_ray/bench/): per-phase time of training steps and what each suite measures, as tables."""
     from gspo_ray.bench import SUITES, run
 
@@ -261,7 +265,12 @@ def bench(quick: bool = typer.Option(False, help="fewer steps"),
     if recipe is not None and not recipe.is_file():
         typer.echo(f"error: --recipe {recipe}: file not found", err=True)
         raise typer.Exit(2)
-    run(suite, quick=quick, steps=steps, seeds=seed_list, recipe=recipe)
+    for name, value in (("--completion-tokens", completion_tokens), ("--groups", groups)):
+        if value is not None and (suite != "profile" or value < 1):
+            typer.echo(f"error: {name} {value}: a positive count, for --suite profile only", err=True)
+            raise typer.Exit(2)
+    run(suite, quick=quick, steps=steps, seeds=seed_list, recipe=recipe, completion_tokens=completion_tokens,
+        groups=groups)
 
 
 def main() -> None:

@@ -46,6 +46,10 @@ class TrainerConfig(Strict):
                                 "routing per row)")
     use_distributed_optimizer: bool = Field(False, description="shard optimizer state over DP (ZeRO-1)")
     moe_dispatcher: Literal["alltoall", "allgather"] = Field("alltoall", description="MoE token dispatcher")
+    use_te: Literal["auto"] | bool = Field("auto", description="Transformer Engine layers (its fused linears and "
+                                           "norms; attention stays ours, by segment): auto = when CUDA is there and "
+                                           "transformer_engine imports; true requires both (checked before Ray "
+                                           "starts); false = Megatron's local (pure torch) layers, as on CPU")
     router_churn_every: int = Field(10, ge=0, description="measure router churn every N steps (0 = never): it "
                                     "re-runs the step's forwards, ~25% of a train step on the tiny MoE")
     routing_drift: bool = Field(True, description="MoE: log moe/drift_churn (per layer and mean), the share of "

@@ -29,9 +29,19 @@ from gspo_ray.config import JobConfig
 from gspo_ray.preflight.data import check_data, parse_data
 from gspo_ray.preflight.job_model import check_tiny_config, checked_tokenizer, model_facts
 from gspo_ray.preflight.lora import check_lora
+from gspo_ray.preflight.model import PreflightError
 from gspo_ray.preflight.plugins import dry_env, dry_reward, import_env, import_reward
 from gspo_ray.preflight.report import IMPORT_TIMEOUT_S, PreflightReport
 from gspo_ray.preflight.verdicts import DataVerdicts
+
+
+def check_use_te(use_te) -> None:
+    """trainer.use_te: true needs CUDA and an importable transformer_engine here (auto falls back by itself)."""
+    from gspo_ray.trainer.model_spec import te_missing
+
+    if use_te is True and te_missing():
+        raise PreflightError(f"trainer.use_te: true needs CUDA and transformer_engine: {te_missing()}; valid: auto, "
+                             "false")
 
 
 def run_preflight(cfg: JobConfig, *, import_timeout_s: float = IMPORT_TIMEOUT_S,
@@ -41,6 +51,7 @@ def run_preflight(cfg: JobConfig, *, import_timeout_s: float = IMPORT_TIMEOUT_S,
     run directory whose record of data files that passed is read and added to."""
     start = time.perf_counter()
     report = PreflightReport()
+    check_use_te(cfg.trainer.use_te)
     facts = model_facts(cfg, report)
     if facts is not None or cfg.model.tiny is None:  # a tiny model's adapters are checked with its config below
         check_lora(cfg, facts.hf_config if facts is not None else None, report)

@@ -10,13 +10,15 @@ exactly as without sharing.
 
 Group rows over DP (`plan_ranks`, pure lists, also what bench/scale.py runs at cluster shapes):
   1. plan the mini-batch's group rows, at most min(micro_batch_size, ceil(B / dp)) completions each and no wider
-     than one padded micro-batch's memory allows (`padded_budget`: its tokens R x L and attention scores R x L^2,
-     R = micro_batch_rows, L = the longest row); while there are fewer group rows than ranks, the one with the
-     most rows is halved (so B >= dp rows leave no rank idle), and group rows costing more than half a rank's
-     share are halved too;
-  2. deal the group rows to the ranks by cost (`row_cost`: tokens plus the W^2 attention-score term of the local
-     attention), largest first to the least loaded rank (LPT);
-  3. pack each rank's group rows into micro-batches within the padded budget (rows, tokens and scores).
+     than one padded micro-batch's tokens (`padded_budget`: R x L, R = micro_batch_rows, L = the longest row, so
+     the shared layout never holds more activations than the padded one; attention by segment holds no score
+     matrix, so nothing else caps a group row's width: a prompt group of <= R rows is never split); while there
+     are fewer
+     group rows than ranks, the one with the most rows is halved (so B >= dp rows leave no rank idle), and group
+     rows costing more than half a rank's share are halved too;
+  2. deal the group rows to the ranks by cost (`row_cost`: tokens plus the query-key pairs attention by segment
+     computes, weighted), largest first to the least loaded rank (LPT);
+  3. pack each rank's group rows into micro-batches within the padded budget (rows and tokens).
 Ranks with fewer micro-batches than the busiest get dummies (one fully masked copy of row 0).
 """
 from __future__ import annotations
@@ -82,16 +84,8 @@ def micro_batch_rows(batch: TrainBatch, micro_batch_size: int, micro_batch_token
 
 def micro_batches(batch: TrainBatch, micro_batch_size: int) -> list[TrainBatch]:
     """Consecutive chunks of `micro_batch_size` rows, each trimmed to its longest row (less padding computed)."""
-    out = []
-    for start in range(0, batch.num_sequences, micro_batch_size):
-        mb = batch.select(list(range(start, min(start + micro_batch_size, batch.num_sequences))))
-        width = max(int(mb.lengths.max()), 1)
-        out.append(TrainBatch(
-            tokens=mb.tokens[:, :width], loss_mask=mb.loss_mask[:, :width], old_logp=mb.old_logp[:, :width],
-            adv=mb.adv[:, :width], lengths=mb.lengths,
-            ref_logp=None if mb.ref_logp is None else mb.ref_logp[:, :width], uids=mb.uids,
-            rollout_logp=None if mb.rollout_logp is None else mb.rollout_logp[:, :width]))
-    return out
+    return [trim(batch.select(list(range(start, min(start + micro_batch_size, batch.num_sequences)))))
+            for start in range(0, batch.num_sequences, micro_batch_size)]
 
 
 def loss_units(mask: torch.Tensor, aggregation: str) -> float:
@@ -134,30 +128,29 @@ def row_micro_batches(batch: TrainBatch, dp_rank: int, dp_size: int, micro_batch
 
 @dataclass(frozen=True)
 class Budget:
-    """What one padded micro-batch holds at most: `rows` rows of `tokens` padded tokens and `scores` attention
-    scores (per head and layer) in all."""
+    """What one padded micro-batch holds at most: `rows` rows of `tokens` padded tokens in all."""
 
     rows: int
     tokens: int
-    scores: int
 
 
 def padded_budget(longest: int, micro_batch_size: int, micro_batch_tokens: int | None) -> Budget:
-    """The padded path's micro-batch memory for a mini-batch whose longest row has `longest` tokens: R =
-    micro_batch_rows rows of width L = longest, so R x L tokens and R x L^2 attention scores."""
+    """The padded path's micro-batch for a mini-batch whose longest row has `longest` tokens: R = micro_batch_rows
+    rows of width L = longest, so R x L tokens."""
     if micro_batch_tokens is None:
         rows = micro_batch_size
     else:
         rows = max(1, min(micro_batch_size, micro_batch_tokens // max(longest, 1)))
     width = max(longest, 1)
-    return Budget(rows=rows, tokens=rows * width, scores=rows * width * width)
+    return Budget(rows=rows, tokens=rows * width)
 
 
 def attention_score_weight(hidden: int, attn_dim: int, ffn_active: int) -> float:
-    """Cost of one attention score relative to one token through the layer's matrices, per layer and forward:
-    a token costs 2 (4 h d + 3 h f) FLOPs (q, k, v, o projections of width d = heads x head_dim; a gated MLP of
-    active width f: experts top-k x their width for an MoE), a [W, W] score matrix 4 d W^2 (Q K^T and A V; the
-    local attention computes every score, masked or not). So a row of width W costs W + weight x W^2 tokens."""
+    """Cost of one query-key pair of attention relative to one token through the layer's matrices, per layer and
+    forward: a token costs 2 (4 h d + 3 h f) FLOPs (q, k, v, o projections of width d = heads x head_dim; a gated
+    MLP of active width f: experts top-k x their width for an MoE), a pair 4 d (its score in Q K^T and its term
+    of A V). Attention by segment computes only the pairs its causal segments allow (GroupRow.pairs:
+    P (P + 1) / 2 + sum_j c_j (P + (c_j + 1) / 2)), so a group row costs W + weight x pairs tokens."""
     return 2.0 * attn_dim / (4.0 * hidden * attn_dim + 3.0 * hidden * ffn_active)
 
 
@@ -172,8 +165,8 @@ def model_score_weight(config) -> float:
 
 
 def row_cost(unit: GroupRow, score_weight: float) -> float:
-    """The forward cost of one group row in tokens: W + score_weight x W^2 (attention_score_weight)."""
-    return unit.length + score_weight * unit.length * unit.length
+    """The forward cost of one group row in tokens: W + score_weight x its query-key pairs (attention_score_weight)."""
+    return unit.length + score_weight * unit.pairs
 
 
 def split_costly(unit: GroupRow, cap: float, score_weight: float) -> list[GroupRow]:
@@ -203,10 +196,9 @@ def plan_ranks(groups: list[tuple[list[int], int]], lengths: list[int], dp_size:
     """Micro-batches (packs of group rows) of every DP rank, or None when nothing is shared (see the module
     docstring). groups: (rows, common prefix) per prompt; lengths: every row's length."""
     num_rows = len(lengths)
-    budget = padded_budget(max(lengths, default=1), micro_batch_size, micro_batch_tokens)
+    cap = padded_budget(max(lengths, default=1), micro_batch_size, micro_batch_tokens).tokens
     max_rows = max(1, min(micro_batch_size, math.ceil(num_rows / dp_size)))
-    max_width = min(budget.tokens, math.isqrt(budget.scores))
-    units = plan_units(groups, lengths, max_rows, max_width, uids)
+    units = plan_units(groups, lengths, max_rows, cap, uids)
     if units is None:
         return None
     while len(units) < dp_size:  # fewer group rows than ranks: halve the one with the most rows
@@ -215,9 +207,9 @@ def plan_ranks(groups: list[tuple[list[int], int]], lengths: list[int], dp_size:
             break
         units[i:i + 1] = halve(units[i])
     if dp_size > 1:  # no group row above half a rank's share, so the deal can even the ranks out
-        cap = sum(row_cost(u, score_weight) for u in units) / (2 * dp_size)
-        units = [part for u in units for part in split_costly(u, cap, score_weight)]
-    return [pack_group_rows(mine, micro_batch_size, budget.tokens, budget.scores)
+        share = sum(row_cost(u, score_weight) for u in units) / (2 * dp_size)
+        units = [part for u in units for part in split_costly(u, share, score_weight)]
+    return [pack_group_rows(mine, micro_batch_size, cap)
             for mine in deal_rows(units, dp_size, score_weight)]
 
 

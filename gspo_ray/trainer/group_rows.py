@@ -6,8 +6,10 @@ and share their first P tokens become one group row
     [ x_0 .. x_{P-1} | c_1 | c_2 | ... | c_G ]            c_j = tokens[b_j, P:lengths[b_j]]   (may be empty)
 
 with
-  * an attention mask (True = masked, Megatron's convention): a query in the prefix sees the prefix causally; a
-    query in segment j sees the whole prefix and the earlier tokens of segment j, nothing of other segments;
+  * attention by segment (segment_attention.Segments: prefix P, segments c_1..c_G): a query in the prefix sees
+    the prefix causally; a query in segment j sees the whole prefix and the earlier tokens of segment j, nothing
+    of other segments. No [W, W] mask exists: the kernel's work is P (P + 1) / 2 + sum_j c_j (P + (c_j + 1) / 2)
+    query-key pairs (segment_attention.row_pairs);
   * position ids 0..P-1 on the prefix and P, P+1, ... on every segment (each continues from the prefix);
   * an index map `col_of[b, t]`: the group-row column holding tokens[b, t] (t < P: t; t >= P: start_j + t - P).
 
@@ -19,12 +21,11 @@ guessed from loss_mask (fully masked completions are just rows like the others),
 no token is forwarded as separate rows.
 
 Packing. A group row holds at most `max_rows` completions and, when a width cap is given, at most that many
-tokens; it also stays within MAX_GROW x its longest member row, because the dense [W, W] mask makes attention
-cost grow with the group row's width W (a group of 64 long completions is split into several group rows, each
-with its own copy of the prefix). Group rows are then packed into micro-batches (longest first) of at most
-`max_rows` completions and, with caps, at most `max_tokens` padded tokens (rows x the longest group row) and
-`max_scores` attention scores (rows x its square), none padded past PAD_SHARE x its width. batch_layout.plan_ranks sets the caps to what one padded
-micro-batch holds, so the shared layout never needs more memory than the padded one. The planning below works on
+tokens (activations grow linearly with the width; attention no longer grows with its square, so nothing else
+splits a group row). Group rows are then packed into micro-batches (longest first) of at most `max_rows`
+completions and, with a cap, at most `max_tokens` padded tokens (rows x the longest group row), none padded past
+PAD_SHARE x its width. batch_layout.plan_ranks sets the caps to what one padded micro-batch holds, so the shared
+layout never forwards more tokens per micro-batch than the padded one. The planning below works on
 plain lists (rows, prefix lengths, row lengths), so the scale model (bench/scale.py) runs it without tensors;
 everything is deterministic, so every rank derives the same layout.
 """
@@ -37,10 +38,10 @@ import torch
 from torch import Tensor
 
 from gspo_ray.data.records import TrainBatch
+from gspo_ray.trainer.segment_attention import Segments, row_pairs
 
 log = logging.getLogger(__name__)
 
-MAX_GROW = 4  # a group row is at most this many times as wide as its longest member row (attention cost)
 PAD_SHARE = 1.25  # a group row joins a micro-batch only if padded to at most this many times its width
 _warned: set[str] = set()
 
@@ -65,6 +66,11 @@ class GroupRow:
     def length(self) -> int:
         return self.prefix + sum(self.segments)
 
+    @property
+    def pairs(self) -> int:
+        """Query-key pairs attention by segment computes for this group row (segment_attention.row_pairs)."""
+        return row_pairs(self.prefix, self.segments)
+
 
 @dataclass
 class GroupLayout:
@@ -72,8 +78,8 @@ class GroupLayout:
 
     tokens         [R, W] long   group rows, right padded with 0 (W a multiple of `width_multiple`)
     position_ids   [R, W] long   prefix 0..P-1, each segment P, P+1, ...; padding: its column index
-    attention_mask [R, 1, W, W] bool, True = masked (see the module docstring); padding queries see all earlier
-                                 columns (their outputs are never read)
+    segments       Segments      prefix and segment lengths of each group row (the attention's layout;
+                                 padding columns attend to nothing)
     lengths        [R]    long   real tokens of each group row
     row_of         [B]    long   the group row holding original row b
     col_of         [B, L] long   the column of tokens[b, t] in group row row_of[b]; -1 at t >= lengths[b]
@@ -81,7 +87,7 @@ class GroupLayout:
 
     tokens: Tensor
     position_ids: Tensor
-    attention_mask: Tensor
+    segments: Segments
     lengths: Tensor
     row_of: Tensor
     col_of: Tensor
@@ -117,19 +123,16 @@ def common_prefix(tokens: Tensor, lengths: Tensor, rows: list[int]) -> int:
 
 def split_group(rows: list[int], prefix: int, lengths: list[int], max_rows: int,
                 max_width: int | None) -> list[GroupRow]:
-    """One prompt's rows -> group rows of at most max_rows rows, max_width tokens (when set) and MAX_GROW x the
-    longest member; each group row has at least one row (a row longer than the caps still trains, alone)."""
-    out, cur, width, longest = [], [], prefix, 0
+    """One prompt's rows -> group rows of at most max_rows rows and max_width tokens (when set); each group row has
+    at least one row (a row longer than the cap still trains, alone)."""
+    out, cur, width = [], [], prefix
     for b in rows:
         seg = lengths[b] - prefix
-        new_longest = max(longest, lengths[b])
-        cap = MAX_GROW * new_longest if max_width is None else min(max_width, MAX_GROW * new_longest)
-        if cur and (len(cur) >= max_rows or width + seg > cap):
+        if cur and (len(cur) >= max_rows or (max_width is not None and width + seg > max_width)):
             out.append(GroupRow(tuple(cur), prefix, tuple(lengths[c] - prefix for c in cur)))
-            cur, width, new_longest = [], prefix, lengths[b]
+            cur, width = [], prefix
         cur.append(b)
         width += seg
-        longest = new_longest
     if cur:
         out.append(GroupRow(tuple(cur), prefix, tuple(lengths[c] - prefix for c in cur)))
     return out
@@ -164,15 +167,6 @@ def plan_units(groups: list[tuple[list[int], int]], lengths: list[int], max_rows
     return out if shared else None
 
 
-def plan_group_rows(batch: TrainBatch, max_rows: int, max_width: int | None = None) -> list[GroupRow] | None:
-    """The group rows of a whole batch (prefix_groups, then plan_units), or None when it has nothing to share
-    (no uids; no prompt with >= 2 rows sharing >= 1 token): then the caller forwards padded rows as before."""
-    groups = prefix_groups(batch)
-    if groups is None:
-        return None
-    return plan_units(groups, [int(n) for n in batch.lengths.tolist()], max_rows, max_width, batch.uids)
-
-
 def halve(unit: GroupRow) -> tuple[GroupRow, GroupRow]:
     """A group row of >= 2 rows as two group rows with the same prefix (the first half of its rows, the rest)."""
     k = len(unit.rows) // 2
@@ -180,12 +174,10 @@ def halve(unit: GroupRow) -> tuple[GroupRow, GroupRow]:
             GroupRow(unit.rows[k:], unit.prefix, unit.segments[k:]))
 
 
-def pack_group_rows(units: list[GroupRow], max_rows: int, max_tokens: int | None = None,
-                    max_scores: int | None = None) -> list[list[GroupRow]]:
-    """Group rows -> micro-batches, longest first: at most max_rows completions and (with caps) at most max_tokens
-    padded tokens (group rows x the longest one) and max_scores attention scores (group rows x its square) each,
-    and no group row padded to more than PAD_SHARE x its width (long-tailed lengths waste no more than that);
-    a unit over the caps goes alone."""
+def pack_group_rows(units: list[GroupRow], max_rows: int, max_tokens: int | None = None) -> list[list[GroupRow]]:
+    """Group rows -> micro-batches, longest first: at most max_rows completions and (with a cap) at most max_tokens
+    padded tokens (group rows x the longest one) each, and no group row padded to more than PAD_SHARE x its width
+    (long-tailed lengths waste no more than that); a unit over the caps goes alone."""
     order = sorted(range(len(units)), key=lambda i: (-units[i].length, i))
     packs, cur, rows, width = [], [], 0, 0
     for i in order:
@@ -193,7 +185,7 @@ def pack_group_rows(units: list[GroupRow], max_rows: int, max_tokens: int | None
         w = max(width, u.length)
         n = len(cur) + 1
         if cur and (rows + len(u.rows) > max_rows or (max_tokens is not None and n * w > max_tokens)
-                    or (max_scores is not None and n * w * w > max_scores) or u.length * PAD_SHARE < w):
+                    or u.length * PAD_SHARE < w):
             packs.append(cur)
             cur, rows, w = [], 0, u.length
         cur.append(u)
@@ -213,30 +205,25 @@ def build_layout(batch: TrainBatch, units: list[GroupRow], width_multiple: int =
     r = len(units)
     tokens = torch.zeros(r, width, dtype=torch.long)
     positions = torch.arange(width).repeat(r, 1)
-    seg = torch.full((r, width), -1, dtype=torch.long)  # 0 = prefix, j + 1 = segment j, -1 = padding
     row_of = torch.full((b,), -1, dtype=torch.long)
     col_of = torch.full((b, length), -1, dtype=torch.long)
     for g, u in enumerate(units):
         p = u.prefix
         tokens[g, :p] = batch.tokens[u.rows[0], :p]
-        seg[g, :p] = 0
         start = p
-        for j, (row, n) in enumerate(zip(u.rows, u.segments)):
+        for row, n in zip(u.rows, u.segments):
             if row_of[row] >= 0:
                 raise ValueError(f"row {row} is in two group rows")
             row_of[row] = g
             col_of[row, :p] = torch.arange(p)
             tokens[g, start:start + n] = batch.tokens[row, p:p + n]
             positions[g, start:start + n] = torch.arange(p, p + n)
-            seg[g, start:start + n] = j + 1
             col_of[row, p:p + n] = torch.arange(start, start + n)
             start += n
     if (row_of < 0).any():
         raise ValueError(f"rows {(row_of < 0).nonzero().flatten().tolist()} are in no group row")
-    causal = torch.ones(width, width, dtype=torch.bool).tril()
-    seg_q, seg_k = seg[:, :, None], seg[:, None, :]
-    visible = causal & ((seg_k == 0) | (seg_k == seg_q) | (seg_q < 0))
-    return GroupLayout(tokens=tokens, position_ids=positions, attention_mask=~visible[:, None],
+    segments = Segments(prefix=tuple(u.prefix for u in units), completions=tuple(u.segments for u in units))
+    return GroupLayout(tokens=tokens, position_ids=positions, segments=segments,
                        lengths=torch.tensor(widths, dtype=torch.long), row_of=row_of, col_of=col_of)
 
 

@@ -20,6 +20,12 @@ into dL/dz in place in backward: one [N, V] tensor for the whole head, and one p
 output-layer matmuls are the same as the layer's own (one mm each, whatever the weight's requires_grad), so
 nothing is recomputed.
 
+What holds in which dtype. In fp32 the one [N, V] fp32 buffer is the whole head's memory, each way. In bf16 (or
+fp16) the matmul first makes an [N, V] bf16 tensor and `.to(float32)` the fp32 buffer from it (the bf16 one is
+freed at once, but both live at that moment), and the backward makes a bf16 copy of the fp32 gradient for the
+matmuls: about 1.5 x one fp32 [N, V] buffer at the peak each way (review R14; the values are checked against eager
+ops in bf16 too, tests/trainer/test_logprob_head.py).
+
 The buffer is consumed by the backward: a second backward through the same graph raises (retain_graph is not
 supported). One rank must hold the whole vocabulary (TP 1, or no vocabulary split); the vocabulary-parallel
 head stays in trainer/logprobs.py.

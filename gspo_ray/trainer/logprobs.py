@@ -14,8 +14,12 @@ the time when every position is scored, yet the loss needs only completion token
 whose log-probs are wanted: the output layer then runs on those positions only (unless sequence parallelism shards
 the positions). With the whole vocabulary on one rank (TP 1) the output layer and the log-softmax run as one
 autograd function (trainer/logprob_head.py: one [N, V] buffer for logits, probabilities and their gradient);
-under a vocabulary split the log-softmax runs in row chunks so no second [N, V] fp32 tensor is held whole. The
-entropy (a metric) is computed without a graph.
+under a vocabulary split (TP > 1) the output layer makes the [N, V/tp] logits and the log-softmax is one autograd
+function over row chunks (`compute_vocab_parallel_logprobs`): fp32 temporaries of LOGSOFTMAX_CHUNK_ROWS rows,
+nothing but [N] vectors kept for the backward, which recomputes the softmax chunk by chunk into the one
+[N, V/tp] gradient. Under sequence parallelism the output layer still makes logits for every position (it gathers
+the position shards first) and the scored rows are then indexed out: a [S x B, V/tp] tensor this code does not
+chunk. The entropy (a metric) is computed without a graph.
 
 Shared prefixes. `forward_group_logprobs(model, tokens, lengths, layout)` returns the same [B, L] numbers from one
 forward of the rows' shared-prefix layout (trainer/group_rows.py): each prompt once per group row, its completions
@@ -30,79 +34,85 @@ from torch import Tensor
 
 from gspo_ray.compat.torch_matmul_fold import foldable_grad
 from gspo_ray.trainer.logprob_head import linear_logprobs
+from gspo_ray.trainer.segment_attention import Segments
 
 
-def causal_mask(length: int, device) -> Tensor:
-    """[1, 1, L, L] bool, True = masked (Megatron's convention). Right padding needs nothing more: later tokens
-    never influence earlier positions under a causal mask."""
-    return torch.triu(torch.ones(length, length, dtype=torch.bool, device=device), diagonal=1)[None, None]
+LOGSOFTMAX_CHUNK_ROWS = 1024  # rows of [rows, V / tp] fp32 temporaries at a time (V = 151,936, TP 8: 78 MB)
 
 
 def compute_vocab_parallel_logprobs(logits: Tensor, labels: Tensor, vocab_size: int, group=None,
-                                    with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
-    """log_softmax(logits)[labels] (and entropy) when the vocabulary is split over the TP group.
+                                    with_entropy: bool = False, temperature: float = 1.0,
+                                    chunk_rows: int = LOGSOFTMAX_CHUNK_ROWS) -> tuple[Tensor, Tensor | None]:
+    """log_softmax(logits / T)[labels] (and entropy) when the vocabulary is split over the TP group (or whole, group
+    None), row chunk by row chunk.
 
-    logits: [..., V_local] this rank's contiguous vocabulary slice (rank r holds rows [r*V_local, (r+1)*V_local));
-    labels: [...] global token ids. `vocab_size` real entries; anything beyond is Megatron's padding and ignored.
-    Returns fp32 logp [...] and entropy [...] (or None), identical on every rank of `group`.
+    logits: [N, V_local] this rank's contiguous vocabulary slice (rank r holds rows [r*V_local, (r+1)*V_local));
+    labels: [N] global token ids. `vocab_size` real entries; anything beyond is Megatron's padding and ignored.
+    Returns fp32 logp [N] (differentiable in logits) and entropy [N] (no graph) or None, identical on every rank.
+    Memory: the fp32 temporaries are [chunk_rows, V_local] at a time; between forward and backward only the logits
+    (the caller's) and [N] vectors are kept; the backward makes the one [N, V_local] gradient, chunk by chunk.
     """
-    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region as all_reduce_sum
-
     rank = torch.distributed.get_rank(group) if group is not None and group.size() > 1 else 0
     part = logits.shape[-1]
     start = rank * part
     if vocab_size <= start:
         raise ValueError(f"TP rank {rank} holds only padded vocabulary rows (vocab {vocab_size}, {part} per rank)")
-    logits = logits[..., : min(part, vocab_size - start)].float()  # drop padded rows (last rank only)
-    # the max only stabilises exp(); it carries no gradient (logsumexp's value does not depend on it)
-    local_max = logits.detach().max(dim=-1).values
-    if group is not None and group.size() > 1:
-        torch.distributed.all_reduce(local_max, op=torch.distributed.ReduceOp.MAX, group=group)
-    shifted = logits - local_max.unsqueeze(-1)
-    exp = shifted.exp()
-    # log Z = max + log sum_v exp(l_v - max); the sum spans all TP ranks
-    sum_exp = _reduce(exp.sum(dim=-1), group, all_reduce_sum)
-    log_z = sum_exp.log()
-    local_idx = labels - start
-    mine = (local_idx >= 0) & (local_idx < logits.shape[-1])
-    picked = shifted.gather(-1, local_idx.clamp(0, logits.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
-    picked = _reduce(torch.where(mine, picked, torch.zeros_like(picked)), group, all_reduce_sum)
-    logp = picked - log_z
-    if not with_entropy:
-        return logp, None
-    # H = log Z - sum_v p_v (l_v - max)   with p_v = exp(l_v - max) / Z
-    weighted = _reduce((exp * shifted).sum(dim=-1), group, all_reduce_sum)
-    return logp, log_z - weighted / sum_exp
+    scale = 1.0 / temperature if temperature > 0 else 1.0  # T = 0 (greedy) counts as 1, as in vLLM
+    return _VocabLogprob.apply(logits, labels, start, min(part, vocab_size - start), scale, group, chunk_rows,
+                               with_entropy)
 
 
-def _reduce(x: Tensor, group, all_reduce_sum) -> Tensor:
-    """Sum over the TP group; backward passes the gradient through unchanged (each rank owns its own slice)."""
-    if group is None or group.size() == 1:
-        return x
-    return all_reduce_sum(x, group)
+class _VocabLogprob(torch.autograd.Function):
+    """logp[n] = z[n, y_n] - log sum_v exp z[n, v], z = scale x logits[:, :real] (this rank's real columns),
+    the sums over the TP group; backward: dlogp / dz = onehot(y) - softmax(z), recomputed chunk by chunk."""
 
+    @staticmethod
+    def forward(ctx, logits, labels, start, real, scale, group, chunk, with_entropy):
+        n = logits.shape[0]
+        dist = group is not None and group.size() > 1
+        peak = logits.new_empty(n, dtype=torch.float32)
+        for a in range(0, n, chunk):  # the max only stabilises exp(); it carries no gradient
+            peak[a:a + chunk] = logits[a:a + chunk, :real].float().max(dim=-1).values * scale
+        if dist:
+            torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX, group=group)
+        sums = torch.zeros_like(peak)
+        weighted = torch.zeros_like(peak) if with_entropy else None
+        for a in range(0, n, chunk):
+            z = logits[a:a + chunk, :real].float() * scale - peak[a:a + chunk, None]
+            e = z.exp()
+            sums[a:a + chunk] = e.sum(dim=-1)
+            if with_entropy:
+                weighted[a:a + chunk] = (e * z).sum(dim=-1)
+        local = labels - start
+        mine = (local >= 0) & (local < real)
+        rows = torch.arange(n, device=logits.device)
+        picked = logits[rows, local.clamp(0, real - 1)].float() * scale - peak
+        picked = torch.where(mine, picked, torch.zeros_like(picked))
+        parts = torch.stack([sums, picked] + ([weighted] if with_entropy else []))
+        if dist:
+            torch.distributed.all_reduce(parts, group=group)
+        log_sum = parts[0].log()
+        ctx.save_for_backward(logits, local, mine, peak + log_sum)  # log Z, absolute
+        ctx.real, ctx.scale, ctx.chunk = real, scale, chunk
+        logp = parts[1] - log_sum
+        if not with_entropy:
+            return logp, None
+        entropy = log_sum - parts[2] / parts[0]  # H = log Z - sum_v p_v z_v (z shifted by the max)
+        ctx.mark_non_differentiable(entropy)
+        return logp, entropy
 
-LOGSOFTMAX_CHUNK_ROWS = 1024  # rows of [rows, V] fp32 temporaries at a time (V=49,152: 200 MB)
-
-
-def compute_logprobs_local(logits: Tensor, labels: Tensor, with_entropy: bool = False,
-                           chunk_rows: int = LOGSOFTMAX_CHUNK_ROWS) -> tuple[Tensor, Tensor | None]:
-    """log_softmax(logits)[labels] when one rank holds the whole (real) vocabulary: `logits[n, labels[n]] -
-    logsumexp(logits[n])`, row chunk by row chunk. logits: [N, V], labels: [N] -> fp32 logp [N] (differentiable)
-    and entropy [N] (no graph: `H = logZ - sum_v p_v l_v`) or None."""
-    logps, entropies = [], []
-    for start in range(0, logits.shape[0], chunk_rows):
-        z = logits[start:start + chunk_rows].float()
-        y = labels[start:start + chunk_rows]
-        lse = torch.logsumexp(z, dim=-1)
-        logps.append(z.gather(-1, y.unsqueeze(-1)).squeeze(-1) - lse)
-        if with_entropy:
-            with torch.no_grad():
-                entropies.append(lse - (torch.softmax(z, dim=-1) * z).sum(dim=-1))
-    if not logps:
-        empty = logits.new_zeros(0, dtype=torch.float32)
-        return empty, (empty if with_entropy else None)
-    return torch.cat(logps), (torch.cat(entropies) if with_entropy else None)
+    @staticmethod
+    def backward(ctx, grad_logp, _grad_entropy):
+        logits, local, mine, log_z = ctx.saved_tensors
+        real, scale, chunk = ctx.real, ctx.scale, ctx.chunk
+        grad = torch.zeros_like(logits)  # Megatron's padded vocabulary columns get 0
+        g = grad_logp.float() * scale
+        for a in range(0, logits.shape[0], chunk):
+            p = (logits[a:a + chunk, :real].float() * scale - log_z[a:a + chunk, None]).exp()
+            grad[a:a + chunk, :real] = (-p * g[a:a + chunk, None]).to(grad.dtype)
+        rows = mine.nonzero().flatten()
+        grad[rows, local[rows]] += g[rows].to(grad.dtype)
+        return grad, None, None, None, None, None, None, None
 
 
 @contextlib.contextmanager
@@ -181,8 +191,9 @@ def forward_logprobs(model, tokens: Tensor, lengths: Tensor | None = None, *, wi
     if score_mask is not None:
         valid = valid & score_mask.to(device).bool()
     b_idx, t_idx = valid.nonzero(as_tuple=True)  # scored tokens; position t - 1 predicts token t
-    scored = _score(model, inner, inputs, position_ids, causal_mask(padded, device), t_idx - 1, b_idx,
-                    tokens[b_idx, t_idx], vocab_size, with_entropy, temperature)
+    segs = Segments.plain([length] * batch if lengths is None else lengths.tolist())  # each row causal, alone
+    scored = _score(model, inner, inputs, position_ids, segs, t_idx - 1, b_idx, tokens[b_idx, t_idx], vocab_size,
+                    with_entropy, temperature)
     return _scatter(scored, b_idx, t_idx, (batch, length), with_entropy)
 
 
@@ -192,11 +203,11 @@ def forward_group_logprobs(model, tokens: Tensor, lengths: Tensor, layout, *, wi
     """forward_logprobs of rows tokens [B, L] / lengths [B], computed on their shared-prefix layout.
 
     `layout` is the `group_rows.GroupLayout` of exactly these rows: the model runs once on its group rows (prompt
-    once per group row, a [R, 1, W, W] mask, RoPE at the layout's positions) and token t of row b is scored by
-    the output at column `layout.col_of[b, t - 1]` of group row `layout.row_of[b]`, which attends to exactly
-    tokens[b, :t] at positions 0..t-1. Returns logp (, entropy) in the ORIGINAL [B, L] layout, equal to
-    forward_logprobs(model, tokens, lengths, ...) up to float summation order. Under sequence parallelism the
-    layout's width must be a multiple of TP (build_layout's width_multiple).
+    once per group row, attention by segment (segment_attention.py), RoPE at the layout's positions) and token t
+    of row b is scored by the output at column `layout.col_of[b, t - 1]` of group row `layout.row_of[b]`, which
+    attends to exactly tokens[b, :t] at positions 0..t-1. Returns logp (, entropy) in the ORIGINAL [B, L] layout,
+    equal to forward_logprobs(model, tokens, lengths, ...) up to float summation order. Under sequence parallelism
+    the layout's width must be a multiple of TP (build_layout's width_multiple).
     """
     from megatron.core import parallel_state
 
@@ -219,8 +230,8 @@ def forward_group_logprobs(model, tokens: Tensor, lengths: Tensor, layout, *, wi
     r_idx, s_idx = row_of[b_idx], col_of[b_idx, t_idx - 1]  # the column that predicts tokens[b, t]
     positions = layout.position_ids.to(device)
     with rope_positions(model, positions):
-        scored = _score(model, inner, layout.tokens.to(device), positions, layout.attention_mask.to(device),
-                        s_idx, r_idx, tokens[b_idx, t_idx], vocab_size, with_entropy, temperature)
+        scored = _score(model, inner, layout.tokens.to(device), positions, layout.segments, s_idx, r_idx,
+                        tokens[b_idx, t_idx], vocab_size, with_entropy, temperature)
     return _scatter(scored, b_idx, t_idx, (batch, length), with_entropy)
 
 
@@ -232,7 +243,7 @@ def _fused_head(inner) -> bool:
             and getattr(inner.output_layer, "bias", None) is None)
 
 
-def _score(model, inner, inputs: Tensor, position_ids: Tensor, mask: Tensor, seq_idx: Tensor, batch_idx: Tensor,
+def _score(model, inner, inputs: Tensor, position_ids: Tensor, segs: Segments, seq_idx: Tensor, batch_idx: Tensor,
            labels: Tensor, vocab_size: int | None, with_entropy: bool, temperature: float):
     """Log-probs [N] (, entropies [N]) of labels at (position seq_idx[n], row batch_idx[n]) of a forward of
     inputs [B, S]."""
@@ -240,20 +251,20 @@ def _score(model, inner, inputs: Tensor, position_ids: Tensor, mask: Tensor, seq
     if _fused_head(inner):
         weights: list = []
         with output_hidden(inner, seq_idx, batch_idx, weights):
-            hidden = model(inputs, position_ids, mask)[0]
+            hidden = model(inputs, position_ids, segs)[0]
         return linear_logprobs(hidden, weights[0], labels, vocab_size, temperature=temperature,
                                with_entropy=with_entropy)
-    logits = _scored_logits(model, inner, inputs, position_ids, mask, seq_idx, batch_idx)
+    logits = _scored_logits(model, inner, inputs, position_ids, segs, seq_idx, batch_idx)
     return _logits_logprobs(logits, labels, vocab_size, with_entropy, temperature)
 
 
-def _scored_logits(model, inner, inputs: Tensor, position_ids: Tensor, mask: Tensor, seq_idx: Tensor,
+def _scored_logits(model, inner, inputs: Tensor, position_ids: Tensor, segs: Segments, seq_idx: Tensor,
                    batch_idx: Tensor) -> Tensor:
     """[N, V/tp] logits at (position seq_idx[n], row batch_idx[n]) of a forward of inputs [B, S]."""
     if inner.config.sequence_parallel:  # the output layer gathers position shards first: score afterwards
-        return model(inputs, position_ids, mask)[batch_idx, seq_idx]
+        return model(inputs, position_ids, segs)[batch_idx, seq_idx]
     with output_rows(inner, seq_idx, batch_idx):
-        return model(inputs, position_ids, mask)[0]
+        return model(inputs, position_ids, segs)[0]
 
 
 def _logits_logprobs(logits: Tensor, labels: Tensor, vocab_size: int, with_entropy: bool, temperature: float):
@@ -262,11 +273,7 @@ def _logits_logprobs(logits: Tensor, labels: Tensor, vocab_size: int, with_entro
 
     tp = parallel_state.get_tensor_model_parallel_world_size()
     group = parallel_state.get_tensor_model_parallel_group() if tp > 1 else None
-    if temperature > 0 and temperature != 1.0:  # vLLM divides fp32 logits by T before its log-softmax
-        logits = logits.float() / temperature
-    if group is None:
-        return compute_logprobs_local(logits[:, :vocab_size], labels, with_entropy)
-    return compute_vocab_parallel_logprobs(logits, labels, vocab_size, group, with_entropy)
+    return compute_vocab_parallel_logprobs(logits, labels, vocab_size, group, with_entropy, temperature)
 
 
 def _scatter(scored: tuple[Tensor, Tensor | None], b_idx: Tensor, t_idx: Tensor, shape: tuple[int, int],

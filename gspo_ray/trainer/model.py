@@ -5,19 +5,27 @@
                               load_weights=True) -> tuple[GPTModel, ModelSpec]
 
 TP/EP sizes come from Megatron's parallel state. Layers use the local (pure torch) spec, the one verified against
-transformers here; `use_te=True` picks the Transformer Engine spec on CUDA machines (its parameter names are mapped
-by bridge.py, its numerics are not verified by these tests). MoE routing follows Qwen3-MoE:
+transformers here, with our SegmentAttention as core attention (segment_attention.py: the forward's
+`attention_mask` is a Segments record, never a dense mask); `use_te=True` (trainer.use_te, resolve_use_te) picks
+the Transformer Engine spec on CUDA machines, with the same attention (its parameter names are mapped by
+bridge.py; its numerics are not verified by these tests: no GPU here). MoE routing follows Qwen3-MoE:
 softmax over experts, top-k, top-k probs renormalised when `norm_topk_prob` (softmax over the top-k logits, which
 is the same thing); no Routing Replay, no aux loss. `ModelSpec` is a small picklable record of the architecture.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from gspo_ray.compat.megatron_import import megatron_core  # noqa: F401  (first: megatron without torch.compile)
+from megatron.core.transformer.module import MegatronModule  # noqa: E402  (after the guarded import)
+
 from gspo_ray.trainer.bridge import load_hf_weights
-from gspo_ray.trainer.model_spec import ModelSpec, read_hf_config, spec_from_hf_config
+from gspo_ray.trainer.model_spec import ModelSpec, read_hf_config, spec_from_hf_config, te_missing
+from gspo_ray.trainer.segment_attention import Segments, attend_rows, unsupported
 
 
 def build_transformer_config(spec: ModelSpec):
@@ -48,25 +56,55 @@ def build_transformer_config(spec: ModelSpec):
         pipeline_dtype=spec.dtype, **moe)
 
 
+class SegmentAttention(MegatronModule):
+    """Megatron core attention (the `core_attention` of our layer spec) computing segment_attention.attend_rows.
+    Built by Megatron's SelfAttention with DotProductAttention's arguments; `attention_mask` must be a
+    segment_attention.Segments record (None: every row is one causal segment of the full width)."""
+
+    def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
+                 attention_dropout: float | None = None, softmax_scale: float | None = None,
+                 cp_comm_type: str | None = None, pg_collection=None):
+        super().__init__(config=config)
+        why = unsupported(config) or ("attention dropout" if attention_dropout else None)
+        if why is not None:
+            raise NotImplementedError(f"SegmentAttention does not cover {why}")
+        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None) -> Tensor:
+        """[S, B, Hq, D] x [S, B, Hkv, D] x 2 -> [S, B, Hq * D] (what DotProductAttention returns)."""
+        if attention_bias is not None or packed_seq_params is not None:
+            raise NotImplementedError("SegmentAttention takes its layout from a Segments record only")
+        segs = attention_mask
+        if segs is None:
+            segs = Segments.plain([query.shape[0]] * query.shape[1])
+        if not isinstance(segs, Segments):
+            raise TypeError(f"SegmentAttention needs a Segments record as attention_mask, not {type(segs).__name__}")
+        out = attend_rows(query, key, value, segs, self.softmax_scale)
+        return out.reshape(out.shape[0], out.shape[1], -1)
+
+
 def _layer_spec(spec: ModelSpec):
+    """Megatron's local layer spec (or, with use_te, its Transformer Engine spec: fused linears and norms, named
+    `linear_qkv.layer_norm_weight` / `linear_fc1.layer_norm_weight`, which bridge.py maps) with our SegmentAttention
+    as core attention either way. Experts stay one MLP each (no grouped GEMM: its parameter layout is not mapped)."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     num_experts = spec.num_experts or None
     if spec.use_te:
-        return specs.get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, moe_grouped_gemm=False,
-                                                                qk_layernorm=spec.qk_norm)
-    return specs.get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False,
-                                          qk_layernorm=spec.qk_norm, normalization="RMSNorm")
+        layer = specs.get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, moe_grouped_gemm=False,
+                                                                 qk_layernorm=spec.qk_norm)
+    else:
+        layer = specs.get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False,
+                                               qk_layernorm=spec.qk_norm, normalization="RMSNorm")
+    layer.submodules.self_attention.submodules.core_attention = SegmentAttention
+    return layer
 
 
-def te_available() -> bool:
-    if not torch.cuda.is_available():
-        return False
-    try:
-        import transformer_engine.pytorch  # noqa: F401
-    except ImportError:
-        return False
-    return True
+def resolve_use_te(use_te) -> bool:
+    """trainer.use_te -> whether to build the Transformer Engine spec: "auto" when te_missing() says nothing;
+    True / False as given (True on a machine without them is refused by the preflight and by build_model)."""
+    return te_missing() is None if use_te == "auto" else bool(use_te)
 
 
 def build_model(hf_dir: str, *, dtype: torch.dtype = torch.float32, sequence_parallel: bool | None = None,
@@ -85,8 +123,8 @@ def build_model(hf_dir: str, *, dtype: torch.dtype = torch.float32, sequence_par
 
     if not parallel_state.model_parallel_is_initialized():
         raise RuntimeError("build_model needs Megatron's parallel state: call parallel.init_distributed() first")
-    if use_te and not te_available():
-        raise RuntimeError("use_te=True needs CUDA and an importable transformer_engine")
+    if use_te and te_missing():
+        raise RuntimeError(f"trainer.use_te: true needs CUDA and transformer_engine: {te_missing()}")
     megatron_cpu.apply()
     spec = spec_from_hf_config(
         read_hf_config(hf_dir), hf_dir, tp=parallel_state.get_tensor_model_parallel_world_size(),

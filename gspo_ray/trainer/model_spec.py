@@ -45,7 +45,7 @@ class ModelSpec:
     sequence_parallel: bool = False
     moe_dispatcher: str = "alltoall"
     dtype: torch.dtype = torch.float32
-    use_te: bool = False
+    use_te: bool = False             # Transformer Engine layers (CUDA); attention is ours either way
     extra: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -91,6 +91,15 @@ def _refuse_unsupported(cfg: dict, hf_dir) -> None:
         raise ValueError(f"{where}: sliding-window attention is not supported")
     if cfg.get("attention_bias") or cfg.get("mlp_bias"):  # (qwen2's q/k/v biases are implied, not configured)
         raise ValueError(f"{where}: attention_bias/mlp_bias are not supported")
+    # attention by segment (trainer/segment_attention.py) computes plain softmax attention over whole segments
+    for key, what in (("layer_types", "per-layer attention types (sliding / full)"),
+                      ("sliding_window_pattern", "sliding-window attention"),
+                      ("attention_sink_size", "attention sinks"), ("use_sink", "attention sinks"),
+                      ("kv_lora_rank", "multi-latent attention"), ("q_lora_rank", "multi-latent attention")):
+        value = cfg.get(key)
+        if value and not (key == "layer_types" and set(value) <= {"full_attention"}):
+            raise ValueError(f"{where}: {key} ({what}) is not supported: the trainer's attention covers full "
+                             "causal softmax attention only")
 
 
 def spec_from_hf_config(cfg: dict, hf_dir: str, *, tp: int = 1, ep: int = 1, sequence_parallel: bool | None = None,
@@ -132,3 +141,14 @@ def spec_from_hf_config(cfg: dict, hf_dir: str, *, tp: int = 1, ep: int = 1, seq
                "norm_topk_prob": arch == "mixtral" or bool(cfg.get("norm_topk_prob", False)),
                "rms_norm_eps": float(cfg.get("rms_norm_eps", 1e-6)),
                "max_position_embeddings": int(cfg.get("max_position_embeddings", 4096))})
+
+
+def te_missing() -> str | None:
+    """What Transformer Engine layers lack on this machine (None: CUDA is there and transformer_engine imports)."""
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except ImportError as e:
+        return f"transformer_engine does not import ({e})"
+    return None

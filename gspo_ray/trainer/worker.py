@@ -91,7 +91,7 @@ class TrainerWorker:
 
     def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, model_path: str | Path,
                  trainer_cfg, algo_cfg, run_dir: str | Path | None = None, temperature: float = 1.0):
-        from gspo_ray.trainer.model import build_model
+        from gspo_ray.trainer.model import build_model, resolve_use_te
         from gspo_ray.trainer.parallel import init_distributed
 
         self.rank, self.world_size = rank, world_size
@@ -108,7 +108,7 @@ class TrainerWorker:
         dtype = torch_dtype(trainer_cfg.dtype)
         self.gpt, self.spec = build_model(self.model_path, dtype=dtype, moe_dispatcher=trainer_cfg.moe_dispatcher,
                                           routing_replay=trainer_cfg.routing_replay != "none"
-                                          or trainer_cfg.routing_noise)
+                                          or trainer_cfg.routing_noise, use_te=resolve_use_te(trainer_cfg.use_te))
         self.lora = None  # trainer.lora: the base frozen, adapters trained and pushed (trainer/lora/worker.py)
         if trainer_cfg.lora is not None:
             self.lora = TrainerLoRA.attach(self.gpt, self.spec, trainer_cfg.lora, trainer_cfg.seed)
@@ -121,7 +121,8 @@ class TrainerWorker:
             self.ref_model = self.gpt  # its starting adapters (or none) under self._reference(): no second model
         elif algo_cfg.beta > 0:
             # frozen copy of the initial weights; no DDP, no optimizer
-            self.ref_model, _ = build_model(self.model_path, dtype=dtype, moe_dispatcher=trainer_cfg.moe_dispatcher)
+            self.ref_model, _ = build_model(self.model_path, dtype=dtype, moe_dispatcher=trainer_cfg.moe_dispatcher,
+                                            use_te=resolve_use_te(trainer_cfg.use_te))
             self.ref_model.eval()
             self.ref_model.requires_grad_(False)
         self.recorder = RouterRecorder(self.gpt)

@@ -5,9 +5,9 @@ whatever `position_ids` say). It FAILS
   * when the workaround stops being needed: GPTModel's output starts depending on position_ids by itself;
   * when it stops being correct: with the override, output at shifted positions no longer equals transformers'
     at the same positions (and positions 0..S-1 no longer reproduce Megatron's own numbers).
-It also checks that the local attention (DotProductAttention / FusedScaleMaskSoftmax, attn_mask_type causal)
-uses a passed mask instead of its own causal one: two sequences packed in one row with a block-diagonal mask and
-positions restarting at 0 give each sequence's own standalone output.
+It also checks that the layer spec's attention (model.SegmentAttention) follows the Segments record passed as the
+mask: two sequences packed in one row as two segments after an empty prefix, positions restarting at 0, give each
+sequence's own standalone output.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ TOL = 1e-5
 def _scenario(rank, world_size, ports, models):
     from transformers import AutoModelForCausalLM
 
-    from gspo_ray.trainer.logprobs import causal_mask
+    from gspo_ray.trainer.segment_attention import Segments
     from gspo_ray.compat.megatron_rope_positions import check_version, rope_positions
     from gspo_ray.trainer.model import build_model
     from gspo_ray.trainer.parallel import destroy_distributed, init_distributed
@@ -38,7 +38,7 @@ def _scenario(rank, world_size, ports, models):
         pos = torch.arange(12).expand(2, -1)
         # a gap after 6 tokens (RoPE is relative: a uniform shift would change nothing)
         shifted = pos + (pos >= 6) * torch.tensor([[5], [17]])
-        mask = causal_mask(12, tokens.device)
+        mask = Segments.plain([12, 12])
         with torch.no_grad():
             plain = model(tokens, pos, mask)
             ignored = model(tokens, shifted, mask)  # without the override position_ids do not reach RoPE
@@ -47,17 +47,16 @@ def _scenario(rank, world_size, ports, models):
             with rope_positions(model, shifted):
                 moved = model(tokens, shifted, mask)
             hf_moved = hf(tokens, position_ids=shifted).logits
-            # packing: [a (7 tokens) | b (5 tokens)], b's positions restart at 0, a block-diagonal mask
+            # packing: [a (7 tokens) | b (5 tokens)], b's positions restart at 0, two segments
             a, b = tokens[:1, :7], tokens[1:, :5]
             packed = torch.cat([a, b], dim=1)
             packed_pos = torch.cat([torch.arange(7), torch.arange(5)])[None]
-            seg = torch.tensor([0] * 7 + [1] * 5)
-            block = causal_mask(12, tokens.device) | (seg[None, :] != seg[:, None])[None, None]
+            block = Segments(prefix=(0,), completions=((7, 5),))
             with rope_positions(model, packed_pos):
                 packed_out = model(packed, packed_pos, block)
-                causal_out = model(packed, packed_pos, mask)  # the same row under the plain causal mask
-            alone_a = model(a, torch.arange(7)[None], causal_mask(7, tokens.device))
-            alone_b = model(b, torch.arange(5)[None], causal_mask(5, tokens.device))
+                causal_out = model(packed, packed_pos, Segments.plain([12]))  # the same row, one causal segment
+            alone_a = model(a, torch.arange(7)[None], Segments.plain([7]))
+            alone_b = model(b, torch.arange(5)[None], Segments.plain([5]))
         v = hf.config.vocab_size
         lsm = lambda x: torch.log_softmax(x[..., :v].float(), dim=-1)  # noqa: E731 (Megatron pads the vocabulary)
         out[arch] = {
@@ -99,5 +98,5 @@ def test_workaround_is_needed_and_correct(res, arch):
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 def test_attention_uses_the_passed_mask(res, arch):
     r = res[arch]
-    assert r["packed_a"] <= TOL and r["packed_b"] <= TOL  # block-diagonal mask + restarted positions = standalone
-    assert r["causal_b"] > 1e-3  # under the plain causal mask b sees a: the mask argument is what decides
+    assert r["packed_a"] <= TOL and r["packed_b"] <= TOL  # two segments + restarted positions = standalone
+    assert r["causal_b"] > 1e-3  # as one causal segment b sees a: the record is what decides

@@ -152,6 +152,9 @@ def test_spec_for_dense_model_ignores_ep_and_pads_vocab():
     (dict(attention_bias=True), "attention_bias"),
     (dict(hidden_act="gelu"), "hidden_act"),
     (dict(use_sliding_window=True), "sliding-window"),
+    (dict(layer_types=["full_attention", "sliding_attention"]), "layer_types"),  # attention by segment covers
+    (dict(kv_lora_rank=512), "kv_lora_rank .multi-latent"),                       # full causal softmax only
+    (dict(attention_sink_size=4), "attention_sink_size .attention sinks"),
 ])
 def test_spec_refuses_what_it_cannot_express(change, match):
     with pytest.raises(ValueError, match=match):

@@ -1,5 +1,5 @@
-"""Shared-prefix layout (trainer/group_rows.py, batch_layout.group_micro_batches): masks, positions, index maps,
-packing, DP split and fallbacks. Pure torch: no model, no Megatron."""
+"""Shared-prefix layout (trainer/group_rows.py, batch_layout.group_micro_batches): what each query attends to,
+positions, index maps, packing, DP split and fallbacks. Pure torch: no model, no Megatron."""
 from __future__ import annotations
 
 import torch
@@ -12,9 +12,11 @@ from gspo_ray.trainer.group_rows import (
     common_prefix,
     find_groups,
     pack_group_rows,
-    plan_group_rows,
+    plan_units,
+    prefix_groups,
     shard_token_order,
 )
+from gspo_ray.trainer.segment_attention import Segments, attend_rows
 
 
 def group_batch(spec, seed=0, vocab=22, masked=()):
@@ -32,8 +34,22 @@ def group_batch(spec, seed=0, vocab=22, masked=()):
     return collate(samples, advs)
 
 
+def plan_group_rows(batch, max_rows, max_width=None):
+    """The group rows of a whole batch, as the trainer plans them (None: nothing to share)."""
+    groups = prefix_groups(batch)
+    if groups is None:
+        return None
+    return plan_units(groups, batch.lengths.tolist(), max_rows, max_width, batch.uids)
+
+
 def visible(layout, r):
-    return ~layout.attention_mask[r, 0]
+    """[W, W] bool: which columns the query of each column of group row r attends to, read off the attention
+    itself (values one-hot per column: the output of a query is nonzero exactly where it attends)."""
+    width = layout.tokens.shape[1]
+    q, k = torch.randn(width, 1, 1, 4, dtype=torch.float64), torch.randn(width, 1, 1, 4, dtype=torch.float64)
+    v = torch.eye(width, dtype=torch.float64)[:, None, None, :]
+    segs = Segments((layout.segments.prefix[r],), (layout.segments.completions[r],))
+    return attend_rows(q, k, v, segs)[:, 0, 0, :] != 0
 
 
 def test_mask_positions_and_index_map_of_one_group():

@@ -1,5 +1,8 @@
 """trainer.shared_prefix: one train step on group rows [prompt | c_1 | ... | c_G] equals the step on padded rows.
 
+Both layouts run on attention by segment (trainer/segment_attention.py, the layer spec's core attention): a group
+row as a prefix segment and G completion segments, a padded row as one segment.
+
 For ragged groups (G in {1, 2, 8}, prompts of 2-9 tokens, completions of 1-7, some completions fully masked, one
 prompt group of identical completions) each layout builds the worker twice, sharing off then on, and compares:
 old log-probs (`compute_logprobs`), the step's loss, and every parameter's reduced gradient (Megatron DDP's
@@ -23,21 +26,27 @@ LAYOUTS = [("dp2", 1, 1, ("qwen2", "qwen3_moe")), ("tp2_sp", 2, 1, ("qwen2", "qw
 
 
 def ragged_groups(vocab: int, seed: int = 0):
-    """A TrainBatch of prompt groups of 8, 2, 1, 1 and 8 completions (the last: 8 identical ones; 20 rows, so DP=2
-    needs no padding row), prompts 2-9 tokens, completions 1-7; every third completion of the first group and one
-    of the second are fully masked."""
+    """A TrainBatch of prompt groups of 8, 2, 1, 1 and 8 completions (20 rows, so DP=2 needs no padding row),
+    prompts 2-9 tokens, completions 1-7; every third completion of the first group and one of the second are fully
+    masked. Edge cases of attention by segment: the second group's prompt is one token and its completions differ
+    from their first token (a one-token prefix); the third and fourth are groups of one; the last holds 8
+    identical completions (the prefix covers them whole: 8 empty segments)."""
     from gspo_ray.data.records import Sample, collate
 
     g = torch.Generator().manual_seed(seed)
     samples, advs = [], []
     for q, size in enumerate((8, 2, 1, 1, 8)):
         prompt = torch.randint(3, vocab, (int(torch.randint(2, 10, (1,), generator=g)),), generator=g).tolist()
+        if q == 1:
+            prompt = prompt[:1]
         same = torch.randint(3, vocab, (4,), generator=g).tolist()
         for j in range(size):
             c = int(torch.randint(1, 8, (1,), generator=g))
             comp = same if q == 4 else torch.randint(3, vocab, (c,), generator=g).tolist()
             if q == 0 and j % 2 == 1:
                 comp[0] = 3  # a shared first completion token for some rows: the prefix may reach into completions
+            if q == 1:
+                comp[0] = 3 + j  # the two rows differ right after the one-token prompt
             masked = (q == 0 and j % 3 == 2) or (q == 1 and j == 0)
             n = len(comp)
             samples.append(Sample(prompt_uid=f"q{q}", sample_index=j, prompt_ids=prompt, completion_ids=comp,

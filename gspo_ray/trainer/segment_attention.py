@@ -1,0 +1,152 @@
+"""Attention by segment: the core attention of our layer spec, whose memory and work grow with the segments of a
+row, never with the square of its width.
+
+    segs = Segments.plain(lengths)                        # padded rows: each row one causal segment
+    segs = Segments(prefix=(P,), completions=((c_1, .., c_G),))   # one group row [prefix | c_1 | .. | c_G]
+    model(tokens, position_ids, segs)                     # the record travels as GPTModel's `attention_mask`
+
+A row of width S (the micro-batch's sequence dimension) holds a prefix of P tokens, then completion segments of
+c_1 .. c_G tokens, then padding. A query of the prefix attends to the prefix causally; a query of completion j
+attends to [prefix ; completion j] with causality aligned bottom-right (its i-th query sees the whole prefix and
+completion tokens 0..i), nothing of the other completions; a padding query attends to nothing and outputs 0 (so
+no NaN reaches a weight gradient through 0 x NaN). A padded row of n tokens is a prefix of n and no completion.
+
+Per segment this is one `torch.nn.functional.scaled_dot_product_attention` call: the prefix with is_causal, a
+completion with `torch.nn.attention.bias.causal_lower_right(c, P + c)` on keys and values [prefix ; completion],
+GQA through `enable_gqa` (no repeated K/V). On CPU (torch 2.13) both reach the flash kernel for CPU (checked:
+grad_fn ScaledDotProductFlashAttentionForCpuBackward0), which works block by block: no score matrix is held; the
+lower-right bias materialises one [c, P + c] bool mask per call. On CUDA the same calls run on torch's flash /
+memory-efficient kernels (the lower-right variant has native support there).
+
+Memory. A completion's keys and values [prefix ; completion] are a gathered copy; kept for the backward of every
+segment and layer they would hold the prefix once per completion (G x P keys a group row and layer). So a
+completion call with a prefix runs under activation checkpointing (torch.utils.checkpoint, non-reentrant): the
+backward gathers and attends again (one more attention forward of that segment), and what stays between forward
+and backward is the call's output only. The prefix call and a plain row gather nothing and are not recomputed.
+
+What the kernel computes per row, counted as query-key pairs (`Segments.pairs`, the planner's attention term):
+
+    P (P + 1) / 2  +  sum_j c_j (P + (c_j + 1) / 2)
+
+(the causal triangle of the prefix, then each completion against the prefix and its own triangle); versus
+W (W + 1) / 2 for one causal row of width W = P + sum_j c_j, and W^2 for the dense [W, W] mask this replaces.
+
+Torch only (the planner and the scale model import Segments without Megatron); model.SegmentAttention is the
+Megatron core-attention module that calls attend_rows. The record travels as the `attention_mask` argument, which
+GPTModel hands to every layer's core attention and nothing else reads on the local spec. Megatron's
+`PackedSeqParams` is not used: GPTModel sizes RoPE from its max_seqlen fields and attention squeezes THD tensors,
+neither of which this layout wants. Not covered (refused at construction, and by the preflight through
+model_spec): sliding windows, attention sinks / softmax offsets,
+multi-latent attention, context parallelism, attention dropout.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.nn.attention.bias import causal_lower_right
+from torch.utils.checkpoint import checkpoint
+
+
+@dataclass(frozen=True)
+class Segments:
+    """The segment boundaries of a micro-batch of rows: row r is `prefix[r]` tokens, then segments
+    `completions[r]` (each attends to the prefix and itself), then padding up to the micro-batch's width."""
+
+    prefix: tuple[int, ...]
+    completions: tuple[tuple[int, ...], ...]
+
+    def __post_init__(self):
+        if len(self.prefix) != len(self.completions):
+            raise ValueError(f"Segments: {len(self.prefix)} prefixes for {len(self.completions)} rows")
+        if any(p < 0 for p in self.prefix) or any(c < 0 for cs in self.completions for c in cs):
+            raise ValueError("Segments: negative segment length")
+
+    @classmethod
+    def plain(cls, lengths) -> Segments:
+        """Each row one causal segment of lengths[r] tokens (the padded layout)."""
+        lengths = tuple(int(n) for n in lengths)
+        return cls(prefix=lengths, completions=tuple(() for _ in lengths))
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.prefix)
+
+    def length(self, row: int) -> int:
+        """Real tokens of row `row` (prefix and segments)."""
+        return self.prefix[row] + sum(self.completions[row])
+
+    def pairs(self) -> int:
+        """Query-key pairs the kernel computes over all rows (the module docstring's formula)."""
+        return sum(row_pairs(p, cs) for p, cs in zip(self.prefix, self.completions))
+
+
+def row_pairs(prefix: int, completions) -> int:
+    """Query-key pairs of one row: P (P + 1) / 2 + sum_j c_j (P + (c_j + 1) / 2), exactly (an integer)."""
+    return prefix * (prefix + 1) // 2 + sum(c * prefix + c * (c + 1) // 2 for c in completions)
+
+
+def attend_rows(query: Tensor, key: Tensor, value: Tensor, segs: Segments, scale: float | None = None) -> Tensor:
+    """query [S, B, Hq, D], key / value [S, B, Hkv, D] (Megatron's layout) -> context [S, B, Hq, D] of `segs`
+    (see the module docstring); Hq a multiple of Hkv (GQA).
+
+    Rows and segments are taken with unbind / split, whose backward concatenates the pieces' gradients once (a
+    slice's backward would fill a zero tensor of the whole input per slice)."""
+    width, batch, heads, dim = query.shape
+    if segs.num_rows != batch:
+        raise ValueError(f"Segments of {segs.num_rows} rows for a micro-batch of {batch}")
+    gqa = key.shape[2] != heads
+    rows = []
+    for b, (q, k, v) in enumerate(zip(query.unbind(1), key.unbind(1), value.unbind(1))):  # [S, H, D] each
+        p, cs = segs.prefix[b], segs.completions[b]
+        pad = width - segs.length(b)
+        if pad < 0:
+            raise ValueError(f"row {b}: segments of {segs.length(b)} tokens in a width of {width}")
+        sizes = [p, *cs, pad]
+        # [1, H, n, D] views (the flash kernel for CPU takes 4-d inputs; 3-d ones fall back to the math kernel)
+        qs, ks, vs = (x.transpose(0, 1)[None].split(sizes, dim=2) for x in (q, k, v))
+        pieces = []
+        if p:
+            pieces.append(F.scaled_dot_product_attention(qs[0], ks[0], vs[0], is_causal=True, scale=scale,
+                                                         enable_gqa=gqa))
+        for j, c in enumerate(cs, start=1):
+            if c == 0:
+                continue
+            args = (qs[j], ks[0], ks[j], vs[0], vs[j], scale, gqa)
+            if p and torch.is_grad_enabled():  # keep no gathered K/V for the backward: recompute it there
+                pieces.append(checkpoint(_segment, *args, use_reentrant=False))
+            else:
+                pieces.append(_segment(*args))
+        if pad:
+            pieces.append(query.new_zeros(1, heads, pad, dim))
+        rows.append(torch.cat(pieces, dim=2)[0].transpose(0, 1))  # [S, H, D]
+    return torch.stack(rows, dim=1)
+
+
+def _segment(q: Tensor, k_prefix: Tensor, k: Tensor, v_prefix: Tensor, v: Tensor, scale: float | None,
+             gqa: bool) -> Tensor:
+    """One completion's queries q [1, H, c, D] against keys and values [prefix ; completion] ([1, H, n, D] pieces),
+    the causality aligned bottom-right."""
+    count, prefix = q.shape[2], k_prefix.shape[2]
+    kk, vv = torch.cat((k_prefix, k), dim=2), torch.cat((v_prefix, v), dim=2)
+    return F.scaled_dot_product_attention(q, kk, vv, attn_mask=causal_lower_right(count, prefix + count),
+                                          scale=scale, enable_gqa=gqa)
+
+
+def unsupported(config) -> str | None:
+    """Why a Megatron TransformerConfig's attention is not what attend_rows computes (None: it is)."""
+    if getattr(config, "window_size", None) is not None:
+        return "sliding-window attention"
+    if getattr(config, "softmax_type", "vanilla") != "vanilla":
+        return f"softmax_type {config.softmax_type!r} (attention sinks)"
+    if getattr(config, "multi_latent_attention", False):
+        return "multi-latent attention"
+    if getattr(config, "context_parallel_size", 1) != 1:
+        return "context parallelism"
+    if getattr(config, "attention_dropout", 0.0):
+        return "attention dropout"
+    if getattr(config, "apply_query_key_layer_scaling", False):
+        return "query-key layer scaling"
+    return None

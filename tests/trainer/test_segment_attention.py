@@ -1,0 +1,114 @@
+"""Attention by segment (trainer/segment_attention.py) against a dense-mask reference: outputs and gradients of
+queries, keys and values in fp64, GQA, an empty segment, a one-token prefix, a group of one, a packed row of
+plain segments (empty prefix), padding; the pair count the planner uses. Pure torch, no model."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gspo_ray.trainer.segment_attention import Segments, attend_rows, row_pairs
+
+
+def dense_reference(query, key, value, segs: Segments):
+    """The same attention through one [S, S] boolean mask per row and the math kernel (what the trainer used to
+    build): a prefix query sees the prefix causally, a segment query the prefix and its own earlier tokens."""
+    width, batch, heads, _ = query.shape
+    rep = heads // key.shape[2]
+    out = []
+    for b in range(batch):
+        seg = torch.full((width,), -1)
+        p = segs.prefix[b]
+        seg[:p] = 0
+        start = p
+        for j, c in enumerate(segs.completions[b]):
+            seg[start:start + c] = j + 1
+            start += c
+        causal = torch.ones(width, width, dtype=torch.bool).tril()
+        mask = causal & ((seg[None, :] == 0) | (seg[None, :] == seg[:, None])) & (seg[:, None] >= 0)
+        q = query[:, b].transpose(0, 1)
+        k = key[:, b].repeat_interleave(rep, 1).transpose(0, 1)
+        v = value[:, b].repeat_interleave(rep, 1).transpose(0, 1)
+        scores = (q @ k.transpose(-1, -2)) / q.shape[-1] ** 0.5
+        probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), -1).nan_to_num(0.0)  # padding: nothing
+        out.append((probs @ v).transpose(0, 1))
+    return torch.stack(out, 1), int(sum(mask_count(segs, b, width) for b in range(batch)))
+
+
+def mask_count(segs, b, width):
+    p, total, start = segs.prefix[b], segs.prefix[b] * (segs.prefix[b] + 1) // 2, segs.prefix[b]
+    for c in segs.completions[b]:
+        total += sum(p + i + 1 for i in range(c))
+        start += c
+    return total
+
+
+CASES = {
+    # group rows: prefix 5 and segments 3, 0 (empty), 4; then a one-token prefix; then a group of one; padding
+    "groups": Segments(prefix=(5, 1, 6), completions=((3, 0, 4), (2, 3), (4,))),
+    "plain": Segments.plain([12, 7, 1]),
+    "packed": Segments(prefix=(0,), completions=((4, 6, 2),)),  # three sequences packed in one row
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_segments_equal_the_dense_mask_and_its_gradients(name):
+    segs = CASES[name]
+    g = torch.Generator().manual_seed(0)
+    width, heads, kv = 13, 6, 2
+    q, k, v = (torch.randn(width, segs.num_rows, h, 8, generator=g, dtype=torch.float64, requires_grad=True)
+               for h in (heads, kv, kv))
+    got = attend_rows(q, k, v, segs)
+    want, pairs = dense_reference(q, k, v, segs)
+    assert (got - want).abs().max() < 1e-12
+    weights = torch.randn(got.shape, generator=g, dtype=torch.float64)
+    grads = torch.autograd.grad((got * weights).sum(), (q, k, v))
+    refs = torch.autograd.grad((want * weights).sum(), (q, k, v))
+    for a, b in zip(grads, refs):
+        assert (a - b).abs().max() < 1e-12
+    for b in range(segs.num_rows):  # padding columns output 0 and pass no gradient back
+        assert not got[segs.length(b):, b].any()
+        assert not grads[0][segs.length(b):, b].any()
+    assert segs.pairs() == pairs == sum(row_pairs(p, c) for p, c in zip(segs.prefix, segs.completions))
+
+
+def test_fp32_and_bf16_match_the_reference():
+    segs = CASES["groups"]
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(13, 3, h, 16, generator=g) for h in (4, 2, 2))
+    want, _ = dense_reference(q.double(), k.double(), v.double(), segs)
+    assert (attend_rows(q, k, v, segs).double() - want).abs().max() < 1e-5
+    got16 = attend_rows(q.bfloat16(), k.bfloat16(), v.bfloat16(), segs)
+    assert got16.dtype == torch.bfloat16 and (got16.double() - want).abs().max() < 3e-2
+
+
+def test_bad_records_are_refused():
+    with pytest.raises(ValueError):
+        Segments(prefix=(1, 2), completions=((1,),))
+    with pytest.raises(ValueError):
+        attend_rows(*(torch.zeros(4, 1, 2, 8) for _ in range(3)), Segments(prefix=(3,), completions=((2,),)))
+
+
+def test_completions_keep_no_gathered_prefix_for_the_backward():
+    """A group row of a long prefix and many completions: what the forward keeps for the backward, outside the
+    inputs' own storage, is about the output (the prefix is not held once per completion); the gradients are
+    those of the reference."""
+    prefix, count, groups, heads, dim = 64, 4, 8, 2, 8
+    segs = Segments(prefix=(prefix,), completions=((count,) * groups,))
+    width = prefix + count * groups
+    q, k, v = (torch.randn(width, 1, heads, dim, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    inputs = {t.untyped_storage().data_ptr() for t in (q, k, v)}
+    kept = []
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in inputs:
+            kept.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = attend_rows(q, k, v, segs)
+    gathered = groups * (prefix + count) * heads * dim  # one gathered K (or V) per completion
+    assert sum(kept) < gathered, (sum(kept), gathered)
+    want, _ = dense_reference(q, k, v, segs)
+    got = torch.autograd.grad(out.sum(), (q, k, v))
+    for a, b in zip(got, torch.autograd.grad(want.sum(), (q, k, v))):
+        assert (a - b).abs().max() < 1e-12
