@@ -44,7 +44,11 @@ class TrainerConfig(Strict):
                                 "forwarded (trainer/group_rows.py); false = one padded row per completion. With "
                                 "routing_replay R2 the policy forwards stay on padded rows (R2 records and replays "
                                 "routing per row)")
-    use_distributed_optimizer: bool = Field(False, description="shard optimizer state over DP (ZeRO-1)")
+    use_distributed_optimizer: bool | None = Field(
+        None, description="shard the optimizer state (fp32 main params, Adam moments) over the data-parallel ranks "
+        "(Megatron's distributed optimizer, ZeRO-1): each rank holds and checkpoints 1/DP of it. None = auto: on "
+        "when DP = num_workers / tp > 1, off at DP 1 (where it shards nothing). Checkpoints load into any DP / TP / "
+        "EP layout either way, and live `scale trainer N` and in-job recovery reshard it")
     moe_dispatcher: Literal["alltoall", "allgather"] = Field("alltoall", description="MoE token dispatcher")
     router_churn_every: int = Field(10, ge=0, description="measure router churn every N steps (0 = never): it "
                                     "re-runs the step's forwards, ~25% of a train step on the tiny MoE")
@@ -64,6 +68,13 @@ class TrainerConfig(Strict):
         "0.32 does not return routed experts)")
     lora: LoRAConfig | None = Field(None, description="LoRA adapters on the frozen base (docs/lora.md); None = "
                                     "full fine-tuning")
+    @property
+    def distributed_optimizer(self) -> bool:
+        """`use_distributed_optimizer` resolved: None means on exactly when DP > 1."""
+        if self.use_distributed_optimizer is not None:
+            return self.use_distributed_optimizer
+        return self.num_workers // self.tp > 1
+
     export_bucket_mb: float = Field(64, gt=0, description="bucket size when exporting weights to rollout")
     export_shared_memory: bool = Field(True, description="weight pushes (full or adapter) go through a "
                                        "shared-memory file of trainer rank 0 that engines on its node map (one "

@@ -14,10 +14,9 @@ at most `trainer.max_restarts` times. What a user loses is the compute of the st
 (at most `coordinator.checkpoint_every`); the run's result does not change in kind (same checkpoint resume path).
 
 Scaling (`gspo-ray scale trainer N`): at a step boundary the job saves a checkpoint, rebuilds the pool with N ranks
-and loads it (model and a plain optimizer's state reshard across data-parallel sizes, trainer/checkpoint.py). The
-coordinator keeps its state: nothing is rewound, the async batch in flight stays in flight. A resize the
-checkpoint cannot follow (a `trainer.use_distributed_optimizer` state, sharded over the DP ranks, to another DP
-size), a layout tp/ep do not divide, or a size the cluster cannot place is refused before anything is saved or
+and loads it (model and optimizer state, the distributed optimizer's too, reshard to the new data-parallel size on
+load, trainer/shards.py). The coordinator keeps its state: nothing is rewound, the async batch in flight stays in
+flight. A layout tp/ep do not divide, or a size the cluster cannot place is refused before anything is saved or
 stopped: `job/trainer_scale_refused` = 1 in the step's metrics, the reason in the log and in the job's control
 status (`trainer_scale_refused`), and the job goes on at its size.
 """
@@ -190,12 +189,8 @@ class TrainerRecovery:
             new_cfg = trainer_pool_config(self.cfg, num_workers)
         except ValueError as e:
             return str(e)
+        # a distributed optimizer's state reshards on load like the model (trainer/shards.py): no refusal for it
         old_cfg, old = coord.trainer.cfg, coord.trainer.num_workers
-        old_dp, new_dp = old // old_cfg.tp, num_workers // new_cfg.tp
-        if old_cfg.use_distributed_optimizer and new_dp != old_dp:
-            return (f"trainer.use_distributed_optimizer: the optimizer state is sharded over the {old_dp} "
-                    f"data-parallel ranks and cannot be resharded to {new_dp} ({num_workers} ranks at tp "
-                    f"{new_cfg.tp}); the job goes on with {old} ranks")
         if not _fits(old_cfg, old, new_cfg, num_workers):
             return (f"the cluster has no room for {num_workers} ranks of {new_cfg.num_cpus_per_worker} CPUs; the job "
                     f"goes on with {old} ranks")
