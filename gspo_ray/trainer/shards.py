@@ -235,8 +235,9 @@ class SavedShards:
 
     @torch.no_grad()
     def load_optimizer(self, optimizer, names: dict[int, str], layout: dict, fp32: bool) -> int:
-        """Put the saved optimizer state, resharded, into this rank's optimizer; returns how many params got state."""
-        loaded = 0
+        """Put the saved optimizer state, resharded, into this rank's optimizer; returns how many params got state.
+        Everything is read (and a missing slice raised) before the optimizer is touched: never a partial load."""
+        updates, scaler_updates = [], []
         # the sub-optimizers (dense, experts) need not match the saved ones: at EP 1 / DP 1 Megatron builds one
         scalers = self.payload(0)["optimizer"]["scalers"]
         for i, sub in enumerate(sub_optimizers(optimizer)):
@@ -257,14 +258,18 @@ class SavedShards:
                 if exp_avg is None:
                     continue  # nothing saved (no step taken yet): the optimizer starts fresh for it
                 step = self._saved_slices("step", *self._saved_key(name, layout))[0][1]
-                sub.optimizer.state[main] = {"step": step.clone(), "exp_avg": exp_avg.view_as(main).clone(),
-                                             "exp_avg_sq": get("exp_avg_sq").view_as(main).clone()}
-                if not fp32:
-                    main.copy_(get("main").view_as(main))
-                loaded += 1
+                state = {"step": step.clone(), "exp_avg": exp_avg.view_as(main).clone(),
+                         "exp_avg_sq": get("exp_avg_sq").view_as(main).clone()}
+                updates.append((sub, main, state, None if fp32 else get("main").view_as(main).clone()))
             if scaler is not None and getattr(sub, "grad_scaler", None):
-                sub.grad_scaler.load_state_dict(scaler)
-        return loaded
+                scaler_updates.append((sub, scaler))
+        for sub, main, state, value in updates:
+            sub.optimizer.state[main] = state
+            if value is not None:
+                main.copy_(value)
+        for sub, scaler in scaler_updates:
+            sub.grad_scaler.load_state_dict(scaler)
+        return len(updates)
 
     def tensor(self, key: str, name: str, layout: dict, shape) -> Tensor | None:
         """One tensor of this rank's layout: key "model", or an optimizer key (exp_avg, exp_avg_sq, main; None when

@@ -519,7 +519,8 @@ class TrainerWorker:
         Model and optimizer load from any DP / TP / EP layout (trainer/shards.py reshards them); the scheduler
         position and RNG states come from the saved rank with this rank's number when the layouts match, else from
         one with its TP/EP coordinates. A checkpoint of the older layout (every rank a full replica) loads through
-        `ckpt.load_legacy` where it can; `ckpt.check_loadable` says why not otherwise.
+        `_load_legacy` where it can; `ckpt.legacy_problem` says why not otherwise. Everything is read before the
+        model or optimizer changes: a missing slice leaves them as they were.
         """
         meta = ckpt.read_meta(ckpt_dir)
         check_checkpoint_kind(meta, self.lora, str(ckpt_dir))
@@ -529,9 +530,11 @@ class TrainerWorker:
             return self._load_legacy(ckpt_dir, meta, load_optimizer)
         saved = shards.SavedShards(ckpt_dir, meta, self.spec,
                                    lambda d, r: ckpt.load_rank_payload(d, r, mmap=True))
-        load_model(self.gpt, saved.model_state(lay, model_state(self.gpt, self.lora)), self.lora, str(ckpt_dir))
+        state = saved.model_state(lay, model_state(self.gpt, self.lora))  # read whole before anything changes
         if load_optimizer:
             saved.load_optimizer(self.optimizer, self._param_names(), lay, fp32)
+        load_model(self.gpt, state, self.lora, str(ckpt_dir))
+        if load_optimizer:
             source = ckpt.state_source(meta, lay)
             payload = saved.payload(source)
             self.scheduler.num_steps = 0  # config values stay; only the position in the schedule is restored
