@@ -273,12 +273,13 @@ def legacy_problem(meta: dict, tp: int, ep: int, world_size: int, distributed: b
     old = f"checkpoint {where} has the older layout (a full replica per rank)"
     for key, have in (("tp", tp), ("ep", ep)):
         if meta[key] != have:
-            return f"{old}, written with {key}={meta[key]}; this trainer has {key}={have}: it loads only at the same {key}"
+            return (f"{old}, written with {key}={meta[key]}; this trainer has {key}={have}: it loads only at the "
+                    f"same {key}")
     if distributed != saved_distributed:
         kinds = {True: "distributed", False: "plain"}
         return (f"{old} with {kinds[saved_distributed]}-optimizer state; this trainer uses the "
-                f"{kinds[distributed]} optimizer: set trainer.use_distributed_optimizer={str(saved_distributed).lower()} "
-                "to resume it (the next save is in the new layout)")
+                f"{kinds[distributed]} optimizer: set trainer.use_distributed_optimizer="
+                f"{str(saved_distributed).lower()} to resume it (the next save is in the new layout)")
     if distributed and meta["world_size"] != world_size:
         return (f"{old} with distributed-optimizer state of world size {meta['world_size']}; this trainer has "
                 f"{world_size} ranks: resume at the saved size (the next save is in the new layout)")

@@ -518,54 +518,37 @@ class TrainerWorker:
 
         Model and optimizer load from any DP / TP / EP layout (trainer/shards.py reshards them); the scheduler
         position and RNG states come from the saved rank with this rank's number when the layouts match, else from
-        one with its TP/EP coordinates. A checkpoint of the older layout (every rank a full replica) loads through
-        `_load_legacy` where it can; `ckpt.legacy_problem` says why not otherwise. Everything is read before the
+        one with its TP/EP coordinates. A checkpoint of the older layout (every rank a full replica) loads where it
+        can; `ckpt.legacy_problem` says why not otherwise. Everything is read before the
         model or optimizer changes: a missing slice leaves them as they were.
         """
         meta = ckpt.read_meta(ckpt_dir)
         check_checkpoint_kind(meta, self.lora, str(ckpt_dir))
-        fp32 = torch_dtype(self.cfg.dtype) == torch.float32
-        lay = self.layout()
-        if meta.get("format") != shards.FORMAT:
-            return self._load_legacy(ckpt_dir, meta, load_optimizer)
-        saved = shards.SavedShards(ckpt_dir, meta, self.spec,
-                                   lambda d, r: ckpt.load_rank_payload(d, r, mmap=True))
-        state = saved.model_state(lay, model_state(self.gpt, self.lora))  # read whole before anything changes
-        if load_optimizer:
-            saved.load_optimizer(self.optimizer, self._param_names(), lay, fp32)
+        lay, fp32 = self.layout(), torch_dtype(self.cfg.dtype) == torch.float32
+        if meta.get("format") == shards.FORMAT:
+            saved = shards.SavedShards(ckpt_dir, meta, self.spec, lambda d, r: ckpt.load_rank_payload(d, r, mmap=True))
+            state = saved.model_state(lay, model_state(self.gpt, self.lora))  # read whole before anything changes
+            if load_optimizer:
+                saved.load_optimizer(self.optimizer, self._param_names(), lay, fp32)
+            payload = saved.payload(ckpt.state_source(meta, lay))
+        else:  # the older layout: a full replica per rank (same TP/EP; see ckpt.legacy_problem for the optimizer)
+            problem = ckpt.legacy_problem(meta, self.cfg.tp, self.cfg.ep, self.world_size,
+                                          self.cfg.distributed_optimizer, ckpt.legacy_was_distributed(ckpt_dir),
+                                          str(ckpt_dir)) if load_optimizer else None
+            if problem:
+                raise ValueError(problem)
+            state = ckpt.load_model_state(ckpt_dir, lay)
+            payload = ckpt.load_rank_payload(ckpt_dir, ckpt.state_source(meta, lay))
+            if load_optimizer:
+                ckpt.load_optimizer_state(self.optimizer, payload["optimizer"])
         load_model(self.gpt, state, self.lora, str(ckpt_dir))
         if load_optimizer:
-            source = ckpt.state_source(meta, lay)
-            payload = saved.payload(source)
             self.scheduler.num_steps = 0  # config values stay; only the position in the schedule is restored
             self.scheduler.step(payload["scheduler"]["num_steps"])
             ckpt.restore_rng_state(payload["rng"])
         if fp32 or not load_optimizer:
             with cpu_device_mode():
                 self.optimizer.reload_model_params()  # main (fp32) params follow the loaded model
-        self._version = int(meta["version"])
-        dist.barrier()
-        return self._version
-
-    def _load_legacy(self, ckpt_dir, meta: dict, load_optimizer: bool) -> int:
-        """A checkpoint of the older layout: a full replica per rank (same TP/EP; the optimizer state of another DP
-        size only without the distributed optimizer)."""
-        problem = ckpt.legacy_problem(meta, self.cfg.tp, self.cfg.ep, self.world_size, self.cfg.distributed_optimizer,
-                                      ckpt.legacy_was_distributed(ckpt_dir), str(ckpt_dir)) if load_optimizer else None
-        if problem:
-            raise ValueError(problem)
-        load_model(self.gpt, ckpt.load_model_state(ckpt_dir, self.layout()), self.lora, str(ckpt_dir))
-        if load_optimizer:
-            lay = self.layout()
-            source = ckpt.state_source(meta, lay)
-            payload = ckpt.load_rank_payload(ckpt_dir, source)
-            ckpt.load_optimizer_state(self.optimizer, payload["optimizer"])
-            self.scheduler.num_steps = 0
-            self.scheduler.step(payload["scheduler"]["num_steps"])
-            ckpt.restore_rng_state(payload["rng"])
-        else:
-            with cpu_device_mode():
-                self.optimizer.reload_model_params()
         self._version = int(meta["version"])
         dist.barrier()
         return self._version

@@ -1,7 +1,8 @@
 """gspo-ray scale trainer 2, then 1, on a running job: each resize checkpoints at a step boundary, rebuilds the
 trainer pool at the new data-parallel size and reloads it; step counter, policy version, weights and optimizer
-state carry over exactly (at DP 2 with the distributed optimizer, its default there). Then `scale trainer 4` on the full cluster: the command waits for the job's answer and
-exits 1 with the job's reason; the pool stays as it is."""
+state carry over exactly (at DP 2 with the distributed optimizer, its default there). Then `scale trainer 4` on
+the full cluster: the command waits for the job's answer and exits 1 with the job's reason; the pool stays as it
+is."""
 import json
 import math
 import subprocess

@@ -47,7 +47,8 @@ def _world2(rank, world_size, ports, model_dir, root, b1, b2):
     from gspo_ray.trainer.worker import TrainerWorker
 
     # old log-probs of the initial policy, the same for every run below
-    w = TrainerWorker(rank, world_size, "127.0.0.1", ports[2], model_dir, trainer_cfg(2, micro_batch_size=2), algo_cfg())
+    w = TrainerWorker(rank, world_size, "127.0.0.1", ports[2], model_dir, trainer_cfg(2, micro_batch_size=2),
+                      algo_cfg())
     b1.old_logp, b2.old_logp = w.compute_logprobs(b1), w.compute_logprobs(b2)
     w.shutdown()
     batches = (b1, b2)
