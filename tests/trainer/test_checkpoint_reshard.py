@@ -176,22 +176,43 @@ def _read_sharded(hf_dir: Path) -> dict[str, torch.Tensor]:
 
 
 _EXPORT_RSS = """
-import json, resource, sys
-from gspo_ray.trainer.hf_export import export_checkpoint
+import json, sys
+from gspo_ray.trainer.hf_export import export_checkpoint, hf_state_from_checkpoint
 from gspo_ray.trainer import checkpoint
+
+
+def status(key):  # kB -> bytes, from /proc/self/status
+    line = next(ln for ln in open("/proc/self/status") if ln.startswith(key + ":"))
+    return int(line.split()[1]) * 1024
+
+
 checkpoint.read_meta(sys.argv[1])
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-export_checkpoint(sys.argv[1], sys.argv[2], sys.argv[3], max_shard_bytes=2 ** 20)
-print(json.dumps({"before": before, "after": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+open("/proc/self/clear_refs", "w").write("5")  # the peak (VmHWM) restarts from the current RSS
+before = status("VmRSS")
+if sys.argv[4] == "export":
+    export_checkpoint(sys.argv[1], sys.argv[2], sys.argv[3], max_shard_bytes=2 ** 20)
+else:  # what a reader of whole rank files holds
+    state = checkpoint.load_rank_payload(sys.argv[1], 0)
+print(json.dumps({"before": before, "peak": status("VmHWM")}))
 """
+
+
+def _export_rss(ckpt_dir, model_dir, out, how: str) -> int:
+    """How far the peak RSS of a fresh process rose above its RSS while it ran `how` (export | load)."""
+    import os
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _EXPORT_RSS, str(ckpt_dir), str(model_dir), str(out), how],
+                         capture_output=True, text=True, timeout=300, env=dict(os.environ))
+    assert out.returncode == 0, out.stderr
+    rss = json.loads(out.stdout.strip().splitlines()[-1])
+    return rss["peak"] - rss["before"]
 
 
 def test_the_hf_export_reads_neither_the_optimizer_nor_the_whole_model(runs, tiny_moe_dir, tmp_path):
     """A rank file with 256 MiB of optimizer state: the export's peak RSS grows by far less than that file."""
-    import os
     import shutil
-    import subprocess
-    import sys
 
     from gspo_ray.trainer.durable import sha256_file
 
@@ -204,11 +225,11 @@ def test_the_hf_export_reads_neither_the_optimizer_nor_the_whole_model(runs, tin
     meta = json.loads((d / "meta.json").read_text())
     meta["files"]["rank_0.pt"] = {"size": (d / "rank_0.pt").stat().st_size, "sha256": sha256_file(d / "rank_0.pt")}
     (d / "meta.json").write_text(json.dumps(meta))
-    out = subprocess.run([sys.executable, "-c", _EXPORT_RSS, str(d), str(tiny_moe_dir), str(tmp_path / "hf")],
-                         capture_output=True, text=True, timeout=300, env=dict(os.environ))
-    assert out.returncode == 0, out.stderr
-    rss = json.loads(out.stdout.strip().splitlines()[-1])
-    grown, file_size = rss["after"] - rss["before"], (d / "rank_0.pt").stat().st_size
-    print(f"export peak RSS grew {grown / 2**20:.1f} MiB; rank_0.pt {file_size / 2**20:.1f} MiB")
+    file_size = (d / "rank_0.pt").stat().st_size
+    grown = _export_rss(d, tiny_moe_dir, tmp_path / "hf", "export")
+    whole = _export_rss(d, tiny_moe_dir, tmp_path / "hf", "load")  # the measure sees a whole-file read
+    print(f"export peak RSS +{grown / 2**20:.1f} MiB; torch.load of rank_0.pt +{whole / 2**20:.1f} MiB; "
+          f"rank_0.pt {file_size / 2**20:.1f} MiB")
+    assert whole > file_size / 2
     assert grown < file_size / 8, (grown, file_size)
     assert (tmp_path / "hf" / "config.json").exists()
