@@ -26,7 +26,8 @@ sequence parallelism, plus the flash outputs kept and the attention's transient 
 term is gone with the score matrix), group_rows_split_for_width (prompt groups wider than one padded
 micro-batch's tokens, split into several group rows; attention splits none),
 routing_record_bytes_per_rank (after 64 batches; MoE only), weight_sync_bytes_per_engine (bf16), checkpoint_bytes_
-per_rank, slowest_rank_wait_share (1 - mean / max of the ranks' step FLOPs: fwd + bwd = 3 x forward, the forward
+per_rank and _per_save (the busiest rank's and the whole world's bytes, each byte written once with the distributed
+optimizer), slowest_rank_wait_share (1 - mean / max of the ranks' step FLOPs: fwd + bwd = 3 x forward, the forward
 2 x active matrix parameters per token plus 4 d per query-key pair (GroupRow.pairs) and layer;
 busiest_rank_step_s gives the seconds at PEAK_FLOPS x MFU).
 """
@@ -212,18 +213,25 @@ def weight_sync_bytes(shape: Shape) -> tuple[int, int]:
     return sum(t.numel() * t.element_size() for b in buckets for _, t in b), len(buckets)
 
 
-def checkpoint_bytes(shape: Shape, tp: int, ep: int) -> int:
-    """Bytes the busiest rank writes per checkpoint: its model shard (bridge.shard_tp over TP, experts split over EP)
-    in bf16, plus the optimizer's fp32 main weights and two Adam moments of that shard (12 bytes a parameter; the
-    default plain optimizer, not sharded over DP)."""
+def checkpoint_bytes(shape: Shape, dp: int, tp: int, ep: int) -> tuple[int, int]:
+    """(bytes the busiest rank writes, bytes the whole world writes) per checkpoint in bf16 training with the
+    distributed optimizer (the default above DP 1), as trainer/shards.py lays a checkpoint out: a model tensor once,
+    by the first DP rank of its TP shard (dense; bridge.shard_tp) or EP group (experts), 2 bytes a parameter; the
+    optimizer's fp32 main weights and two Adam moments (12 bytes a parameter) by the DP rank that updates them, dense
+    state split over the dp ranks of a TP shard, expert state over the dp * tp / ep ranks of an EP group. Rank 0
+    writes both kinds. The per-rank RNG states (~10 KB) are left out."""
     spec = model_spec(shape, tp, ep)
-    params = 0
+    dense = experts = total = 0
     for name, full in megatron_params(shape):
         pm = param_map(name, spec.arch)
-        if pm.local_expert is not None and pm.local_expert >= spec.num_local_experts:
-            continue  # rank 0 of the EP group holds experts 0 .. num_local_experts - 1
-        params += shard_tp(torch.empty(full, device="meta"), pm, spec, tp, 0).numel()
-    return params * (2 + 12)
+        total += torch.Size(full).numel()
+        if pm.local_expert is not None:
+            if pm.local_expert < spec.num_local_experts:  # rank 0 of the EP group holds experts 0 .. local - 1
+                experts += torch.Size(full).numel()
+            continue
+        dense += shard_tp(torch.empty(full, device="meta"), pm, spec, tp, 0).numel()
+    rank0 = 2 * (dense + experts) + 12 * dense // dp + 12 * experts // max(1, dp * tp // ep)
+    return rank0, 14 * total
 
 
 def routing_store_bytes(shape: Shape, lengths: list[int], mine: list[int], batches: int = BATCHES) -> tuple[int, int]:
@@ -277,7 +285,8 @@ def run_scale_bench(out: Path = OUT, seed: int = 0) -> list[dict]:
                      "routing_record_bytes_per_rank": stores[(m.name, dp, tp)][1],
                      "routing_record_bytes_one_batch": stores[(m.name, dp, tp)][0],
                      "weight_sync_bytes_per_engine": syncs[m.name][0], "weight_sync_buckets": syncs[m.name][1],
-                     "checkpoint_bytes_per_rank": checkpoint_bytes(m, tp, ep)})
+                     **dict(zip(("checkpoint_bytes_per_rank", "checkpoint_bytes_per_save"),
+                                checkpoint_bytes(m, dp, tp, ep)))})
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(rows, indent=1))
     print(scale_table(rows))
@@ -292,7 +301,8 @@ def _gb(x: float) -> str:
 
 def scale_table(rows: list[dict]) -> str:
     head = ("| model | DP | TP | EP | dp_imbalance | rows/rank min-max | wait share | step s | attention GiB | "
-            "activation GiB | routing records GiB (1 batch -> 64) | weight sync GiB | checkpoint GiB/rank |")
+            "activation GiB | routing records GiB (1 batch -> 64) | weight sync GiB | checkpoint GiB/rank | "
+            "checkpoint GiB/save |")
     lines = [head, "|---" * (head.count("|") - 1) + "|"]
     for r in rows:
         rec = (f"{_gb(r['routing_record_bytes_one_batch'])} -> {_gb(r['routing_record_bytes_per_rank'])}"
@@ -301,7 +311,8 @@ def scale_table(rows: list[dict]) -> str:
                      f"{r['rows_per_rank_min']}-{r['rows_per_rank_max']} | {r['slowest_rank_wait_share']:.3f} | "
                      f"{r['busiest_rank_step_s']:.1f} | {_gb(r['busiest_rank_attention_bytes'])} | "
                      f"{_gb(r['busiest_rank_activation_bytes'])} | {rec} | "
-                     f"{_gb(r['weight_sync_bytes_per_engine'])} | {_gb(r['checkpoint_bytes_per_rank'])} |")
+                     f"{_gb(r['weight_sync_bytes_per_engine'])} | {_gb(r['checkpoint_bytes_per_rank'])} | "
+                     f"{_gb(r['checkpoint_bytes_per_save'])} |")
     return "\n".join(lines)
 
 

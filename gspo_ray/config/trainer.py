@@ -44,7 +44,11 @@ class TrainerConfig(Strict):
                                 "forwarded (trainer/group_rows.py); false = one padded row per completion. With "
                                 "routing_replay R2 the policy forwards stay on padded rows (R2 records and replays "
                                 "routing per row)")
-    use_distributed_optimizer: bool = Field(False, description="shard optimizer state over DP (ZeRO-1)")
+    use_distributed_optimizer: bool | None = Field(
+        None, description="shard the optimizer state (fp32 main params, Adam moments) over the data-parallel ranks "
+        "(Megatron's distributed optimizer, ZeRO-1): each rank holds and checkpoints 1/DP of it. None = auto: on "
+        "when DP = num_workers / tp > 1, off at DP 1 (where it shards nothing). Checkpoints load into any DP / TP / "
+        "EP layout either way, and live `scale trainer N` and in-job recovery reshard it")
     moe_dispatcher: Literal["alltoall", "allgather"] = Field("alltoall", description="MoE token dispatcher")
     use_te: Literal["auto"] | bool = Field("auto", description="Transformer Engine layers (its fused linears and "
                                            "norms; attention stays ours, by segment): auto = when CUDA is there and "
@@ -68,6 +72,13 @@ class TrainerConfig(Strict):
         "0.32 does not return routed experts)")
     lora: LoRAConfig | None = Field(None, description="LoRA adapters on the frozen base (docs/lora.md); None = "
                                     "full fine-tuning")
+    @property
+    def distributed_optimizer(self) -> bool:
+        """`use_distributed_optimizer` resolved: None means on exactly when DP > 1."""
+        if self.use_distributed_optimizer is not None:
+            return self.use_distributed_optimizer
+        return self.num_workers // self.tp > 1
+
     export_bucket_mb: float = Field(64, gt=0, description="bucket size when exporting weights to rollout")
     export_shared_memory: bool = Field(True, description="weight pushes (full or adapter) go through a "
                                        "shared-memory file of trainer rank 0 that engines on its node map (one "
@@ -117,8 +128,5 @@ class TrainerConfig(Strict):
         for name, size in (("tp", self.tp), ("ep", self.ep)):
             if num_workers % size:
                 return f"trainer.{name} ({size}) must divide trainer.num_workers ({num_workers})"
-        if self.use_distributed_optimizer and num_workers // self.tp != self.dp:
-            return (f"trainer.use_distributed_optimizer: the optimizer state is sharded over the {self.dp} "
-                    f"data-parallel ranks and cannot be resharded to {num_workers // self.tp} ({num_workers} ranks "
-                    f"at tp {self.tp})")
+        # a distributed optimizer's state reshards on load like the model (trainer/shards.py): no refusal for it
         return None

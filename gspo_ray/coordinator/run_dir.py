@@ -39,7 +39,8 @@ def check_run_dir(cfg: JobConfig, resume: bool, fresh: bool) -> list[str]:
 
 def check_resume_kind(cfg: JobConfig) -> None:
     """--resume: the run's latest checkpoint was trained as this run trains (LoRA with the same adapters, or the
-    full model); RunDirError naming the checkpoint otherwise."""
+    full model) and, when it has the older layout (a full replica per rank), can be loaded into this trainer
+    layout; RunDirError (one line naming the checkpoint and what differs, exit 2 before Ray starts) otherwise."""
     import json
 
     from gspo_ray.config.lora import check_lora_kind
@@ -54,10 +55,19 @@ def check_resume_kind(cfg: JobConfig) -> None:
     meta = latest / "trainer" / "meta.json" if latest is not None else None
     if meta is None or not meta.is_file():
         return
+    saved = json.loads(meta.read_text())
     try:
-        check_lora_kind(json.loads(meta.read_text()).get("lora"), cfg.trainer.lora, str(latest))
+        check_lora_kind(saved.get("lora"), cfg.trainer.lora, str(latest))
     except ValueError as e:
         raise RunDirError(str(e)) from None
+    if saved.get("format") is None:  # the older layout (a full replica per rank): loaded only where it can be
+        from gspo_ray.trainer.checkpoint import legacy_problem, legacy_was_distributed
+
+        t = cfg.trainer
+        problem = legacy_problem(saved, t.tp, t.ep, t.num_workers, t.distributed_optimizer,
+                                 legacy_was_distributed(meta.parent), str(latest))
+        if problem:
+            raise RunDirError(problem)
 
 
 def prepare_run_dir(cfg: JobConfig, resume: bool, fresh: bool) -> Path:

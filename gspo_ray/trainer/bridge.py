@@ -337,6 +337,14 @@ def write_hf_dir(state: dict[str, Tensor], hf_config: dict, src_dir: str | Path,
     config gets one from config.json's bos/eos/pad ids, so `generate` and vLLM stop where training stopped."""
     from huggingface_hub import save_torch_state_dict
 
+    out = write_hf_side_files(hf_config, src_dir, out_dir, next(iter(state.values())).dtype)
+    save_torch_state_dict({k: v.cpu() for k, v in state.items()}, out, max_shard_size=max_shard_size)
+    return out
+
+
+def write_hf_side_files(hf_config: dict, src_dir: str | Path, out_dir: str | Path, dtype: torch.dtype) -> Path:
+    """Everything of a HF model directory but the weights: config.json (dtype set), and the non-weight files of
+    `src_dir` (tokenizer, chat template, generation config; one made from config.json's ids when it has none)."""
     out, src = Path(out_dir), Path(src_dir)
     out.mkdir(parents=True, exist_ok=True)
     skip = {p for pattern in _WEIGHT_FILES for p in src.glob(pattern)}
@@ -344,11 +352,10 @@ def write_hf_dir(state: dict[str, Tensor], hf_config: dict, src_dir: str | Path,
         if f.is_file() and f not in skip:
             shutil.copy2(f, out / f.name)
     config = dict(hf_config)
-    dtype = str(next(iter(state.values())).dtype).removeprefix("torch.")
-    config["dtype" if "dtype" in config or "torch_dtype" not in config else "torch_dtype"] = dtype
+    config["dtype" if "dtype" in config or "torch_dtype" not in config else "torch_dtype"] = \
+        str(dtype).removeprefix("torch.")
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     if not (out / "generation_config.json").exists():
         gen = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config.get(k) is not None}
         (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
-    save_torch_state_dict({k: v.cpu() for k, v in state.items()}, out, max_shard_size=max_shard_size)
     return out

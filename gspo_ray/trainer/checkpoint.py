@@ -192,8 +192,9 @@ def check_rank_file(ckpt_dir: str | Path, path: Path) -> None:
     _checked.add(key)
 
 
-def load_rank_payload(ckpt_dir: str | Path, rank: int) -> dict:
-    """One rank's payload, read without unpickling (tensors and plain values only), after `check_rank_file`."""
+def load_rank_payload(ckpt_dir: str | Path, rank: int, mmap: bool = False) -> dict:
+    """One rank's payload, read without unpickling (tensors and plain values only), after `check_rank_file`.
+    mmap: tensors stay in the file's pages until used (a loader that needs slices of another rank's file)."""
     import pickle
 
     path = rank_file(ckpt_dir, rank)
@@ -202,7 +203,7 @@ def load_rank_payload(ckpt_dir: str | Path, rank: int) -> dict:
     check_inside(path, ckpt_dir)
     check_rank_file(ckpt_dir, path)
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
         # an older checkpoint (numpy RNG state pickled) or a tampered file: never fall back to full unpickling
         raise UnsafeCheckpointError(f"{path}: refused to load, it holds objects other than tensors and plain values "
@@ -239,3 +240,47 @@ def load_model_state(ckpt_dir: str | Path, layout: dict) -> dict:
     merged = {k: v for k, v in dense.items() if EXPERT_KEY not in k}
     merged.update({k: v for k, v in experts.items() if EXPERT_KEY in k})
     return merged
+
+
+_COORDS = ("tp_rank", "ep_rank", "etp_rank", "pp_rank")
+
+
+def state_source(meta: dict, layout: dict) -> int:
+    """The saved rank whose scheduler position and RNG states this rank restores: its own number when that rank had
+    the same TP/EP coordinates, else the first with them, else rank 0 (another TP/EP size)."""
+    rank, layouts = layout["rank"], meta["layouts"]
+    same = lambda lay: all(lay.get(k, 0) == layout.get(k, 0) for k in _COORDS)  # noqa: E731
+    if rank < len(layouts) and same(layouts[rank]):
+        return rank
+    return next((r for r, lay in enumerate(layouts) if same(lay)), 0)
+
+
+def legacy_was_distributed(ckpt_dir: str | Path) -> bool:
+    """Whether a checkpoint of the older layout holds distributed-optimizer state (flat 1-D main-param shards)
+    rather than a plain optimizer's (params in their own shapes). Reads rank 0's file memory-mapped."""
+    subs = load_rank_payload(ckpt_dir, 0, mmap=True)["optimizer"]
+    mains = [p for sub in subs for p in sub["main_params"]]
+    return bool(mains) and all(p.dim() == 1 for p in mains)
+
+
+def legacy_problem(meta: dict, tp: int, ep: int, world_size: int, distributed: bool, saved_distributed: bool,
+                   where: str) -> str | None:
+    """None when a checkpoint of the older layout (no "format" in meta.json: a full model and optimizer replica per
+    rank) can be loaded into this trainer; else one line naming the checkpoint and what differs. `distributed`:
+    this trainer loads distributed-optimizer state; `saved_distributed`: the checkpoint holds such state."""
+    if meta.get("format") is not None:
+        return None
+    old = f"checkpoint {where} has the older layout (a full replica per rank)"
+    for key, have in (("tp", tp), ("ep", ep)):
+        if meta[key] != have:
+            return (f"{old}, written with {key}={meta[key]}; this trainer has {key}={have}: it loads only at the "
+                    f"same {key}")
+    if distributed != saved_distributed:
+        kinds = {True: "distributed", False: "plain"}
+        return (f"{old} with {kinds[saved_distributed]}-optimizer state; this trainer uses the "
+                f"{kinds[distributed]} optimizer: set trainer.use_distributed_optimizer="
+                f"{str(saved_distributed).lower()} to resume it (the next save is in the new layout)")
+    if distributed and meta["world_size"] != world_size:
+        return (f"{old} with distributed-optimizer state of world size {meta['world_size']}; this trainer has "
+                f"{world_size} ranks: resume at the saved size (the next save is in the new layout)")
+    return None

@@ -100,7 +100,7 @@ def build_optimizer_config(cfg) -> OptimizerConfig:
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
         params_dtype=dtype,
-        use_distributed_optimizer=cfg.use_distributed_optimizer,
+        use_distributed_optimizer=cfg.distributed_optimizer,
         decoupled_weight_decay=True,
     )
 

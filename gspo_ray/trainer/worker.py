@@ -40,6 +40,7 @@ from megatron.core import parallel_state
 from gspo_ray.algo import compute_policy_loss
 from gspo_ray.data.records import TrainBatch
 from gspo_ray.trainer import checkpoint as ckpt
+from gspo_ray.trainer import shards
 from gspo_ray.trainer.optim import (
     build_ddp,
     build_optimizer,
@@ -113,7 +114,7 @@ class TrainerWorker:
         if trainer_cfg.lora is not None:
             self.lora = TrainerLoRA.attach(self.gpt, self.spec, trainer_cfg.lora, trainer_cfg.seed)
         self.ddp = build_ddp(self.gpt, dtype=trainer_cfg.dtype,
-                             use_distributed_optimizer=trainer_cfg.use_distributed_optimizer)
+                             use_distributed_optimizer=trainer_cfg.distributed_optimizer)
         self.optimizer = build_optimizer(self.ddp, trainer_cfg)
         self.scheduler = build_scheduler(self.optimizer, trainer_cfg)
         self.ref_model = None
@@ -496,49 +497,63 @@ class TrainerWorker:
             refs.append(ray.put(bucket))
 
     def save(self, ckpt_dir: str | Path) -> str:
-        """Model + optimizer + scheduler + version + RNG states of this rank (collective)."""
+        """This rank's share of model + optimizer (each byte written by one rank, trainer/shards.py), its scheduler
+        position, version and RNG states (collective)."""
+        layouts = [None] * self.world_size
+        dist.all_gather_object(layouts, self.layout())
+        owners = shards.Owners(layouts, self.rank)
+        fp32 = torch_dtype(self.cfg.dtype) == torch.float32
         payload = {
-            "model": model_state(self.gpt, self.lora),  # the adapters only with LoRA
-            "optimizer": ckpt.optimizer_state(self.optimizer),
+            "model": shards.owned_model_state(model_state(self.gpt, self.lora), owners),  # adapters only with LoRA
+            "optimizer": shards.optimizer_pieces(self.optimizer, self._param_names(), owners, fp32),
             "scheduler": self.scheduler.state_dict(),
             "version": self._version,
             "rng": ckpt.capture_rng_state(),
-            "layout": self.layout(),
+            "layout": layouts[self.rank],
         }
-        layouts = [None] * self.world_size
-        dist.all_gather_object(layouts, payload["layout"])
-        meta = {"world_size": self.world_size, "tp": self.cfg.tp, "ep": self.cfg.ep, "dtype": self.cfg.dtype,
-                "version": self._version, "layouts": layouts,
+        meta = {"format": shards.FORMAT, "world_size": self.world_size, "tp": self.cfg.tp, "ep": self.cfg.ep,
+                "dtype": self.cfg.dtype, "version": self._version, "layouts": layouts,
+                "distributed_optimizer": self.cfg.distributed_optimizer,
                 "lora": self.lora.meta() if self.lora is not None else None}
         return str(ckpt.save_checkpoint(ckpt_dir, self.rank, payload, meta))
+
+    def _param_names(self) -> dict[int, str]:
+        return {id(p): name for name, p in self.gpt.named_parameters()}
 
     def load(self, ckpt_dir: str | Path, load_optimizer: bool = True) -> int:
         """Restore a checkpoint written by `save` (collective). Returns the restored policy version.
 
-        Model, optimizer (unless distributed over DP), scheduler and RNG states load from any data-parallel size
-        with the same tp/ep: each rank reads the saved rank with its own tp/ep coordinates.
+        Model and optimizer load from any DP / TP / EP layout (trainer/shards.py reshards them); the scheduler
+        position and RNG states come from the saved rank with this rank's number when the layouts match, else from
+        one with its TP/EP coordinates. A checkpoint of the older layout (every rank a full replica) loads where it
+        can; `ckpt.legacy_problem` says why not otherwise. Everything is read before the
+        model or optimizer changes: a missing slice leaves them as they were.
         """
         meta = ckpt.read_meta(ckpt_dir)
         check_checkpoint_kind(meta, self.lora, str(ckpt_dir))
-        load_model(self.gpt, ckpt.load_model_state(ckpt_dir, self.layout()), self.lora, str(ckpt_dir))
-        source = self.rank
-        if meta["world_size"] != self.world_size:
-            if load_optimizer and self.cfg.use_distributed_optimizer:
-                raise ValueError(f"checkpoint {ckpt_dir} has world size {meta['world_size']}, this trainer "
-                                 f"{self.world_size}: distributed-optimizer state is sharded over DP and cannot be "
-                                 "resharded (use load_optimizer=False)")
-            # a plain optimizer's state follows the model shard, so any saved rank with the same tp/ep coordinates
-            # carries exactly this rank's state: resharding to another DP size is a lookup
-            lay = self.layout()
-            source = ckpt.find_rank(meta, tp_rank=lay["tp_rank"], ep_rank=lay["ep_rank"], etp_rank=lay["etp_rank"],
-                                     pp_rank=lay["pp_rank"])
+        lay, fp32 = self.layout(), torch_dtype(self.cfg.dtype) == torch.float32
+        if meta.get("format") == shards.FORMAT:
+            saved = shards.SavedShards(ckpt_dir, meta, self.spec, lambda d, r: ckpt.load_rank_payload(d, r, mmap=True))
+            state = saved.model_state(lay, model_state(self.gpt, self.lora))  # read whole before anything changes
+            if load_optimizer:
+                saved.load_optimizer(self.optimizer, self._param_names(), lay, fp32)
+            payload = saved.payload(ckpt.state_source(meta, lay))
+        else:  # the older layout: a full replica per rank (same TP/EP; see ckpt.legacy_problem for the optimizer)
+            problem = ckpt.legacy_problem(meta, self.cfg.tp, self.cfg.ep, self.world_size,
+                                          self.cfg.distributed_optimizer, ckpt.legacy_was_distributed(ckpt_dir),
+                                          str(ckpt_dir)) if load_optimizer else None
+            if problem:
+                raise ValueError(problem)
+            state = ckpt.load_model_state(ckpt_dir, lay)
+            payload = ckpt.load_rank_payload(ckpt_dir, ckpt.state_source(meta, lay))
+            if load_optimizer:
+                ckpt.load_optimizer_state(self.optimizer, payload["optimizer"])
+        load_model(self.gpt, state, self.lora, str(ckpt_dir))
         if load_optimizer:
-            payload = ckpt.load_rank_payload(ckpt_dir, source)
-            ckpt.load_optimizer_state(self.optimizer, payload["optimizer"])
             self.scheduler.num_steps = 0  # config values stay; only the position in the schedule is restored
             self.scheduler.step(payload["scheduler"]["num_steps"])
             ckpt.restore_rng_state(payload["rng"])
-        else:
+        if fp32 or not load_optimizer:
             with cpu_device_mode():
                 self.optimizer.reload_model_params()  # main (fp32) params follow the loaded model
         self._version = int(meta["version"])

@@ -35,10 +35,13 @@ def test_bytes_follow_the_model_shapes():
     smol, dense4b, a3b, _ = scale.MODELS
     # SmolLM2-135M has 134,515,008 parameters (tied embeddings): bf16 to every engine
     assert scale.weight_sync_bytes(smol)[0] == 2 * 134_515_008
-    assert scale.checkpoint_bytes(smol, 1, 1) == 14 * 134_515_008
-    # TP splits every matrix (the vocabulary padded to a multiple of TP); EP the experts
-    assert scale.checkpoint_bytes(dense4b, 8, 1) < scale.checkpoint_bytes(dense4b, 1, 1) / 6
-    assert scale.checkpoint_bytes(a3b, 1, 64) < scale.checkpoint_bytes(a3b, 1, 1) / 10
+    assert scale.checkpoint_bytes(smol, 1, 1, 1) == (14 * 134_515_008,) * 2
+    # TP splits every matrix (the vocabulary padded to a multiple of TP); EP the experts; DP the optimizer state
+    assert scale.checkpoint_bytes(dense4b, 1, 8, 1)[0] < scale.checkpoint_bytes(dense4b, 1, 1, 1)[0] / 6
+    assert scale.checkpoint_bytes(a3b, 1, 1, 64)[0] < scale.checkpoint_bytes(a3b, 1, 1, 1)[0] / 10
+    rank, world = scale.checkpoint_bytes(a3b, 64, 1, 8)
+    one = scale.checkpoint_bytes(a3b, 1, 1, 1)[0]  # model + optimizer of the whole model (DP 1, nothing split)
+    assert world == one and rank < one / 20  # each byte once: a save is the model + optimizer size, not DP x it
     lengths = [40, 7, 7, 300]
     one, many = scale.routing_store_bytes(a3b, lengths, [0, 1, 2, 3], batches=3)
     assert one == sum(lengths) * a3b.layers * a3b.top_k * 2  # int16 top-k ids per token and MoE layer

@@ -26,8 +26,6 @@ def test_off_by_default_and_on_with_bounds():
     ([ON, "coordinator.autoscale.max_devices=1"], "coordinator.autoscale.max_devices", "below the minimums"),
     ([ON, "coordinator.autoscale.rollout.min=2", "coordinator.autoscale.max_devices=2"],
      "coordinator.autoscale.max_devices", "rollout.min 2 x 1 + trainer.min 1 x 1 = 3"),
-    ([ON, "coordinator.autoscale.trainer.max=2", "trainer.use_distributed_optimizer=true"],
-     "coordinator.autoscale.trainer", "trainer.use_distributed_optimizer"),
     ([ON, "coordinator.autoscale.trainer.max=3", "trainer.ep=2", "trainer.num_workers=2"],
      "coordinator.autoscale.trainer: no size in [1, 3] other than 2", "trainer.ep (2) must divide"),
     ([ON, "coordinator.autoscale.rollout.min=2"], "coordinator.autoscale.rollout", "rollout.num_workers (1) is "
@@ -51,3 +49,9 @@ def test_validate_exits_2_with_one_line_before_ray(tmp_path):
     errors = [line for line in result.output.splitlines() if line.strip()]
     assert len(errors) == 1 and "coordinator.autoscale.max_devices" in errors[0], result.output
     assert not ray.is_initialized() and not any(tmp_path.iterdir())
+
+
+def test_a_distributed_optimizer_is_no_reason_to_refuse_trainer_bounds():
+    """Its state reshards on load like the model (trainer/shards.py), so every DP size stays open to the controller."""
+    cfg = load_config(RECIPE, [ON, "coordinator.autoscale.trainer.max=2", "trainer.use_distributed_optimizer=true"])
+    assert cfg.coordinator.autoscale.trainer.max == 2 and cfg.trainer.resize_problem(2) is None

@@ -43,7 +43,7 @@ def test_manifest_records_every_file(tmp_path):
     assert len(files["trainer/rank_0.pt"]["sha256"]) == 64
 
 
-@pytest.mark.parametrize("damage", ["truncate", "flip"])
+@pytest.mark.parametrize("damage", ["truncate", "flip", "missing"])
 def test_a_broken_newest_checkpoint_falls_back_to_the_previous(tmp_path, caplog, damage):
     ckpts = CheckpointManager(tmp_path, keep=3)
     first = ckpts.save(LoopState(step=1, version=1), _trainer_part(1.0))
@@ -51,6 +51,8 @@ def test_a_broken_newest_checkpoint_falls_back_to_the_previous(tmp_path, caplog,
     rank = second / "trainer" / "rank_0.pt"
     if damage == "truncate":
         _truncate(rank)
+    elif damage == "missing":  # a shard lost (every rank writes one; the fallback must name it)
+        rank.unlink()
     else:  # same size, one byte changed: only the hash sees it
         data = bytearray(rank.read_bytes())
         data[-100] ^= 0xFF

@@ -69,3 +69,41 @@ def test_guarded_before_expensive_work(tmp_path):
     with pytest.raises(RunDirError):
         prepare_run_dir(cfg, resume=False, fresh=False)
     assert not (cfg.run_dir / "config.yaml").exists()  # nothing written either
+
+
+def _legacy_checkpoint(cfg, world_size: int, distributed: bool):
+    """A checkpoint of the older layout (no "format" in meta.json): every rank a full model + optimizer replica."""
+    import torch
+
+    from gspo_ray.coordinator.checkpoint import CheckpointManager
+    from gspo_ray.coordinator.loop import LoopState
+    from gspo_ray.trainer.checkpoint import save_checkpoint
+
+    w = torch.ones(4, 3)
+    main = w.reshape(-1)[:6].clone() if distributed else w.clone()  # a distributed optimizer's flat slice
+    payload = {"model": {"w": w}, "optimizer": [{"inner": {}, "main_params": [main], "grad_scaler": None}]}
+    meta = {"world_size": world_size, "tp": 1, "ep": 1, "version": 3, "layouts": [{}] * world_size}
+    CheckpointManager(cfg.run_dir).save(LoopState(step=3, version=3), lambda d: save_checkpoint(d, 0, payload, meta))
+    (cfg.run_dir / "metrics.jsonl").write_text('{"step": 3}\n')
+
+
+@pytest.mark.parametrize("workers, distributed, saved_distributed, problem", [
+    (2, None, False, "plain-optimizer state; this trainer uses the distributed optimizer"),  # the new DP 2 default
+    (2, "true", True, "world size 1; this trainer has 2 ranks"),
+    (2, "false", False, None),   # a plain optimizer's replica loads at any DP size
+    (1, None, False, None),      # DP 1: the plain optimizer, as saved
+])
+def test_resume_from_the_older_checkpoint_layout(tmp_path, workers, distributed, saved_distributed, problem):
+    overrides = [f"trainer.num_workers={workers}"]
+    if distributed is not None:
+        overrides.append(f"trainer.use_distributed_optimizer={distributed}")
+    cfg = _cfg(tmp_path, *overrides)
+    _legacy_checkpoint(cfg, 1, saved_distributed)
+    if problem is None:
+        prepare_run_dir(cfg, resume=True, fresh=False)
+        return
+    with pytest.raises(RunDirError, match="older layout") as e:
+        prepare_run_dir(cfg, resume=True, fresh=False)
+    assert problem in str(e.value) and "step_000003" in str(e.value) and "\n" not in str(e.value)
+    res = CliRunner().invoke(app, ["train", RECIPE, f"logging.out_dir={tmp_path}", "--resume", *overrides])
+    assert res.exit_code == 2 and "older layout" in res.output and len(res.output.strip().splitlines()) == 1

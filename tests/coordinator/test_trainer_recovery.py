@@ -41,8 +41,10 @@ def kill_at(steps: set[int], seen: list):
 
 def test_trainer_killed_twice_recovers_in_job(tmp_path):
     # async mode with eps auto (the recipe's): the batch in flight, the band and the prompt cursor are rewound too
+    # the distributed optimizer on (its default is off at DP 1): its state saved, restored and stepped in-job
     cfg = _cfg(tmp_path, "coordinator.steps=8", "coordinator.checkpoint_every=4", "name=recover",
-               "logging.tensorboard=true", "logging.wandb.mode=offline")  # offline W&B: no network
+               "logging.tensorboard=true", "logging.wandb.mode=offline",  # offline W&B: no network
+               "trainer.use_distributed_optimizer=true")
     seen: list[int] = []
     # step 2: before any checkpoint -> back to step 0 (initial weights); step 6: back to the step-4 checkpoint
     summary = run_job(cfg, after_step=kill_at({2, 6}, seen))
@@ -75,7 +77,8 @@ def test_trainer_killed_twice_recovers_in_job(tmp_path):
     assert tensorboard_scalars(cfg.run_dir / "tensorboard", "train/loss") == pytest.approx(
         {r["step"]: r["train/loss"] for r in rows})
     final = torch.load(summary.checkpoint / "trainer" / "rank_0.pt", weights_only=True)
-    assert final["version"] == 8
+    assert final["version"] == 8 and final["optimizer"]["params"]  # the Adam state of the distributed optimizer
+    assert json.loads((summary.checkpoint / "trainer" / "meta.json").read_text())["distributed_optimizer"] is True
     assert all(torch.isfinite(t).all() for t in final["model"].values() if torch.is_tensor(t))
 
 

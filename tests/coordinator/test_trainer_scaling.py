@@ -1,7 +1,9 @@
 """gspo-ray scale trainer 2, then 1, on a running job: each resize checkpoints at a step boundary, rebuilds the
 trainer pool at the new data-parallel size and reloads it; step counter, policy version, weights and optimizer
-state carry over exactly. Then `scale trainer 4` on the full cluster: the command waits for the job's answer and
-exits 1 with the job's reason; the pool stays as it is."""
+state carry over exactly (at DP 2 with the distributed optimizer, its default there). Then `scale trainer 4` on
+the full cluster: the command waits for the job's answer and exits 1 with the job's reason; the pool stays as it
+is."""
+import json
 import math
 import subprocess
 import sys
@@ -15,6 +17,8 @@ from gspo_ray.config import load_config
 from gspo_ray.coordinator.control import control_actor_name
 from gspo_ray.coordinator.job import run_job
 from gspo_ray.coordinator.tracking import read_metrics
+from gspo_ray.trainer import checkpoint as ckpt
+from gspo_ray.trainer.shards import full_state
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("local_ray")]  # 3 CPUs: 2 trainer ranks + 1 rollout
 RECIPE = "gspo_ray/recipes/tiny_moe.yaml"
@@ -32,6 +36,10 @@ def same(a, b, where="") -> None:
         assert len(a) == len(b), where
         for i, (x, y) in enumerate(zip(a, b)):
             same(x, y, f"{where}[{i}]")
+
+
+def read(ckpt_dir, rank):
+    return ckpt.load_rank_payload(ckpt_dir, rank, mmap=True)
 
 
 def test_scale_trainer_pool_live(tmp_path):
@@ -55,12 +63,14 @@ def test_scale_trainer_pool_live(tmp_path):
             assert coord.trainer.version() == coord.state.version == step
             after = tmp_path / f"after_{step}"
             coord.trainer.save(after)
-            before = torch.load(cfg.run_dir / "checkpoints" / f"step_{step:06d}" / "trainer" / "rank_0.pt",
-                                weights_only=True)
-            for rank in range(coord.trainer.num_workers):  # every DP replica
-                now = torch.load(after / f"rank_{rank}.pt", weights_only=True)
-                same(before["model"], now["model"], f"model rank {rank}")
-                same(before["optimizer"], now["optimizer"], f"optimizer rank {rank}")
+            saved = cfg.run_dir / "checkpoints" / f"step_{step:06d}" / "trainer"
+            # the whole model and Adam state, read in one layout from the old pool's save and the new pool's
+            same(full_state(saved, coord.trainer.model_path, read), full_state(after, coord.trainer.model_path, read))
+            # DP 2 runs the distributed optimizer (the default above DP 1), DP 1 the plain one
+            assert json.loads((after / "meta.json").read_text())["distributed_optimizer"] == (step == 2)
+            before = ckpt.load_rank_payload(saved, 0)
+            for rank in range(coord.trainer.num_workers):
+                now = ckpt.load_rank_payload(after, rank)
                 assert before["scheduler"] == now["scheduler"] and now["version"] == step
         if step == 4:  # 4 ranks of 1 CPU on 3 CPUs: refused at the end of step 5; the command waits for that
             refused.append(subprocess.Popen([sys.executable, "-m", "gspo_ray.cli", "scale", "trainer", "4", "--job",

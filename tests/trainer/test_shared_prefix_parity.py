@@ -60,8 +60,10 @@ def _one_step(rank, world_size, port, model_dir, batch, shared, tp, ep, beta, dr
     from gspo_ray.trainer.worker import TrainerWorker
 
     # drift runs take a large step and a second one, so routing moves and drift has something to count
+    # the plain optimizer: its all-reduce leaves every rank's main_grad whole (the distributed one, the default
+    # above DP 1, reduce-scatters: each rank's buffer holds only its own slice reduced)
     tcfg = trainer_cfg(world_size, tp=tp, ep=ep, micro_batch_size=mbs, grad_clip=0.0, lr=0.05 if drift else 1e-3,
-                       shared_prefix=shared, routing_drift=drift, router_churn_every=1)
+                       shared_prefix=shared, routing_drift=drift, router_churn_every=1, use_distributed_optimizer=False)
     w = TrainerWorker(rank, world_size, "127.0.0.1", port, model_dir, tcfg, algo_cfg(beta=beta))
     rows = sum(r >= 0 for mb in w._plan(batch, policy_routing=False) for r in mb.rows)  # this rank's real rows
     logp = w.compute_logprobs(batch)
