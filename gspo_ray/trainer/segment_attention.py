@@ -15,7 +15,8 @@ Per segment this is one `torch.nn.functional.scaled_dot_product_attention` call:
 completion with `torch.nn.attention.bias.causal_lower_right(c, P + c)` on keys and values [prefix ; completion],
 GQA through `enable_gqa` (no repeated K/V). On CPU (torch 2.13) both reach the flash kernel for CPU (checked:
 grad_fn ScaledDotProductFlashAttentionForCpuBackward0), which works block by block: no score matrix is held; the
-lower-right bias materialises one [c, P + c] bool mask per call. On CUDA the same calls run on torch's flash /
+lower-right mask is one [c, P + c] bool tensor per call (built here on CPU, as
+causal_lower_right materialises it there; the CausalBias object on CUDA). On CUDA the same calls run on torch's flash /
 memory-efficient kernels (the lower-right variant has native support there).
 
 Memory. A completion's keys and values [prefix ; completion] are a gathered copy; kept for the backward of every
@@ -46,7 +47,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.nn.attention.bias import causal_lower_right
 from torch.utils.checkpoint import checkpoint
 
 
@@ -131,8 +131,15 @@ def _segment(q: Tensor, k_prefix: Tensor, k: Tensor, v_prefix: Tensor, v: Tensor
     the causality aligned bottom-right."""
     count, prefix = q.shape[2], k_prefix.shape[2]
     kk, vv = torch.cat((k_prefix, k), dim=2), torch.cat((v_prefix, v), dim=2)
-    return F.scaled_dot_product_attention(q, kk, vv, attn_mask=causal_lower_right(count, prefix + count),
-                                          scale=scale, enable_gqa=gqa)
+    if q.is_cuda:  # the lower-right variant has native flash / memory-efficient kernels there
+        # imported here: torch.nn.attention.bias pulls in torch._dynamo, seconds of import a CPU rank never needs
+        # (compat/megatron_import.py keeps it out)
+        from torch.nn.attention.bias import causal_lower_right
+
+        mask = causal_lower_right(count, prefix + count)
+    else:  # what causal_lower_right materialises on CPU: query i sees keys 0..prefix + i
+        mask = torch.ones(count, prefix + count, dtype=torch.bool, device=q.device).tril(prefix)
+    return F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask, scale=scale, enable_gqa=gqa)
 
 
 def unsupported(config) -> str | None:

@@ -170,9 +170,13 @@ def _scenario(rank, world_size, ports, moe_dir, qwen2_dir, rdzv):
     tokens = torch.randint(3, 22, (2, 9), generator=torch.Generator().manual_seed(rank))
     forward = lambda: forward_logprobs(model, tokens)  # noqa: E731
     out["forward_with_all"] = _failure(forward)
-    for name in ("current_device", "rng_tracker", "te_general_gemm", "alltoall_split_sizes"):
+    for name in ("current_device", "te_general_gemm", "alltoall_split_sizes"):
         with compat.unapplied(name):
             out["needed"][name] = _failure(forward)
+    # the forward no longer forks the tracker (attention by segment has no dropout of its own); seeding and every
+    # fork of it (weight init, sequence-parallel dropout regions) still go through it
+    with compat.unapplied("rng_tracker"):
+        out["needed"]["rng_tracker"] = _failure(lambda: _check_rng(rank))
     shared_stream = MoEAlltoAllTokenDispatcher.cuda_dtoh_stream  # created once per process, by the first dispatcher
     with compat.unapplied("cuda_streams"):
         MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = None

@@ -101,7 +101,7 @@ def test_async_keeps_overlapped_batches_then_stops_when_every_sample_fails(plugi
         raise info.value
 
     monkeypatch.setattr("gspo_ray.coordinator.job.run_job", fail)
-    monkeypatch.setattr(cli, "_preflight", lambda cfg, verbose=False: None)  # inputs were checked by the run above
+    monkeypatch.setattr(cli, "_preflight", lambda cfg, verbose=False, **_: None)  # inputs were checked by the run above
     result = CliRunner().invoke(cli.app, ["train", "gspo_ray/recipes/tiny_moe.yaml", f"logging.out_dir={tmp_path}/cli"])
     assert result.exit_code == 3
     assert result.stderr.strip() == f"error: {message}" and "Traceback" not in result.output
