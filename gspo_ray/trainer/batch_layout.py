@@ -85,12 +85,7 @@ def micro_batches(batch: TrainBatch, micro_batch_size: int) -> list[TrainBatch]:
     out = []
     for start in range(0, batch.num_sequences, micro_batch_size):
         mb = batch.select(list(range(start, min(start + micro_batch_size, batch.num_sequences))))
-        width = max(int(mb.lengths.max()), 1)
-        out.append(TrainBatch(
-            tokens=mb.tokens[:, :width], loss_mask=mb.loss_mask[:, :width], old_logp=mb.old_logp[:, :width],
-            adv=mb.adv[:, :width], lengths=mb.lengths,
-            ref_logp=None if mb.ref_logp is None else mb.ref_logp[:, :width], uids=mb.uids,
-            rollout_logp=None if mb.rollout_logp is None else mb.rollout_logp[:, :width]))
+        out.append(mb.narrow(max(int(mb.lengths.max()), 1)))
     return out
 
 
@@ -109,12 +104,7 @@ def routing_keys(mb: TrainBatch) -> list[str]:
 
 def trim(batch: TrainBatch) -> TrainBatch:
     """The rows cut to their longest row (width >= 1)."""
-    width = max(int(batch.lengths.max()), 1) if batch.num_sequences else 1
-    return TrainBatch(
-        tokens=batch.tokens[:, :width], loss_mask=batch.loss_mask[:, :width], old_logp=batch.old_logp[:, :width],
-        adv=batch.adv[:, :width], lengths=batch.lengths,
-        ref_logp=None if batch.ref_logp is None else batch.ref_logp[:, :width], uids=batch.uids,
-        rollout_logp=None if batch.rollout_logp is None else batch.rollout_logp[:, :width])
+    return batch.narrow(max(int(batch.lengths.max()), 1) if batch.num_sequences else 1)
 
 
 def row_micro_batches(batch: TrainBatch, dp_rank: int, dp_size: int, micro_batch_size: int,
