@@ -94,3 +94,34 @@ def test_mini_batches_with_every_token_masked_are_skipped_not_trained():
     assert out["train/skipped"] == 1.0 and out["train/optimizer_steps"] == 0
     assert out["train/empty_minibatches"] == 4  # 2 passes x 2 mini-batches
     assert out["train/version"] == coord.state.version == 3 and trainer.ended == 1
+
+
+@pytest.mark.parametrize("sigma", [0.0, 0.02])
+def test_eps_auto_in_async_mode_follows_injected_drift(sigma):
+    """Async mode, engine log-probs as the anchor, 1 pass x 1 mini-batch (make run's recipe): the batch was sampled
+    one version before the trainer's, so its one mini-batch is a reuse mini-batch and eps auto observes it. A
+    trainer whose log-ratios spread by `sigma` (drift injected) moves the band; no drift leaves it."""
+    class Drifting:
+        def train_step(self, batch, eps=None):
+            n = float(batch.loss_mask.sum())
+            return {"train/logr_mean": 0.0, "train/logr_sq_mean": sigma ** 2, "train/n_tokens": n,
+                    "train/n_seqs": float(batch.num_sequences), "train/clip_frac_seq": 0.5 if sigma else 0.0,
+                    "train/policy_version": 4.0}
+
+        def end_batch(self):
+            pass
+
+    cfg = load_config(None, ["coordinator.mode=async", "algorithm.eps=auto", "coordinator.num_minibatches=1",
+                             "coordinator.num_iterations=1", "coordinator.recompute_old_logprobs=false"])
+    coord = Coordinator(cfg, None, Drifting(), None, LoopState(version=3))
+    groups = [_group("a", [1.0, 0.0]), _group("b", [0.0, 1.0])]
+    for g in groups:
+        g.advantages = [0.7, -0.7]
+        for s in g.samples:
+            s.versions = [2, 2]  # sampled one update before the trainer's version 3
+    before = coord.auto_eps.band()
+    out = coord.train_on(groups)
+    if sigma:
+        assert coord.auto_eps.band() != before and out["train/auto_eps_sigma"] == pytest.approx(sigma)
+    else:
+        assert coord.auto_eps.band() == before

@@ -26,7 +26,7 @@ from gspo_ray.data.records import FINISH_ABORTED, Prompt, collate, unpack_routes
 from gspo_ray.models.tiny import make_tiny_model
 from gspo_ray.rollout.engine import RolloutEngine, SamplingSettings
 
-sys.path.append(str(Path(__file__).resolve().parents[1] / "trainer"))  # `_spawn` (the trainer on spawned ranks)
+sys.path.append(str(Path(__file__).resolve().parent))  # `_r3_trainer` (the trainer on a spawned rank)
 
 HIDDEN, EXPERTS, TOP_K = 128, 8, 2
 GAP = 1e-4  # a top-k whose k-th and (k+1)-th router logits are closer than this is a near tie: not compared
@@ -121,49 +121,13 @@ def test_segments_keep_their_own_routes_through_abort_json_and_resume(setup):
     assert moved > 0
 
 
-def _used_routes(worker, batch, step):
-    """(metrics, the routing the layers used [B, S, layers, k]) of one train step (routing_map -> expert ids)."""
-    from gspo_ray.trainer.routing.churn import find_routers
-
-    used = {}
-    hooks = [r.register_forward_hook(lambda m, a, o, i=i: used.__setitem__(i, o[1].detach().clone()))
-             for i, (_, r) in enumerate(find_routers(worker.gpt))]
-    m = step(batch)
-    for h in hooks:
-        h.remove()
-    S, B = batch.tokens.shape[1], batch.tokens.shape[0]
-    ids = [used[i].reshape(S * B, -1).nonzero()[:, 1].reshape(S, B, TOP_K) for i in sorted(used)]
-    return m, torch.stack(ids, 2).transpose(0, 1)
-
-
-def _replay_scenario(rank, world_size, ports, model_dir, whole, done):
-    from _spawn import algo_cfg, trainer_cfg
-    from gspo_ray.trainer.routing.churn import find_routers
-    from gspo_ray.trainer.worker import TrainerWorker
-
-    out = {}
-    for i, mode in enumerate(("R3", "none")):
-        w = TrainerWorker(rank, world_size, "127.0.0.1", ports[i], model_dir,
-                          trainer_cfg(1, lr=0.0, routing_replay=mode, routing_agreement=True, shared_prefix=False),
-                          algo_cfg())
-        if mode == "R3":  # the engine's weights, nothing moved: the trainer's own top-k agrees everywhere
-            out["unchanged"] = w.train_step(whole)
-            g = torch.Generator().manual_seed(1)
-            for _, r in find_routers(w.gpt):  # only the router moves
-                r.weight.data += 0.3 * torch.randn(r.weight.shape, generator=g)
-            out["router_moved"] = w.train_step(whole)
-        out[mode] = _used_routes(w, done, w.train_step)
-        w.shutdown()
-    return out
-
-
 def test_trainer_replays_exactly_the_engine_routes(setup):
-    from _spawn import run_ranks
+    from _r3_trainer import r3_trainer_runs
 
     def batch(samples):
         return collate(samples, [[1.0 if i % 2 else -1.0] * s.num_tokens for i, s in enumerate(samples)])
     whole, done = batch(setup["whole"]), batch(setup["done"])
-    out = run_ranks(_replay_scenario, 1, (str(setup["dir"]), whole, done), n_ports=2)[0]
+    out = r3_trainer_runs(str(setup["dir"]), whole, done)
     assert out["unchanged"]["moe/route_agree_lag0"] == 1.0 and out["unchanged"]["moe/route_agree_tokens_lag0"] > 50
     assert out["router_moved"]["moe/route_agree_lag0"] < 0.9
     routes = done.routes.long().sort(-1).values  # [B, L, layers, k]
