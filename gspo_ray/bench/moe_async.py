@@ -137,11 +137,17 @@ def run_moe_async_bench(steps: int = 60, seeds: tuple[int, ...] = (0, 1, 2),
         try:
             for seed in seeds:
                 for label, level, replay, extra in VARIANTS:
-                    results.append(bench_async_variant(label, level, replay, steps, seed, Path(tmp), extra))
+                    try:
+                        results.append(bench_async_variant(label, level, replay, steps, seed, Path(tmp), extra))
+                    except Exception as e:  # a failed run is reported, the others still run
+                        print(f"| {label} | {seed} | failed: {type(e).__name__}: {e} |", flush=True)
+                        continue
                     print(format_async(results[-1:]).splitlines()[-1], flush=True)
         finally:
             if started:
                 ray.shutdown()
+    if not results:
+        return results
     png.parent.mkdir(parents=True, exist_ok=True)
     plot_async(results, png)
     print(f"make run's tiny Qwen3-MoE widened to 16 experts top-2, copy task, 16 prompts x 8, lr {LR:g}, async, "

@@ -41,12 +41,16 @@ def _checkpoint_tensors(model_dir):
     return out
 
 
-def _hf_routes(model_dir, tensors, ids: list[int]):
-    """(top-k [T, layers, k], tie [T, layers]) of a transformers forward with the given weights."""
+def _hf_model(model_dir, tensors):
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     hf.load_state_dict(tensors, strict=False)
+    return hf
+
+
+def _hf_routes(hf, ids: list[int]):
+    """(top-k [T, layers, k], tie [T, layers]) of a transformers forward of `ids`."""
     logits = {}
     hooks = [layer.mlp.gate.register_forward_hook(lambda m, a, out, i=i: logits.__setitem__(i, out[0].detach()))
              for i, layer in enumerate(hf.model.layers)]
@@ -85,7 +89,8 @@ def setup(tmp_path_factory):
     w1 = {n: (t + 0.3 * torch.randn(t.shape, generator=g) if ".mlp.gate." in n else t) for n, t in w0.items()}
     engine.load_weights(w1.items())
     done = engine.continue_samples(resumed, sampling, version=1, seed=3)
-    yield {"dir": model_dir, "w0": w0, "w1": w1, "whole": whole, "cut": cut, "resumed": resumed, "done": done}
+    yield {"dir": model_dir, "w0": _hf_model(model_dir, w0), "w1": _hf_model(model_dir, w1), "whole": whole,
+           "cut": cut, "resumed": resumed, "done": done}
     engine.shutdown()
 
 
@@ -96,7 +101,7 @@ def test_routes_equal_a_transformers_forward(setup):
         routes = unpack_routes(s.routes)
         assert routes.shape == (len(ids), 2, TOP_K)
         assert (routes[-1] == -1).all() and (routes[:-1] >= 0).all()  # the last token is never fed
-        ref, tie = _hf_routes(setup["dir"], setup["w0"], ids)
+        ref, tie = _hf_routes(setup["w0"], ids)
         compared += _check_positions(routes, ref, tie, list(range(len(ids) - 1)))
     assert compared > 50
 
@@ -110,13 +115,13 @@ def test_segments_keep_their_own_routes_through_abort_json_and_resume(setup):
         assert (routes[:-1] >= 0).all() and (routes[-1] == -1).all()
         np.testing.assert_array_equal(routes[:first_fed], unpack_routes(before.routes)[:first_fed])
         ids = after.prompt_ids + after.completion_ids
-        ref0, tie0 = _hf_routes(setup["dir"], setup["w0"], ids)
-        ref1, tie1 = _hf_routes(setup["dir"], setup["w1"], ids)
+        ref0, tie0 = _hf_routes(setup["w0"], ids)
+        ref1, tie1 = _hf_routes(setup["w1"], ids)
         _check_positions(routes, ref0, tie0, list(range(first_fed)))
         _check_positions(routes, ref1, tie1, list(range(first_fed, len(ids) - 1)))
         # the push moved routing: the first segment's positions differ from the new weights' choice somewhere
     moved = sum(bool((torch.from_numpy(unpack_routes(a.routes)[:len(a.prompt_ids) + 3]).long().sort(-1).values
-                      != _hf_routes(setup["dir"], setup["w1"], a.prompt_ids + a.completion_ids)[0][
+                      != _hf_routes(setup["w1"], a.prompt_ids + a.completion_ids)[0][
                           :len(a.prompt_ids) + 3]).any()) for a in setup["done"])
     assert moved > 0
 
