@@ -66,20 +66,32 @@ def bench_async_variant(label: str, level: str, replay: str, steps: int, seed: i
             "skipped": (len(rows) * MINIBATCHES - rows[-1]["train/version"]) if rows else 0,
             "clip_tok": mean("train/clip_frac_tok"), "clip_seq": mean("train/clip_frac_seq"),
             "multi_version": mean("rollout/multi_version_samples"),
-            **{f"agree_{lag}": mean(f"moe/route_agree_{lag}") for lag in LAGS},
+            **{f"agree_{lag}": _share(rows, lag) for lag in LAGS},
+            # (token, layer) pairs per layer over the run (a row's sums are means over its optimizer steps)
+            **{f"tokens_{lag}": sum(r.get(f"moe/route_agree_tokens_{lag}", 0.0) * r.get("train/optimizer_steps", 1)
+                                    for r in rows) for lag in LAGS},
             "reward": [r.get("rollout/reward_mean") for r in rows], "wall_s": time.time() - start}
+
+
+def _share(rows: list[dict], lag: str) -> float | None:
+    """Agreement at `lag` over the whole run: (token, layer) pairs that agreed over pairs compared."""
+    hits = sum(r.get(f"moe/route_agree_hits_{lag}", 0.0) for r in rows)
+    tokens = sum(r.get(f"moe/route_agree_tokens_{lag}", 0.0) for r in rows)
+    return hits / tokens if tokens > 0 else None
 
 
 def format_async(results: list[dict]) -> str:
     head = ("| run | seed | steps | held-out reward final | best | collapsed | skipped steps | clip frac token | "
-            "clip frac seq | samples spanning 2+ versions per step | routing agreement lag 0 | lag 1 | lag 2+ | s |")
+            "clip frac seq | samples spanning 2+ versions per step | routing agreement lag 0 | lag 1 | lag 2+ | "
+            "tokens compared lag 0 / 1 / 2+ | s |")
     lines = table_head(head)
     for r in results:
         lines.append(f"| {r['label']} | {r['seed']} | {r['steps']} | {optional_number(r['eval_final'], 3)} | "
                      f"{optional_number(r['eval_best'], 3)} | {'yes' if r['collapsed'] else 'no'} | {r['skipped']:.0f} | "
                      f"{optional_number(r['clip_tok'], 3)} | {optional_number(r['clip_seq'], 3)} | "
                      f"{optional_number(r['multi_version'], 1)} | "
-                     + " | ".join(optional_number(r[f"agree_{lag}"], 3) for lag in LAGS) + f" | {r['wall_s']:.0f} |")
+                     + " | ".join(optional_number(r[f"agree_{lag}"], 3) for lag in LAGS) + " | "
+                     + " / ".join(f"{r[f'tokens_{lag}']:.0f}" for lag in LAGS) + f" | {r['wall_s']:.0f} |")
     return "\n".join(lines)
 
 
@@ -94,7 +106,8 @@ def summarise(results: list[dict]) -> list[dict]:
             return statistics.fmean(vals) if vals else None
         out.append({"label": label, "seed": f"{len(runs)} seeds", "steps": runs[0]["steps"],
                     **{k: m(k) for k in ("eval_final", "eval_best", "clip_tok", "clip_seq", "multi_version",
-                                         *(f"agree_{lag}" for lag in LAGS), "wall_s")},
+                                         *(f"agree_{lag}" for lag in LAGS), *(f"tokens_{lag}" for lag in LAGS),
+                                         "wall_s")},
                     "collapsed": sum(r["collapsed"] for r in runs) > 0, "skipped": sum(r["skipped"] for r in runs),
                     "reward": runs[0]["reward"]})
     return out

@@ -125,3 +125,28 @@ def test_eps_auto_in_async_mode_follows_injected_drift(sigma):
         assert coord.auto_eps.band() != before and out["train/auto_eps_sigma"] == pytest.approx(sigma)
     else:
         assert coord.auto_eps.band() == before
+
+
+def test_routing_agreement_of_a_step_counts_only_the_mini_batches_that_compared():
+    """A lag bucket one mini-batch of two did not see is not a 0 there: the step's share comes from the sums."""
+    class Agreeing:
+        calls = 0
+
+        def train_step(self, batch, eps=None):
+            self.calls += 1
+            lag0 = {"moe/route_agree_lag0": 1.0, "moe/route_agree_hits_lag0": 10.0,
+                    "moe/route_agree_tokens_lag0": 10.0} if self.calls == 1 else {}
+            return {**lag0, "moe/route_agree_lag1": 0.5, "moe/route_agree_hits_lag1": 5.0 * self.calls,
+                    "moe/route_agree_tokens_lag1": 10.0 * self.calls, "train/policy_version": float(self.calls)}
+
+        def end_batch(self):
+            pass
+
+    cfg = load_config(None, ["coordinator.num_minibatches=2", "algorithm.eps=fixed",
+                             "coordinator.recompute_old_logprobs=false"])
+    coord = Coordinator(cfg, None, Agreeing(), None, LoopState(version=0))
+    groups = [_group("a", [1.0, 0.0]), _group("b", [0.0, 1.0])]
+    for g in groups:
+        g.advantages = [0.7, -0.7]
+    out = coord.train_on(groups)
+    assert out["moe/route_agree_lag0"] == 1.0 and out["moe/route_agree_lag1"] == 0.5

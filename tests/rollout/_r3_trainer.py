@@ -37,7 +37,8 @@ def _replay_scenario(rank, world_size, ports, model_dir, whole, done):
     out = {}
     for i, mode in enumerate(("R3", "none")):
         w = TrainerWorker(rank, world_size, "127.0.0.1", ports[i], model_dir,
-                          trainer_cfg(1, lr=0.0, routing_replay=mode, routing_agreement=True, shared_prefix=False),
+                          trainer_cfg(1, lr=0.0, routing_replay=mode, routing_agreement=True, shared_prefix=False,
+                                      micro_batch_size=64, router_churn_every=0),  # one forward a step
                           algo_cfg())
         if mode == "R3":  # the engine's weights, nothing moved: the trainer's own top-k agrees everywhere
             out["unchanged"] = w.train_step(whole)

@@ -64,13 +64,16 @@ def position_lags(versions: torch.Tensor, trainer_version: int) -> torch.Tensor:
 
 
 def metrics_from_counts(counts: torch.Tensor) -> dict[str, float]:
-    """[layers, 3, 2] counts -> agreement per lag bucket over all layers (and the tokens compared per layer)."""
+    """[layers, 3, 2] counts -> agreement per lag bucket over all layers, with its two sums per layer (tokens that
+    agreed, tokens compared): sums add up over mini-batches, so the loop recomputes the share of a whole step from
+    them (a bucket a mini-batch did not see must not count as 0)."""
     total = counts.sum(0)
     out = {}
     layers = max(counts.shape[0], 1)
     for j, name in enumerate(LAG_BUCKETS):
         if total[j, 1] > 0:
             out[f"moe/route_agree_{name}"] = float(total[j, 0] / total[j, 1])
+            out[f"moe/route_agree_hits_{name}"] = float(total[j, 0]) / layers
             out[f"moe/route_agree_tokens_{name}"] = float(total[j, 1]) / layers
     return out
 
