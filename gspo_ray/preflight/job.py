@@ -29,6 +29,7 @@ from gspo_ray.preflight.job_model import check_tiny_config, checked_tokenizer, m
 from gspo_ray.preflight.lora import check_lora
 from gspo_ray.preflight.plugins import dry_env, dry_reward, import_env, import_reward
 from gspo_ray.preflight.report import IMPORT_TIMEOUT_S, PreflightReport
+from gspo_ray.rollout.engine_env import describe_engines
 
 
 def run_preflight(cfg: JobConfig, *, import_timeout_s: float = IMPORT_TIMEOUT_S) -> PreflightReport:
@@ -52,5 +53,8 @@ def run_preflight(cfg: JobConfig, *, import_timeout_s: float = IMPORT_TIMEOUT_S)
         dry_env(cfg, env_cls, tokenizer, prompt, report)
     if facts is None and cfg.model.tiny is not None:  # last: importing a transformers config class takes seconds
         check_lora(cfg, check_tiny_config(cfg, cfg.rollout.num_gpus_per_worker == 0), report)
+    r = cfg.rollout
+    report.add("engines", "ok", describe_engines(r.tensor_parallel_size, r.enable_expert_parallel,
+                                                 r.num_gpus_per_worker > 0))
     report.seconds = time.perf_counter() - start
     return report
