@@ -430,6 +430,9 @@ class RolloutEngine:
             raise WeightSyncError(f"weight reload failed, engine left unusable until a complete push: "
                                   f"{type(e).__name__}: {e}") from e
         self.reset_prefix_cache()
+        errors = [r["error"] for r in reports if r.get("error")]
+        if errors:
+            raise WeightSyncError(f"weight reload failed, engine left unusable until a complete push: {errors[0]}")
         missing = self.checkpoint_names - seen
         if missing:
             raise WeightSyncError(f"incomplete weight push: {len(missing)} of {len(self.checkpoint_names)} "

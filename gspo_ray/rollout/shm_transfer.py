@@ -90,8 +90,15 @@ class SharedMemoryTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo
         initialize_layerwise_reload(self.model)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
-        # the base class also synchronises the accelerator; CPU tensors are written when load_weights returns
-        self.receive_weights(self.parse_update_info(update_info))
+        """Load one chunk. A failure is recorded in the report, not raised: vLLM 0.32's multi-process executor
+        raises at the first worker's failure and leaves the other workers' replies queued, where the next call
+        (the repairing push) reads them as its own. The engine raises from the reports instead."""
+        if self.report.get("error"):
+            return
+        try:  # the base class also synchronises the accelerator; CPU tensors are written when load_weights returns
+            self.receive_weights(self.parse_update_info(update_info))
+        except Exception as e:  # noqa: BLE001 - reported to the engine, which raises WeightSyncError
+            self.report["error"] = f"{type(e).__name__}: {e}"
 
     def receive_weights(self, update_info: ShmUpdateInfo) -> None:
         weights = update_info.local if update_info.local is not None else read_shared(update_info.record())
@@ -108,6 +115,8 @@ class SharedMemoryTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo
 
         from gspo_ray.compat.vllm_cpu_reload import apply_reload_fix
 
+        if self.report.get("error"):  # half-loaded layers stay as they are: only a complete push repairs them
+            return
         finalize_layerwise_reload(self.model, self.model_config)
         self.report |= apply_reload_fix(self.model)  # re-packed MoE experts, re-dispatched tied lm_head
 
