@@ -61,3 +61,9 @@ def test_r3_on_a_dense_model_directory_ends_in_one_line_and_exit_2(tmp_path):
     assert result.exit_code == 2, result.output
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: trainer.routing_replay 'R3' needs an MoE model"), lines
+
+
+def test_routes_need_the_in_process_engine():
+    """The capture hooks the in-process engine's runner: a TP 2 engine's routers run in its worker processes."""
+    with pytest.raises(ConfigError, match=r"trainer.routing_replay 'R3' needs rollout.tensor_parallel_size 1 \(got 2\)"):
+        load_config(RECIPE, ["trainer.routing_replay=R3", "rollout.tensor_parallel_size=2"])

@@ -13,7 +13,8 @@
     regime   routing drift after one update over a grid of upcycled SmolLM2 MoEs (experts, top-k, router std,
              expert noise, lr), no job: where routing really moves (moe_regime.py)
     rollout  one engine's generation tokens/s and the weight push per MB (rollout.py)
-    push     the SmolLM2 weight push, object store against shared memory, interleaved rounds (push.py)
+    push     the SmolLM2 weight push, object store against shared memory, interleaved rounds; shared-memory pushes
+             into a TP 1 and a TP 2 engine (push.py)
     lora     an adapter-only push into a LoRA engine vs the full-weight push; SmolLM2 rollouts with the adapter
              served, vLLM's CPU LoRA ops against compat.vllm_cpu_lora's (lora_push.py)
     lora-vs-full  the SmolLM2 sum recipe (--recipe: another) trained with rank-16 adapters against full fine-tuning,
@@ -78,9 +79,10 @@ def run(suite: str = "all", *, quick: bool = False, steps: int = 6, seeds: tuple
 
         run_rollout_bench(["--reps", "1"] if quick else [])
     if suite == "push":
-        from gspo_ray.bench.push import run_push_bench
+        from gspo_ray.bench.push import run_push_bench, run_tp_push_bench
 
         run_push_bench(rounds=2 if quick else steps)
+        run_tp_push_bench(rounds=2 if quick else steps)
     if suite == "lora":
         from gspo_ray.bench.lora_push import run_lora_decode_bench, run_lora_push_bench
         from gspo_ray.models.gguf import ensure_imported

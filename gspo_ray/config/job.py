@@ -167,6 +167,12 @@ class JobConfig(Strict):
             if self.rollout.multi_turn is not None:
                 raise ValueError(f"{field} cannot be combined with rollout.multi_turn: episodes do not carry the "
                                  "engine's routes")
+            if self.rollout.tensor_parallel_size > 1:
+                # the route capture hooks the in-process engine's runner; a multi-process engine's routers run in
+                # its worker processes, out of the hook's reach
+                raise ValueError(f"{field} needs rollout.tensor_parallel_size 1 (got "
+                                 f"{self.rollout.tensor_parallel_size}): the engine's routes are captured in the "
+                                 "in-process engine only")
         # R3 replays the engine's routing, recorded per position when it sampled: any mode, partial rollouts too
         for on, name in ((t.routing_replay == "R2", f"trainer.routing_replay {t.routing_replay!r}"),
                          (t.routing_noise, "trainer.routing_noise")):
