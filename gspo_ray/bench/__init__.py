@@ -8,10 +8,13 @@
     moe      GRPO / GRPO+R2 / GSPO / GSPO-token on the upcycled SmolLM2 MoE (moe.py; long)
     moe-tiny the same four and GSPO with eps auto, 3 seeds x 320 updates, on make run's tiny MoE widened to 16
              experts, where routing moves by several per cent per update (moe_tiny.py)
+    moe-async GRPO / GSPO / eps auto without replay against R3 from the engine, async with partial rollouts, on the
+             same 16-expert tiny MoE; routing agreement by version lag (moe_async.py)
     regime   routing drift after one update over a grid of upcycled SmolLM2 MoEs (experts, top-k, router std,
              expert noise, lr), no job: where routing really moves (moe_regime.py)
     rollout  one engine's generation tokens/s and the weight push per MB (rollout.py)
-    push     the SmolLM2 weight push, object store against shared memory, interleaved rounds (push.py)
+    push     the SmolLM2 weight push, object store against shared memory, interleaved rounds; shared-memory pushes
+             into a TP 1 and a TP 2 engine (push.py)
     lora     an adapter-only push into a LoRA engine vs the full-weight push; SmolLM2 rollouts with the adapter
              served, vLLM's CPU LoRA ops against compat.vllm_cpu_lora's (lora_push.py)
     lora-vs-full  the SmolLM2 sum recipe (--recipe: another) trained with rank-16 adapters against full fine-tuning,
@@ -33,12 +36,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-SUITES = ("tiny", "smollm2", "profile", "moe", "moe-tiny", "regime", "rollout", "push", "lora", "lora-vs-full", "probe",
-          "learn", "recovery", "scale", "autoscale", "preflight", "all")
+SUITES = ("tiny", "smollm2", "profile", "moe", "moe-tiny", "moe-async", "regime", "rollout", "push", "lora",
+          "lora-vs-full", "probe", "learn", "recovery", "scale", "autoscale", "preflight", "all")
 
 
 # each multi-seed suite's seeds when --seeds is not given
-DEFAULT_SEEDS = {"moe": (0,), "moe-tiny": (0, 1, 2), "learn": (0, 1, 2), "recovery": (0, 1)}
+DEFAULT_SEEDS = {"moe": (0,), "moe-tiny": (0, 1, 2), "moe-async": (0, 1, 2), "learn": (0, 1, 2), "recovery": (0, 1)}
 
 
 def seeds_for(suite: str, seeds: tuple[int, ...] | None) -> tuple[int, ...]:
@@ -62,6 +65,11 @@ def run(suite: str = "all", *, quick: bool = False, steps: int = 6, seeds: tuple
         from gspo_ray.bench.moe_tiny import run_moe_tiny_bench
 
         run_moe_tiny_bench(steps=5 if quick else 40, seeds=seeds)
+    if suite == "moe-async":
+        from gspo_ray.bench.moe_async import run_moe_async_bench
+
+        # --steps when given (the CLI's default 6 is the smollm2 / moe suites'), else 60
+        run_moe_async_bench(steps=4 if quick else (60 if steps == 6 else steps), seeds=seeds)
     if suite == "regime":
         from gspo_ray.bench.moe_regime import main as run_regime_probe
 
@@ -71,9 +79,10 @@ def run(suite: str = "all", *, quick: bool = False, steps: int = 6, seeds: tuple
 
         run_rollout_bench(["--reps", "1"] if quick else [])
     if suite == "push":
-        from gspo_ray.bench.push import run_push_bench
+        from gspo_ray.bench.push import run_push_bench, run_tp_push_bench
 
         run_push_bench(rounds=2 if quick else steps)
+        run_tp_push_bench(rounds=2 if quick else steps)
     if suite == "lora":
         from gspo_ray.bench.lora_push import run_lora_decode_bench, run_lora_push_bench
         from gspo_ray.models.gguf import ensure_imported

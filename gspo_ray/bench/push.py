@@ -95,3 +95,42 @@ def run_push_bench(rounds: int = 5, model_dir: Path = Path("runs/models/smollm2-
     text = "\n".join(lines)
     print(text, flush=True)
     return text
+
+
+def run_tp_push_bench(rounds: int = 5, root: Path | None = None) -> str:
+    """Shared-memory pushes through vLLM's weight-transfer protocol into a TP 1 (in-process) and a TP 2
+    (multi-process, a core per worker) engine of one dense Qwen2 (hidden 512, 8 heads, 8 layers: SmolLM2's 9 heads
+    do not split in two), one engine at a time, no Ray; median (range) of `rounds` pushes after a warm-up, each
+    push the file written by this process (the trainer's export) and mapped by every worker of the engine."""
+    from gspo_ray.data.shared_weights import SharedWeightWriter
+    from gspo_ray.models.tiny import make_tiny_model
+    from gspo_ray.rollout.engine import RolloutEngine
+    from gspo_ray.rollout.weight_sync import push_buckets, read_checkpoint_weights
+
+    with tempfile.TemporaryDirectory(prefix="gspo-bench-tp-push-") as tmp:
+        base = Path(root or tmp)
+        model = make_tiny_model("qwen2", base / "model", seed=0, hidden=512, layers=8, heads=8)
+        weights = list(read_checkpoint_weights(model))
+        mb = sum(t.numel() * t.element_size() for _, t in weights) / 2 ** 20
+        writer = SharedWeightWriter()
+        lines = [f"Qwen2 hidden 512 x 8 layers, {mb:.0f} MiB fp32: shared-memory push through gspo_shm, {rounds} "
+                 f"rounds after a warm-up; median (range) s; load average {os.getloadavg()[0]:.1f} at the start",
+                 "| engine | start s | push s |", "|---|---|---|"]
+        for tp in (1, 2):
+            t0 = time.perf_counter()
+            engine = RolloutEngine(model, run_dir=base / f"tp{tp}", max_model_len=128, kv_cache_gb=0.125,
+                                   cpu_cores="0-1" if tp == 2 else "0", tensor_parallel_size=tp)
+            start_s = time.perf_counter() - t0
+            pushes = []
+            for r in range(rounds + 1):
+                shared = writer.write(weights)
+                t0 = time.perf_counter()
+                push_buckets(engine, shared)
+                if r:
+                    pushes.append(time.perf_counter() - t0)
+            engine.shutdown()
+            lines.append(f"| TP {tp} ({engine.mode}) | {start_s:.1f} | {_spread(pushes)} |")
+        writer.close()
+    text = "\n".join(lines)
+    print(text, flush=True)
+    return text

@@ -158,7 +158,23 @@ class JobConfig(Strict):
         since sampling). Routing drift stays on there and says how late its first sight is
         (`moe/drift_first_sight_lag`, docs/moe.md)."""
         t = self.trainer
-        for on, name in ((t.routing_replay != "none", f"trainer.routing_replay {t.routing_replay!r}"),
+        for field in (["trainer.routing_replay 'R3'"] if t.routing_replay == "R3" else []) + (
+                ["trainer.routing_agreement"] if t.routing_agreement else []):
+            tiny = self.model.tiny
+            if tiny is not None and tiny.arch != "qwen3_moe":
+                raise ValueError(f"{field} needs an MoE model: model.tiny.arch {tiny.arch!r} has no routers (use "
+                                 "'qwen3_moe')")
+            if self.rollout.multi_turn is not None:
+                raise ValueError(f"{field} cannot be combined with rollout.multi_turn: episodes do not carry the "
+                                 "engine's routes")
+            if self.rollout.tensor_parallel_size > 1:
+                # the route capture hooks the in-process engine's runner; a multi-process engine's routers run in
+                # its worker processes, out of the hook's reach
+                raise ValueError(f"{field} needs rollout.tensor_parallel_size 1 (got "
+                                 f"{self.rollout.tensor_parallel_size}): the engine's routes are captured in the "
+                                 "in-process engine only")
+        # R3 replays the engine's routing, recorded per position when it sampled: any mode, partial rollouts too
+        for on, name in ((t.routing_replay == "R2", f"trainer.routing_replay {t.routing_replay!r}"),
                          (t.routing_noise, "trainer.routing_noise")):
             if not on:
                 continue

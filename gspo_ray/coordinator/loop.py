@@ -174,6 +174,9 @@ class Coordinator:
                 steps += 1
         self.trainer.end_batch()  # no later step sees these rows: their routing records go
         out = combine_minibatches(rows) if steps else {"train/skipped": 1.0}  # maxima by max, counts summed
+        for key in [k for k in out if k.startswith("moe/route_agree_hits_")]:  # the step's share, from its sums
+            lag = key.rsplit("_", 1)[1]
+            out[f"moe/route_agree_{lag}"] = out[key] / out[f"moe/route_agree_tokens_{lag}"]
         out.update(first)
         if self.auto_eps is not None:
             out.update(self.auto_eps.update())  # sets the band of the next rollout batch

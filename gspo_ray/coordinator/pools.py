@@ -60,16 +60,27 @@ def rollout_config(cfg: JobConfig):
     lora = cfg.trainer.lora
     if lora is not None and lora.serve == "adapter" and r.lora_rank is None:  # the engines serve the adapter
         r = r.model_copy(update={"lora_rank": lora.rank})
+    if (cfg.trainer.routing_replay == "R3" or cfg.trainer.routing_agreement) and not r.capture_routes:
+        r = r.model_copy(update={"capture_routes": True})  # the engines return the routing that sampled
     if r.num_threads is not None:
         return r
     return r.model_copy(update={"num_threads": auto_threads(cfg, r.num_workers, r.num_cpus_per_worker)})
+
+
+def engine_resources(r) -> dict:
+    """Ray resources of one rollout actor: an engine of tensor_parallel_size devices needs that many cores (CPU
+    engines, one per TP worker) or GPUs, all on its node (an actor and its worker processes live on one node)."""
+    tp = r.tensor_parallel_size
+    if r.num_gpus_per_worker > 0:
+        return {"num_cpus": r.num_cpus_per_worker, "num_gpus": max(r.num_gpus_per_worker, tp)}
+    return {"num_cpus": max(r.num_cpus_per_worker, tp), "num_gpus": 0}
 
 
 def rollout_actor_options(cfg: JobConfig) -> dict:
     from gspo_ray.trainer.pool import omp_threads_env
 
     r = rollout_config(cfg)
-    return {"num_cpus": r.num_cpus_per_worker, "num_gpus": r.num_gpus_per_worker,
+    return {**engine_resources(r),
             "resources": dict(r.resources) or None, "max_restarts": 0, "max_task_retries": 0,
             "max_concurrency": 2,  # lets pause/ping reach a worker while it generates
             **omp_threads_env(r.num_threads)}

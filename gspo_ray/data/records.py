@@ -57,6 +57,11 @@ class Sample:
     # need no env token between them (an env may answer with an empty observation); None = derive turns from
     # runs of loss_mask 1
     turn_starts: list[int] | None = None
+    # Routing Replay R3: the engine's top-k experts per position of prompt + completion, one entry per MoE layer
+    # (`pack_routes`; -1 = a position the engine never computed). Position q holds the routing of the forward that
+    # fed token q, so the routing that drew completion token t is at position t - 1. A continued completion keeps
+    # its earlier positions' routes (first sight wins): each segment's tokens keep the routing that sampled them
+    routes: dict | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -67,6 +72,28 @@ class Sample:
         for name in ("logprobs", "loss_mask", "versions"):
             if len(getattr(self, name)) != n:
                 raise ValueError(f"Sample.{name} has {len(getattr(self, name))} entries, completion_ids has {n}")
+        if self.routes is not None and self.routes["shape"][0] != len(self.prompt_ids) + n:
+            raise ValueError(f"Sample.routes covers {self.routes['shape'][0]} positions, prompt + completion has "
+                             f"{len(self.prompt_ids) + n}")
+
+
+def pack_routes(routes) -> dict:
+    """int16 array [positions, moe_layers, k] -> a JSON-ready record (checkpoints of open groups carry it)."""
+    import base64
+
+    import numpy as np
+
+    a = np.ascontiguousarray(routes, dtype=np.int16)
+    return {"shape": list(a.shape), "b64": base64.b64encode(a.tobytes()).decode("ascii")}
+
+
+def unpack_routes(record: dict):
+    """`pack_routes`' record -> int16 array [positions, moe_layers, k]."""
+    import base64
+
+    import numpy as np
+
+    return np.frombuffer(base64.b64decode(record["b64"]), dtype=np.int16).reshape(record["shape"]).copy()
 
 
 @dataclass
@@ -101,6 +128,8 @@ class TrainBatch:
     adv        [B, L] float   advantage of tokens[b, t]
     lengths    [B]    int64   real length of each row
     rollout_logp [B, L] float engine log-prob when old_logp holds the trainer's recomputed ones, else None
+    routes     [B, L, n, k] int16 the engine's experts per position and MoE layer (Sample.routes), else None
+    versions   [B, L] int64   the policy version that sampled tokens[b, t] (-1 at prompt and padding), with routes
     """
 
     tokens: torch.Tensor
@@ -111,6 +140,8 @@ class TrainBatch:
     ref_logp: torch.Tensor | None = None
     uids: list[str] = field(default_factory=list)
     rollout_logp: torch.Tensor | None = None
+    routes: torch.Tensor | None = None  # [B, L, moe_layers, k] int16 engine routes (R3), -1 = not recorded
+    versions: torch.Tensor | None = None  # [B, L] int64 policy version of each sampled token, -1 elsewhere
 
     @property
     def num_sequences(self) -> int:
@@ -129,7 +160,17 @@ class TrainBatch:
             ref_logp=None if self.ref_logp is None else self.ref_logp[idx],
             uids=[self.uids[i] for i in idx.tolist()] if self.uids else [],
             rollout_logp=None if self.rollout_logp is None else self.rollout_logp[idx],
+            routes=None if self.routes is None else self.routes[idx],
+            versions=None if self.versions is None else self.versions[idx],
         )
+
+    def narrow(self, width: int) -> "TrainBatch":
+        """The same rows cut to their first `width` positions."""
+        def cut(t):
+            return None if t is None else t[:, :width]
+        return TrainBatch(tokens=cut(self.tokens), loss_mask=cut(self.loss_mask), old_logp=cut(self.old_logp),
+                          adv=cut(self.adv), lengths=self.lengths, ref_logp=cut(self.ref_logp), uids=self.uids,
+                          rollout_logp=cut(self.rollout_logp), routes=cut(self.routes), versions=cut(self.versions))
 
 
 def collate(samples: list[Sample], advantages: list[list[float]], pad_to_multiple: int = 1) -> TrainBatch:
@@ -148,6 +189,12 @@ def collate(samples: list[Sample], advantages: list[list[float]], pad_to_multipl
     adv = torch.zeros(B, L)
     recomputed = any(s.old_logprobs is not None for s in samples)
     rollout = torch.zeros(B, L) if recomputed else None
+    routed = [s.routes for s in samples if s.routes is not None]
+    routes = versions = None
+    if routed:
+        _, n_layers, k = routed[0]["shape"]
+        routes = torch.full((B, L, n_layers, k), -1, dtype=torch.int16)
+        versions = torch.full((B, L), -1, dtype=torch.long)
     for b, (s, a) in enumerate(zip(samples, advantages)):
         p, c = len(s.prompt_ids), len(s.completion_ids)
         if len(a) != c:
@@ -159,6 +206,13 @@ def collate(samples: list[Sample], advantages: list[list[float]], pad_to_multipl
         if rollout is not None:
             rollout[b, p:p + c] = torch.tensor(s.logprobs, dtype=torch.float)
         adv[b, p:p + c] = torch.tensor(a, dtype=torch.float)
+        if routes is not None:
+            versions[b, p:p + c] = torch.tensor(s.versions, dtype=torch.long)
+            if s.routes is not None:
+                if tuple(s.routes["shape"][1:]) != tuple(routes.shape[2:]):
+                    raise ValueError(f"sample {s.prompt_uid}/{s.sample_index}: routes of shape {s.routes['shape']}, "
+                                     f"others [positions, {routes.shape[2]}, {routes.shape[3]}]")
+                routes[b, :p + c] = torch.from_numpy(unpack_routes(s.routes))
     return TrainBatch(tokens=tokens, loss_mask=mask, old_logp=old, adv=adv,
                       lengths=torch.tensor(lengths), uids=[f"{s.prompt_uid}/{s.sample_index}" for s in samples],
-                      rollout_logp=rollout)
+                      rollout_logp=rollout, routes=routes, versions=versions)

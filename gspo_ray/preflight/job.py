@@ -33,6 +33,8 @@ from gspo_ray.preflight.model import PreflightError
 from gspo_ray.preflight.plugins import dry_env, dry_reward, import_env, import_reward
 from gspo_ray.preflight.report import IMPORT_TIMEOUT_S, PreflightReport
 from gspo_ray.preflight.verdicts import DataVerdicts
+from gspo_ray.preflight.routes import check_routes
+from gspo_ray.rollout.engine_env import describe_engines
 
 
 def check_use_te(use_te) -> None:
@@ -53,6 +55,7 @@ def run_preflight(cfg: JobConfig, *, import_timeout_s: float = IMPORT_TIMEOUT_S,
     report = PreflightReport()
     check_use_te(cfg.trainer.use_te)
     facts = model_facts(cfg, report)
+    check_routes(cfg, facts.hf_config if facts is not None else None, f"model.path ({cfg.model.path})")
     if facts is not None or cfg.model.tiny is None:  # a tiny model's adapters are checked with its config below
         check_lora(cfg, facts.hf_config if facts is not None else None, report)
     reward_fn = import_reward(cfg, import_timeout_s)
@@ -69,6 +72,9 @@ def run_preflight(cfg: JobConfig, *, import_timeout_s: float = IMPORT_TIMEOUT_S,
         dry_env(cfg, env_cls, tokenizer, prompt, report)
     if facts is None and cfg.model.tiny is not None:  # last: importing a transformers config class takes seconds
         check_lora(cfg, check_tiny_config(cfg, cfg.rollout.num_gpus_per_worker == 0), report)
+    r = cfg.rollout
+    report.add("engines", "ok", describe_engines(r.tensor_parallel_size, r.enable_expert_parallel,
+                                                 r.num_gpus_per_worker > 0))
     if verdicts is not None:  # every check passed: the data files' verdicts may be kept
         verdicts.save()
     report.seconds = time.perf_counter() - start

@@ -8,7 +8,8 @@ from typing import Any
 from gspo_ray.config import JobConfig
 from gspo_ray.models.cache import packaged_model_dir
 from gspo_ray.preflight.model import (PreflightError, check_architecture, check_converter_spec, check_engine_limits,
-                                     check_model_dir, check_tokenizer, load_checked_tokenizer)
+                                     check_engine_parallel, check_model_dir, check_tokenizer, load_checked_tokenizer,
+                                     node_device_count)
 from gspo_ray.preflight.report import PreflightReport, one_line
 
 
@@ -37,6 +38,7 @@ def model_facts(cfg: JobConfig, report: PreflightReport):
                                        "when training starts: directory checks skipped, its config checked")
         return None
     facts = check_model_dir(path, max_model_len=r.max_model_len, engine_on_cpu=r.num_gpus_per_worker == 0)
+    check_rollout_parallel(cfg, facts.path, facts.hf_config)
     arch = facts.hf_config.get("model_type")
     report.add("model", "ok", f"{facts.path}: {arch}, vocab {facts.vocab_size}, "
                               f"{facts.num_weight_files} safetensors file(s)")
@@ -56,7 +58,17 @@ def check_tiny_config(cfg: JobConfig, on_cpu: bool) -> dict:
     check_architecture(where, hf)
     check_converter_spec(where, hf, cfg.trainer.tp, cfg.trainer.ep)
     check_engine_limits(where, hf, cfg.rollout.max_model_len, on_cpu)
+    check_rollout_parallel(cfg, where, hf)
     return hf
+
+
+def check_rollout_parallel(cfg: JobConfig, where, hf_config: dict) -> None:
+    """rollout.tensor_parallel_size against the model and this machine (check_engine_parallel)."""
+    r = cfg.rollout
+    on_cpu = r.num_gpus_per_worker == 0
+    if r.tensor_parallel_size > 1:
+        check_engine_parallel(where, hf_config, r.tensor_parallel_size, r.enable_expert_parallel,
+                              node_device_count(on_cpu), "core" if on_cpu else "GPU")
 
 
 def checked_tokenizer(cfg: JobConfig, facts, report: PreflightReport) -> tuple[Any, int]:

@@ -101,6 +101,42 @@ def check_engine_limits(where: str | Path, cfg: dict, max_model_len: int, engine
                           f"(rollout.num_gpus_per_worker=0); valid: {', '.join(map(str, CPU_HEAD_SIZES))}")
 
 
+def check_engine_parallel(where: str | Path, cfg: dict, tp: int, expert_parallel: bool, node_devices: int | None,
+                          device: str) -> None:
+    """What a rollout engine of `rollout.tensor_parallel_size` = tp needs: tp divides the attention heads (and the
+    KV heads, or is a multiple of them: vLLM replicates those), the MLP widths it slices, the experts under
+    `rollout.enable_expert_parallel`, and a node has tp devices (node_devices; None = unknown here)."""
+    if tp == 1:
+        return
+    field = "rollout.tensor_parallel_size"
+    if node_devices is not None and tp > node_devices:
+        raise PreflightError(f"{field} ({tp}) exceeds the {node_devices} {device}s of a node: an engine spans one "
+                             f"node; valid: 1..{node_devices}")
+    heads, kv = cfg.get("num_attention_heads") or 1, cfg.get("num_key_value_heads") or cfg.get("num_attention_heads")
+    if heads % tp:
+        raise _fail(where, f"{field} ({tp}) does not divide the model's {heads} attention heads")
+    if kv and kv % tp and tp % kv:
+        raise _fail(where, f"{field} ({tp}) neither divides nor is a multiple of the model's {kv} KV heads")
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 0
+    if expert_parallel and experts and experts % tp:
+        raise _fail(where, f"{field} ({tp}) does not divide the model's {experts} experts "
+                           "(rollout.enable_expert_parallel)")
+    widths = ["intermediate_size"] + ([] if expert_parallel else ["moe_intermediate_size"])
+    for key in widths:
+        if cfg.get(key) and cfg[key] % tp:
+            raise _fail(where, f"{field} ({tp}) does not divide the model's {key} ({cfg[key]})")
+
+
+def node_device_count(on_cpu: bool) -> int | None:
+    """Devices an engine could span on this machine: its usable cores (CPU), its GPUs (None when it has none:
+    the engines' nodes are elsewhere)."""
+    if on_cpu:
+        return len(os.sched_getaffinity(0))
+    import torch
+
+    return torch.cuda.device_count() or None
+
+
 def _context_limit(where: str | Path, cfg: dict) -> tuple[int | None, str]:
     """The longest context vLLM derives: max_position_embeddings, lowered by tokenizer_config.json's
     model_max_length, unless config.json's own model_max_length allows more (vllm/config/model.py)."""

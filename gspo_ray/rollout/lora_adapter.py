@@ -68,6 +68,7 @@ class AdapterServing:
         self.rank = rank
         self.request = None  # vllm LoRARequest after the first push
         self._pushes = 0
+        self.in_memory = True  # later pushes may skip the files (set False by multi-process engines)
 
     def engine_kwargs(self) -> dict:
         return {"enable_lora": True, "max_lora_rank": vllm_max_rank(self.rank), "max_loras": 1}
@@ -104,8 +105,8 @@ class AdapterServing:
         if bad or not tensors:
             raise ValueError(f"adapter push holds {len(bad)} non-adapter tensors (e.g. {bad[:2]}) or none")
         self._pushes += 1
-        if self.request is not None and swaps_in_memory() and llm.collective_rpc(
-                swap_in_memory, kwargs={"tensors": tensors, "config": self.peft_config(tensors)})[0]:
+        if self.request is not None and self.in_memory and swaps_in_memory() and all_swapped(llm.collective_rpc(
+                swap_in_memory, kwargs={"tensors": tensors, "config": self.peft_config(tensors)})):
             shutil.rmtree(self.request.lora_path, ignore_errors=True)  # stale from now on (module docstring)
             return {"sync/adapter_write_s": 0.0, "sync/adapter_load_s": time.perf_counter() - start}
         # the first push, or the one after a failed push (its adapter was unregistered): through a PEFT directory
@@ -118,6 +119,12 @@ class AdapterServing:
         if previous is not None and previous.lora_path != str(path):
             shutil.rmtree(previous.lora_path, ignore_errors=True)  # loaded in memory; the files are spent
         return {"sync/adapter_write_s": written - start, "sync/adapter_load_s": time.perf_counter() - written}
+
+
+def all_swapped(results: list[bool]) -> bool:
+    """Whether every vLLM worker (each TP rank) swapped the adapter in. A worker without a registered slot returns
+    False and keeps the old adapter; the file path (`add_lora`, which every worker runs) then replaces it on all."""
+    return bool(results) and all(results)
 
 
 IN_MEMORY_MINOR_VERSIONS = ((0, 32),)  # vLLM versions whose LoRA manager swap_in_memory was written against

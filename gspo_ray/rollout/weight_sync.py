@@ -136,10 +136,18 @@ def flatten_buckets(buckets: Iterable[Any], stats: PushStats) -> Iterator[tuple[
 
 
 def push_buckets(engine, buckets: Iterable[Any]) -> PushStats:
-    """Stream buckets into `engine.load_weights` (a `RolloutEngine`); returns counts and wall time."""
+    """Stream buckets into `engine.load_weights` (a `RolloutEngine`); returns counts and wall time. A shared
+    export written on this node goes to `engine.push_shared` whole: each of the engine's workers maps it."""
     stats = PushStats()
     start = time.perf_counter()
-    loaded = engine.load_weights(flatten_buckets(buckets, stats))
+    if isinstance(buckets, SharedWeights) and push_route(buckets.node_id, current_node_id(),
+                                                         buckets.fallback is not None) == "shared":
+        stats.num_buckets, stats.num_tensors = 1, len(buckets.entries)
+        stats.nbytes = sum(math.prod(shape) * getattr(torch, dtype).itemsize
+                           for _, dtype, shape, _ in buckets.entries)
+        loaded = engine.push_shared(buckets)  # a stale or unreadable file raises in the workers: WeightSyncError
+    else:
+        loaded = engine.load_weights(flatten_buckets(buckets, stats))
     stats.seconds = time.perf_counter() - start
     stats.engine = {k: float(v) for k, v in (loaded or {}).items() if k.startswith("sync/")}
     if stats.num_tensors == 0:

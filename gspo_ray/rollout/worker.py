@@ -50,11 +50,12 @@ def _build_reward_runner(reward_runner: Any, model_path: str):
 
 def default_cpu_cores(worker_id: int, cfg, cpu_count: int | None = None) -> str | None:
     """A lone worker keeps every core (None: no pinning); with several, worker i gets cores
-    [i*k, (i+1)*k) mod cpu_count, k = num_cpus_per_worker, so workers sharing a machine do not share cores."""
+    [i*k, (i+1)*k) mod cpu_count, k = num_cpus_per_worker (at least tensor_parallel_size: a core per TP worker),
+    so workers sharing a machine do not share cores."""
     cpu_count = cpu_count or os.cpu_count() or 1
     if cfg.num_workers <= 1 or cpu_count < 2:
         return None
-    k = max(1, min(int(cfg.num_cpus_per_worker), cpu_count))
+    k = max(1, min(int(max(cfg.num_cpus_per_worker, cfg.tensor_parallel_size)), cpu_count))
     first = (worker_id * k) % cpu_count
     return ",".join(str((first + j) % cpu_count) for j in range(k))
 
@@ -85,7 +86,9 @@ class RolloutWorker:
                                     enforce_eager=self.cfg.enforce_eager, seed=(self.cfg.seed or 0) + worker_id,
                                     gpu_memory_utilization=self.cfg.gpu_memory_utilization, cpu_cores=cores,
                                     worker_id=worker_id, cache_root=self.cfg.cache_dir,  # machine-wide
-                                    lora_rank=self.cfg.lora_rank)
+                                    lora_rank=self.cfg.lora_rank, capture_routes=self.cfg.capture_routes,
+                                    tensor_parallel_size=self.cfg.tensor_parallel_size,
+                                    enable_expert_parallel=self.cfg.enable_expert_parallel)
         self.reward_runner = _build_reward_runner(reward_runner, str(model_path))
         self._version = 0
         self._lock = threading.Lock()  # one engine operation at a time
@@ -280,7 +283,8 @@ class RolloutWorker:
         """Who and where this worker is (for status displays and tests)."""
         return {"worker_id": self.worker_id, "pid": os.getpid(), "version": self._version,
                 "model_path": self.model_path, "cpu_affinity": sorted(os.sched_getaffinity(0)),
-                "paused": self._paused.is_set()}
+                "paused": self._paused.is_set(), "engine_mode": self.engine.mode,
+                "tensor_parallel_size": self.engine.tensor_parallel_size}
 
     def shutdown(self) -> None:
         self._paused.set()

@@ -103,12 +103,7 @@ def routing_keys(mb: TrainBatch) -> list[str]:
 
 def trim(batch: TrainBatch) -> TrainBatch:
     """The rows cut to their longest row (width >= 1)."""
-    width = max(int(batch.lengths.max()), 1) if batch.num_sequences else 1
-    return TrainBatch(
-        tokens=batch.tokens[:, :width], loss_mask=batch.loss_mask[:, :width], old_logp=batch.old_logp[:, :width],
-        adv=batch.adv[:, :width], lengths=batch.lengths,
-        ref_logp=None if batch.ref_logp is None else batch.ref_logp[:, :width], uids=batch.uids,
-        rollout_logp=None if batch.rollout_logp is None else batch.rollout_logp[:, :width])
+    return batch.narrow(max(int(batch.lengths.max()), 1) if batch.num_sequences else 1)
 
 
 def row_micro_batches(batch: TrainBatch, dp_rank: int, dp_size: int, micro_batch_size: int,

@@ -64,6 +64,7 @@ from gspo_ray.trainer.heap import release_free_heap
 from gspo_ray.trainer.lora.worker import TrainerLoRA, check_checkpoint_kind, load_model, model_state
 from gspo_ray.trainer.metric_accumulator import MetricAccumulator, dp_token_metrics
 from gspo_ray.trainer.pg_weights import build_pg_weight
+from gspo_ray.trainer.routing.agreement import RoutingAgreement, position_lags
 from gspo_ray.trainer.routing.churn import RouterRecorder, comm_device
 from gspo_ray.trainer.routing.drift import RoutingDrift
 from gspo_ray.trainer.routing.noise_probe import RoutingNoiseProbe
@@ -130,6 +131,9 @@ class TrainerWorker:
         self.replay = build_routing_replay(self.gpt, trainer_cfg.routing_replay)  # None unless R2 on an MoE
         self.drift = RoutingDrift(self.gpt) if trainer_cfg.routing_drift and self.recorder.routers else None
         self.noise = RoutingNoiseProbe(self.gpt) if trainer_cfg.routing_noise and self.recorder.routers else None
+        # trainer top-k vs the engine's per trained token, by version lag (where batches carry the engine's routes)
+        self.agreement = RoutingAgreement(self.gpt) if self.recorder.routers and (
+            trainer_cfg.routing_agreement or trainer_cfg.routing_replay == "R3") else None
         self.forward_passes: dict[str, int] = {}  # model forwards since the last train_step returned, by kind
         self.forward_tokens: dict[str, int] = {}  # and the tokens they computed (padding included)
         self._version = 0
@@ -248,7 +252,7 @@ class TrainerWorker:
                 ref_logp = self._logprobs(self.ref_model, micro, "reference", loss_tokens_only=True)
         capture = self._churn_capture(micro, "before") if churn else contextlib.nullcontext()
         # replay first: a recording forward it runs is neither captured nor watched
-        with self._routing_records(micro, record_first=passes[0]), capture:
+        with self._routing_records(micro, record_first=passes[0]), capture, self._agreement(micro):
             # a micro-batch with nothing to train (a dummy that keeps the ranks' collectives in step) scores
             # every token, so its loss (times weight 0) still has a graph and its backward runs the same all-to-alls
             logp, entropy = self._logprobs(self.gpt, micro, "train", with_entropy=True,
@@ -307,6 +311,8 @@ class TrainerWorker:
             metrics |= self.drift.metrics()  # all ranks, like churn
         if self.noise is not None:
             metrics |= self.noise.metrics(self.dp_group)
+        if self.agreement is not None:
+            metrics |= self.agreement.metrics(self.dp_group)
         metrics |= {"train/eps_low": eps[0], "train/eps_high": eps[1]}  # the band this step trained with
         metrics |= {f"train/forward_passes_{k}": float(v) for k, v in self.forward_passes.items()}
         # tokens the training forwards computed over DP, padding included (shared prefixes lower them), and the
@@ -351,6 +357,8 @@ class TrainerWorker:
         mine = {r for mb in mbs for r in mb.rows if r >= 0}
         for records in stores:
             records.fetch(keys, mine, self.dp_group)
+        if self.cfg.routing_replay == "R3" and self.replay is not None:  # the engine's routes are the records
+            self.replay.load([k if b in mine else None for b, k in enumerate(keys)], batch.routes, batch.lengths)
         holders = (self.replay, None if self.noise is None else self.noise.replay)
         flags = torch.tensor([[h is not None and h.needs_recording_pass(self._row_keys(mb)) for h in holders]
                               for mb in mbs], dtype=torch.uint8).reshape(len(mbs), 2)
@@ -411,6 +419,17 @@ class TrainerWorker:
         if self.drift is not None:
             stack.enter_context(self.drift.watch(keys, micro.batch.lengths, layout=micro.layout))
         return stack
+
+    def _agreement(self, micro: MicroBatch):
+        """Routing agreement (trainer top-k vs the engine's, by version lag) around a training forward of `micro`;
+        the lag of position t - 1 is the trainer's version minus the version that sampled token t."""
+        mb = micro.batch
+        if self.agreement is None or mb.routes is None or mb.versions is None:
+            return contextlib.nullcontext()
+        lags = position_lags(mb.versions, self._version)
+        real = torch.tensor([r >= 0 for r in micro.rows])[:, None]  # dummies (copies of row 0) compare nothing
+        lags = torch.where(real & mb.loss_mask.bool().roll(-1, dims=1), lags, -1)  # trained tokens only
+        return self.agreement.watch(mb.routes, lags, mb.lengths, layout=micro.layout)
 
     def _replayed(self, micro: MicroBatch, keys: list[str | None] | None = None, record_first: bool | None = None):
         """Routing Replay around a policy forward of `micro` (records its routing the first time; see

@@ -189,3 +189,59 @@ def test_a_resumed_loop_deals_the_same_mini_batches_and_keeps_the_failure_streak
     for coord in (run, resumed):  # step 4 fails too: the second step in a row stops both
         with pytest.raises(TooManyFailedSamples, match="for 2 steps in a row"):
             coord.failures.check(4, 3, 4, {"boom": 3})
+
+
+@pytest.mark.parametrize("sigma", [0.0, 0.02])
+def test_eps_auto_in_async_mode_follows_injected_drift(sigma):
+    """Async mode, engine log-probs as the anchor, 1 pass x 1 mini-batch (make run's recipe): the batch was sampled
+    one version before the trainer's, so its one mini-batch is a reuse mini-batch and eps auto observes it. A
+    trainer whose log-ratios spread by `sigma` (drift injected) moves the band; no drift leaves it."""
+    class Drifting:
+        def train_step(self, batch, eps=None):
+            n = float(batch.loss_mask.sum())
+            return {"train/logr_mean": 0.0, "train/logr_sq_mean": sigma ** 2, "train/n_tokens": n,
+                    "train/n_seqs": float(batch.num_sequences), "train/clip_frac_seq": 0.5 if sigma else 0.0,
+                    "train/policy_version": 4.0}
+
+        def end_batch(self):
+            pass
+
+    cfg = load_config(None, ["coordinator.mode=async", "algorithm.eps=auto", "coordinator.num_minibatches=1",
+                             "coordinator.num_iterations=1", "coordinator.recompute_old_logprobs=false"])
+    coord = Coordinator(cfg, None, Drifting(), None, LoopState(version=3))
+    groups = [_group("a", [1.0, 0.0]), _group("b", [0.0, 1.0])]
+    for g in groups:
+        g.advantages = [0.7, -0.7]
+        for s in g.samples:
+            s.versions = [2, 2]  # sampled one update before the trainer's version 3
+    before = coord.auto_eps.band()
+    out = coord.train_on(groups)
+    if sigma:
+        assert coord.auto_eps.band() != before and out["train/auto_eps_sigma"] == pytest.approx(sigma)
+    else:
+        assert coord.auto_eps.band() == before
+
+
+def test_routing_agreement_of_a_step_counts_only_the_mini_batches_that_compared():
+    """A lag bucket one mini-batch of two did not see is not a 0 there: the step's share comes from the sums."""
+    class Agreeing:
+        calls = 0
+
+        def train_step(self, batch, eps=None):
+            self.calls += 1
+            lag0 = {"moe/route_agree_lag0": 1.0, "moe/route_agree_hits_lag0": 10.0,
+                    "moe/route_agree_tokens_lag0": 10.0} if self.calls == 1 else {}
+            return {**lag0, "moe/route_agree_lag1": 0.5, "moe/route_agree_hits_lag1": 5.0 * self.calls,
+                    "moe/route_agree_tokens_lag1": 10.0 * self.calls, "train/policy_version": float(self.calls)}
+
+        def end_batch(self):
+            pass
+
+    cfg = load_config(None, ["coordinator.num_minibatches=2", "algorithm.eps=fixed",
+                             "coordinator.recompute_old_logprobs=false"])
+    coord = Coordinator(cfg, None, Agreeing(), None, LoopState(version=0))
+    groups = [_group("a", [1.0, 0.0]), _group("b", [0.0, 1.0])]
+    for g in groups:
+        g.advantages = [0.7, -0.7]
+    out = coord.train_on(groups)
+    assert out["moe/route_agree_lag0"] == 1.0 and out["moe/route_agree_lag1"] == 0.5

