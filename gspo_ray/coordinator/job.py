@@ -259,6 +259,10 @@ def _loop(cfg: JobConfig, coord: Coordinator, eval_prompts, tracker, ckpts, summ
     saved_at = [coord.state.step if coord.state.step else None]  # a resumed run's step is already checkpointed
     recovery = TrainerRecovery.for_job(cfg, coord, ckpts)
     scaler = autoscaler_for(cfg, lambda n: coord.trainer.cfg.resize_problem(n))  # coordinator.autoscale
+
+    def rescale_trainer(n: int):  # the one trainer resize both the autoscaler and `gspo-ray scale` go through
+        return recovery.rescale(coord, n, save)
+
     coord.rollout.track_busy = scaler is not None
     sized: list[bool] = []  # the first save of this process printed its size
 
@@ -302,10 +306,8 @@ def _loop(cfg: JobConfig, coord: Coordinator, eval_prompts, tracker, ckpts, summ
                 metrics.update(recovery.step_metrics(step))
                 metrics["time/job_s"] = time.perf_counter() - job_start
                 if scaler is not None:  # before `gspo-ray scale` requests, which then have the last word
-                    autoscale_step(scaler, coord, metrics, lambda n: recovery.rescale(coord, n, save), step,
-                                   time.perf_counter() - job_start)
-                _apply_control(coord, control, metrics, lambda n: recovery.rescale(coord, n, save),
-                               refused=recovery)
+                    autoscale_step(scaler, coord, metrics, rescale_trainer, step, time.perf_counter() - job_start)
+                _apply_control(coord, control, metrics, rescale_trainer, refused=recovery)
                 tracker.log(step, metrics)
                 if cfg.logging.save_rollouts:
                     write_rollouts(cfg.run_dir / "rollouts" / f"step_{step:06d}.jsonl", coord.last_groups)

@@ -1,6 +1,6 @@
 """Megatron trainer checkpoint -> HF model directory, offline: no process group, from any DP/TP/EP layout.
 
-    state = hf_state_from_checkpoint("runs/job/checkpoints/step_000050/trainer", "runs/job/model")
+    state = dict(hf_tensors("runs/job/checkpoints/step_000050/trainer", "runs/job/model"))   # small models
     export_checkpoint(ckpt_dir, model_dir, out_dir, dtype="bfloat16")   # safetensors + config + tokenizer files
 
 A trainer checkpoint holds each model tensor once, in the file of the first rank with its TP rank (dense) or EP
@@ -88,11 +88,6 @@ def hf_tensors(ckpt_dir: str | Path, model_dir: str | Path,
         for n, t in zip(pm.hf_names, split_to_hf(full, pm.merge, spec)):
             read += t.numel() * t.element_size()
             yield n, t.clone(memory_format=torch.contiguous_format)
-
-
-def hf_state_from_checkpoint(ckpt_dir: str | Path, model_dir: str | Path) -> dict[str, Tensor]:
-    """The full HF state dict of a trainer checkpoint in one dict (small models, tests; exports stream)."""
-    return dict(hf_tensors(ckpt_dir, model_dir))
 
 
 def write_safetensors_shards(tensors: Iterable[tuple[str, Tensor]], out: Path, max_shard_bytes: int) -> int:

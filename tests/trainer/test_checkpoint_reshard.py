@@ -177,7 +177,7 @@ def _read_sharded(hf_dir: Path) -> dict[str, torch.Tensor]:
 
 _EXPORT_RSS = """
 import json, sys
-from gspo_ray.trainer.hf_export import export_checkpoint, hf_state_from_checkpoint
+from gspo_ray.trainer.hf_export import export_checkpoint
 from gspo_ray.trainer import checkpoint
 
 
