@@ -1,7 +1,11 @@
 """`gspo-ray bench --suite moe-async`: GSPO without Routing Replay where it is hardest, async training with partial
 rollouts, against R3 (the engine's routing, captured per token and replayed by the trainer).
 
-    gspo-ray bench --suite moe-async [--seeds 0,1,2] [--quick]    (60 steps a run; --quick: 4)
+    gspo-ray bench --suite moe-async [--seeds 0,1,2] [--steps N] [--quick]    (60 steps a run; --quick: 4)
+
+Each finished run is appended to `runs/bench/moe_async.jsonl`, and the tables and the plot are built from every run
+there of the same step count: a long experiment can be split over sittings (seed 0 in one, seeds 1 and 2 in the
+next) and read as one.
 
 The model is `make run`'s tiny Qwen3-MoE widened to 16 experts top-2 (where routing moves by several per cent per
 update, `--suite moe-tiny`), on its copy task at its lr (3e-4). Async mode with partial rollouts: a segment is 2
@@ -70,7 +74,34 @@ def bench_async_variant(label: str, level: str, replay: str, steps: int, seed: i
             # (token, layer) pairs per layer over the run (a row's sums are means over its optimizer steps)
             **{f"tokens_{lag}": sum(r.get(f"moe/route_agree_tokens_{lag}", 0.0) * r.get("train/optimizer_steps", 1)
                                     for r in rows) for lag in LAGS},
-            "reward": [r.get("rollout/reward_mean") for r in rows], "wall_s": time.time() - start}
+            "reward": [r.get("rollout/reward_mean") for r in rows], "wall_s": time.time() - start,
+            "eval_history": [[step, value] for step, value in summary.eval_history]}
+
+
+def append_result(path: Path, result: dict) -> None:
+    """Keep one finished run (one JSON line), so sittings add up."""
+    import json
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        f.write(json.dumps(result) + "\n")
+
+
+def load_results(path: Path, steps: int) -> list[dict]:
+    """Every kept run of `steps` steps, in the order they finished (a later run of the same variant and seed
+    replaces an earlier one)."""
+    import json
+
+    if not path.exists():
+        return []
+    runs: dict[tuple[str, int], dict] = {}
+    for line in path.read_text().splitlines():
+        if line.strip():
+            r = json.loads(line)
+            if r.get("requested_steps") == steps:
+                runs.pop((r["label"], r["seed"]), None)
+                runs[(r["label"], r["seed"])] = r
+    return list(runs.values())
 
 
 def _share(rows: list[dict], lag: str) -> float | None:
@@ -138,7 +169,8 @@ def plot_async(results: list[dict], path: Path) -> Path:
 
 
 def run_moe_async_bench(steps: int = 60, seeds: tuple[int, ...] = (0, 1, 2),
-                        png: Path = Path("runs/bench_moe_async.png")) -> list[dict]:
+                        png: Path = Path("runs/bench_moe_async.png"),
+                        results_path: Path = Path("runs/bench/moe_async.jsonl")) -> list[dict]:
     import ray
 
     from gspo_ray.bench.common import bench_cfg
@@ -152,6 +184,8 @@ def run_moe_async_bench(steps: int = 60, seeds: tuple[int, ...] = (0, 1, 2),
                 for label, level, replay, extra in VARIANTS:
                     try:
                         results.append(bench_async_variant(label, level, replay, steps, seed, Path(tmp), extra))
+                        results[-1]["requested_steps"] = steps
+                        append_result(results_path, results[-1])
                     except Exception as e:  # a failed run is reported, the others still run
                         print(f"| {label} | {seed} | failed: {type(e).__name__}: {e} |", flush=True)
                         continue
@@ -161,6 +195,7 @@ def run_moe_async_bench(steps: int = 60, seeds: tuple[int, ...] = (0, 1, 2),
                 ray.shutdown()
     if not results:
         return results
+    results = load_results(results_path, steps)  # this sitting's runs and any earlier sitting's of the same length
     png.parent.mkdir(parents=True, exist_ok=True)
     plot_async(results, png)
     print(f"make run's tiny Qwen3-MoE widened to 16 experts top-2, copy task, 16 prompts x 8, lr {LR:g}, async, "

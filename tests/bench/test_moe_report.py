@@ -51,3 +51,17 @@ def test_the_over_seed_summary_averages_each_variant_and_shows_the_seeds_range(t
     assert len(table) == 4 and "| GSPO | 2 | 30 | 0.0600 |" in table[2]
     assert "1.200 (1.000-1.400)" in table[2] and "1.700 (1.500-1.900)" in table[2]
     assert plot_rewards(runs + [r2], tmp_path / "tiny.png").stat().st_size > 10_000
+
+
+def test_async_runs_kept_over_sittings_add_up_and_a_rerun_replaces_its_earlier_row(tmp_path):
+    from gspo_ray.bench.moe_async import append_result, load_results
+
+    path = tmp_path / "moe_async.jsonl"
+    append_result(path, {"label": "GRPO", "seed": 0, "requested_steps": 200, "eval_final": 0.5})
+    append_result(path, {"label": "GRPO", "seed": 0, "requested_steps": 30, "eval_final": 0.1})
+    append_result(path, {"label": "GRPO", "seed": 1, "requested_steps": 200, "eval_final": 0.7})
+    append_result(path, {"label": "GRPO", "seed": 0, "requested_steps": 200, "eval_final": 0.9})
+    kept = load_results(path, 200)
+    assert [(r["seed"], r["eval_final"]) for r in kept] == [(1, 0.7), (0, 0.9)]
+    assert [r["eval_final"] for r in load_results(path, 30)] == [0.1]
+    assert load_results(tmp_path / "absent.jsonl", 200) == []
