@@ -10,7 +10,7 @@ next) and read as one.
 The model is `make run`'s tiny Qwen3-MoE widened to 16 experts top-2 (where routing moves by several per cent per
 update, `--suite moe-tiny`), on its copy task at its lr (3e-4). Async mode with partial rollouts: a segment is 2
 tokens of the 6 a completion may take, so most completions span 2-3 rounds, sampled by up to 3 policy versions
-(stale_policy keep, up to 4 versions old); 1 pass x 2 mini-batches per rollout batch (2 versions per step), old
+(stale_policy keep: each token anchored on its own sampling log-prob); 1 pass x 2 mini-batches per rollout batch (2 versions per step), old
 log-probs from the engine (the sampling policy: the ratio itself corrects the staleness). Every run logs the routing
 agreement by version lag (trainer.routing_agreement: the trainer's top-k against the engine's, per trained token).
 R2 is not a variant: it records the trainer's first forward, which in async mode is not the sampling policy (the
@@ -39,23 +39,30 @@ VARIANTS = [  # (label, importance_sampling_level, routing_replay, extra overrid
     ("GSPO eps auto", "sequence", "none", ("algorithm.eps=auto",)),
 ]
 ASYNC_PARTIAL = ("coordinator.mode=async", "rollout.partial.segment_tokens=2", "rollout.partial.max_segments=3",
-                 "rollout.partial.stale_policy=keep", "rollout.partial.max_staleness=4",
+                 "rollout.partial.stale_policy=keep",
                  "coordinator.num_iterations=1", f"coordinator.num_minibatches={MINIBATCHES}",
                  "coordinator.filter_zero_adv=false", "trainer.routing_agreement=true", "trainer.router_churn_every=0",
                  f"trainer.lr={LR}", "data.num_eval=64", "coordinator.eval_every=10")
 LAGS = ("lag0", "lag1", "lag2p")
 
 
+def variant_config(label: str, level: str, replay: str, steps: int, seed: int, out_dir: Path,
+                   extra: tuple[str, ...] = ()):
+    """One variant's job config (validated as a job's is)."""
+    from gspo_ray.bench.common import bench_cfg
+
+    name = f"bench-moe-async-{label.replace(' ', '').replace('+', '-')}-s{seed}"
+    return bench_cfg(out_dir, name, steps, *tiny_moe_model(), f"seed={seed}",
+                     f"algorithm.importance_sampling_level={level}", f"trainer.routing_replay={replay}",
+                     *ASYNC_PARTIAL, *extra, recipe=TINY_RECIPE)
+
+
 def bench_async_variant(label: str, level: str, replay: str, steps: int, seed: int, out_dir: Path,
                         extra: tuple[str, ...] = ()) -> dict:
-    from gspo_ray.bench.common import bench_cfg
     from gspo_ray.coordinator.job import run_job
     from gspo_ray.coordinator.tracking import read_metrics
 
-    name = f"bench-moe-async-{label.replace(' ', '').replace('+', '-')}-s{seed}"
-    cfg = bench_cfg(out_dir, name, steps, *tiny_moe_model(), f"seed={seed}",
-                    f"algorithm.importance_sampling_level={level}", f"trainer.routing_replay={replay}",
-                    *ASYNC_PARTIAL, *extra, recipe=TINY_RECIPE)
+    cfg = variant_config(label, level, replay, steps, seed, out_dir, extra)
     start = time.time()
     summary = run_job(cfg)
     rows = [r for r in read_metrics(summary.run_dir / "metrics.jsonl") if r.get("step", 0) > 0]

@@ -65,3 +65,11 @@ def test_async_runs_kept_over_sittings_add_up_and_a_rerun_replaces_its_earlier_r
     assert [(r["seed"], r["eval_final"]) for r in kept] == [(1, 0.7), (0, 0.9)]
     assert [r["eval_final"] for r in load_results(path, 30)] == [0.1]
     assert load_results(tmp_path / "absent.jsonl", 200) == []
+
+
+def test_every_async_variant_is_a_config_the_job_accepts(tmp_path):
+    from gspo_ray.bench.moe_async import VARIANTS, variant_config
+
+    for label, level, replay, extra in VARIANTS:
+        cfg = variant_config(label, level, replay, 200, 0, tmp_path, extra)
+        assert cfg.coordinator.mode == "async" and cfg.trainer.routing_replay == replay
