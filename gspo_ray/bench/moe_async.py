@@ -151,23 +151,35 @@ def summarise(results: list[dict]) -> list[dict]:
     return out
 
 
+def held_out_mean(runs: list[dict]) -> dict[int, float]:
+    """Step -> the held-out reward's mean over the runs evaluated at that step (every run, where all were)."""
+    by_step: dict[int, list[float]] = {}
+    for r in runs:
+        for step, value in r.get("eval_history", []):
+            by_step.setdefault(int(step), []).append(value)
+    return {step: statistics.fmean(v) for step, v in sorted(by_step.items()) if len(v) == len(runs)}
+
+
 def plot_async(results: list[dict], path: Path) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4))
+    fig, (a, h, b) = plt.subplots(1, 3, figsize=(17, 4))
     for label in dict.fromkeys(r["label"] for r in results):
         runs = [r for r in results if r["label"] == label]
         n = min(len(r["reward"]) for r in runs)
         a.plot(range(1, n + 1), [statistics.fmean(r["reward"][i] or 0.0 for r in runs) for i in range(n)],
                label=f"{label} ({len(runs)} seeds)")
+        held_out = held_out_mean(runs)
+        h.plot(list(held_out), list(held_out.values()), marker=".", label=label)
         b.plot(range(len(LAGS)), [statistics.fmean(r[f"agree_{lag}"] or float("nan") for r in runs) for lag in LAGS],
                marker="o", label=label)
     a.set(xlabel="step (rollout batch; 2 updates each)", ylabel="mean training reward (0-2)", title="reward")
     b.set(xticks=range(len(LAGS)), xticklabels=["0", "1", "2+"], xlabel="versions between sampling and trainer",
           ylabel="trainer top-k == engine top-k", title="routing agreement by version lag")
+    h.set(xlabel="step", ylabel="greedy held-out reward (0-2), mean over seeds", title="held-out reward")
     a.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

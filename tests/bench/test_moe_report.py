@@ -73,3 +73,10 @@ def test_every_async_variant_is_a_config_the_job_accepts(tmp_path):
     for label, level, replay, extra in VARIANTS:
         cfg = variant_config(label, level, replay, 200, 0, tmp_path, extra)
         assert cfg.coordinator.mode == "async" and cfg.trainer.routing_replay == replay
+
+
+def test_held_out_curve_averages_only_steps_every_seed_reached():
+    from gspo_ray.bench.moe_async import held_out_mean
+
+    runs = [{"eval_history": [[0, 0.0], [10, 1.0], [20, 2.0]]}, {"eval_history": [[0, 0.5], [10, 0.0]]}]
+    assert held_out_mean(runs) == {0: 0.25, 10: 0.5}
