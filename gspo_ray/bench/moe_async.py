@@ -30,7 +30,7 @@ from pathlib import Path
 from gspo_ray.bench.common import TINY_RECIPE, optional_number, table_head
 from gspo_ray.bench.moe_tiny import tiny_moe_model
 
-LR, MINIBATCHES = 3e-4, 2
+LR, MINIBATCHES, EVAL_EVERY = 3e-4, 2, 10
 VARIANTS = [  # (label, importance_sampling_level, routing_replay, extra overrides)
     ("GRPO", "token", "none", ()),
     ("GRPO + R3", "token", "R3", ()),
@@ -42,7 +42,7 @@ ASYNC_PARTIAL = ("coordinator.mode=async", "rollout.partial.segment_tokens=2", "
                  "rollout.partial.stale_policy=keep",
                  "coordinator.num_iterations=1", f"coordinator.num_minibatches={MINIBATCHES}",
                  "coordinator.filter_zero_adv=false", "trainer.routing_agreement=true", "trainer.router_churn_every=0",
-                 f"trainer.lr={LR}", "data.num_eval=64", "coordinator.eval_every=10")
+                 f"trainer.lr={LR}", "data.num_eval=64", f"coordinator.eval_every={EVAL_EVERY}")
 LAGS = ("lag0", "lag1", "lag2p")
 
 
@@ -119,13 +119,15 @@ def _share(rows: list[dict], lag: str) -> float | None:
 
 
 def format_async(results: list[dict]) -> str:
-    head = ("| run | seed | steps | held-out reward final | best | collapsed | skipped steps | clip frac token | "
+    head = ("| run | seed | steps | held-out reward final | best | solved at step | collapsed | skipped steps | "
+            "clip frac token | "
             "clip frac seq | samples spanning 2+ versions per step | routing agreement lag 0 | lag 1 | lag 2+ | "
             "tokens compared lag 0 / 1 / 2+ | s |")
     lines = table_head(head)
     for r in results:
         lines.append(f"| {r['label']} | {r['seed']} | {r['steps']} | {optional_number(r['eval_final'], 3)} | "
-                     f"{optional_number(r['eval_best'], 3)} | {'yes' if r['collapsed'] else 'no'} | {r['skipped']:.0f} | "
+                     f"{optional_number(r['eval_best'], 3)} | {r['solved'] if 'solved' in r else solved_at(r)} | "
+                     f"{'yes' if r['collapsed'] else 'no'} | {r['skipped']:.0f} | "
                      f"{optional_number(r['clip_tok'], 3)} | {optional_number(r['clip_seq'], 3)} | "
                      f"{optional_number(r['multi_version'], 1)} | "
                      + " | ".join(optional_number(r[f"agree_{lag}"], 3) for lag in LAGS) + " | "
@@ -147,16 +149,41 @@ def summarise(results: list[dict]) -> list[dict]:
                                          *(f"agree_{lag}" for lag in LAGS), *(f"tokens_{lag}" for lag in LAGS),
                                          "wall_s")},
                     "collapsed": sum(r["collapsed"] for r in runs) > 0, "skipped": sum(r["skipped"] for r in runs),
+                    "solved": _solved_summary([solved_at(r) for r in runs]),
                     "reward": runs[0]["reward"]})
     return out
 
 
+def solved_reward() -> float:
+    """The held-out reward at which the tiny recipe's job stops, solved (its coordinator.early_stop_reward)."""
+    from gspo_ray.config import load_config
+
+    return load_config(TINY_RECIPE).coordinator.early_stop_reward
+
+
+def solved_at(run: dict, threshold: float | None = None) -> int | str:
+    """The first evaluated step whose held-out reward reached the early stop (the run ended there), or "-"."""
+    threshold = solved_reward() if threshold is None else threshold
+    return next((int(step) for step, value in run.get("eval_history", []) if value >= threshold), "-")
+
+
+def _solved_summary(steps: list[int | str]) -> str:
+    done = [s for s in steps if s != "-"]
+    return f"{len(done)} of {len(steps)}" + (f", mean step {statistics.fmean(done):.0f}" if done else "")
+
+
 def held_out_mean(runs: list[dict]) -> dict[int, float]:
-    """Step -> the held-out reward's mean over the runs evaluated at that step (every run, where all were)."""
+    """Step -> the held-out reward's mean over the runs, at the steps every run reached; a run the early stop ended
+    (solved) counts at its last value after it stopped."""
     by_step: dict[int, list[float]] = {}
+    last_step = max((int(s) for r in runs for s, _ in r.get("eval_history", [])), default=0)
     for r in runs:
-        for step, value in r.get("eval_history", []):
-            by_step.setdefault(int(step), []).append(value)
+        history = [(int(s), v) for s, v in r.get("eval_history", [])]
+        if history and solved_at(r) != "-":
+            step, value = history[-1]
+            history += [(s, value) for s in range(step + EVAL_EVERY, last_step + 1, EVAL_EVERY)]
+        for step, value in history:
+            by_step.setdefault(step, []).append(value)
     return {step: statistics.fmean(v) for step, v in sorted(by_step.items()) if len(v) == len(runs)}
 
 

@@ -80,3 +80,13 @@ def test_held_out_curve_averages_only_steps_every_seed_reached():
 
     runs = [{"eval_history": [[0, 0.0], [10, 1.0], [20, 2.0]]}, {"eval_history": [[0, 0.5], [10, 0.0]]}]
     assert held_out_mean(runs) == {0: 0.25, 10: 0.5}
+
+
+def test_a_run_the_early_stop_ended_is_solved_and_counts_at_its_last_value():
+    from gspo_ray.bench.moe_async import held_out_mean, solved_at, solved_reward
+
+    assert solved_reward() == 1.95  # the tiny recipe's early stop, which ends a solved run
+    solved = {"eval_history": [[0, 0.0], [10, 1.96]]}
+    running = {"eval_history": [[0, 0.2], [10, 1.0], [20, 1.5], [30, 1.7]]}
+    assert solved_at(solved) == 10 and solved_at(running) == "-"
+    assert held_out_mean([solved, running]) == {0: 0.1, 10: 1.48, 20: 1.73, 30: 1.83}
