@@ -27,9 +27,9 @@ from gspo_ray.config.lora import LoRAConfig, check_lora_kind, lora_meta
 from gspo_ray.trainer.bridge import is_lora_param
 from gspo_ray.trainer.lora.adapters import apply_lora, count_params, load_lora_state, lora_state, reference_adapters
 from gspo_ray.trainer.lora.peft_io import (
+    MergedParameters,
     export_adapter,
     load_full_adapter,
-    merged_base,
     peft_rank_alpha,
     read_peft_dir,
 )
@@ -66,8 +66,7 @@ class TrainerLoRA:
         from gspo_ray.trainer.bridge import export_hf_weights
 
         if self.merged_push:
-            with merged_base(gpt):
-                yield from export_hf_weights(gpt, spec, bucket_mb=bucket_mb)
+            yield from export_hf_weights(MergedParameters(gpt), spec, bucket_mb=bucket_mb)
             return
         scale = self.cfg.scale
         state = export_adapter(gpt, spec, copy=False)  # the exporter copies the bucket before training resumes
