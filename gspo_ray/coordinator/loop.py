@@ -189,8 +189,10 @@ class Coordinator:
         """Export the trainer's weights and push them into every rollout engine (verified by a probe on the first
         push, every `rollout.verify_every`-th, and when `verify`)."""
         t0 = time.perf_counter()
-        # the file only where an engine reads it, refs only where one cannot (R9; the weights never pass here)
-        shared, as_refs = export_plan(self.cfg.trainer.export_shared_memory, *self._push_nodes())
+        # the file only where an engine reads it (R9), refs where one cannot (the weights never pass here)
+        trainer_node, engine_nodes = self._push_nodes()
+        shared, as_refs = export_plan(self.cfg.trainer.export_shared_memory, trainer_node, engine_nodes,
+                                      cluster_nodes() if trainer_node is not None else 1)
         export = self.trainer.export_weights(as_refs=as_refs, shared=shared)
         buckets = export.shared if export.shared is not None else export.buckets
         t1 = time.perf_counter()
@@ -209,9 +211,10 @@ class Coordinator:
         workers = dict(getattr(self.rollout, "workers", {}))
         new = {wid: h for wid, h in workers.items() if self._node_cache.get(wid, (None,))[0] is not h}
         for (wid, handle), node in zip(new.items(), actor_node_ids(list(new.values()))):
-            self._node_cache[wid] = (handle, node)
+            if node is not None:  # no answer: asked again at the next push (the push drops a dead worker)
+                self._node_cache[wid] = (handle, node)
         trainer = self._node_cache["trainer"][1] if pg is not None else None
-        return trainer, [self._node_cache[wid][1] for wid in workers]
+        return trainer, [self._node_cache[wid][1] if wid in self._node_cache else None for wid in workers]
 
     # -- helpers ----------------------------------------------------------------------------------------------
     def _num_to_draw(self, missing: int) -> int:
@@ -334,17 +337,26 @@ def _version_span(groups: list[Group]) -> tuple[int, int]:
     return min(s[0] for s in spans), max(s[1] for s in spans)
 
 
-def export_plan(shared_memory: bool, trainer_node: str | None, engine_nodes: list[str | None]) -> tuple[bool, bool]:
+def export_plan(shared_memory: bool, trainer_node: str | None, engine_nodes: list[str | None],
+                nodes: int = 1) -> tuple[bool, bool]:
     """(shared, as_refs) of a weight export (TrainerWorker.export_weights). The shared-memory file is read only by
     engines on trainer rank 0's node, so it is written only when one is there (with separate rollout nodes it would
-    cost a host copy of the model per push and shmem for the job's life, read by nobody); object-store refs are
-    made when an engine is elsewhere. An unknown node (None) counts as possibly either."""
+    cost a host copy of the model per push and shmem for the job's life, read by nobody). Object-store refs are made
+    when an engine is elsewhere, and on a cluster of `nodes` > 1 anyway: the pool hands the last push to a
+    replacement or added worker, which Ray may place on another node. An unknown node (None) may be either."""
     if trainer_node is None or not engine_nodes:
         return shared_memory, True
     here = any(n is None or n == trainer_node for n in engine_nodes)
     elsewhere = any(n != trainer_node for n in engine_nodes)  # None too
     shared = shared_memory and here
-    return shared, elsewhere or not shared
+    return shared, elsewhere or not shared or nodes > 1
+
+
+def cluster_nodes() -> int:
+    """Alive nodes of the Ray cluster this driver is connected to."""
+    import ray
+
+    return sum(1 for node in ray.nodes() if node.get("Alive"))
 
 
 def placement_node(pg, bundle: int) -> str | None:
