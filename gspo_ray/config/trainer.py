@@ -89,9 +89,9 @@ class TrainerConfig(Strict):
     export_bucket_mb: float = Field(64, gt=0, description="bucket size when exporting weights to rollout")
     export_shared_memory: bool = Field(True, description="weight pushes (full or adapter) go through a "
                                        "shared-memory file of trainer rank 0 that engines on its node map (one "
-                                       "copy, no pickling); engines on other nodes get object-store buckets, made "
-                                       "only when the cluster has more than one node. false: object-store buckets "
-                                       "always")
+                                       "copy, no pickling), written only when an engine is on that node; engines "
+                                       "on other nodes get object-store buckets, made only when one is there. "
+                                       "false: object-store buckets always")
     seed: int = Field(0, description="trainer seed")
     max_skipped_steps: int = Field(3, ge=1, description="optimizer steps with a non-finite loss or gradient are "
                                    "skipped (weights kept, train/skipped_steps counts them); this many in a row "

@@ -75,6 +75,7 @@ class Coordinator:
         self.last_groups: list[Group] = []  # the groups of the last step (for rollout dumps)
         self.last_version = 0  # the policy version they were admitted (staleness-checked) and trained at
         self._pushes = 0  # weight pushes asked of this coordinator (rollout.verify_every counts them)
+        self._node_cache: dict = {}  # "trainer" / rollout worker id -> (its pg / actor handle, Ray node id)
 
     # -- one step ---------------------------------------------------------------------------------------------
     def step(self) -> dict[str, float]:
@@ -188,9 +189,11 @@ class Coordinator:
         """Export the trainer's weights and push them into every rollout engine (verified by a probe on the first
         push, every `rollout.verify_every`-th, and when `verify`)."""
         t0 = time.perf_counter()
-        shared = self.cfg.trainer.export_shared_memory
-        # refs: the weights never pass through here; with shared memory only where an engine may be on another node
-        export = self.trainer.export_weights(as_refs=not shared or cluster_nodes() > 1, shared=shared)
+        # the file only where an engine reads it (R9), refs where one cannot (the weights never pass here)
+        trainer_node, engine_nodes = self._push_nodes()
+        shared, as_refs = export_plan(self.cfg.trainer.export_shared_memory, trainer_node, engine_nodes,
+                                      cluster_nodes() if trainer_node is not None else 1)
+        export = self.trainer.export_weights(as_refs=as_refs, shared=shared)
         buckets = export.shared if export.shared is not None else export.buckets
         t1 = time.perf_counter()
         self._pushes += 1  # the first push is always checked, then every verify_every-th
@@ -198,6 +201,20 @@ class Coordinator:
         m = self.rollout.push_weights(self.state.version, buckets, probe=self._probe() if checked else None)
         m.update({"sync/export_s": t1 - t0, "time/sync_s": time.perf_counter() - t0})
         return m
+
+    def _push_nodes(self) -> tuple[str | None, list[str | None]]:
+        """(trainer rank 0's Ray node id, each rollout engine's), cached per actor: an actor never moves. None
+        where unknown (pools without Ray actors, a worker that did not answer)."""
+        pg = getattr(self.trainer, "pg", None)
+        if pg is not None and self._node_cache.get("trainer", (None,))[0] is not pg:
+            self._node_cache["trainer"] = (pg, placement_node(pg, 0))
+        workers = dict(getattr(self.rollout, "workers", {}))
+        new = {wid: h for wid, h in workers.items() if self._node_cache.get(wid, (None,))[0] is not h}
+        for (wid, handle), node in zip(new.items(), actor_node_ids(list(new.values()))):
+            if node is not None:  # no answer: asked again at the next push (the push drops a dead worker)
+                self._node_cache[wid] = (handle, node)
+        trainer = self._node_cache["trainer"][1] if pg is not None else None
+        return trainer, [self._node_cache[wid][1] if wid in self._node_cache else None for wid in workers]
 
     # -- helpers ----------------------------------------------------------------------------------------------
     def _num_to_draw(self, missing: int) -> int:
@@ -320,8 +337,54 @@ def _version_span(groups: list[Group]) -> tuple[int, int]:
     return min(s[0] for s in spans), max(s[1] for s in spans)
 
 
+def export_plan(shared_memory: bool, trainer_node: str | None, engine_nodes: list[str | None],
+                nodes: int = 1) -> tuple[bool, bool]:
+    """(shared, as_refs) of a weight export (TrainerWorker.export_weights). The shared-memory file is read only by
+    engines on trainer rank 0's node, so it is written only when one is there (with separate rollout nodes it would
+    cost a host copy of the model per push and shmem for the job's life, read by nobody). Object-store refs are made
+    when an engine is elsewhere, and on a cluster of `nodes` > 1 anyway: the pool hands the last push to a
+    replacement or added worker, which Ray may place on another node. An unknown node (None) may be either."""
+    if trainer_node is None or not engine_nodes:
+        return shared_memory, True
+    here = any(n is None or n == trainer_node for n in engine_nodes)
+    elsewhere = any(n != trainer_node for n in engine_nodes)  # None too
+    shared = shared_memory and here
+    return shared, elsewhere or not shared or nodes > 1
+
+
 def cluster_nodes() -> int:
     """Alive nodes of the Ray cluster this driver is connected to."""
     import ray
 
     return sum(1 for node in ray.nodes() if node.get("Alive"))
+
+
+def placement_node(pg, bundle: int) -> str | None:
+    """The Ray node id a placement group's bundle was placed on (the trainer pool's bundle i holds rank i)."""
+    from ray.util import placement_group_table
+
+    return placement_group_table(pg).get("bundles_to_node_id", {}).get(bundle)
+
+
+def _node_of_actor(_actor) -> str:
+    from gspo_ray.data.shared_weights import current_node_id
+
+    return current_node_id()
+
+
+def actor_node_ids(handles: list, timeout_s: float = 60.0) -> list[str | None]:
+    """Each actor's Ray node id (asked of the actor through Ray's `__ray_call__`; a rollout worker takes it between
+    engine calls, max_concurrency 2); None for one that does not answer in time (dead: the push drops it)."""
+    if not handles:
+        return []
+    import ray
+
+    refs = [h.__ray_call__.remote(_node_of_actor) for h in handles]
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    out = []
+    for ref in refs:
+        try:
+            out.append(ray.get(ref) if ref in ready else None)
+        except ray.exceptions.RayError:
+            out.append(None)
+    return out

@@ -7,6 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from gspo_ray.config import JobConfig
+from gspo_ray.config.rollout import resolve_gpu_memory_utilization
 from gspo_ray.coordinator.rollout_pool import RolloutPool
 
 
@@ -39,6 +40,10 @@ def trainer_pool_config(cfg: JobConfig, num_workers: int | None = None):
     if trainer_cfg.total_steps is None:  # the LR schedule's horizon: every optimizer step of the job
         c = cfg.coordinator
         trainer_cfg = trainer_cfg.model_copy(update={"total_steps": c.steps * c.num_iterations * c.num_minibatches})
+    if trainer_cfg.lora is not None and cfg.rollout.num_gpus_per_worker > 0 and not trainer_cfg.lora.engines_on_cuda:
+        # the engines serve an MoE's adapter on CUDA (config.lora.merged_push); the trainer must push the same
+        trainer_cfg = trainer_cfg.model_copy(update={"lora": trainer_cfg.lora.model_copy(
+            update={"engines_on_cuda": True})})
     if trainer_cfg.num_threads is None:
         trainer_cfg = trainer_cfg.model_copy(update={"num_threads": auto_threads(
             cfg, trainer_cfg.num_workers, trainer_cfg.num_cpus_per_worker)})
@@ -55,8 +60,12 @@ def build_trainer_pool(cfg: JobConfig, model_path: Path, run_dir: Path):
 
 
 def rollout_config(cfg: JobConfig):
-    """The rollout sub-config the workers get: `num_threads` resolved (see auto_threads)."""
+    """The rollout sub-config the workers get: `num_threads` resolved (see auto_threads), and
+    `gpu_memory_utilization` 'auto' sized by whether a trainer shares the engines' GPUs."""
     r = cfg.rollout
+    if r.gpu_memory_utilization == "auto":
+        r = r.model_copy(update={"gpu_memory_utilization": resolve_gpu_memory_utilization(
+            "auto", r.num_gpus_per_worker, cfg.trainer.num_gpus_per_worker)})
     lora = cfg.trainer.lora
     if lora is not None and lora.serve == "adapter" and r.lora_rank is None:  # the engines serve the adapter
         r = r.model_copy(update={"lora_rank": lora.rank})

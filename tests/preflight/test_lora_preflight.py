@@ -144,3 +144,25 @@ def test_cli_stops_in_one_line_with_exit_2(tmp_path):
     result = CliRunner().invoke(app, ["config", "validate", str(job)])
     assert result.exit_code == 2 and "trainer.lora.target_modules" in result.stderr and "unknown target module 'qkv'" \
         in result.stderr, result.output
+
+
+BF16 = ["trainer.dtype=bfloat16", "rollout.dtype=bfloat16", "coordinator.recompute_old_logprobs=true"]
+
+
+def test_merged_bf16_pushes_need_a_mismatch_correction(tmp_path):
+    """R3: a merged push in bf16 loses every update under half a bf16 step of W (tests/trainer/test_lora_rounding.py):
+    refused without algorithm.mismatch_correction, at config time for serve merged, in the preflight for an MoE on
+    CPU engines; an MoE on CUDA engines serves the adapter, so it passes."""
+    base = [f"logging.out_dir={tmp_path}", "coordinator.mode=sync", "algorithm.eps=fixed"] + BF16
+    with pytest.raises(ValueError, match=r"trainer.lora.serve merged: merged LoRA pushes with trainer.dtype and "
+                                         r"rollout.dtype bfloat16 .* set algorithm.mismatch_correction"):
+        load_config(RECIPE, base + ["trainer.lora={rank: 8, serve: merged}"])
+    corrected = base + ["algorithm.mismatch_correction.level=sequence"]
+    assert load_config(RECIPE, corrected + ["trainer.lora={rank: 8, serve: merged}"]).trainer.lora.serve == "merged"
+    moe = _hf("qwen3_moe")
+    with pytest.raises(PreflightError, match=r"trainer.lora on an MoE with CPU engines .* "
+                                             r"algorithm.mismatch_correction"):
+        _check(load_config(RECIPE, base + ["trainer.lora={rank: 8}"]), hf=moe)
+    _check(load_config(RECIPE, corrected + ["trainer.lora={rank: 8}"]), hf=moe)
+    gpu = load_config(RECIPE, base + ["trainer.lora={rank: 8}", "rollout.num_gpus_per_worker=1", "rollout.lora_rank=8"])
+    _check(gpu, hf=moe)  # CUDA engines serve the MoE's adapter: no merge, no rounding; lora_rank allowed

@@ -90,6 +90,18 @@ def test_push_object_refs_to_both_workers(pool, tmp_path):
     assert {v for s in samples for v in s.versions} == {5}
 
 
+def test_engine_nodes_are_asked_of_the_actors(pool):
+    """R9: the coordinator learns each engine's node from the actor itself (through Ray's __ray_call__)."""
+    from gspo_ray.coordinator.loop import actor_node_ids, export_plan
+
+    workers, _, _ = pool
+    here = ray.get_runtime_context().get_node_id()
+    nodes = actor_node_ids(workers)
+    assert nodes == [here, here]
+    assert export_plan(True, here, nodes) == (True, False)  # one node: the file, no object-store copy
+    assert export_plan(True, "another-node", nodes) == (False, True)
+
+
 def test_pause_reaches_running_generate_and_continue_finishes(pool):
     workers, prompts, _ = pool
     w = workers[0]

@@ -128,6 +128,37 @@ def test_kl_reference_is_the_starting_adapter_without_a_second_model(run):
     assert (out["bypassed_ref"] - out["base"]).abs().max() < 1e-6
 
 
+def _merged_copies_per_bucket(w) -> dict:
+    """R4: at each bucket the merged push yields, how many adapted linears' merged copies are alive: those that
+    hold a merged tensor as their weight, plus merged tensors still referenced anywhere (the exporter's bucket keeps
+    its own clones). Tiny buckets: nearly every tensor is a yield."""
+    import gc
+    import weakref
+
+    from gspo_ray.trainer.lora import peft_io
+    from gspo_ray.trainer.lora.adapters import adapted_linears
+
+    linears = adapted_linears(w.gpt)
+    originals = {id(linear): linear.weight.data_ptr() for _, linear in linears}
+    made, merge = [], peft_io.merged_weight
+
+    def tracked(weight, delta):
+        out = merge(weight, delta)
+        made.append(weakref.ref(out))
+        return out
+
+    counts = []
+    peft_io.merged_weight = tracked
+    try:
+        for _ in w.lora.weights(w.gpt, w.spec, bucket_mb=1e-4):
+            gc.collect()
+            holding = sum(linear.weight.data_ptr() != originals[id(linear)] for _, linear in linears)
+            counts.append(holding + sum(ref() is not None for ref in made))
+    finally:
+        peft_io.merged_weight = merge
+    return {"max_alive": max(counts), "buckets": len(counts), "linears": len(linears), "merged": len(made)}
+
+
 def _merged_push(rank, world_size, ports, model_dir, serve):
     from gspo_ray.trainer.lora.peft_io import export_adapter, load_full_adapter
 
@@ -136,12 +167,14 @@ def _merged_push(rank, world_size, ports, model_dir, serve):
     adapter = {k: 0.3 * torch.randn(v.shape, generator=g) for k, v in export_adapter(w.gpt, w.spec).items()}
     load_full_adapter(w.gpt, w.spec, adapter, "test")
     base_before = {n: p.detach().clone() for n, p in w.gpt.named_parameters() if ".lora." not in n}
+    peak = _merged_copies_per_bucket(w)
     buckets = w.export_weights().buckets
     moved = max((p - base_before[n]).abs().max().item() for n, p in w.gpt.named_parameters() if n in base_before)
     batch = make_batch(4)
     logp = w.compute_logprobs(batch, temperature=1.0)
     w.shutdown()
-    return {"state": {n: t for b in buckets for n, t in b}, "base_moved": moved, "logp": logp, "batch": batch}
+    return {"state": {n: t for b in buckets for n, t in b}, "base_moved": moved, "logp": logp, "batch": batch,
+            "peak": peak}
 
 
 @pytest.mark.parametrize("model", ["moe", "dense_serve_merged"])
@@ -153,6 +186,10 @@ def test_push_is_the_merged_model(tiny_moe_dir, tiny_qwen2_dir, tmp_path, model)
     model_dir, serve = (tiny_moe_dir, "adapter") if model == "moe" else (tiny_qwen2_dir, "merged")
     out = run_ranks(_merged_push, 1, (str(model_dir), serve))[0]
     assert out["base_moved"] == 0.0  # the merge is on copies
+    # R4: one adapted linear's merged copy alive at any yielded bucket, not one per adapted weight at once
+    peak = out["peak"]
+    assert peak["merged"] == peak["linears"] > 1 and peak["buckets"] > peak["linears"], peak
+    assert peak["max_alive"] <= 1, peak
     full = ".experts.3.down_proj.weight" if model == "moe" else ".mlp.down_proj.weight"
     assert any(full in n for n in out["state"]) and not any("lora_" in n for n in out["state"])  # not adapters
     write_hf_dir(out["state"], read_hf_config(model_dir), model_dir, tmp_path / "merged")

