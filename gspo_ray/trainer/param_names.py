@@ -49,13 +49,15 @@ class LayerKinds:
 def _layer_names(spec: ModelSpec, kinds: LayerKinds, i: int) -> list[str]:
     p = f"decoder.layers.{i}."
     qkv = p + "self_attention.linear_qkv."
-    names = [qkv + "layer_norm_weight"] if kinds.te else [p + "input_layernorm.weight"]
+    # Attention registers linear_proj before SelfAttention adds linear_qkv and the QK-norms; TE's LayerNormLinear
+    # registers its norm weight before its linear weight
+    names = [] if kinds.te else [p + "input_layernorm.weight"]
+    names += [p + "self_attention.linear_proj.weight"] + ([qkv + "layer_norm_weight"] if kinds.te else [])
     names.append(qkv + "weight")
     if spec.qkv_bias:
         names.append(qkv + "bias")
     if spec.qk_norm:
         names += [p + "self_attention.q_layernorm.weight", p + "self_attention.k_layernorm.weight"]
-    names.append(p + "self_attention.linear_proj.weight")
     if i not in spec.moe_layers:
         fc1 = p + "mlp.linear_fc1."
         return names + ([fc1 + "layer_norm_weight"] if kinds.te else [p + "pre_mlp_layernorm.weight"]) + [
@@ -69,7 +71,8 @@ def _layer_names(spec: ModelSpec, kinds: LayerKinds, i: int) -> list[str]:
 
 def megatron_param_names(spec: ModelSpec, kinds: LayerKinds) -> list[str]:
     """The base (non-LoRA) parameter names of one rank's GPTModel (every TP rank has the same names; EP ranks too,
-    each naming its own local experts), in module order."""
+    each naming its own local experts), in module order (the local spec's checked against the built model; the
+    Transformer Engine spec's as read from megatron-core's and TE's sources)."""
     names = ["embedding.word_embeddings.weight"]
     for i in range(spec.num_layers):
         names += _layer_names(spec, kinds, i)
