@@ -30,6 +30,7 @@ from gspo_ray.trainer.bridge import load_hf_weights
 from gspo_ray.trainer.model_spec import ModelSpec, read_hf_config, spec_from_hf_config, te_missing
 from gspo_ray.trainer.param_names import LayerKinds
 from gspo_ray.trainer.segment_attention import Segments, attend_rows, unsupported
+from gspo_ray.trainer.te_attention import thd_attend_rows
 
 
 def build_transformer_config(spec: ModelSpec, grouped_gemm: bool = False):
@@ -61,19 +62,34 @@ def build_transformer_config(spec: ModelSpec, grouped_gemm: bool = False):
         pipeline_dtype=spec.dtype, **moe)
 
 
+ATTENTION_KERNELS = ("sdpa", "te_thd")
+
+
 class SegmentAttention(MegatronModule):
-    """Megatron core attention (the `core_attention` of our layer spec) computing segment_attention.attend_rows.
-    Built by Megatron's SelfAttention with DotProductAttention's arguments; `attention_mask` must be a
-    segment_attention.Segments record (None: every row is one causal segment of the full width)."""
+    """Megatron core attention (the `core_attention` of our layer spec) computing attention by segment.
+    Built by Megatron's SelfAttention with DotProductAttention's arguments (and `kernel` from the spec's params);
+    `attention_mask` must be a segment_attention.Segments record (None: every row is one causal segment of the full
+    width). kernel "sdpa": segment_attention.attend_rows (torch SDPA per segment, any device); "te_thd":
+    te_attention.thd_attend_rows with Transformer Engine's fused attention (CUDA + TE; not run here)."""
 
     def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
                  attention_dropout: float | None = None, softmax_scale: float | None = None,
-                 cp_comm_type: str | None = None, pg_collection=None):
+                 cp_comm_type: str | None = None, pg_collection=None, kernel: str = "sdpa"):
         super().__init__(config=config)
         why = unsupported(config) or ("attention dropout" if attention_dropout else None)
         if why is not None:
             raise NotImplementedError(f"SegmentAttention does not cover {why}")
+        if kernel not in ATTENTION_KERNELS:
+            raise ValueError(f"attention kernel {kernel!r}; valid: {ATTENTION_KERNELS}")
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
+        self.kernel = kernel
+        self.te_kernel = None
+        if kernel == "te_thd":
+            from gspo_ray.trainer.te_attention import TEThdKernel
+
+            tp = config.tensor_model_parallel_size
+            self.te_kernel = TEThdKernel(config.num_attention_heads // tp, config.num_query_groups // tp,
+                                         config.kv_channels, self.softmax_scale)
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None) -> Tensor:
@@ -85,16 +101,19 @@ class SegmentAttention(MegatronModule):
             segs = Segments.plain([query.shape[0]] * query.shape[1])
         if not isinstance(segs, Segments):
             raise TypeError(f"SegmentAttention needs a Segments record as attention_mask, not {type(segs).__name__}")
+        if self.te_kernel is not None:
+            return thd_attend_rows(query, key, value, segs, self.te_kernel)
         out = attend_rows(query, key, value, segs, self.softmax_scale)
         return out.reshape(out.shape[0], out.shape[1], -1)
 
 
-def _layer_spec(spec: ModelSpec, grouped_gemm: bool, moe: bool):
+def _layer_spec(spec: ModelSpec, grouped_gemm: bool, moe: bool, attention: str):
     """One layer's spec: Megatron's local spec, or with use_te its Transformer Engine spec (fused linears and norms,
     named `linear_qkv.layer_norm_weight` / `linear_fc1.layer_norm_weight`: param_names.py), with our
     SegmentAttention as core attention either way. MoE experts: SequentialMLP, or with grouped_gemm TEGroupedMLP
     (`experts.linear_fc1.weight{j}`, mapped by bridge.py)."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
+    from megatron.core.transformer.spec_utils import ModuleSpec
 
     num_experts = spec.num_experts if moe else None
     if spec.use_te:
@@ -103,18 +122,19 @@ def _layer_spec(spec: ModelSpec, grouped_gemm: bool, moe: bool):
     else:
         layer = specs.get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False,
                                                qk_layernorm=spec.qk_norm, normalization="RMSNorm")
-    layer.submodules.self_attention.submodules.core_attention = SegmentAttention
+    layer.submodules.self_attention.submodules.core_attention = ModuleSpec(module=SegmentAttention,
+                                                                           params={"kernel": attention})
     return layer
 
 
-def _block_spec(spec: ModelSpec, grouped_gemm: bool):
+def _block_spec(spec: ModelSpec, grouped_gemm: bool, attention: str):
     """Per-layer specs: an MoE layer where the HF config has one (spec.moe_layers), a dense MLP elsewhere (Qwen3-MoE's
     mlp_only_layers / decoder_sparse_step; one spec for every layer would make them all MoE). The final norm is the
     one Megatron's block picks for a single layer spec (transformer_block.LayerNormImpl)."""
     from megatron.core.transformer.transformer_block import LayerNormImpl, TransformerBlockSubmodules
 
     is_moe = [i in spec.moe_layers for i in range(spec.num_layers)]
-    layers = {moe: _layer_spec(spec, grouped_gemm, moe) for moe in set(is_moe)}
+    layers = {moe: _layer_spec(spec, grouped_gemm, moe, attention) for moe in set(is_moe)}
     return TransformerBlockSubmodules(layer_specs=[layers[moe] for moe in is_moe], layer_norm=LayerNormImpl)
 
 
@@ -124,6 +144,16 @@ def te_grouped_gemm_available() -> bool:
     from megatron.core.extensions import transformer_engine as te_ext
 
     return getattr(te_ext, "TEColumnParallelGroupedLinear", None) is not None
+
+
+def kernel_summary(model) -> dict[str, str]:
+    """What a built model runs, read from its modules: layers (Transformer Engine or local), MoE experts (their
+    Megatron class: TEGroupedMLP is grouped GEMM, SequentialMLP one GEMM per expert) and the attention kernel."""
+    kinds = layer_kinds(model)
+    experts = {type(m.experts).__name__ for m in model.modules() if type(m).__name__ == "MoELayer"}
+    attention = {m.kernel for m in model.modules() if isinstance(m, SegmentAttention)}
+    return {"layers": "transformer_engine" if kinds.te else "local", "experts": ", ".join(sorted(experts)) or "-",
+            "attention": ", ".join(sorted(attention))}
 
 
 def layer_kinds(model) -> LayerKinds:
@@ -141,13 +171,14 @@ def resolve_use_te(use_te) -> bool:
 
 def build_model(hf_dir: str, *, dtype: torch.dtype = torch.float32, sequence_parallel: bool | None = None,
                 moe_dispatcher: str = "alltoall", load_weights: bool = True, use_te: bool = False,
-                routing_replay: bool = False, grouped_gemm: bool | None = None):
+                routing_replay: bool = False, grouped_gemm: bool | None = None, attention: str = "sdpa"):
     """HF dir -> (GPTModel on this rank's device, ModelSpec). Needs init_distributed() first.
 
     With load_weights the HF safetensors are loaded into this rank's TP/EP shards (and random init is skipped);
     without, the model keeps Megatron's random init. routing_replay: routers can record/replay top-k choices
     (see routing/replay.py). grouped_gemm (MoE experts as TEGroupedMLP): None = with use_te when Transformer
-    Engine has its grouped linear; True without use_te is refused.
+    Engine has its grouped linear; True without use_te is refused. attention: the kernel of SegmentAttention,
+    "sdpa" (torch, any device) or "te_thd" (Transformer Engine's fused attention in THD layout, with use_te only).
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -165,12 +196,14 @@ def build_model(hf_dir: str, *, dtype: torch.dtype = torch.float32, sequence_par
         moe_dispatcher=moe_dispatcher, dtype=dtype, use_te=use_te)
     if grouped_gemm and not use_te:
         raise ValueError("grouped GEMM experts need the Transformer Engine spec (use_te)")
+    if attention not in ATTENTION_KERNELS or attention == "te_thd" and not use_te:
+        raise ValueError(f"attention kernel {attention!r}: valid {ATTENTION_KERNELS}, te_thd with use_te only")
     grouped = spec.is_moe and use_te and (te_grouped_gemm_available() if grouped_gemm is None else grouped_gemm)
     config = build_transformer_config(spec, grouped_gemm=grouped)
     config.perform_initialization = not load_weights  # every parameter is overwritten by the loader
     config.moe_enable_routing_replay = routing_replay and spec.is_moe  # each router gets a RouterReplay
     model = GPTModel(
-        config=config, transformer_layer_spec=_block_spec(spec, grouped), vocab_size=spec.padded_vocab_size,
+        config=config, transformer_layer_spec=_block_spec(spec, grouped, attention), vocab_size=spec.padded_vocab_size,
         max_sequence_length=spec.extra["max_position_embeddings"], pre_process=True, post_process=True,
         parallel_output=True, share_embeddings_and_output_weights=spec.tied_embeddings,
         position_embedding_type="rope", rotary_percent=1.0, rotary_base=spec.extra["rope_theta"])

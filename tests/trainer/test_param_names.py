@@ -114,7 +114,7 @@ def test_unmapped_layouts_are_refused():
 
 def _local_scenario(rank, world_size, ports, models, tokens, lengths):
     from gspo_ray.trainer.logprobs import forward_logprobs
-    from gspo_ray.trainer.model import build_model, layer_kinds
+    from gspo_ray.trainer.model import build_model, kernel_summary, layer_kinds
     from gspo_ray.trainer.parallel import destroy_distributed, init_distributed
 
     init_distributed(0, 1, "127.0.0.1", ports[0])
@@ -122,10 +122,18 @@ def _local_scenario(rank, world_size, ports, models, tokens, lengths):
     for arch, hf_dir in models.items():
         model, spec = build_model(str(hf_dir))
         out[arch] = {"names": [n for n, _ in model.named_parameters()], "kinds": layer_kinds(model),
-                     "mlps": [type(layer.mlp).__name__ for layer in model.decoder.layers]}
+                     "mlps": [type(layer.mlp).__name__ for layer in model.decoder.layers],
+                     "summary": kernel_summary(model)}
         if arch == "qwen3_moe_mixed":
             with torch.no_grad():
                 out[arch]["logp"] = forward_logprobs(model, tokens, lengths)
+    refused = []
+    for kwargs in ({"attention": "te_thd"}, {"grouped_gemm": True}):  # both need the Transformer Engine spec
+        try:
+            build_model(str(models["qwen3_moe"]), load_weights=False, **kwargs)
+        except ValueError as e:
+            refused.append(str(e))
+    out["refused"] = refused
     destroy_distributed()
     return out
 
@@ -143,5 +151,8 @@ def test_local_names_are_what_build_model_builds(models):
         assert built[arch]["names"] == megatron_param_names(spec, LayerKinds()), arch
         assert built[arch]["kinds"] == LayerKinds()
     assert built["qwen3_moe_mixed"]["mlps"] == ["MoELayer", "MLP", "MoELayer"]
+    assert built["qwen3_moe"]["summary"] == {"layers": "local", "experts": "SequentialMLP", "attention": "sdpa"}
+    assert built["qwen2"]["summary"]["experts"] == "-"
+    assert len(built["refused"]) == 2 and all("use_te" in e for e in built["refused"])
     ref, _ = hf_logprobs(models["qwen3_moe_mixed"], tokens, lengths)
     torch.testing.assert_close(built["qwen3_moe_mixed"]["logp"], ref, rtol=0, atol=1e-5)
