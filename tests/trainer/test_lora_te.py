@@ -140,9 +140,10 @@ def _scenario(rank, world_size, ports, hf_dir):
         out["bypass_diff"] = float((experts.linear_fc2(y, splits)[0] - plain).abs().max())
     out["adapted_moved"] = float((experts.linear_fc2(y, splits)[0] - plain).abs().max())
 
-    # a linear the registry does not know, at a targeted name, is refused by name
+    # a known linear class whose partitioning is not the one its place needs is refused by name
     bad = _tree(spec, grouped=False)
-    bad.decoder.layers[0].self_attention.linear_proj = nn.Linear(spec.hidden_size, spec.hidden_size)
+    bad.decoder.layers[0].self_attention.linear_proj = TELayerNormColumnParallelLinear(spec.hidden_size,
+                                                                                       spec.hidden_size)
     try:
         apply_lora(bad, spec, cfg)
         out["refused"] = None
@@ -164,4 +165,4 @@ def test_lora_on_transformer_engine_linears(tiny_moe_dir):
     assert r["grouped_diff"] < 1e-5
     assert r["merged_diff"] < 1e-6 and r["restored"]
     assert r["bypass_diff"] == 0 and r["adapted_moved"] > 1e-3
-    assert r["refused"] and "linear_proj is a Linear" in r["refused"]
+    assert r["refused"] and "linear_proj is a TELayerNormColumnParallelLinear" in r["refused"]

@@ -106,7 +106,8 @@ LINEAR_CLASSES: dict[str, LinearKind] = {
 
 
 def linear_kind(module: nn.Module) -> LinearKind | None:
-    """The LinearKind of a module's class (or of the nearest base class the registry knows), None when none."""
+    """The LinearKind of a module's class (or of the nearest base class the registry knows), None when none (then
+    apply_lora takes the partitioning from the module's name, _LINEARS, and the plain (output, bias) hook)."""
     for cls in type(module).__mro__:
         if cls.__name__ in LINEAR_CLASSES:
             return LINEAR_CLASSES[cls.__name__]
@@ -372,9 +373,10 @@ def apply_lora(model: nn.Module, spec: ModelSpec, cfg: LoRAConfig, seed: int = 0
         t = match_linear(name, cfg.target_modules)
         if t is None or isinstance(module, GroupedExpertView):
             continue
-        if kind is None or kind.parallel != t.kind:
-            raise ValueError(f"trainer.lora: {name} is a {type(module).__name__}, not a linear LoRA knows as "
-                             f"{'column' if t.kind == 'col' else 'row'}-parallel (known: {sorted(LINEAR_CLASSES)})")
+        kind = kind or LinearKind(t.kind)  # a class the registry does not name: the module name's rule decides
+        if kind.parallel != t.kind or kind.grouped:
+            raise ValueError(f"trainer.lora: {name} is a {type(module).__name__}, whose partitioning is not the "
+                             f"{'column' if t.kind == 'col' else 'row'}-parallel one this linear needs")
         _wrap(name, module, spec, cfg, seed, t)
         module.register_forward_hook(_add_adapter_output_normed if kind.fused_norm else _add_adapter_output)
         done.append(name)
