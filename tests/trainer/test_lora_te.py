@@ -140,6 +140,11 @@ def _scenario(rank, world_size, ports, hf_dir):
         out["bypass_diff"] = float((experts.linear_fc2(y, splits)[0] - plain).abs().max())
     out["adapted_moved"] = float((experts.linear_fc2(y, splits)[0] - plain).abs().max())
 
+    # attention targets only: the grouped linears get no views and no hook
+    attn_only = _tree(spec, grouped=True)
+    apply_lora(attn_only, spec, LoRAConfig(rank=4, alpha=8, target_modules=["q_proj"]))
+    out["attn_only_experts"] = sorted(n for n, _ in attn_only.decoder.layers[0].mlp.experts.named_children())
+
     # a known linear class whose partitioning is not the one its place needs is refused by name
     bad = _tree(spec, grouped=False)
     bad.decoder.layers[0].self_attention.linear_proj = TELayerNormColumnParallelLinear(spec.hidden_size,
@@ -164,5 +169,6 @@ def test_lora_on_transformer_engine_linears(tiny_moe_dir):
     assert r["norm_out_diff"] < 1e-5 and r["norm_grad_diff"] < 1e-5
     assert r["grouped_diff"] < 1e-5
     assert r["merged_diff"] < 1e-6 and r["restored"]
+    assert r["attn_only_experts"] == ["linear_fc1", "linear_fc2"]
     assert r["bypass_diff"] == 0 and r["adapted_moved"] > 1e-3
     assert r["refused"] and "linear_proj is a TELayerNormColumnParallelLinear" in r["refused"]

@@ -302,8 +302,7 @@ def _add_grouped_adapter_output(module: nn.Module, args: tuple, kwargs: dict, ou
     sizes = [int(n) for n in splits]
     pieces = []
     for view, o, xi in zip(module.lora_views, out.split(sizes), x.split(sizes)):
-        lora = getattr(view, "lora", None)
-        pieces.append(o if lora is None or lora.bypass or not len(xi) else lora.add_to(o, xi))
+        pieces.append(o if view.lora.bypass or not len(xi) else view.lora.add_to(o, xi))
     return torch.cat(pieces), bias
 
 
@@ -363,18 +362,20 @@ def apply_lora(model: nn.Module, spec: ModelSpec, cfg: LoRAConfig, seed: int = 0
     for name, module in list(model.named_modules()):
         kind = linear_kind(module)
         if kind is not None and kind.grouped:
-            views = [(n, v) for n, v in _expert_views(model, name, module) if match_linear(n, cfg.target_modules)]
+            parent, _, proj = name.rpartition(".")
+            if match_linear(f"{parent}.local_experts.0.{proj}", cfg.target_modules) is None:
+                continue  # no targeted projection here: no views either
+            views = _expert_views(model, name, module)
             for view_name, view in views:
                 _wrap(view_name, view, spec, cfg, seed, match_linear(view_name, cfg.target_modules))
-            if views:
-                module.register_forward_hook(_add_grouped_adapter_output, with_kwargs=True)
+            module.register_forward_hook(_add_grouped_adapter_output, with_kwargs=True)
             done += [n for n, _ in views]
             continue
         t = match_linear(name, cfg.target_modules)
         if t is None or isinstance(module, GroupedExpertView):
             continue
         kind = kind or LinearKind(t.kind)  # a class the registry does not name: the module name's rule decides
-        if kind.parallel != t.kind or kind.grouped:
+        if kind.parallel != t.kind:
             raise ValueError(f"trainer.lora: {name} is a {type(module).__name__}, whose partitioning is not the "
                              f"{'column' if t.kind == 'col' else 'row'}-parallel one this linear needs")
         _wrap(name, module, spec, cfg, seed, t)
