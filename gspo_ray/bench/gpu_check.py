@@ -10,6 +10,7 @@ one row per check:
 
   1. attention by segment on the device against the same call on the CPU (values, fp32; the kernel alone: the
      whole model's log-probs are not compared across devices, Megatron's rotary tables stay where they were built);
+     where Transformer Engine imports on CUDA, its fused attention in THD layout against the same call (bf16);
   2. group rows against padded rows on the device: per-token log-probs of one prompt group (fp32);
   3. one GSPO train step with group rows in bf16, with LoRA (trainer.lora), on a batch of 2 prompt groups;
   4. peak device memory of a group-row forward and backward at 1k, 4k and 16k-token completions (8 of them after a
@@ -150,6 +151,26 @@ def check_moe(root: Path, device: str, use_te: bool, lines: list[str]) -> dict:
     return {**row, "check": row["check"].replace("group rows", "MoE group rows")}
 
 
+def check_te_attention(device: str) -> dict:
+    """Transformer Engine's fused attention in THD layout (te_attention.py) against attention by segment's SDPA
+    calls on the same bf16 inputs, where TE imports on CUDA; otherwise a row saying why it did not run."""
+    import torch
+
+    from gspo_ray.trainer.model_spec import te_missing
+    from gspo_ray.trainer.segment_attention import Segments, attend_rows
+    from gspo_ray.trainer.te_attention import TEThdKernel, thd_attend_rows
+
+    name = "TE fused attention (THD) vs SDPA (bf16)"
+    if te_missing():
+        return {"check": name, "error": f"not run: {te_missing()}"}
+    segs = Segments(prefix=(300, 1), completions=((200, 0, 150), (400,)))
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(701, 2, h, 64, generator=g).to(device, torch.bfloat16) for h in (9, 3, 3))
+    got = thd_attend_rows(q, k, v, segs, TEThdKernel(9, 3, 64, 64 ** -0.5))
+    want = attend_rows(q, k, v, segs).reshape(got.shape)
+    return {"check": name, "max abs diff": f"{float((got.float() - want.float()).abs().max()):.2e}"}
+
+
 def check_group_vs_padded(model, vocab: int, device: str) -> dict:
     import torch
 
@@ -240,6 +261,7 @@ def run(small: bool) -> list[dict]:
         except Exception as e:  # the line says why; the checks still run
             lines.append(f"SDPA backends: {type(e).__name__}: {str(e)[:120]}")
         attempt(check_kernel, device, name="segment attention, device vs CPU")
+        attempt(check_te_attention, device, name="TE fused attention (THD)")
         init_distributed(0, 1, "127.0.0.1", free_port())
         model, spec = build_model(str(model_dir), load_weights=False, use_te=use_te)
         lines.insert(0, kernels_line("SmolLM2-shaped model", model, use_te))
