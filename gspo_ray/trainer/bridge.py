@@ -64,6 +64,13 @@ _RULES: list[tuple[str, tuple[str, ...], str, str]] = [
      "gated", "none"),
     (_LAYER + r"mlp\.experts\.local_experts\.(\d+)\.linear_fc2\.weight",
      ("model.layers.{i}.mlp.experts.{e}.down_proj.weight",), "copy", "none"),
+    # grouped GEMM (TEGroupedMLP): one TE GroupedLinear per projection holding local expert j as `weight{j}`, the
+    # same [out, in] tensor SequentialMLP's expert j holds (fc1 = [gate_j; up_j] [2F, H], fc2 = down_j [H, F])
+    (_LAYER + r"mlp\.experts\.linear_fc1\.weight(\d+)",
+     ("model.layers.{i}.mlp.experts.{e}.gate_proj.weight", "model.layers.{i}.mlp.experts.{e}.up_proj.weight"),
+     "gated", "none"),
+    (_LAYER + r"mlp\.experts\.linear_fc2\.weight(\d+)",
+     ("model.layers.{i}.mlp.experts.{e}.down_proj.weight",), "copy", "none"),
 ]
 
 

@@ -7,8 +7,11 @@
 TP/EP sizes come from Megatron's parallel state. Layers use the local (pure torch) spec, the one verified against
 transformers here, with our SegmentAttention as core attention (segment_attention.py: the forward's
 `attention_mask` is a Segments record, never a dense mask); `use_te=True` (trainer.use_te, resolve_use_te) picks
-the Transformer Engine spec on CUDA machines, with the same attention (its parameter names are mapped by
-bridge.py; its numerics are not verified by these tests: no GPU here). MoE routing follows Qwen3-MoE:
+the Transformer Engine spec on CUDA machines, with the same attention, and for an MoE its experts by grouped GEMM
+(TEGroupedMLP) where Transformer Engine has its grouped linear. Their parameter names are listed by
+param_names.py and mapped by bridge.py (checked as names and tensors on CPU); the TE layers themselves have not run
+here (no GPU, Transformer Engine not installable). Layers without experts in an MoE config (Qwen3-MoE's
+mlp_only_layers) get a dense MLP. MoE routing follows Qwen3-MoE:
 softmax over experts, top-k, top-k probs renormalised when `norm_topk_prob` (softmax over the top-k logits, which
 is the same thing); no Routing Replay, no aux loss. `ModelSpec` is a small picklable record of the architecture.
 """
@@ -25,11 +28,14 @@ from megatron.core.transformer.module import MegatronModule  # noqa: E402  (afte
 
 from gspo_ray.trainer.bridge import load_hf_weights
 from gspo_ray.trainer.model_spec import ModelSpec, read_hf_config, spec_from_hf_config, te_missing
+from gspo_ray.trainer.param_names import LayerKinds
 from gspo_ray.trainer.segment_attention import Segments, attend_rows, unsupported
+from gspo_ray.trainer.te_attention import thd_attend_rows
 
 
-def build_transformer_config(spec: ModelSpec):
-    """ModelSpec -> Megatron TransformerConfig: Qwen/Llama maths, every fused kernel off (none exist on CPU)."""
+def build_transformer_config(spec: ModelSpec, grouped_gemm: bool = False):
+    """ModelSpec -> Megatron TransformerConfig: Qwen/Llama maths, every fused kernel off (none exist on CPU);
+    grouped_gemm: MoE experts by grouped GEMM (TEGroupedMLP; CUDA and Transformer Engine only)."""
     from megatron.core.transformer import TransformerConfig
 
     moe = {}
@@ -39,7 +45,7 @@ def build_transformer_config(spec: ModelSpec):
                    moe_aux_loss_coeff=0.0, moe_router_score_function="softmax",
                    # pre_softmax=False: softmax over the k selected logits == renormalised top-k probs
                    moe_router_pre_softmax=not spec.extra["norm_topk_prob"],
-                   moe_token_dispatcher_type=spec.moe_dispatcher, moe_grouped_gemm=False,
+                   moe_token_dispatcher_type=spec.moe_dispatcher, moe_grouped_gemm=grouped_gemm,
                    moe_permute_fusion=False,
                    moe_layer_freq=[int(i in spec.moe_layers) for i in range(spec.num_layers)])
     return TransformerConfig(
@@ -56,19 +62,34 @@ def build_transformer_config(spec: ModelSpec):
         pipeline_dtype=spec.dtype, **moe)
 
 
+ATTENTION_KERNELS = ("sdpa", "te_thd")
+
+
 class SegmentAttention(MegatronModule):
-    """Megatron core attention (the `core_attention` of our layer spec) computing segment_attention.attend_rows.
-    Built by Megatron's SelfAttention with DotProductAttention's arguments; `attention_mask` must be a
-    segment_attention.Segments record (None: every row is one causal segment of the full width)."""
+    """Megatron core attention (the `core_attention` of our layer spec) computing attention by segment.
+    Built by Megatron's SelfAttention with DotProductAttention's arguments (and `kernel` from the spec's params);
+    `attention_mask` must be a segment_attention.Segments record (None: every row is one causal segment of the full
+    width). kernel "sdpa": segment_attention.attend_rows (torch SDPA per segment, any device); "te_thd":
+    te_attention.thd_attend_rows with Transformer Engine's fused attention (CUDA + TE; not run here)."""
 
     def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
                  attention_dropout: float | None = None, softmax_scale: float | None = None,
-                 cp_comm_type: str | None = None, pg_collection=None):
+                 cp_comm_type: str | None = None, pg_collection=None, kernel: str = "sdpa"):
         super().__init__(config=config)
         why = unsupported(config) or ("attention dropout" if attention_dropout else None)
         if why is not None:
             raise NotImplementedError(f"SegmentAttention does not cover {why}")
+        if kernel not in ATTENTION_KERNELS:
+            raise ValueError(f"attention kernel {kernel!r}; valid: {ATTENTION_KERNELS}")
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
+        self.kernel = kernel
+        self.te_kernel = None
+        if kernel == "te_thd":
+            from gspo_ray.trainer.te_attention import TEThdKernel
+
+            tp = config.tensor_model_parallel_size
+            self.te_kernel = TEThdKernel(config.num_attention_heads // tp, config.num_query_groups // tp,
+                                         config.kv_channels, self.softmax_scale)
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None) -> Tensor:
@@ -80,25 +101,66 @@ class SegmentAttention(MegatronModule):
             segs = Segments.plain([query.shape[0]] * query.shape[1])
         if not isinstance(segs, Segments):
             raise TypeError(f"SegmentAttention needs a Segments record as attention_mask, not {type(segs).__name__}")
+        if self.te_kernel is not None:
+            return thd_attend_rows(query, key, value, segs, self.te_kernel)
         out = attend_rows(query, key, value, segs, self.softmax_scale)
         return out.reshape(out.shape[0], out.shape[1], -1)
 
 
-def _layer_spec(spec: ModelSpec):
-    """Megatron's local layer spec (or, with use_te, its Transformer Engine spec: fused linears and norms, named
-    `linear_qkv.layer_norm_weight` / `linear_fc1.layer_norm_weight`, which bridge.py maps) with our SegmentAttention
-    as core attention either way. Experts stay one MLP each (no grouped GEMM: its parameter layout is not mapped)."""
+def _layer_spec(spec: ModelSpec, grouped_gemm: bool, moe: bool, attention: str):
+    """One layer's spec: Megatron's local spec, or with use_te its Transformer Engine spec (fused linears and norms,
+    named `linear_qkv.layer_norm_weight` / `linear_fc1.layer_norm_weight`: param_names.py), with our
+    SegmentAttention as core attention either way. MoE experts: SequentialMLP, or with grouped_gemm TEGroupedMLP
+    (`experts.linear_fc1.weight{j}`, mapped by bridge.py)."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
+    from megatron.core.transformer.spec_utils import ModuleSpec
 
-    num_experts = spec.num_experts or None
+    num_experts = spec.num_experts if moe else None
     if spec.use_te:
-        layer = specs.get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, moe_grouped_gemm=False,
-                                                                 qk_layernorm=spec.qk_norm)
+        layer = specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=num_experts, moe_grouped_gemm=grouped_gemm and moe, qk_layernorm=spec.qk_norm)
     else:
         layer = specs.get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False,
                                                qk_layernorm=spec.qk_norm, normalization="RMSNorm")
-    layer.submodules.self_attention.submodules.core_attention = SegmentAttention
+    layer.submodules.self_attention.submodules.core_attention = ModuleSpec(module=SegmentAttention,
+                                                                           params={"kernel": attention})
     return layer
+
+
+def _block_spec(spec: ModelSpec, grouped_gemm: bool, attention: str):
+    """Per-layer specs: an MoE layer where the HF config has one (spec.moe_layers), a dense MLP elsewhere (Qwen3-MoE's
+    mlp_only_layers / decoder_sparse_step; one spec for every layer would make them all MoE). The final norm is the
+    one Megatron's block picks for a single layer spec (transformer_block.LayerNormImpl)."""
+    from megatron.core.transformer.transformer_block import LayerNormImpl, TransformerBlockSubmodules
+
+    is_moe = [i in spec.moe_layers for i in range(spec.num_layers)]
+    layers = {moe: _layer_spec(spec, grouped_gemm, moe, attention) for moe in set(is_moe)}
+    return TransformerBlockSubmodules(layer_specs=[layers[moe] for moe in is_moe], layer_norm=LayerNormImpl)
+
+
+def te_grouped_gemm_available() -> bool:
+    """Whether megatron-core has Transformer Engine's grouped linear (TE >= 1.9: TEColumnParallelGroupedLinear, what
+    TEGroupedMLP is built from); without it Megatron would fall back to the legacy GroupedMLP, never built here."""
+    from megatron.core.extensions import transformer_engine as te_ext
+
+    return getattr(te_ext, "TEColumnParallelGroupedLinear", None) is not None
+
+
+def kernel_summary(model) -> dict[str, str]:
+    """What a built model runs, read from its modules: layers (Transformer Engine or local), MoE experts (their
+    Megatron class: TEGroupedMLP is grouped GEMM, SequentialMLP one GEMM per expert) and the attention kernel."""
+    kinds = layer_kinds(model)
+    experts = {type(m.experts).__name__ for m in model.modules() if type(m).__name__ == "MoELayer"}
+    attention = {m.kernel for m in model.modules() if isinstance(m, SegmentAttention)}
+    return {"layers": "transformer_engine" if kinds.te else "local", "experts": ", ".join(sorted(experts)) or "-",
+            "attention": ", ".join(sorted(attention))}
+
+
+def layer_kinds(model) -> LayerKinds:
+    """What a built model holds, read from its modules' classes (not from what was asked): Transformer Engine
+    layers or local ones, grouped GEMM experts or not (what make gpu-check prints)."""
+    classes = {type(m).__name__ for m in model.modules()}
+    return LayerKinds(te=any(c.startswith("TE") for c in classes), grouped_gemm="TEGroupedMLP" in classes)
 
 
 def resolve_use_te(use_te) -> bool:
@@ -109,12 +171,14 @@ def resolve_use_te(use_te) -> bool:
 
 def build_model(hf_dir: str, *, dtype: torch.dtype = torch.float32, sequence_parallel: bool | None = None,
                 moe_dispatcher: str = "alltoall", load_weights: bool = True, use_te: bool = False,
-                routing_replay: bool = False):
+                routing_replay: bool = False, grouped_gemm: bool | None = None, attention: str = "sdpa"):
     """HF dir -> (GPTModel on this rank's device, ModelSpec). Needs init_distributed() first.
 
     With load_weights the HF safetensors are loaded into this rank's TP/EP shards (and random init is skipped);
     without, the model keeps Megatron's random init. routing_replay: routers can record/replay top-k choices
-    (see routing/replay.py).
+    (see routing/replay.py). grouped_gemm (MoE experts as TEGroupedMLP): None = with use_te when Transformer
+    Engine has its grouped linear; True without use_te is refused. attention: the kernel of SegmentAttention,
+    "sdpa" (torch, any device) or "te_thd" (Transformer Engine's fused attention in THD layout, with use_te only).
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -130,11 +194,16 @@ def build_model(hf_dir: str, *, dtype: torch.dtype = torch.float32, sequence_par
         read_hf_config(hf_dir), hf_dir, tp=parallel_state.get_tensor_model_parallel_world_size(),
         ep=parallel_state.get_expert_model_parallel_world_size(), sequence_parallel=sequence_parallel,
         moe_dispatcher=moe_dispatcher, dtype=dtype, use_te=use_te)
-    config = build_transformer_config(spec)
+    if grouped_gemm and not use_te:
+        raise ValueError("grouped GEMM experts need the Transformer Engine spec (use_te)")
+    if attention not in ATTENTION_KERNELS or attention == "te_thd" and not use_te:
+        raise ValueError(f"attention kernel {attention!r}: valid {ATTENTION_KERNELS}, te_thd with use_te only")
+    grouped = spec.is_moe and use_te and (te_grouped_gemm_available() if grouped_gemm is None else grouped_gemm)
+    config = build_transformer_config(spec, grouped_gemm=grouped)
     config.perform_initialization = not load_weights  # every parameter is overwritten by the loader
     config.moe_enable_routing_replay = routing_replay and spec.is_moe  # each router gets a RouterReplay
     model = GPTModel(
-        config=config, transformer_layer_spec=_layer_spec(spec), vocab_size=spec.padded_vocab_size,
+        config=config, transformer_layer_spec=_block_spec(spec, grouped, attention), vocab_size=spec.padded_vocab_size,
         max_sequence_length=spec.extra["max_position_embeddings"], pre_process=True, post_process=True,
         parallel_output=True, share_embeddings_and_output_weights=spec.tied_embeddings,
         position_embedding_type="rope", rotary_percent=1.0, rotary_base=spec.extra["rope_theta"])

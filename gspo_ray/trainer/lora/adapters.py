@@ -21,6 +21,21 @@ adapter on a TP linear without it is refused):
 - experts: local matmuls (the dispatcher moved the tokens; expert-TP is 1), adapter grads reduced over the expert
   data-parallel group like the expert weights (`allreduce=False` copied from the base weight).
 
+Linear classes (LINEAR_CLASSES, matched by class name along the MRO: Transformer Engine does not import on a
+machine without CUDA, so its classes are never imported here): Megatron's local ColumnParallelLinear /
+RowParallelLinear and Transformer Engine's wrappers (megatron/core/extensions/transformer_engine.py), all of whose
+forwards return (output, bias). TELayerNormColumnParallelLinear normalises its input inside the GEMM and Megatron
+builds it with `return_layernorm_output=False` (its forward then returns a single tensor that the wrapper pairs with
+None); turning that flag on after construction would change TE's return value under Megatron's wrapper, so the
+adapter recomputes the normed input itself: RMSNorm(x) with the module's `layer_norm_weight` and `eps` (one
+[tokens, hidden] norm, and its gradient flows to x as HF's `lora_A(norm(x))` does). TE's grouped linears
+(TEGroupedMLP, grouped GEMM: one module per projection, local expert j's weight `weight{j}`, forward(x, m_splits))
+get one view per local expert at `experts.local_experts.{j}.linear_fc{1,2}`, the names SequentialMLP's expert
+linears have, so adapters, checkpoints and PEFT exports are the same with grouped GEMM or without; the forward hook
+splits the grouped input and output by m_splits. Not run on a GPU (TE does not install here): the class names,
+attributes and return conventions are megatron-core 0.16.1's and TE's documented ones, tested with same-named
+stand-ins (tests/trainer/test_lora_te.py).
+
 Frozen base: every base parameter has requires_grad False, so Megatron runs `linear_with_frozen_weight` (no weight
 gradient matmul), DDP allocates no gradient buffer and the optimizer holds no state for it. Adapters are fp32 (the
 input is cast to fp32, the output back to the base's dtype), on their base weight's device.
@@ -67,6 +82,36 @@ class LinearTarget:
     kind: str                        # "col" | "row"
     layer: int
     local_expert: int | None         # expert index on this EP rank (None: dense)
+
+
+@dataclass(frozen=True)
+class LinearKind:
+    """How a linear class partitions and what its forward takes (see the module doc)."""
+
+    parallel: str                    # "col" (output rows split over TP) | "row" (input columns split)
+    fused_norm: bool = False         # normalises its input first (TE LayerNormLinear): the adapter reads norm(x)
+    grouped: bool = False            # one GEMM per local expert (TE GroupedLinear): weight{j}, forward(x, m_splits)
+
+
+# class name -> kind: Megatron's local linears (tensor_parallel/layers.py) and Transformer Engine's wrappers
+LINEAR_CLASSES: dict[str, LinearKind] = {
+    "ColumnParallelLinear": LinearKind("col"),
+    "RowParallelLinear": LinearKind("row"),
+    "TEColumnParallelLinear": LinearKind("col"),
+    "TERowParallelLinear": LinearKind("row"),
+    "TELayerNormColumnParallelLinear": LinearKind("col", fused_norm=True),
+    "TEColumnParallelGroupedLinear": LinearKind("col", grouped=True),
+    "TERowParallelGroupedLinear": LinearKind("row", grouped=True),
+}
+
+
+def linear_kind(module: nn.Module) -> LinearKind | None:
+    """The LinearKind of a module's class (or of the nearest base class the registry knows), None when none (then
+    apply_lora takes the partitioning from the module's name, _LINEARS, and the plain (output, bias) hook)."""
+    for cls in type(module).__mro__:
+        if cls.__name__ in LINEAR_CLASSES:
+            return LINEAR_CLASSES[cls.__name__]
+    return None
 
 
 def match_linear(module_name: str, targets: list[str]) -> LinearTarget | None:
@@ -206,11 +251,73 @@ class ParallelLoRA(nn.Module):
 
 
 def _add_adapter_output(module: nn.Module, inputs: tuple, output):
-    """Forward hook of an adapted linear: Megatron linears return (output, bias)."""
+    """Forward hook of an adapted linear: Megatron's and TE's linears return (output, bias)."""
     if module.lora.bypass:
         return output
     out, bias = output
     return module.lora.add_to(out, inputs[0]), bias
+
+
+def fused_norm_input(module: nn.Module, x: Tensor) -> Tensor:
+    """What a TE LayerNormLinear feeds its GEMM: RMSNorm(x) * layer_norm_weight (1 + weight with
+    zero_centered_gamma), computed in fp32 like TE, in x's dtype."""
+    if getattr(module, "normalization", "RMSNorm") != "RMSNorm":
+        raise NotImplementedError(f"LoRA on a fused {module.normalization} linear (only RMSNorm is built)")
+    weight = module.layer_norm_weight.float()
+    if getattr(module, "zero_centered_gamma", False):
+        weight = weight + 1
+    return F.rms_norm(x.float(), (x.shape[-1],), weight, module.eps).to(x.dtype)
+
+
+def _add_adapter_output_normed(module: nn.Module, inputs: tuple, output):
+    """Forward hook of an adapted TE LayerNormLinear: the adapter reads the normed input (see the module doc)."""
+    if module.lora.bypass:
+        return output
+    out, bias = output
+    return module.lora.add_to(out, fused_norm_input(module, inputs[0])), bias
+
+
+class GroupedExpertView(nn.Module):
+    """Local expert `index` of a grouped linear seen as one linear, the holder of that expert's adapter: `weight` is
+    the grouped linear's `weight{index}` (not registered here: the parameter stays the grouped linear's)."""
+
+    explicit_expert_comm = True      # expert-TP 1, tokens moved by the dispatcher: the adapter has no TP collectives
+
+    def __init__(self, grouped: nn.Module, index: int):
+        super().__init__()
+        object.__setattr__(self, "grouped", grouped)  # a plain attribute: not a child module, nothing registered twice
+        self.index = index
+
+    @property
+    def weight(self) -> Tensor:
+        return getattr(self.grouped, f"weight{self.index}")
+
+
+def _add_grouped_adapter_output(module: nn.Module, args: tuple, kwargs: dict, output):
+    """Forward hook of an adapted grouped linear, forward(x, m_splits): rows of x are local expert 0's m_splits[0]
+    tokens, then expert 1's, ...; each expert's rows get its own adapter."""
+    out, bias = output
+    x = args[0]
+    splits = args[1] if len(args) > 1 else kwargs["m_splits"]
+    sizes = [int(n) for n in splits]
+    pieces = []
+    for view, o, xi in zip(module.lora_views, out.split(sizes), x.split(sizes)):
+        pieces.append(o if view.lora.bypass or not len(xi) else view.lora.add_to(o, xi))
+    return torch.cat(pieces), bias
+
+
+def _expert_views(model: nn.Module, name: str, grouped: nn.Module) -> list[tuple[str, GroupedExpertView]]:
+    """One GroupedExpertView per local expert of the grouped linear `name` (`...mlp.experts.linear_fc1`), placed
+    at `...mlp.experts.local_experts.{j}.linear_fc1` (SequentialMLP's names). Returns (name, view) pairs."""
+    parent_name, _, proj = name.rpartition(".")
+    experts = model.get_submodule(parent_name)
+    if not hasattr(experts, "local_experts"):
+        experts.local_experts = nn.ModuleList(nn.Module() for _ in range(grouped.num_gemms))
+    views = [GroupedExpertView(grouped, j) for j in range(grouped.num_gemms)]
+    for j, view in enumerate(views):
+        setattr(experts.local_experts[j], proj, view)
+    object.__setattr__(grouped, "lora_views", views)  # plain list: the views are registered under local_experts
+    return [(f"{parent_name}.local_experts.{j}.{proj}", view) for j, view in enumerate(views)]
 
 
 @contextlib.contextmanager
@@ -253,21 +360,41 @@ def apply_lora(model: nn.Module, spec: ModelSpec, cfg: LoRAConfig, seed: int = 0
     model.requires_grad_(False)
     done = []
     for name, module in list(model.named_modules()):
-        t = match_linear(name, cfg.target_modules)
-        if t is None:
+        kind = linear_kind(module)
+        if kind is not None and kind.grouped:
+            parent, _, proj = name.rpartition(".")
+            if match_linear(f"{parent}.local_experts.0.{proj}", cfg.target_modules) is None:
+                continue  # no targeted projection here: no views either
+            views = _expert_views(model, name, module)
+            for view_name, view in views:
+                _wrap(view_name, view, spec, cfg, seed, match_linear(view_name, cfg.target_modules))
+            module.register_forward_hook(_add_grouped_adapter_output, with_kwargs=True)
+            done += [n for n, _ in views]
             continue
-        lora = ParallelLoRA(t, spec, cfg, module)
-        module.lora = lora
-        for target, pair in lora.pairs.items():
-            hf = adapter_hf_module(t, target, spec)
-            a, b = init_full_pair(hf, cfg.rank, full_in_size(t, spec), full_out_sizes(t, spec)[target], seed)
-            shard_pair(pair, lora, a, b)
-            _mark_parallel(pair, lora, module)
-        module.register_forward_hook(_add_adapter_output)
+        t = match_linear(name, cfg.target_modules)
+        if t is None or isinstance(module, GroupedExpertView):
+            continue
+        kind = kind or LinearKind(t.kind)  # a class the registry does not name: the module name's rule decides
+        if kind.parallel != t.kind:
+            raise ValueError(f"trainer.lora: {name} is a {type(module).__name__}, whose partitioning is not the "
+                             f"{'column' if t.kind == 'col' else 'row'}-parallel one this linear needs")
+        _wrap(name, module, spec, cfg, seed, t)
+        module.register_forward_hook(_add_adapter_output_normed if kind.fused_norm else _add_adapter_output)
         done.append(name)
     if not done:
         raise ValueError(f"trainer.lora.target_modules {cfg.target_modules}: no linear of this model matches")
     return done
+
+
+def _wrap(name: str, module: nn.Module, spec: ModelSpec, cfg: LoRAConfig, seed: int, t: LinearTarget) -> None:
+    """Give `module` its ParallelLoRA, initialised from the full (TP 1) adapter of each target."""
+    lora = ParallelLoRA(t, spec, cfg, module)
+    module.lora = lora
+    for target, pair in lora.pairs.items():
+        hf = adapter_hf_module(t, target, spec)
+        a, b = init_full_pair(hf, cfg.rank, full_in_size(t, spec), full_out_sizes(t, spec)[target], seed)
+        shard_pair(pair, lora, a, b, where=name)
+        _mark_parallel(pair, lora, module)
 
 
 def _mark_parallel(pair: LoRAPair, lora: ParallelLoRA, base: nn.Module) -> None:
