@@ -187,9 +187,11 @@ class MergedParameters:
         self.model = model
 
     def named_parameters(self):
-        linears = {f"{name}.weight": linear for name, linear in adapted_linears(self.model)}
+        # by the weight tensor itself, not its name: a grouped-GEMM expert's adapter sits on a view whose weight
+        # is the grouped linear's weight{j}
+        linears = {id(linear.weight): linear for _, linear in adapted_linears(self.model)}
         for name, param in self.model.named_parameters():
-            linear = linears.get(name)
+            linear = linears.get(id(param))
             if linear is None:
                 yield name, param
                 continue
