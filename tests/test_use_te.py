@@ -16,3 +16,16 @@ def test_use_te_true_without_cuda_is_refused_by_the_preflight():
     assert out.returncode == 2, out.stderr
     assert len(lines) == 1 and "trainer.use_te" in lines[0] and "no CUDA device" in lines[0], lines
     assert te_missing() == "no CUDA device"
+
+
+def test_te_attention_kernel_without_transformer_engine_is_refused_naming_the_field():
+    import pytest
+
+    from gspo_ray.preflight.job import check_use_te
+    from gspo_ray.preflight.model import PreflightError
+
+    check_use_te("auto", "sdpa")  # the default: any device
+    for use_te, why in (("auto", "no CUDA device"), (False, "trainer.use_te is false")):
+        with pytest.raises(PreflightError) as err:
+            check_use_te(use_te, "te_thd")
+        assert str(err.value).startswith("trainer.attention_kernel: te_thd") and why in str(err.value)

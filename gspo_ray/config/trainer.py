@@ -54,6 +54,11 @@ class TrainerConfig(Strict):
                                            "norms; attention stays ours, by segment): auto = when CUDA is there and "
                                            "transformer_engine imports; true requires both (checked before Ray "
                                            "starts); false = Megatron's local (pure torch) layers, as on CPU")
+    attention_kernel: Literal["sdpa", "te_thd"] = Field(
+        "sdpa", description="the kernel of the trainer's attention by segment: sdpa = torch's scaled_dot_product_"
+        "attention per segment (any device; flash / memory-efficient kernels on CUDA); te_thd = Transformer "
+        "Engine's fused attention in THD layout (padding_causal_bottom_right, the prefix K/V gathered once per "
+        "completion segment), CUDA with transformer_engine only and not yet run on a GPU (docs/scale.md)")
     router_churn_every: int = Field(10, ge=0, description="measure router churn every N steps (0 = never): it "
                                     "re-runs the step's forwards, ~25% of a train step on the tiny MoE")
     routing_drift: bool = Field(True, description="MoE: log moe/drift_churn (per layer and mean), the share of "

@@ -37,13 +37,18 @@ from gspo_ray.preflight.routes import check_routes
 from gspo_ray.rollout.engine_env import describe_engines
 
 
-def check_use_te(use_te) -> None:
-    """trainer.use_te: true needs CUDA and an importable transformer_engine here (auto falls back by itself)."""
+def check_use_te(use_te, attention_kernel: str = "sdpa") -> None:
+    """trainer.use_te: true needs CUDA and an importable transformer_engine here (auto falls back by itself);
+    trainer.attention_kernel te_thd needs them too, and the TE layers (use_te not false)."""
     from gspo_ray.trainer.model_spec import te_missing
 
     if use_te is True and te_missing():
         raise PreflightError(f"trainer.use_te: true needs CUDA and transformer_engine: {te_missing()}; valid: auto, "
                              "false")
+    if attention_kernel == "te_thd" and (use_te is False or te_missing()):
+        why = "trainer.use_te is false" if use_te is False else te_missing()
+        raise PreflightError(f"trainer.attention_kernel: te_thd needs Transformer Engine's layers on CUDA: {why}; "
+                             "valid here: sdpa")
 
 
 def run_preflight(cfg: JobConfig, *, import_timeout_s: float = IMPORT_TIMEOUT_S,
@@ -53,7 +58,7 @@ def run_preflight(cfg: JobConfig, *, import_timeout_s: float = IMPORT_TIMEOUT_S,
     run directory whose record of data files that passed is read and added to."""
     start = time.perf_counter()
     report = PreflightReport()
-    check_use_te(cfg.trainer.use_te)
+    check_use_te(cfg.trainer.use_te, cfg.trainer.attention_kernel)
     facts = model_facts(cfg, report)
     check_routes(cfg, facts.hf_config if facts is not None else None, f"model.path ({cfg.model.path})")
     if facts is not None or cfg.model.tiny is None:  # a tiny model's adapters are checked with its config below

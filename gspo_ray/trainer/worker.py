@@ -110,7 +110,8 @@ class TrainerWorker:
         dtype = torch_dtype(trainer_cfg.dtype)
         self.gpt, self.spec = build_model(self.model_path, dtype=dtype, moe_dispatcher=trainer_cfg.moe_dispatcher,
                                           routing_replay=trainer_cfg.routing_replay != "none"
-                                          or trainer_cfg.routing_noise, use_te=resolve_use_te(trainer_cfg.use_te))
+                                          or trainer_cfg.routing_noise, use_te=resolve_use_te(trainer_cfg.use_te),
+                                          attention=trainer_cfg.attention_kernel)
         self.lora = None  # trainer.lora: the base frozen, adapters trained and pushed (trainer/lora/worker.py)
         if trainer_cfg.lora is not None:
             self.lora = TrainerLoRA.attach(self.gpt, self.spec, trainer_cfg.lora, trainer_cfg.seed)
@@ -124,7 +125,8 @@ class TrainerWorker:
         elif algo_cfg.beta > 0:
             # frozen copy of the initial weights; no DDP, no optimizer
             self.ref_model, _ = build_model(self.model_path, dtype=dtype, moe_dispatcher=trainer_cfg.moe_dispatcher,
-                                            use_te=resolve_use_te(trainer_cfg.use_te))
+                                            use_te=resolve_use_te(trainer_cfg.use_te),
+                                            attention=trainer_cfg.attention_kernel)
             self.ref_model.eval()
             self.ref_model.requires_grad_(False)
         self.recorder = RouterRecorder(self.gpt)
