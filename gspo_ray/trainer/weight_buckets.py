@@ -2,14 +2,17 @@
 
     plan = plan_buckets([(name, tuple(p.shape), p.dtype) for name, p in params], spec, bucket_bytes=64 * 2**20)
     for bucket in plan:                                   # every trainer rank, in the same order (collective)
-        pairs = gather_bucket(bucket, params_by_name, spec, tp_group, ep_group)   # [(HF name, full tensor)]
+        pairs = gather_bucket(bucket, params_by_name, spec, tp_group, ep_group, to_root=False)  # [(HF, full)]
 
 A bucket is a run of consecutive Megatron parameters whose full (gathered, HF) bytes stay within `bucket_bytes`
 (a larger single parameter is a bucket of its own). Each bucket costs at most two collectives, whatever its
-parameter count: one all-gather over the TP group of the TP-sharded parameters' local shards packed into one flat
-byte buffer, and one over the EP group of the expert parameters' (a per-parameter gather, what `bridge.
+parameter count: one over the TP group of the TP-sharded parameters' local shards packed into one flat byte
+buffer, and one over the EP group of the expert parameters' (a per-parameter gather, what `bridge.
 export_hf_weights` does, is one collective a tensor: ~24k for a 235B-A22B-like MoE). Replicated parameters
-(norms, routers, and everything at TP 1 / EP 1) are not gathered.
+(norms, routers, and everything at TP 1 / EP 1) are not gathered. The collective is an all-gather where every
+rank needs the full tensors (vLLM's `ipc`: each rank's GPU serves its own engine workers) or a gather to the
+group's first rank where only global rank 0 sends (vLLM's `nccl`): each rank then sends its shards once instead
+of to every peer of its group.
 
 Order (what vLLM's `WeightSource` contract needs: `metadata()` and iteration agree element by element): the
 model's parameter order; a parameter's HF tensors in `bridge.split_to_hf` order; an expert parameter's EP ranks
@@ -123,30 +126,51 @@ def _unpack(flat: Tensor, params: list[PlannedParam]) -> list[Tensor]:
     return out
 
 
-def torch_all_gather(t: Tensor, group) -> list[Tensor]:
-    """torch.distributed.all_gather over `group`, rank order."""
-    out = [torch.empty_like(t) for _ in range(torch.distributed.get_world_size(group))]
-    torch.distributed.all_gather(out, t, group=group)
+def torch_collect(t: Tensor, group, to_root: bool) -> list[Tensor] | None:
+    """Every rank's `t` over `group`, in rank order: on every rank (all-gather), or with to_root on global rank 0
+    only (a gather to it; None on the others, which send their buffer once instead of to every peer; a group
+    without rank 0 skips the collective, nobody needs its result)."""
+    dist = torch.distributed
+    n = dist.get_world_size(group)
+    if not to_root:
+        out = [torch.empty_like(t) for _ in range(n)]
+        dist.all_gather(out, t, group=group)
+        return out
+    if 0 not in dist.get_process_group_ranks(group):
+        return None
+    root = 0
+    out = [torch.empty_like(t) for _ in range(n)] if dist.get_rank() == root else None
+    dist.gather(t, out, dst=root, group=group)
     return out
 
 
+Collect = Callable[[Tensor, object, bool], "list[Tensor] | None"]
+
+
 def gather_bucket(bucket: WeightBucket, tensors: dict[str, Tensor], spec: ModelSpec, tp_group=None, ep_group=None,
-                  all_gather: Callable[[Tensor, object], list[Tensor]] = torch_all_gather) -> list[tuple[str, Tensor]]:
+                  to_root: bool = False, collect: Collect = torch_collect) -> list[tuple[str, Tensor | None]]:
     """(HF name, full tensor) of every parameter of `bucket`, in plan order, from this rank's shards `tensors`
     (Megatron name -> local tensor). Collective over the TP and EP groups: every rank of them calls it for the
-    same bucket. The tensors are owned copies, never views of parameters the optimizer will change."""
-    gathered: dict[str, list[Tensor]] = {}
+    same bucket. The tensors are owned copies, never views of parameters the optimizer will change.
+
+    to_root: the sharded parameters are gathered to global rank 0 (vLLM's sender) only, over its TP and EP groups;
+    elsewhere their tensors are None (vLLM's convention for a parameter a rank does not hold). Each rank of rank
+    0's groups then sends its shards once, not (group size - 1) times, and other groups send nothing."""
+    gathered: dict[str, list[Tensor] | None] = {}
     for kind, group in ((GATHER_TP, tp_group), (GATHER_EP, ep_group)):
         params = [p for p in bucket.params if p.gather == kind]
         if not params:
             continue
-        per_rank = all_gather(_pack([tensors[p.name] for p in params]), group)
-        shards = [_unpack(flat, params) for flat in per_rank]
+        per_rank = collect(_pack([tensors[p.name] for p in params]), group, to_root)
+        shards = None if per_rank is None else [_unpack(flat, params) for flat in per_rank]
         for i, p in enumerate(params):
-            gathered[p.name] = [rank_shards[i] for rank_shards in shards]
-    out: list[tuple[str, Tensor]] = []
+            gathered[p.name] = None if shards is None else [rank_shards[i] for rank_shards in shards]
+    out: list[tuple[str, Tensor | None]] = []
     for p in bucket.params:
         pm = param_map(p.name, spec.arch)
+        if p.name in gathered and gathered[p.name] is None:  # gathered to another rank
+            out += [(hf_name, None) for hf_name, _ in p.hf]
+            continue
         owned = p.name in gathered  # gathered shards are fresh buffers; a replicated one is the parameter itself
         shards = gathered[p.name] if owned else [tensors[p.name].detach()]
         if pm.local_expert is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 
 from gspo_ray.bench.scale import MODELS, Shape, megatron_params, model_spec
@@ -66,8 +67,9 @@ def test_plan_puts_every_tensor_in_once_within_the_bucket_bound():
 class _ThreadGroup:
     """An all-gather between threads (one per rank of a group): what torch.distributed's does across processes."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, has_rank0: bool) -> None:
         self.slots: list = [None] * size
+        self.has_rank0 = has_rank0
         self.barrier = threading.Barrier(size, timeout=60)
 
     def exchange(self, rank: int, t: torch.Tensor) -> list[torch.Tensor]:
@@ -78,15 +80,23 @@ class _ThreadGroup:
         return out
 
 
-def _thread_all_gather(t, group):
+def _thread_collect(t, group, to_root):
+    """weight_buckets.torch_collect between threads: to_root gathers to global rank 0, other groups skip."""
     shared, rank = group
-    return shared.exchange(rank, t)
+    if to_root and not shared.has_rank0:
+        return None
+    out = shared.exchange(rank, t)
+    return out if not to_root or rank == 0 else None
 
 
-def test_every_rank_yields_the_unsharded_model_in_metadata_order():
+@pytest.mark.parametrize("to_root", [False, True])
+def test_every_rank_yields_the_unsharded_model_in_metadata_order(to_root):
+    """All-gathered (ipc): every rank yields the whole model. Gathered to rank 0 (nccl): rank 0 does, the others
+    yield None for every tensor they did not gather and the replicated ones as they are."""
     from gspo_ray.trainer.weight_send import MegatronWeightSource
 
-    tp, ep, dp = 2, 2, 2  # 4 ranks: TP groups {0, 1}, {2, 3}; EP groups {0, 2}, {1, 3}
+    # 4 ranks as Megatron lays them out with expert-TP 1: TP groups {0, 1}, {2, 3}; EP groups {0, 1}, {2, 3}
+    tp, ep, dp = 2, 2, 2
     spec = model_spec(TINY, tp, ep)
     gen = torch.Generator().manual_seed(0)
     full = {}
@@ -103,18 +113,22 @@ def test_every_rank_yields_the_unsharded_model_in_metadata_order():
                 e = r * nle + pm.local_expert
                 src = name.replace(f"local_experts.{pm.local_expert}.", f"local_experts.{e}.")
                 expected += list(zip(pm.for_expert(e), split_to_hf(full[src], pm.merge, spec)))
-    tp_groups = [_ThreadGroup(tp) for _ in range(dp)]
-    ep_groups = [_ThreadGroup(ep) for _ in range(tp)]
+    tp_groups = [_ThreadGroup(tp, has_rank0=i == 0) for i in range(dp)]
+    ep_groups = [_ThreadGroup(ep, has_rank0=i == 0) for i in range(dp)]
     results, errors = {}, []
 
     def rank_main(rank: int) -> None:
-        tp_rank, ep_rank = rank % tp, rank // tp
+        tp_rank, ep_rank = rank % tp, rank % ep
         try:
             _, params = _local_params(TINY, tp, ep, tp_rank, ep_rank, full)
-            source = MegatronWeightSource(dict(params), spec, bucket_bytes=4096, tp_group=(tp_groups[ep_rank], tp_rank),
-                                          ep_group=(ep_groups[tp_rank], ep_rank), all_gather=_thread_all_gather)
+            source = MegatronWeightSource(dict(params), spec, bucket_bytes=4096,
+                                          tp_group=(tp_groups[rank // tp], tp_rank),
+                                          ep_group=(ep_groups[rank // ep], ep_rank), to_root=to_root,
+                                          collect=_thread_collect)
             meta = source.metadata()
             pairs = [(n, t) for names, tensors in source.iter_groups() for n, t in zip(names, tensors)]
+            assert [(m.name, m.dtype, m.shape) for m in meta] == [(n, t.dtype, tuple(t.shape)) for n, t in pairs
+                                                                  if t is not None] or to_root and rank
             results[rank] = (meta, pairs, len(source.plan))
         except BaseException as e:  # noqa: BLE001 - surfaced below
             errors.append(e)
@@ -129,8 +143,13 @@ def test_every_rank_yields_the_unsharded_model_in_metadata_order():
     assert not errors, errors[0]
     for rank, (meta, pairs, buckets) in results.items():
         assert buckets > 3  # several buckets, so the per-bucket packing is what is checked
-        assert [(m.name, m.dtype, m.shape) for m in meta] == [(n, t.dtype, tuple(t.shape)) for n, t in pairs]
         assert [n for n, _ in pairs] == [n for n, _ in expected], rank
         for (name, got), (_, want) in zip(pairs, expected):
+            if to_root and rank and got is None:
+                continue
             assert torch.equal(got, want), (rank, name)
             assert got.is_contiguous()
+    if to_root:  # ranks 1-3 hold only the replicated tensors (norms, routers): TP and EP shards went to rank 0
+        for rank in (1, 2, 3):
+            held = [n for n, t in results[rank][1] if t is not None]
+            assert held and all("norm" in n or n.endswith("mlp.gate.weight") for n in held), (rank, held)
