@@ -117,6 +117,8 @@ class RolloutEngine:
         compat/vllm_cpu_routes.py; the in-process engine only). Positions served from the prefix cache are never
         computed, so it turns prefix caching off."""
         on_cuda = torch.cuda.is_available()
+        if weight_transfer in ("nccl", "ipc") and not on_cuda:  # the job's preflight refuses it before Ray
+            raise ValueError(f"rollout.weight_transfer {weight_transfer!r} needs a CUDA engine; this one runs on CPU")
         self.llm, self._writer = None, None
         self.mode = engine_mode(tensor_parallel_size)
         if self.mode == MULTI_PROCESS:  # vLLM binds its worker processes; this process stays as it is
@@ -152,11 +154,8 @@ class RolloutEngine:
         if self.mode == MULTI_PROCESS:
             kwargs |= {"tensor_parallel_size": tensor_parallel_size, "distributed_executor_backend": "mp",
                        "enable_expert_parallel": enable_expert_parallel}
-        from gspo_ray.rollout.weight_transfer import (CUDA_TRANSPORTS, SHM_BACKEND, engine_backend,
-                                                      engine_transfer_kwargs)
+        from gspo_ray.rollout.weight_transfer import SHM_BACKEND, engine_backend, engine_transfer_kwargs
 
-        if weight_transfer in CUDA_TRANSPORTS and not on_cuda:  # the job's preflight refuses it before Ray
-            raise ValueError(f"rollout.weight_transfer {weight_transfer!r} needs a CUDA engine; this one runs on CPU")
         self.transfer_backend = engine_backend(weight_transfer)  # shm / object_store: gspo_shm; else vLLM's own
         kwargs |= engine_transfer_kwargs(weight_transfer)
         set_num_threads = torch.set_num_threads

@@ -117,3 +117,12 @@ def test_train_refuses_nccl_for_cpu_engines_before_ray(tmp_path):
     err = result.stderr.strip()
     assert err.startswith("error: ") and "rollout.weight_transfer 'nccl'" in err and len(err.splitlines()) == 1
     assert sorted(p.name for p in Path(tmp_path).iterdir()) == ["job.yaml", "train.jsonl"]  # nothing written
+
+
+def test_a_cpu_engine_refuses_cuda_transports_before_vllm_starts(tmp_path):
+    from gspo_ray.rollout.engine import RolloutEngine
+
+    for transport in ("nccl", "ipc"):
+        with pytest.raises(ValueError, match=f"rollout.weight_transfer '{transport}' needs a CUDA engine"):
+            RolloutEngine(tmp_path / "no-model", run_dir=tmp_path / "run", weight_transfer=transport)
+    assert not (tmp_path / "run").exists()  # refused before anything was set up
