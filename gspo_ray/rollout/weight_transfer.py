@@ -39,8 +39,9 @@ def check_weight_transfer(requested: str, *, engine_on_gpu: bool, trainer_on_gpu
     if requested not in TRANSPORTS:
         raise ValueError(f"{FIELD} {requested!r} is not one of {', '.join(TRANSPORTS)}")
     if requested in CUDA_TRANSPORTS and not (engine_on_gpu and trainer_on_gpu):
-        where = " and ".join(f"the {who} on CPU ({who}.num_gpus_per_worker 0)" for who, gpu in
-                             (("rollout", engine_on_gpu), ("trainer", trainer_on_gpu)) if not gpu)
+        where = " and ".join(f"{who} on CPU ({field}.num_gpus_per_worker 0)" for who, field, gpu in
+                             (("the engines are", "rollout", engine_on_gpu),
+                              ("the trainer is", "trainer", trainer_on_gpu)) if not gpu)
         raise ValueError(f"{FIELD} {requested!r} moves CUDA tensors, but {where}; valid here: auto, shm, "
                          "object_store")
 

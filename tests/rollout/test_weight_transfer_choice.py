@@ -35,9 +35,9 @@ def test_choice(requested, engine_gpu, trainer_gpu, same_gpu, same_node, expecte
 
 
 @pytest.mark.parametrize("requested,engine_gpu,trainer_gpu,same_gpu,same_node,message", [
-    ("nccl", False, False, False, True, "rollout.weight_transfer 'nccl' moves CUDA tensors, but the rollout on CPU "
-                                        "(rollout.num_gpus_per_worker 0) and the trainer on CPU"),
-    ("ipc", True, False, True, True, "but the trainer on CPU (trainer.num_gpus_per_worker 0)"),
+    ("nccl", False, False, False, True, "rollout.weight_transfer 'nccl' moves CUDA tensors, but the engines are on "
+                                        "CPU (rollout.num_gpus_per_worker 0) and the trainer is on CPU"),
+    ("ipc", True, False, True, True, "but the trainer is on CPU (trainer.num_gpus_per_worker 0)"),
     ("ipc", True, True, False, True, "rollout.weight_transfer 'ipc' needs the engine on the trainer's GPUs"),
     ("shm", False, False, False, False, "rollout.weight_transfer 'shm' reaches engines on trainer rank 0's node"),
     ("rdma", False, False, False, True, "rollout.weight_transfer 'rdma' is not one of"),
