@@ -9,7 +9,9 @@ What runs is the trainer's real code, imported, never restated:
     the training loop feeds it, `end_batch` after each (`routing_store_bytes`: one small function, the only place
     that knows the store's API);
   * the weight-sync bucket plan: rollout/weight_sync.iter_buckets over the HF tensors the trainer exports
-    (bridge.param_map / split_to_hf) as shape-only (meta) tensors;
+    (bridge.param_map / split_to_hf) as shape-only (meta) tensors; per transport (nccl, ipc, object store, shm),
+    the sender's plan over each rank's Megatron shards (trainer/weight_buckets.plan_buckets; bench/scale_sync.py:
+    the `sync_*` keys);
   * the checkpoint shards: each rank saves its own TP / EP shard (bridge.shard_tp; experts split over EP), in the
     training dtype, plus the optimizer's fp32 main weights and two Adam moments.
 
@@ -42,6 +44,7 @@ from pathlib import Path
 
 import torch
 
+from gspo_ray.bench.scale_sync import ENGINE_TP, engines_at, sync_plan, sync_table, transport_bytes
 from gspo_ray.rollout.weight_sync import iter_buckets
 from gspo_ray.trainer.batch_layout import attention_score_weight, padded_budget, plan_ranks
 from gspo_ray.trainer.group_rows import GroupRow
@@ -270,10 +273,20 @@ def shapes():
                     yield m, dp, tp, ep
 
 
+def sync_columns(m: Shape, dp: int, tp: int, ep: int, plans: dict) -> dict:
+    """The weight-sync columns per transport at this shape (bench/scale_sync.py); `plans` caches the sender's
+    bucket plan per (model, tp, ep)."""
+    if (m.name, tp, ep) not in plans:
+        plans[(m.name, tp, ep)] = sync_plan(megatron_params(m), model_spec(m, tp, ep), int(BUCKET_MB * 2**20))
+    engines = engines_at(m.name, dp, tp)
+    return {"sync_engines": engines, "sync_engine_tp": ENGINE_TP[m.name],
+            **transport_bytes(plans[(m.name, tp, ep)], tp, ep, engines)}
+
+
 def run_scale_bench(out: Path = OUT, seed: int = 0) -> list[dict]:
     t0 = time.perf_counter()
     groups, lengths = synthetic_batch(seed)
-    rows, layouts, syncs, stores = [], {}, {}, {}
+    rows, layouts, syncs, stores, plans = [], {}, {}, {}, {}
     for m, dp, tp, ep in shapes():
         if (m.name, dp, tp) not in layouts:
             mine, layouts[(m.name, dp, tp)] = layout_stats(m, groups, lengths, dp, tp)
@@ -286,10 +299,12 @@ def run_scale_bench(out: Path = OUT, seed: int = 0) -> list[dict]:
                      "routing_record_bytes_one_batch": stores[(m.name, dp, tp)][0],
                      "weight_sync_bytes_per_engine": syncs[m.name][0], "weight_sync_buckets": syncs[m.name][1],
                      **dict(zip(("checkpoint_bytes_per_rank", "checkpoint_bytes_per_save"),
-                                checkpoint_bytes(m, dp, tp, ep)))})
+                                checkpoint_bytes(m, dp, tp, ep))),
+                     **sync_columns(m, dp, tp, ep, plans)})
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(rows, indent=1))
     print(scale_table(rows))
+    print("\nWeight sync per transport (one push; GiB):\n" + sync_table(rows))
     print(f"\n{len(rows)} shapes in {time.perf_counter() - t0:.0f} s; {sum(lengths) / 1e6:.1f}M tokens a batch "
           f"({len(lengths)} rows); wrote {out}")
     return rows

@@ -119,6 +119,14 @@ class RolloutConfig(Strict):
     enable_expert_parallel: bool = Field(False, description="MoE models: vLLM's expert parallelism, experts split "
                                          "over the engine's tensor_parallel_size devices (each holds whole experts) "
                                          "instead of every expert sliced over them; no effect on dense models")
+    weight_transfer: Literal["auto", "shm", "object_store", "nccl", "ipc"] = Field(
+        "auto", description="how pushes reach the engines (docs/rollout-engines.md). auto: CPU engines take shm on "
+        "trainer rank 0's node and object_store elsewhere; CUDA engines and trainer take ipc where they share a GPU, "
+        "nccl otherwise. shm: the trainer's shared-memory export, mapped by every TP worker (our gspo_shm backend "
+        "of vLLM's weight-transfer API; one node). object_store: buckets through Ray's object store (any node). "
+        "nccl: vLLM's nccl backend, trainer rank 0 broadcasts to every engine worker (CUDA, engines on GPUs of "
+        "their own). ipc: vLLM's ipc backend, engines map the trainer's tensors on the GPU they share (CUDA). "
+        "nccl and ipc are refused for CPU engines or a CPU trainer; they have not run on a GPU here")
     group_size: int = Field(8, ge=2, description="completions per prompt (n); GRPO/GSPO groups need >= 2")
     temperature: float = Field(1.0, ge=0, description="sampling temperature T; the policy trained is softmax("
                                "logits / T) on both sides (engine log-probs and trainer). 0 = greedy (log-probs "

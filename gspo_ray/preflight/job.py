@@ -35,6 +35,7 @@ from gspo_ray.preflight.report import IMPORT_TIMEOUT_S, PreflightReport
 from gspo_ray.preflight.verdicts import DataVerdicts
 from gspo_ray.preflight.routes import check_routes
 from gspo_ray.rollout.engine_env import describe_engines
+from gspo_ray.rollout.weight_transfer import check_weight_transfer
 
 
 def check_use_te(use_te, attention_kernel: str = "sdpa") -> None:
@@ -51,6 +52,15 @@ def check_use_te(use_te, attention_kernel: str = "sdpa") -> None:
                              "valid here: sdpa")
 
 
+def check_transfer_devices(cfg: JobConfig) -> None:
+    """rollout.weight_transfer nccl / ipc need CUDA on both sides (rollout and trainer num_gpus_per_worker > 0)."""
+    try:
+        check_weight_transfer(cfg.rollout.weight_transfer, engine_on_gpu=cfg.rollout.num_gpus_per_worker > 0,
+                              trainer_on_gpu=cfg.trainer.num_gpus_per_worker > 0)
+    except ValueError as e:
+        raise PreflightError(str(e)) from None
+
+
 def run_preflight(cfg: JobConfig, *, import_timeout_s: float = IMPORT_TIMEOUT_S,
                   remember_in: Path | None = None) -> PreflightReport:
     """Check everything about `cfg`'s input that can be checked without Ray or an engine. Raises PreflightError
@@ -59,6 +69,7 @@ def run_preflight(cfg: JobConfig, *, import_timeout_s: float = IMPORT_TIMEOUT_S,
     start = time.perf_counter()
     report = PreflightReport()
     check_use_te(cfg.trainer.use_te, cfg.trainer.attention_kernel)
+    check_transfer_devices(cfg)
     facts = model_facts(cfg, report)
     check_routes(cfg, facts.hf_config if facts is not None else None, f"model.path ({cfg.model.path})")
     if facts is not None or cfg.model.tiny is None:  # a tiny model's adapters are checked with its config below

@@ -113,11 +113,13 @@ class RolloutEngine:
                  seed: int = 0, gpu_memory_utilization: float | str = "auto", cpu_cores: str | None = None, worker_id: int | None = None,
                  enable_prefix_caching: bool = True, max_num_seqs: int | None = None,
                  cache_root: str | Path | None = None, lora_rank: int | None = None, capture_routes: bool = False,
-                 tensor_parallel_size: int = 1, enable_expert_parallel: bool = False):
+                 tensor_parallel_size: int = 1, enable_expert_parallel: bool = False, weight_transfer: str = "shm"):
         """capture_routes: return each sample's routed experts per position (`Sample.routes`, Routing Replay R3;
         compat/vllm_cpu_routes.py; the in-process engine only). Positions served from the prefix cache are never
         computed, so it turns prefix caching off."""
         on_cuda = torch.cuda.is_available()
+        if weight_transfer in ("nccl", "ipc") and not on_cuda:  # the job's preflight refuses it before Ray
+            raise ValueError(f"rollout.weight_transfer {weight_transfer!r} needs a CUDA engine; this one runs on CPU")
         self.llm, self._writer = None, None
         self.mode = engine_mode(tensor_parallel_size)
         if self.mode == MULTI_PROCESS:  # vLLM binds its worker processes; this process stays as it is
@@ -153,9 +155,10 @@ class RolloutEngine:
         if self.mode == MULTI_PROCESS:
             kwargs |= {"tensor_parallel_size": tensor_parallel_size, "distributed_executor_backend": "mp",
                        "enable_expert_parallel": enable_expert_parallel}
-        from gspo_ray.rollout.shm_transfer import BACKEND, push_engine_kwargs
+        from gspo_ray.rollout.weight_transfer import SHM_BACKEND, engine_backend, engine_transfer_kwargs
 
-        kwargs |= push_engine_kwargs()
+        self.transfer_backend = engine_backend(weight_transfer)  # shm / object_store: gspo_shm; else vLLM's own
+        kwargs |= engine_transfer_kwargs(weight_transfer)
         set_num_threads = torch.set_num_threads
         apply_startup_fix()  # no token-rank compile at the first generation, no full-heap collections at load
         with scoped_env(env):
@@ -171,9 +174,11 @@ class RolloutEngine:
         self.checkpoint_names = checkpoint_tensor_names(model_path)  # what a complete weight push contains
         self.tensor_parallel_size = tensor_parallel_size
         self._writer = None  # a multi-process engine's own shared-memory file (pushes that come as tensors)
-        self.llm.init_weight_transfer_engine({"init_info": {}})
+        if self.transfer_backend == SHM_BACKEND:  # nccl / ipc: the trainer's sender runs the rendezvous
+            self.llm.init_weight_transfer_engine({"init_info": {}})
         log.info("rollout engine: %s, tensor_parallel_size %d%s, pushes through vLLM's weight transfer (%s)",
-                 self.mode, tensor_parallel_size, ", expert parallel" if enable_expert_parallel else "", BACKEND)
+                 self.mode, tensor_parallel_size, ", expert parallel" if enable_expert_parallel else "",
+                 self.transfer_backend)
         self._ids = itertools.count()
         self._abort = threading.Event()
         self.routes = None  # a RouteCapture when capture_routes
@@ -460,7 +465,11 @@ class RolloutEngine:
     def _transfer(self, info: dict, seen: set[str]) -> dict[str, int]:
         """The four phases on every worker (init ran at start-up), the workers' reports compared, then checks."""
         from gspo_ray.rollout.weight_sync import WeightSyncError
+        from gspo_ray.rollout.weight_transfer import SHM_BACKEND
 
+        if self.transfer_backend != SHM_BACKEND:
+            raise WeightSyncError(f"this engine takes {self.transfer_backend} pushes from the trainer's sender "
+                                  "(trainer/weight_send.py), not tensors or shared-memory records")
         try:
             self.llm.start_weight_update()
             self.llm.update_weights({"update_info": info})

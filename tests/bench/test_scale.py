@@ -3,7 +3,7 @@ balance the DP layout promises, and its byte counts are what the model shapes im
 no weights, no process group (the whole bench, routing-record store included, is `gspo-ray bench --suite scale`)."""
 from __future__ import annotations
 
-from gspo_ray.bench import scale
+from gspo_ray.bench import scale, scale_sync
 
 
 def test_every_shape_is_balanced_and_leaves_no_rank_idle():
@@ -47,3 +47,26 @@ def test_bytes_follow_the_model_shapes():
     assert one == sum(lengths) * a3b.layers * a3b.top_k * 2  # int16 top-k ids per token and MoE layer
     assert many == one  # end_batch forgets a batch's records: the store holds the current batch only
     assert scale.routing_store_bytes(a3b, lengths, [3], batches=2) == (300 * a3b.layers * a3b.top_k * 2,) * 2
+
+
+def test_weight_sync_per_transport_from_the_senders_plan():
+    """bench/scale_sync.py: the sender's bucket plan (trainer/weight_buckets.py) at a shape's TP / EP gives the same
+    model bytes as the export path's buckets, and the transports' bytes follow from it."""
+    smol, dense4b, _, _ = scale.MODELS
+    limit = int(scale.BUCKET_MB * 2**20)
+    for m, tp in ((smol, 1), (dense4b, 1), (dense4b, 8)):
+        plan = scale_sync.sync_plan(scale.megatron_params(m), scale.model_spec(m, tp, 1), limit)
+        assert all(b.full_bytes <= limit or len(b.params) == 1 for b in plan)
+        engines = scale_sync.engines_at(m.name, 64, tp)
+        got = scale_sync.transport_bytes(plan, tp, 1, engines)
+        model = scale.weight_sync_bytes(m)[0]  # the export path's HF bytes: the same model either way
+        assert got["sync_model_bytes"] == model and all(got[f"sync_{t}_engine_bytes"] == model
+                                                        for t in scale_sync.TRANSPORTS)
+        if tp == 1:  # nothing sharded: no gather; nccl sends the model once whatever the engine count
+            assert got["sync_gather_to_rank0_bytes"] == got["sync_all_gather_bytes_per_rank"] == 0
+        else:  # a ring all-gather sends (tp - 1) x what a gather to rank 0 sends
+            assert got["sync_all_gather_bytes_per_rank"] == (tp - 1) * got["sync_gather_to_rank0_bytes"] > 0
+        assert got["sync_nccl_rank0_bytes"] == model
+        assert got["sync_ipc_rank0_bytes"] == got["sync_all_gather_bytes_per_rank"]
+        assert got["sync_object_store_rank0_bytes"] == engines * model + got["sync_all_gather_bytes_per_rank"]
+    assert scale_sync.engines_at("Qwen3-30B-A3B-like", 8, 1) == 2  # 8 GPUs of 4-GPU engines

@@ -1,0 +1,159 @@
+"""How a push reaches the engines (`rollout.weight_transfer`), and the engine side of vLLM's CUDA backends.
+
+    check_weight_transfer("nccl", engine_on_gpu=False, trainer_on_gpu=False)     # ValueError: one line, the field
+    choose_weight_transfer("auto", engine_on_gpu=True, trainer_on_gpu=True, same_gpu=False, same_node=True) # "nccl"
+    LLM(..., **engine_transfer_kwargs("nccl"))                          # weight_transfer_config + our extension
+    trainer_info, worker_info = nccl_init_infos("10.0.0.1", 29600, engine_workers=[2, 2])   # vLLM's own records
+    client = EnginePoolClient([engine_target(e) for e in engines], [e.tensor_parallel_size for e in engines])
+
+Transports (the field's values, `auto` resolved by `choose_weight_transfer` once the placement is known):
+- `shm`: the trainer's shared-memory export, mapped by every TP worker of an engine on the same node (our
+  `gspo_shm` backend, rollout/shm_transfer.py). CPU or GPU engines.
+- `object_store`: buckets through Ray's object store to an engine on another node, loaded through `gspo_shm`.
+- `nccl`: vLLM's `nccl` backend: trainer rank 0 broadcasts every tensor to every engine worker in one NCCL group
+  (world 1 + all engine workers; engine i's workers at ranks 1 + the TP sizes of engines 0..i-1). Trainer and
+  engines on CUDA, on different GPUs (same node or not).
+- `ipc`: vLLM's `ipc` backend: the engine maps the trainer's gathered tensors on the GPU they share (CUDA IPC
+  handles, no copy over any link). Trainer and engine on the same GPUs.
+`auto`: CPU engines as before this field (shm on the trainer's node, the object store elsewhere); CUDA engines and
+trainer: ipc where they share a GPU, nccl otherwise.
+
+The engine side of `nccl` / `ipc` is vLLM's: an engine started with `engine_transfer_kwargs` creates vLLM's
+backend in each worker; its rendezvous (`init_weight_transfer_engine`) waits for the trainer's
+(`trainer/weight_send.start_sender`), and every push is vLLM's `start_weight_update` / `update_weights` /
+`finish_weight_update`, driven by the trainer-side engine through `EnginePoolClient`. Not run on a GPU here.
+"""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
+
+FIELD = "rollout.weight_transfer"
+TRANSPORTS = ("auto", "shm", "object_store", "nccl", "ipc")
+CUDA_TRANSPORTS = ("nccl", "ipc")
+SHM_BACKEND = "gspo_shm"  # shm_transfer.BACKEND (not imported: that module imports vLLM)
+
+
+def check_weight_transfer(requested: str, *, engine_on_gpu: bool, trainer_on_gpu: bool) -> None:
+    """Refuse a transport the devices cannot use (before Ray starts): ValueError, one line naming the field."""
+    if requested not in TRANSPORTS:
+        raise ValueError(f"{FIELD} {requested!r} is not one of {', '.join(TRANSPORTS)}")
+    if requested in CUDA_TRANSPORTS and not (engine_on_gpu and trainer_on_gpu):
+        where = " and ".join(f"{who} on CPU ({field}.num_gpus_per_worker 0)" for who, field, gpu in
+                             (("the engines are", "rollout", engine_on_gpu),
+                              ("the trainer is", "trainer", trainer_on_gpu)) if not gpu)
+        raise ValueError(f"{FIELD} {requested!r} moves CUDA tensors, but {where}; valid here: auto, shm, "
+                         "object_store")
+
+
+def choose_weight_transfer(requested: str, *, engine_on_gpu: bool, trainer_on_gpu: bool, same_gpu: bool,
+                           same_node: bool) -> str:
+    """The transport of one engine's pushes: shm | object_store | nccl | ipc. same_gpu: the engine's GPUs are
+    GPUs of the trainer ranks; same_node: the engine runs on trainer rank 0's node. Raises ValueError (naming
+    the field) where the requested transport cannot reach this engine."""
+    check_weight_transfer(requested, engine_on_gpu=engine_on_gpu, trainer_on_gpu=trainer_on_gpu)
+    if requested == "auto":
+        if engine_on_gpu and trainer_on_gpu:
+            return "ipc" if same_gpu else "nccl"
+        return "shm" if same_node else "object_store"
+    if requested == "ipc" and not same_gpu:
+        raise ValueError(f"{FIELD} 'ipc' needs the engine on the trainer's GPUs; this engine has GPUs of its own: "
+                         "use nccl (or auto)")
+    if requested == "shm" and not same_node:
+        raise ValueError(f"{FIELD} 'shm' reaches engines on trainer rank 0's node only; this engine is on "
+                         "another node: use object_store (or auto)")
+    return requested
+
+
+def engine_backend(transport: str) -> str:
+    """vLLM's weight-transfer backend an engine is started with for `transport`."""
+    return transport if transport in CUDA_TRANSPORTS else SHM_BACKEND
+
+
+def engine_transfer_kwargs(transport: str) -> dict[str, Any]:
+    """`LLM(...)` keyword arguments for an engine taking `transport` pushes. Our worker extension rides along in
+    every case (per-worker push reports, the probe's router counts; importing it registers `gspo_shm`)."""
+    from gspo_ray.rollout.shm_transfer import push_engine_kwargs
+
+    return push_engine_kwargs() | {"weight_transfer_config": {"backend": engine_backend(transport)}}
+
+
+def nccl_init_infos(master_address: str, master_port: int, engine_workers: list[int], *, rank: int = 0,
+                    packed_buffer_bytes: int | None = None):
+    """vLLM's `NCCLTrainerInitInfo` for trainer rank `rank` and the `NCCLWeightTransferInitInfo` its
+    trainer_init sends the engines (rank_offset 1: `EnginePoolClient` shifts it per engine). engine_workers:
+    each engine's worker count (its TP size). One group for every engine: one broadcast reaches them all."""
+    from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+
+    if not engine_workers or min(engine_workers) < 1:
+        raise ValueError(f"engine_workers must list each engine's workers (>= 1), got {engine_workers}")
+    sizes = {} if packed_buffer_bytes is None else {"packed_buffer_size_bytes": packed_buffer_bytes}
+    trainer = NCCLTrainerInitInfo(master_address=master_address, master_port=master_port,
+                                  world_size=1 + sum(engine_workers), rank=rank, **sizes)
+    worker = NCCLWeightTransferInitInfo(master_address=master_address, master_port=master_port, rank_offset=1,
+                                        world_size=trainer.world_size, packed=trainer.packed,
+                                        packed_buffer_size_bytes=trainer.packed_buffer_size_bytes,
+                                        packed_num_buffers=trainer.packed_num_buffers)
+    return trainer, worker
+
+
+def ipc_init_info(*, rank: int = 0, packed_buffer_bytes: int | None = None):
+    """vLLM's `IPCTrainerInitInfo` for trainer rank `rank` (packed: one reusable IPC buffer of that size,
+    bounded memory; unpacked when None: one handle per tensor, the whole model shared at once)."""
+    from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
+
+    if packed_buffer_bytes is None:
+        return IPCTrainerInitInfo(rank=rank)
+    return IPCTrainerInitInfo(rank=rank, packed=True, packed_buffer_size_bytes=packed_buffer_bytes)
+
+
+def engine_target(engine) -> Callable[[str, Any], None]:
+    """A call target over an in-process `RolloutEngine`: (vLLM LLM method, request dict or None)."""
+    def call(method: str, request: Any) -> None:
+        fn = getattr(engine.llm, method)
+        fn() if request is None else fn(request)
+
+    return call
+
+
+class EnginePoolClient:
+    """vLLM's `VLLMWeightSyncClient` (four methods, plain dicts) over a pool of engines, each one vLLM `LLM`
+    reached through a target call(method, request). Every call goes to every engine at once, on threads: the NCCL
+    rendezvous and broadcast block until every worker of the group has joined. The NCCL init record is
+    re-addressed per engine: vLLM numbers a worker `rank_offset + its rank in the engine`, and each of our
+    engines is its own `LLM`, so engine i gets rank_offset 1 + the workers of engines 0..i-1."""
+
+    def __init__(self, targets: list[Callable[[str, Any], None]], engine_workers: list[int]) -> None:
+        if len(targets) != len(engine_workers):
+            raise ValueError(f"{len(targets)} engines, {len(engine_workers)} worker counts")
+        self.targets, self.engine_workers = targets, list(engine_workers)
+
+    def engine_init_infos(self, init_info: dict[str, Any]) -> list[dict[str, Any]]:
+        """Each engine's init record: NCCL's with its own rank_offset (the world must hold them all), any other
+        backend's unchanged."""
+        if "rank_offset" not in init_info:
+            return [dict(init_info) for _ in self.targets]
+        expected = 1 + sum(self.engine_workers)
+        if init_info.get("world_size") != expected:
+            raise ValueError(f"NCCL world_size {init_info.get('world_size')} != 1 trainer + "
+                             f"{sum(self.engine_workers)} engine workers")
+        offsets = [init_info["rank_offset"] + sum(self.engine_workers[:i]) for i in range(len(self.targets))]
+        return [init_info | {"rank_offset": off} for off in offsets]
+
+    def _all(self, method: str, requests: list[Any]) -> None:
+        with ThreadPoolExecutor(max_workers=len(self.targets)) as pool:
+            for f in [pool.submit(t, method, r) for t, r in zip(self.targets, requests)]:
+                f.result()
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self._all("init_weight_transfer_engine", [{"init_info": i} for i in self.engine_init_infos(init_info)])
+
+    def start_weight_update(self) -> None:
+        self._all("start_weight_update", [None] * len(self.targets))
+
+    def update_weights(self, update_info) -> None:
+        self._all("update_weights", [{"update_info": update_info}] * len(self.targets))
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._all("finish_weight_update", [None] * len(self.targets))

@@ -1,0 +1,86 @@
+"""The trainer side of a push through vLLM 0.32's own CUDA backends (`nccl`, `ipc`): Megatron's shards as vLLM's
+`WeightSource`, sent by vLLM's trainer-side engine.
+
+    source = MegatronWeightSource.for_backend("nccl", gpt, spec, int(cfg.trainer.export_bucket_mb * 2**20))
+    sender = start_sender(init_info, client, source)   # every trainer rank; rank 0 rendezvouses with the engines
+    sender.send_weights()                              # every trainer rank, every push: start / update / finish
+
+`init_info` is vLLM's own trainer init record (`NCCLTrainerInitInfo` / `IPCTrainerInitInfo`, built by
+`rollout/weight_transfer.py`), `client` anything with vLLM's `VLLMWeightSyncClient` methods (the engines' four
+phases; `rollout/weight_transfer.EnginePoolClient`). `WeightTransferTrainerFactory.trainer_init` picks the engine
+from the record's `backend`:
+
+- `nccl` (`NCCLTrainerWeightTransferEngine`): trainer rank 0 broadcasts every tensor (packed into
+  `packed_buffer_size_bytes` buffers) to every engine worker in one NCCL group; the other ranks iterate the source
+  only, to stay in its gathers. Each engine worker receives the whole model and its weight loaders keep its shard.
+- `ipc` (`IPCTrainerWeightTransferEngine`): every trainer rank shares its gathered tensors by CUDA IPC handle; the
+  handles are all-gathered over the default process group and rank 0 sends them; each engine worker maps the
+  copy on its own GPU. Trainer and engine must share GPUs.
+
+Iteration is collective (at most one TP and one EP collective per bucket, `trainer/weight_buckets.py`): every
+trainer rank iterates in the same order, which both vLLM trainer engines do (non-senders replay the source). For
+`nccl` each bucket is gathered to rank 0 only (the others yield None for what they do not hold, vLLM's convention;
+its non-senders only iterate); for `ipc` to every rank.
+
+Not run on a GPU (none reaches this project with a CUDA build of vLLM): the two engines' CUDA data paths. Our part
+(the plan, the gather order, metadata agreeing with iteration, the init records) is tested on CPU.
+"""
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+from torch import Tensor
+from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+from gspo_ray.trainer.model_spec import ModelSpec
+from gspo_ray.trainer.weight_buckets import Collect, WeightBucket, gather_bucket, plan_buckets, torch_collect
+
+
+class MegatronWeightSource(WeightSource):
+    """vLLM's `WeightSource` over a Megatron model's shards: full HF tensors, gathered bucket by bucket.
+
+    tp_group / ep_group: the model's TP and expert-parallel groups (None: Megatron's parallel_state when the model
+    is sharded over them). to_root: gather each bucket to global rank 0 only (`nccl`: only it sends; the other
+    ranks yield None for what they do not hold) instead of to every rank (`ipc`: every rank's GPU serves its own
+    engine workers); `for_backend` picks it. collect(tensor, group, to_root): torch.distributed's by default."""
+
+    def __init__(self, model, spec: ModelSpec, bucket_bytes: int = 64 * 2**20, tp_group=None, ep_group=None,
+                 to_root: bool = False, collect: Collect = torch_collect) -> None:
+        named = model.named_parameters() if hasattr(model, "named_parameters") else model.items()
+        self._params = dict(named)
+        self.spec = spec
+        self.plan: list[WeightBucket] = plan_buckets(
+            ((n, tuple(t.shape), t.dtype) for n, t in self._params.items()), spec, bucket_bytes)
+        if (spec.tp > 1 and tp_group is None) or (spec.ep > 1 and ep_group is None):
+            from megatron.core import parallel_state as ps
+
+            tp_group = tp_group or (ps.get_tensor_model_parallel_group() if spec.tp > 1 else None)
+            ep_group = ep_group or (ps.get_expert_model_parallel_group() if spec.ep > 1 else None)
+        self.tp_group, self.ep_group, self.to_root, self.collect = tp_group, ep_group, to_root, collect
+
+    @classmethod
+    def for_backend(cls, backend: str, model, spec: ModelSpec, bucket_bytes: int) -> "MegatronWeightSource":
+        """The source vLLM's `backend` ("nccl" | "ipc") needs: gathered to rank 0 for nccl, to every rank for
+        ipc."""
+        if backend not in ("nccl", "ipc"):
+            raise ValueError(f"no trainer-side sender for weight transfer backend {backend!r} (nccl, ipc)")
+        return cls(model, spec, bucket_bytes, to_root=backend == "nccl")
+
+    def metadata(self) -> list[ParamMeta]:
+        """Every HF tensor of the push (name, dtype, full shape), from the plan: no gather."""
+        return [ParamMeta(hf_name, p.dtype, shape) for bucket in self.plan for p in bucket.params
+                for hf_name, shape in p.hf]
+
+    def __iter__(self) -> Iterator[tuple[str, Tensor]]:
+        with torch.no_grad():
+            for bucket in self.plan:
+                yield from gather_bucket(bucket, self._params, self.spec, self.tp_group, self.ep_group,
+                                         self.to_root, self.collect)
+
+
+def start_sender(init_info, client, source: WeightSource):
+    """vLLM's trainer-side engine for `init_info`'s backend, after its rendezvous with the engines (on every
+    trainer rank; only rank 0 calls the client). Its `send_weights()` is one push."""
+    return WeightTransferTrainerFactory.trainer_init(init_info, client=client, source=source)
