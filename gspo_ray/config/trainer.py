@@ -44,6 +44,12 @@ class TrainerConfig(Strict):
                                 "forwarded (trainer/group_rows.py); false = one padded row per completion. With "
                                 "routing_replay R2 the policy forwards stay on padded rows (R2 records and replays "
                                 "routing per row)")
+    packed_rows: bool = Field(True, description="forward each micro-batch as one packed row: its sequences (or "
+                              "group rows) one after another, each attending within itself with positions from 0, "
+                              "no padding between them (a tail of < tp tokens under sequence parallelism); "
+                              "micro_batch_tokens then counts real tokens (trainer/batch_layout.py). false = padded "
+                              "rows of the micro-batch's longest. Routing Replay and routing_noise keep padded rows "
+                              "for the policy forwards they record")
     use_distributed_optimizer: bool | None = Field(
         None, description="shard the optimizer state (fp32 main params, Adam moments) over the data-parallel ranks "
         "(Megatron's distributed optimizer, ZeRO-1): each rank holds and checkpoints 1/DP of it. None = auto: on "
