@@ -34,10 +34,10 @@ class TrainerConfig(Strict):
     grad_clip: float = Field(1.0, ge=0, description="global grad-norm clip (0 = off)")
     micro_batch_size: int = Field(64, ge=1, description="sequences per forward/backward (grad accumulation)")
     micro_batch_tokens: int | None = Field(None, ge=1, description="cap on tokens per forward/backward: a micro-"
-                                           "batch holds at most this many (padded) tokens of the mini-batch's "
-                                           "longest row, and at most micro_batch_size rows (bounds activation "
-                                           "memory; None = rows only); shared-prefix micro-batches stay within the "
-                                           "same tokens and attention scores. At least rollout.max_model_len")
+                                           "batch holds at most this many real tokens with packed_rows (padded "
+                                           "tokens, rows x the mini-batch's longest row, without), and at most "
+                                           "micro_batch_size rows (bounds activation memory; None = rows only). "
+                                           "At least rollout.max_model_len")
     shared_prefix: bool = Field(True, description="lay out each prompt group as one row [prompt | c_1 | ... | "
                                 "c_G] (the prompt forwarded once, each completion attending to the prompt and "
                                 "itself; RoPE positions continue from the prompt): exact, and fewer tokens "
