@@ -34,16 +34,22 @@ class TrainerConfig(Strict):
     grad_clip: float = Field(1.0, ge=0, description="global grad-norm clip (0 = off)")
     micro_batch_size: int = Field(64, ge=1, description="sequences per forward/backward (grad accumulation)")
     micro_batch_tokens: int | None = Field(None, ge=1, description="cap on tokens per forward/backward: a micro-"
-                                           "batch holds at most this many (padded) tokens of the mini-batch's "
-                                           "longest row, and at most micro_batch_size rows (bounds activation "
-                                           "memory; None = rows only); shared-prefix micro-batches stay within the "
-                                           "same tokens and attention scores. At least rollout.max_model_len")
+                                           "batch holds at most this many real tokens with packed_rows (padded "
+                                           "tokens, rows x the mini-batch's longest row, without), and at most "
+                                           "micro_batch_size rows (bounds activation memory; None = rows only). "
+                                           "At least rollout.max_model_len")
     shared_prefix: bool = Field(True, description="lay out each prompt group as one row [prompt | c_1 | ... | "
                                 "c_G] (the prompt forwarded once, each completion attending to the prompt and "
                                 "itself; RoPE positions continue from the prompt): exact, and fewer tokens "
                                 "forwarded (trainer/group_rows.py); false = one padded row per completion. With "
                                 "routing_replay R2 the policy forwards stay on padded rows (R2 records and replays "
                                 "routing per row)")
+    packed_rows: bool = Field(True, description="forward each micro-batch as one packed row: its sequences (or "
+                              "group rows) one after another, each attending within itself with positions from 0, "
+                              "no padding between them (a tail of < tp tokens under sequence parallelism); "
+                              "micro_batch_tokens then counts real tokens (trainer/batch_layout.py). false = padded "
+                              "rows of the micro-batch's longest. Routing Replay and routing_noise keep padded rows "
+                              "for the policy forwards they record")
     use_distributed_optimizer: bool | None = Field(
         None, description="shard the optimizer state (fp32 main params, Adam moments) over the data-parallel ranks "
         "(Megatron's distributed optimizer, ZeRO-1): each rank holds and checkpoints 1/DP of it. None = auto: on "

@@ -3,22 +3,31 @@
 Every rank holds the whole mini-batch and derives the same split from it, so every rank runs the same number of
 forwards (MoE all-to-alls are collective) without an extra collective.
 
-Two layouts, both as `MicroBatch` lists: padded rows (`row_micro_batches`: one row per completion, DP ranks take
-contiguous rows) and shared-prefix group rows (`group_micro_batches`, trainer/group_rows.py). Either way a
-micro-batch carries its rows in the original [b, L] layout, so the loss, its units and the metrics are computed
-exactly as without sharing.
+Two layouts, both as `MicroBatch` lists: one row per completion (`row_micro_batches`) and shared-prefix group rows
+(`group_micro_batches`, trainer/group_rows.py). Either way a micro-batch carries its rows in the original [b, L]
+layout, so the loss, its units and the metrics are computed exactly as without sharing.
+
+Packed (`packed=True`, trainer.packed_rows, the default): a micro-batch is forwarded as ONE packed row, its
+sequences (or group rows) one after another, each its own causal unit with positions from 0
+(segment_attention.Segments(packed=True)): no padding tokens are forwarded but a tail of fewer than TP tokens under
+sequence parallelism (its width a multiple of TP; the tail attends to nothing and scores nothing). Its budget
+(`packed_budget`) counts real tokens: at most micro_batch_size sequences and micro_batch_tokens tokens. Unshared
+rows are then planned like group rows of one sequence each (`plan_rows`: dealt to DP ranks by cost, first-fit into
+micro-batches). Not packed: padded rows (DP ranks take contiguous rows, R = micro_batch_rows rows of the longest
+row's width each) and padded group rows; Routing Replay and the routing-noise probe record per padded row, so
+their forwards keep this layout.
 
 Group rows over DP (`plan_ranks`, pure lists, also what bench/scale.py runs at cluster shapes):
   1. plan the mini-batch's group rows, at most min(micro_batch_size, ceil(B / dp)) completions each and no wider
-     than one padded micro-batch's tokens (`padded_budget`: R x L, R = micro_batch_rows, L = the longest row, so
-     the shared layout never holds more activations than the padded one; attention by segment holds no score
-     matrix, so nothing else caps a group row's width: a prompt group of <= R rows is never split); while there
-     are fewer
-     group rows than ranks, the one with the most rows is halved (so B >= dp rows leave no rank idle), and group
-     rows costing more than half a rank's share are halved too;
+     than one micro-batch's tokens (packed: `packed_budget`, micro_batch_tokens real tokens; padded:
+     `padded_budget`, R x L, R = micro_batch_rows, L = the longest row, so the shared layout never holds more
+     activations than the padded one; attention by segment holds no score matrix, so nothing else caps a group
+     row's width); while there are fewer group rows than ranks, the one with the most rows is halved (so B >= dp
+     rows leave no rank idle), and group rows costing more than half a rank's share are halved too;
   2. deal the group rows to the ranks by cost (`row_cost`: tokens plus the query-key pairs attention by segment
-     computes, weighted), largest first to the least loaded rank (LPT);
-  3. pack each rank's group rows into micro-batches within the padded budget (rows and tokens).
+     computes, weighted: exactly what a packed row computes, which forwards no padding), largest first to the
+     least loaded rank (LPT);
+  3. put each rank's group rows into micro-batches within the budget (rows and tokens).
 Ranks with fewer micro-batches than the busiest get dummies (one fully masked copy of row 0).
 """
 from __future__ import annotations
@@ -107,11 +116,19 @@ def trim(batch: TrainBatch) -> TrainBatch:
 
 
 def row_micro_batches(batch: TrainBatch, dp_rank: int, dp_size: int, micro_batch_size: int,
-                      micro_batch_tokens: int | None) -> list[MicroBatch]:
-    """Padded rows: split_rows, then micro_batches of micro_batch_rows rows (the layout without sharing)."""
+                      micro_batch_tokens: int | None, packed: bool = False, width_multiple: int = 1,
+                      score_weight: float = 0.0) -> list[MicroBatch]:
+    """One row per completion (the layout without sharing). Packed: plan_rows, each micro-batch one packed row of
+    width a multiple of width_multiple (TP under sequence parallelism), ranks short of micro-batches padded with
+    dummies. Padded: split_rows, then micro_batches of micro_batch_rows rows."""
     b = batch.num_sequences
     if dp_rank == 0:
         warn_unbalanced(b, dp_size)
+    if packed:
+        plan = plan_rows([int(n) for n in batch.lengths.tolist()], dp_size, micro_batch_size, micro_batch_tokens,
+                         score_weight)
+        return pad_forwards([pack_micro_batch(batch, pack, width_multiple, True) for pack in plan[dp_rank]],
+                            plan, batch, width_multiple, True)
     per_rank = math.ceil(b / dp_size)
     index = [i if i < b else -1 for i in range(dp_rank * per_rank, (dp_rank + 1) * per_rank)]
     rows = micro_batch_rows(batch, micro_batch_size, micro_batch_tokens)
@@ -140,12 +157,22 @@ def padded_budget(longest: int, micro_batch_size: int, micro_batch_tokens: int |
     return Budget(rows=rows, tokens=rows * width)
 
 
+def packed_budget(longest: int, micro_batch_size: int, micro_batch_tokens: int | None) -> Budget:
+    """The packed path's micro-batch: at most micro_batch_size sequences and micro_batch_tokens real tokens (at
+    least the longest row: a row over the cap still trains, alone); without micro_batch_tokens, what one padded
+    micro-batch of micro_batch_size rows of the longest row holds."""
+    width = max(longest, 1)
+    tokens = micro_batch_size * width if micro_batch_tokens is None else max(micro_batch_tokens, width)
+    return Budget(rows=micro_batch_size, tokens=tokens)
+
+
 def attention_score_weight(hidden: int, attn_dim: int, ffn_active: int) -> float:
     """Cost of one query-key pair of attention relative to one token through the layer's matrices, per layer and
     forward: a token costs 2 (4 h d + 3 h f) FLOPs (q, k, v, o projections of width d = heads x head_dim; a gated
     MLP of active width f: experts top-k x their width for an MoE), a pair 4 d (its score in Q K^T and its term
     of A V). Attention by segment computes only the pairs its causal segments allow (GroupRow.pairs:
-    P (P + 1) / 2 + sum_j c_j (P + (c_j + 1) / 2)), so a group row costs W + weight x pairs tokens."""
+    P (P + 1) / 2 + sum_j c_j (P + (c_j + 1) / 2)), so a group row costs W + weight x pairs tokens, in a packed
+    row as alone (padding, forwarded only at a packed row's tail, computes no pair)."""
     return 2.0 * attn_dim / (4.0 * hidden * attn_dim + 3.0 * hidden * ffn_active)
 
 
@@ -185,13 +212,25 @@ def deal_rows(units: list[GroupRow], dp_size: int, score_weight: float) -> list[
     return ranks
 
 
+def plan_rows(lengths: list[int], dp_size: int, micro_batch_size: int, micro_batch_tokens: int | None,
+              score_weight: float = 0.0) -> list[list[list[GroupRow]]]:
+    """Packed micro-batches of unshared rows for every DP rank: each row a unit of its own (one causal sequence),
+    dealt to the ranks by cost (deal_rows), then first-fit into micro-batches within packed_budget."""
+    units = [GroupRow((b,), n, (0,)) for b, n in enumerate(lengths)]
+    cap = packed_budget(max(lengths, default=1), micro_batch_size, micro_batch_tokens).tokens
+    return [pack_group_rows(mine, micro_batch_size, cap, packed=True)
+            for mine in deal_rows(units, dp_size, score_weight)]
+
+
 def plan_ranks(groups: list[tuple[list[int], int]], lengths: list[int], dp_size: int, micro_batch_size: int,
-               micro_batch_tokens: int | None, score_weight: float = 0.0,
-               uids: list[str] | None = None) -> list[list[list[GroupRow]]] | None:
+               micro_batch_tokens: int | None, score_weight: float = 0.0, uids: list[str] | None = None,
+               packed: bool = False) -> list[list[list[GroupRow]]] | None:
     """Micro-batches (packs of group rows) of every DP rank, or None when nothing is shared (see the module
-    docstring). groups: (rows, common prefix) per prompt; lengths: every row's length."""
+    docstring). groups: (rows, common prefix) per prompt; lengths: every row's length; packed: the micro-batches
+    are packed rows (budget in real tokens) rather than padded ones."""
     num_rows = len(lengths)
-    cap = padded_budget(max(lengths, default=1), micro_batch_size, micro_batch_tokens).tokens
+    budget = packed_budget if packed else padded_budget
+    cap = budget(max(lengths, default=1), micro_batch_size, micro_batch_tokens).tokens
     max_rows = max(1, min(micro_batch_size, math.ceil(num_rows / dp_size)))
     units = plan_units(groups, lengths, max_rows, cap, uids)
     if units is None:
@@ -204,7 +243,7 @@ def plan_ranks(groups: list[tuple[list[int], int]], lengths: list[int], dp_size:
     if dp_size > 1:  # no group row above half a rank's share, so the deal can even the ranks out
         share = sum(row_cost(u, score_weight) for u in units) / (2 * dp_size)
         units = [part for u in units for part in split_costly(u, share, score_weight)]
-    return [pack_group_rows(mine, micro_batch_size, cap)
+    return [pack_group_rows(mine, micro_batch_size, cap, packed)
             for mine in deal_rows(units, dp_size, score_weight)]
 
 
@@ -218,41 +257,51 @@ def warn_unbalanced(num_rows: int, dp_size: int) -> None:
 
 def group_micro_batches(batch: TrainBatch, dp_rank: int, dp_size: int, micro_batch_size: int,
                         micro_batch_tokens: int | None, width_multiple: int = 1,
-                        score_weight: float = 0.0) -> list[MicroBatch] | None:
+                        score_weight: float = 0.0, packed: bool = False) -> list[MicroBatch] | None:
     """Shared-prefix micro-batches of this DP rank, or None when the batch has nothing to share.
 
     Every rank runs plan_ranks on the whole mini-batch (the same on every rank) and builds its own packs; ranks
     short of micro-batches get dummies (one fully masked copy of row 0), so every rank runs the same number of
     forwards (MoE all-to-alls are collective). width_multiple: TP under sequence parallelism (the sequence is
-    split over TP ranks). score_weight: attention_score_weight of the model (0: cost = tokens)."""
+    split over TP ranks). score_weight: attention_score_weight of the model (0: cost = tokens). packed: each
+    micro-batch one packed row of its group rows."""
     groups = prefix_groups(batch)
     if groups is None:
         return None
     lengths = [int(n) for n in batch.lengths.tolist()]
-    plan = plan_ranks(groups, lengths, dp_size, micro_batch_size, micro_batch_tokens, score_weight, batch.uids)
+    plan = plan_ranks(groups, lengths, dp_size, micro_batch_size, micro_batch_tokens, score_weight, batch.uids,
+                      packed)
     if plan is None:
         return None
     if dp_rank == 0:
         warn_unbalanced(len(lengths), dp_size)
-    out = [pack_micro_batch(batch, pack, width_multiple) for pack in plan[dp_rank]]
+    out = [pack_micro_batch(batch, pack, width_multiple, packed) for pack in plan[dp_rank]]
+    return pad_forwards(out, plan, batch, width_multiple, packed)
+
+
+def pad_forwards(out: list[MicroBatch], plan: list[list[list[GroupRow]]], batch: TrainBatch, width_multiple: int,
+                 packed: bool) -> list[MicroBatch]:
+    """This rank's micro-batches `out`, with dummies up to the busiest rank's count in `plan`."""
     while len(out) < max(len(p) for p in plan):
-        out.append(dummy_micro_batch(batch, width_multiple))
+        out.append(dummy_micro_batch(batch, width_multiple, packed))
     return out
 
 
-def pack_micro_batch(batch: TrainBatch, pack: list[GroupRow], width_multiple: int) -> MicroBatch:
+def pack_micro_batch(batch: TrainBatch, pack: list[GroupRow], width_multiple: int,
+                     packed: bool = False) -> MicroBatch:
     """The MicroBatch of group rows `pack` (whose rows index `batch`): its rows in pack order and their layout."""
     rows = [r for u in pack for r in u.rows]
     local = {r: i for i, r in enumerate(rows)}
     units = [GroupRow(tuple(local[r] for r in u.rows), u.prefix, u.segments) for u in pack]
     sub = trim(batch.select(rows))
-    return MicroBatch(batch=sub, rows=rows, layout=build_layout(sub, units, width_multiple))
+    return MicroBatch(batch=sub, rows=rows, layout=build_layout(sub, units, width_multiple, packed))
 
 
-def dummy_micro_batch(batch: TrainBatch, width_multiple: int) -> MicroBatch:
+def dummy_micro_batch(batch: TrainBatch, width_multiple: int, packed: bool = False) -> MicroBatch:
     """One fully masked copy of row 0 (loss_mask and adv 0): a forward/backward that trains nothing."""
     sub = trim(batch.select([0]))
     sub.loss_mask.zero_()
     sub.adv.zero_()
     n = int(sub.lengths[0])
-    return MicroBatch(batch=sub, rows=[-1], layout=build_layout(sub, [GroupRow((0,), n, (0,))], width_multiple))
+    return MicroBatch(batch=sub, rows=[-1],
+                      layout=build_layout(sub, [GroupRow((0,), n, (0,))], width_multiple, packed))

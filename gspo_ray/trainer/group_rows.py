@@ -20,14 +20,20 @@ ends: P is the longest common prefix of the rows (a completion's first tokens ma
 guessed from loss_mask (fully masked completions are just rows like the others), and a group whose rows share
 no token is forwarded as separate rows.
 
-Packing. A group row holds at most `max_rows` completions and, when a width cap is given, at most that many
+Micro-batches. A group row holds at most `max_rows` completions and, when a width cap is given, at most that many
 tokens (activations grow linearly with the width; attention no longer grows with its square, so nothing else
-splits a group row). Group rows are then packed into micro-batches (longest first) of at most `max_rows`
-completions and, with a cap, at most `max_tokens` padded tokens (rows x the longest group row), none padded past
-PAD_SHARE x its width. batch_layout.plan_ranks sets the caps to what one padded micro-batch holds, so the shared
-layout never forwards more tokens per micro-batch than the padded one. The planning below works on
-plain lists (rows, prefix lengths, row lengths), so the scale model (bench/scale.py) runs it without tensors;
-everything is deterministic, so every rank derives the same layout.
+splits a group row). Group rows are then put into micro-batches of at most `max_rows` completions and, with a
+cap, at most `max_tokens` tokens, in one of two layouts:
+  * packed (the default, `packed=True`): the micro-batch is ONE row [g_1 | g_2 | .. | tail], its group rows one
+    after another (each its own prefix and segments; `Segments(packed=True)`, positions restarting at 0 in each),
+    so no padding is forwarded but a tail of fewer than `width_multiple` tokens (sequence parallelism needs the
+    width to be a multiple of TP; the tail attends to nothing and scores nothing). The cap counts real tokens;
+    first-fit over the group rows, longest first. A group row of one sequence and no shared prefix is a plain
+    causal sequence, so the same layout packs unshared rows (batch_layout.row_micro_batches);
+  * padded (`packed=False`): R rows of the longest group row's width (longest first, the cap counting R x W,
+    none padded past PAD_SHARE x its width).
+The planning below works on plain lists (rows, prefix lengths, row lengths), so the scale model (bench/scale.py)
+runs it without tensors; everything is deterministic, so every rank derives the same layout.
 """
 from __future__ import annotations
 
@@ -74,15 +80,16 @@ class GroupRow:
 
 @dataclass
 class GroupLayout:
-    """The tensors of one micro-batch of group rows (R group rows of width W) for a batch of B rows of width L.
+    """The tensors of one micro-batch of group rows (R rows of width W) for a batch of B rows of width L. Packed:
+    R = 1, the group rows one after another in it (`segments.packed`), padding at its tail only.
 
-    tokens         [R, W] long   group rows, right padded with 0 (W a multiple of `width_multiple`)
-    position_ids   [R, W] long   prefix 0..P-1, each segment P, P+1, ...; padding: its column index
+    tokens         [R, W] long   rows, right padded with 0 (W a multiple of `width_multiple`)
+    position_ids   [R, W] long   per group row: prefix 0..P-1, each segment P, P+1, ...; padding: its column index
     segments       Segments      prefix and segment lengths of each group row (the attention's layout;
                                  padding columns attend to nothing)
-    lengths        [R]    long   real tokens of each group row
-    row_of         [B]    long   the group row holding original row b
-    col_of         [B, L] long   the column of tokens[b, t] in group row row_of[b]; -1 at t >= lengths[b]
+    lengths        [R]    long   real tokens of each row (padding starts there)
+    row_of         [B]    long   the row holding original row b
+    col_of         [B, L] long   the column of tokens[b, t] in row row_of[b]; -1 at t >= lengths[b]
     """
 
     tokens: Tensor
@@ -174,11 +181,16 @@ def halve(unit: GroupRow) -> tuple[GroupRow, GroupRow]:
             GroupRow(unit.rows[k:], unit.prefix, unit.segments[k:]))
 
 
-def pack_group_rows(units: list[GroupRow], max_rows: int, max_tokens: int | None = None) -> list[list[GroupRow]]:
-    """Group rows -> micro-batches, longest first: at most max_rows completions and (with a cap) at most max_tokens
-    padded tokens (group rows x the longest one) each, and no group row padded to more than PAD_SHARE x its width
-    (long-tailed lengths waste no more than that); a unit over the caps goes alone."""
+def pack_group_rows(units: list[GroupRow], max_rows: int, max_tokens: int | None = None,
+                    packed: bool = False) -> list[list[GroupRow]]:
+    """Group rows -> micro-batches of at most max_rows completions each and (with a cap) at most max_tokens tokens;
+    a unit over the caps goes alone. Packed: the cap counts real tokens (sum of the group rows' lengths), each
+    unit (longest first) to the first micro-batch it fits (first-fit decreasing). Padded: longest first, the cap
+    counting group rows x the longest one, and no group row padded to more than PAD_SHARE x its width (long-tailed
+    lengths waste no more than that)."""
     order = sorted(range(len(units)), key=lambda i: (-units[i].length, i))
+    if packed:
+        return _first_fit([units[i] for i in order], max_rows, max_tokens)
     packs, cur, rows, width = [], [], 0, 0
     for i in order:
         u = units[i]
@@ -196,35 +208,59 @@ def pack_group_rows(units: list[GroupRow], max_rows: int, max_tokens: int | None
     return packs
 
 
-def build_layout(batch: TrainBatch, units: list[GroupRow], width_multiple: int = 1) -> GroupLayout:
-    """The GroupLayout of `units`, whose rows index `batch` and together cover each of its rows exactly once."""
+def _first_fit(units: list[GroupRow], max_rows: int, max_tokens: int | None) -> list[list[GroupRow]]:
+    """Each unit, in order, to the first pack with room for its rows and (with a cap) its tokens; else a new one."""
+    packs: list[list[GroupRow]] = []
+    room: list[tuple[int, int]] = []  # (rows, tokens) used per pack
+    for u in units:
+        for k, (rows, tokens) in enumerate(room):
+            if rows + len(u.rows) <= max_rows and (max_tokens is None or tokens + u.length <= max_tokens):
+                packs[k].append(u)
+                room[k] = (rows + len(u.rows), tokens + u.length)
+                break
+        else:
+            packs.append([u])
+            room.append((len(u.rows), u.length))
+    return packs
+
+
+def build_layout(batch: TrainBatch, units: list[GroupRow], width_multiple: int = 1,
+                 packed: bool = False) -> GroupLayout:
+    """The GroupLayout of `units`, whose rows index `batch` and together cover each of its rows exactly once: a row
+    per unit, or (packed) one row holding them all, each unit's positions from 0."""
     b, length = batch.tokens.shape
     widths = [u.length for u in units]
-    width = max(max(widths, default=1), 1)
+    width = max(sum(widths) if packed else max(widths, default=1), 1)
     width = -(-width // width_multiple) * width_multiple
-    r = len(units)
+    r = 1 if packed else len(units)
     tokens = torch.zeros(r, width, dtype=torch.long)
     positions = torch.arange(width).repeat(r, 1)
     row_of = torch.full((b,), -1, dtype=torch.long)
     col_of = torch.full((b, length), -1, dtype=torch.long)
+    offset = 0  # packed: where the unit starts in the one row
     for g, u in enumerate(units):
-        p = u.prefix
-        tokens[g, :p] = batch.tokens[u.rows[0], :p]
-        start = p
-        for row, n in zip(u.rows, u.segments):
-            if row_of[row] >= 0:
-                raise ValueError(f"row {row} is in two group rows")
-            row_of[row] = g
-            col_of[row, :p] = torch.arange(p)
-            tokens[g, start:start + n] = batch.tokens[row, p:p + n]
-            positions[g, start:start + n] = torch.arange(p, p + n)
-            col_of[row, p:p + n] = torch.arange(start, start + n)
+        row, p = (0, u.prefix) if packed else (g, u.prefix)
+        tokens[row, offset:offset + p] = batch.tokens[u.rows[0], :p]
+        positions[row, offset:offset + p] = torch.arange(p)
+        start = offset + p
+        for orig, n in zip(u.rows, u.segments):
+            if row_of[orig] >= 0:
+                raise ValueError(f"row {orig} is in two group rows")
+            row_of[orig] = row
+            col_of[orig, :p] = torch.arange(offset, offset + p)
+            tokens[row, start:start + n] = batch.tokens[orig, p:p + n]
+            positions[row, start:start + n] = torch.arange(p, p + n)
+            col_of[orig, p:p + n] = torch.arange(start, start + n)
             start += n
+        if packed:
+            offset = start
     if (row_of < 0).any():
         raise ValueError(f"rows {(row_of < 0).nonzero().flatten().tolist()} are in no group row")
-    segments = Segments(prefix=tuple(u.prefix for u in units), completions=tuple(u.segments for u in units))
+    segments = Segments(prefix=tuple(u.prefix for u in units), completions=tuple(u.segments for u in units),
+                        packed=packed)
+    lengths = [sum(widths)] if packed else widths
     return GroupLayout(tokens=tokens, position_ids=positions, segments=segments,
-                       lengths=torch.tensor(widths, dtype=torch.long), row_of=row_of, col_of=col_of)
+                       lengths=torch.tensor(lengths, dtype=torch.long), row_of=row_of, col_of=col_of)
 
 
 def shard_token_order(layout: GroupLayout, lengths: Tensor, s_local: int, offset: int) -> Tensor:

@@ -21,9 +21,12 @@ nothing but [N] vectors kept for the backward, which recomputes the softmax chun
 the position shards first) and the scored rows are then indexed out: a [S x B, V/tp] tensor this code does not
 chunk. The entropy (a metric) is computed without a graph.
 
-Shared prefixes. `forward_group_logprobs(model, tokens, lengths, layout)` returns the same [B, L] numbers from one
-forward of the rows' shared-prefix layout (trainer/group_rows.py): each prompt once per group row, its completions
-as segments that attend to the prompt and to themselves.
+Shared prefixes and packed rows. `forward_group_logprobs(model, tokens, lengths, layout)` returns the same [B, L]
+numbers from one forward of the rows' `group_rows.GroupLayout`: group rows (each prompt once per group row, its
+completions as segments that attend to the prompt and to themselves), or one packed row [s_1 | s_2 | .. | tail]
+of sequences or group rows of different lengths (no padding between them; positions restart at 0 in each; the
+log-prob of token t of row b is read at its own column of the packed output, `layout.col_of[b, t - 1]`).
+`forward_logprobs` is the padded layout ([B, L], each row causal from position 0).
 """
 from __future__ import annotations
 
@@ -202,12 +205,13 @@ def forward_group_logprobs(model, tokens: Tensor, lengths: Tensor, layout, *, wi
                            temperature: float = 1.0):
     """forward_logprobs of rows tokens [B, L] / lengths [B], computed on their shared-prefix layout.
 
-    `layout` is the `group_rows.GroupLayout` of exactly these rows: the model runs once on its group rows (prompt
-    once per group row, attention by segment (segment_attention.py), RoPE at the layout's positions) and token t
-    of row b is scored by the output at column `layout.col_of[b, t - 1]` of group row `layout.row_of[b]`, which
-    attends to exactly tokens[b, :t] at positions 0..t-1. Returns logp (, entropy) in the ORIGINAL [B, L] layout,
-    equal to forward_logprobs(model, tokens, lengths, ...) up to float summation order. Under sequence parallelism
-    the layout's width must be a multiple of TP (build_layout's width_multiple).
+    `layout` is the `group_rows.GroupLayout` of exactly these rows: the model runs once on its rows (group rows:
+    the prompt once per group row; packed: one row holding every sequence or group row; attention by segment
+    (segment_attention.py), RoPE at the layout's positions) and token t of row b is scored by the output at column
+    `layout.col_of[b, t - 1]` of row `layout.row_of[b]`, which attends to exactly tokens[b, :t] at positions
+    0..t-1. Returns logp (, entropy) in the ORIGINAL [B, L] layout, equal to forward_logprobs(model, tokens,
+    lengths, ...) up to float summation order. Under sequence parallelism the layout's width must be a multiple of
+    TP (build_layout's width_multiple: a packed row's tail padding, which attends to nothing and is never scored).
     """
     from megatron.core import parallel_state
 

@@ -3,6 +3,7 @@ row, never with the square of its width.
 
     segs = Segments.plain(lengths)                        # padded rows: each row one causal segment
     segs = Segments(prefix=(P,), completions=((c_1, .., c_G),))   # one group row [prefix | c_1 | .. | c_G]
+    segs = Segments.plain(lengths, packed=True)           # one packed row [s_1 | s_2 | ..]: no padding between
     model(tokens, position_ids, segs)                     # the record travels as GPTModel's `attention_mask`
 
 A row of width S (the micro-batch's sequence dimension) holds a prefix of P tokens, then completion segments of
@@ -10,6 +11,14 @@ c_1 .. c_G tokens, then padding. A query of the prefix attends to the prefix cau
 attends to [prefix ; completion j] with causality aligned bottom-right (its i-th query sees the whole prefix and
 completion tokens 0..i), nothing of the other completions; a padding query attends to nothing and outputs 0 (so
 no NaN reaches a weight gradient through 0 x NaN). A padded row of n tokens is a prefix of n and no completion.
+
+Packed rows (`packed=True`). The record's units (a prefix and its completions each: one sequence, or one group row)
+then lie one after another along ONE row of the micro-batch, [unit_1 | unit_2 | .. | tail padding]: each unit
+attends within itself exactly as a row of its own would (attention never crosses a unit boundary), so no padding
+is forwarded between sequences of different lengths, only a short tail (sequence parallelism needs the row's width
+to be a multiple of TP). This is the layout of Megatron's `PackedSeqParams` (THD, `cu_seqlens` per sequence) with
+TE, expressed by this record instead; RoPE positions restart at 0 in each unit (the caller's position ids,
+compat/megatron_rope_positions.py).
 
 Per segment this is one `torch.nn.functional.scaled_dot_product_attention` call: the prefix with is_causal, a
 completion with `torch.nn.attention.bias.causal_lower_right(c, P + c)` on keys and values [prefix ; completion],
@@ -25,12 +34,13 @@ completion call with a prefix runs under activation checkpointing (torch.utils.c
 backward gathers and attends again (one more attention forward of that segment), and what stays between forward
 and backward is the call's output only. The prefix call and a plain row gather nothing and are not recomputed.
 
-What the kernel computes per row, counted as query-key pairs (`Segments.pairs`, the planner's attention term):
+What the kernel computes per unit, counted as query-key pairs (`Segments.pairs`, the planner's attention term):
 
     P (P + 1) / 2  +  sum_j c_j (P + (c_j + 1) / 2)
 
 (the causal triangle of the prefix, then each completion against the prefix and its own triangle); versus
 W (W + 1) / 2 for one causal row of width W = P + sum_j c_j, and W^2 for the dense [W, W] mask this replaces.
+Padding computes no pair, so a packed row costs the sum over its units, as separate rows would.
 
 Torch only (the planner and the scale model import Segments without Megatron); model.SegmentAttention is the
 Megatron core-attention module that calls attend_rows. The record travels as the `attention_mask` argument, which
@@ -52,11 +62,13 @@ from torch.utils.checkpoint import checkpoint
 
 @dataclass(frozen=True)
 class Segments:
-    """The segment boundaries of a micro-batch of rows: row r is `prefix[r]` tokens, then segments
-    `completions[r]` (each attends to the prefix and itself), then padding up to the micro-batch's width."""
+    """The segment boundaries of a micro-batch. Unit u is `prefix[u]` tokens, then segments `completions[u]`
+    (each attends to the prefix and itself). Not packed: unit r is row r of the micro-batch, then padding up to
+    its width. Packed: the micro-batch is one row holding the units one after another, then padding."""
 
     prefix: tuple[int, ...]
     completions: tuple[tuple[int, ...], ...]
+    packed: bool = False
 
     def __post_init__(self):
         if len(self.prefix) != len(self.completions):
@@ -65,18 +77,27 @@ class Segments:
             raise ValueError("Segments: negative segment length")
 
     @classmethod
-    def plain(cls, lengths) -> Segments:
-        """Each row one causal segment of lengths[r] tokens (the padded layout)."""
+    def plain(cls, lengths, packed: bool = False) -> Segments:
+        """Each sequence one causal segment of lengths[i] tokens: a row each (the padded layout), or packed."""
         lengths = tuple(int(n) for n in lengths)
-        return cls(prefix=lengths, completions=tuple(() for _ in lengths))
+        return cls(prefix=lengths, completions=tuple(() for _ in lengths), packed=packed)
 
     @property
     def num_rows(self) -> int:
-        return len(self.prefix)
+        """Rows of the micro-batch (1 when packed)."""
+        return 1 if self.packed else len(self.prefix)
+
+    def units(self, row: int) -> range:
+        """The units laid out in row `row`."""
+        return range(len(self.prefix)) if self.packed else range(row, row + 1)
+
+    def unit_length(self, unit: int) -> int:
+        """Real tokens of unit `unit` (prefix and segments)."""
+        return self.prefix[unit] + sum(self.completions[unit])
 
     def length(self, row: int) -> int:
-        """Real tokens of row `row` (prefix and segments)."""
-        return self.prefix[row] + sum(self.completions[row])
+        """Real tokens of row `row` (its units' prefixes and segments)."""
+        return sum(self.unit_length(u) for u in self.units(row))
 
     def pairs(self) -> int:
         """Query-key pairs the kernel computes over all rows (the module docstring's formula)."""
@@ -100,29 +121,40 @@ def attend_rows(query: Tensor, key: Tensor, value: Tensor, segs: Segments, scale
     gqa = key.shape[2] != heads
     rows = []
     for b, (q, k, v) in enumerate(zip(query.unbind(1), key.unbind(1), value.unbind(1))):  # [S, H, D] each
-        p, cs = segs.prefix[b], segs.completions[b]
+        units = segs.units(b)
         pad = width - segs.length(b)
         if pad < 0:
             raise ValueError(f"row {b}: segments of {segs.length(b)} tokens in a width of {width}")
-        sizes = [p, *cs, pad]
+        sizes = [n for u in units for n in (segs.prefix[u], *segs.completions[u])] + [pad]
         # [1, H, n, D] views (the flash kernel for CPU takes 4-d inputs; 3-d ones fall back to the math kernel)
         qs, ks, vs = (x.transpose(0, 1)[None].split(sizes, dim=2) for x in (q, k, v))
-        pieces = []
-        if p:
-            pieces.append(F.scaled_dot_product_attention(qs[0], ks[0], vs[0], is_causal=True, scale=scale,
-                                                         enable_gqa=gqa))
-        for j, c in enumerate(cs, start=1):
-            if c == 0:
-                continue
-            args = (qs[j], ks[0], ks[j], vs[0], vs[j], scale, gqa)
-            if p and torch.is_grad_enabled():  # keep no gathered K/V for the backward: recompute it there
-                pieces.append(checkpoint(_segment, *args, use_reentrant=False))
-            else:
-                pieces.append(_segment(*args))
+        pieces, first = [], 0
+        for u in units:
+            n = 1 + len(segs.completions[u])
+            pieces += _attend_unit(qs[first:first + n], ks[first:first + n], vs[first:first + n], scale, gqa)
+            first += n
         if pad:
             pieces.append(query.new_zeros(1, heads, pad, dim))
         rows.append(torch.cat(pieces, dim=2)[0].transpose(0, 1))  # [S, H, D]
     return torch.stack(rows, dim=1)
+
+
+def _attend_unit(qs, ks, vs, scale: float | None, gqa: bool) -> list[Tensor]:
+    """One unit's pieces ([1, H, n, D] each: the prefix, then its completions) -> their outputs (empty pieces
+    dropped): the prefix causal, each completion against [prefix ; completion] (see the module docstring)."""
+    p = qs[0].shape[2]
+    out = []
+    if p:
+        out.append(F.scaled_dot_product_attention(qs[0], ks[0], vs[0], is_causal=True, scale=scale, enable_gqa=gqa))
+    for j in range(1, len(qs)):
+        if qs[j].shape[2] == 0:
+            continue
+        args = (qs[j], ks[0], ks[j], vs[0], vs[j], scale, gqa)
+        if p and torch.is_grad_enabled():  # keep no gathered K/V for the backward: recompute it there
+            out.append(checkpoint(_segment, *args, use_reentrant=False))
+        else:
+            out.append(_segment(*args))
+    return out
 
 
 def _segment(q: Tensor, k_prefix: Tensor, k: Tensor, v_prefix: Tensor, v: Tensor, scale: float | None,

@@ -189,23 +189,26 @@ class TrainerWorker:
 
     def _plan(self, batch: TrainBatch, policy_routing: bool) -> list[MicroBatch]:
         """This DP rank's micro-batches of `batch`: shared-prefix group rows when trainer.shared_prefix is on and
-        the batch has prompts to share, else padded rows. policy_routing: a policy forward that Routing Replay /
-        routing drift watch. Routing Replay records and replays per padded row, so with it that forward keeps
-        padded rows; drift reads each row's tokens out of the group rows."""
+        the batch has prompts to share, else one row per sample; each micro-batch one packed row when
+        trainer.packed_rows is on. policy_routing: a policy forward that Routing Replay / routing drift watch.
+        Routing Replay records and replays per padded row, so with it that forward keeps padded rows; drift reads
+        each row's tokens out of the group rows or the packed row."""
         cfg = self.cfg
-        share = cfg.shared_prefix
-        if share and policy_routing and (self.replay is not None or self.noise is not None):
-            warn_once("routing_rows", "shared_prefix: policy forwards use padded rows while Routing Replay (or "
-                      "the routing-noise probe) records and replays routing per row")
-            share = False
+        share, packed = cfg.shared_prefix, cfg.packed_rows
+        if (share or packed) and policy_routing and (self.replay is not None or self.noise is not None):
+            warn_once("routing_rows", "shared_prefix / packed_rows: policy forwards use padded rows while Routing "
+                      "Replay (or the routing-noise probe) records and replays routing per row")
+            share = packed = False
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        multiple = tp if self.gpt.config.sequence_parallel else 1
+        weight = model_score_weight(self.gpt.config)
         if share:
-            tp = parallel_state.get_tensor_model_parallel_world_size()
-            multiple = tp if self.gpt.config.sequence_parallel else 1
             mbs = group_micro_batches(batch, self.dp_rank, self.dp_size, cfg.micro_batch_size,
-                                      cfg.micro_batch_tokens, multiple, model_score_weight(self.gpt.config))
+                                      cfg.micro_batch_tokens, multiple, weight, packed)
             if mbs is not None:
                 return mbs
-        return row_micro_batches(batch, self.dp_rank, self.dp_size, cfg.micro_batch_size, cfg.micro_batch_tokens)
+        return row_micro_batches(batch, self.dp_rank, self.dp_size, cfg.micro_batch_size, cfg.micro_batch_tokens,
+                                 packed, multiple, weight)
 
     @torch.no_grad()
     def compute_logprobs(self, batch: TrainBatch, reference: bool = False, temperature: float | None = None,

@@ -1,6 +1,7 @@
 """Shared-prefix group rows over DP ranks (batch_layout.plan_ranks / group_micro_batches): balanced rows per rank,
-micro-batches within the padded path's tokens, group rows never split for width by attention, no idle rank while there are rows enough,
-the starved layout said once. Pure lists and torch: no model."""
+micro-batches within the padded path's tokens (packed: real tokens within micro_batch_tokens, padding at the tail
+only), group rows never split for width by attention, no idle rank while there are rows enough, the starved layout
+said once. Pure lists and torch: no model."""
 from __future__ import annotations
 
 import logging
@@ -8,6 +9,7 @@ import math
 import random
 
 import pytest
+import torch
 
 from gspo_ray.trainer.batch_layout import (
     group_micro_batches,
@@ -132,3 +134,35 @@ def test_plan_is_the_same_on_every_rank_and_deterministic():
     a = [[mb.rows for mb in p] for p in plan_of(batch, 3, 6)]
     b = [[mb.rows for mb in p] for p in plan_of(batch, 3, 6)]
     assert a == b and math.prod(len(p) for p in a) > 0
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_packed_micro_batches_hold_real_tokens_within_the_budget(shared):
+    """Packed rows (trainer.packed_rows) at DP 2 under sequence parallelism (TP 2): every row exactly once, one
+    packed row per micro-batch of at most micro_batch_size rows and micro_batch_tokens real tokens (a longer row
+    alone), padded only at its tail to a multiple of TP; every token at its column with its own position (from 0
+    in each sequence, or continuing its group row's prefix); the ranks' forward counts equal."""
+    rng = random.Random(5)
+    spec = [(rng.randint(1, 9), [rng.randint(0, 30) for _ in range(rng.randint(1, 6))]) for _ in range(9)]
+    batch = group_batch(spec)
+    mbs, mbt = 5, 48
+    make = group_micro_batches if shared else row_micro_batches
+    parts = [make(batch, r, 2, mbs, mbt, 2, 0.01, packed=True) if shared else
+             make(batch, r, 2, mbs, mbt, packed=True, width_multiple=2, score_weight=0.01) for r in range(2)]
+    assert len(parts[0]) == len(parts[1])
+    assert sorted(r for p in parts for mb in p for r in mb.rows if r >= 0) == list(range(batch.num_sequences))
+    longest = int(batch.lengths.max())
+    for mb in (mb for p in parts for mb in p):
+        lay, real = mb.layout, int(mb.layout.lengths.sum())
+        assert lay.tokens.shape[0] == 1 and lay.segments.packed
+        assert lay.tokens.shape[1] % 2 == 0 and 0 <= lay.tokens.shape[1] - real < 2
+        assert len(mb.rows) <= mbs and (real <= max(mbt, longest) or len(mb.rows) == 1)
+        if not shared:  # each sequence its own unit: the tokens forwarded are the rows' own
+            assert real == int(mb.batch.lengths.sum())
+        for b in range(mb.batch.num_sequences):
+            n = int(mb.batch.lengths[b])
+            cols = lay.col_of[b, :n]
+            assert (lay.tokens[0, cols] == mb.batch.tokens[b, :n]).all()
+            assert (lay.position_ids[0, cols] == torch.arange(n)).all()
+    padded = [row_micro_batches(batch, r, 2, mbs, mbt) for r in range(2)]
+    assert sum(mb.num_tokens for p in parts for mb in p) < sum(mb.num_tokens for p in padded for mb in p)

@@ -17,9 +17,12 @@ def _steps(rank, world_size, ports, model_dir, batch, probe: bool):
     """Old log-probs from the policy (the probe records there), then 3 steps of lr 0.1 on the same batch."""
     from gspo_ray.trainer.worker import TrainerWorker
 
+    # padded rows in both runs: the probe keeps its policy forwards padded (it records per row), and the
+    # comparison with the run without it is bit for bit, so the layout must not differ (packed rows equal padded
+    # ones to float summation order only: tests/trainer/test_shared_prefix_parity.py)
     w = TrainerWorker(rank, world_size, "127.0.0.1", ports[0], model_dir,
                       trainer_cfg(world_size, lr=0.1, router_churn_every=0, routing_noise=probe,
-                                  micro_batch_size=3),
+                                  micro_batch_size=3, packed_rows=False),
                       algo_cfg(importance_sampling_level="token"))
     batch.old_logp = w.compute_logprobs(batch)
     out = [w.train_step(batch) for _ in range(3)]

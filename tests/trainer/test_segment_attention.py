@@ -1,6 +1,7 @@
 """Attention by segment (trainer/segment_attention.py) against a dense-mask reference: outputs and gradients of
-queries, keys and values in fp64, GQA, an empty segment, a one-token prefix, a group of one, a packed row of
-plain segments (empty prefix), padding; the pair count the planner uses. Pure torch, no model."""
+queries, keys and values in fp64, GQA, an empty segment, a one-token prefix, a group of one, packed rows (sequences,
+and group rows, one after another in one row: an empty sequence, a one-token one, a tail of padding), padding; the
+pair count the planner uses. Pure torch, no model."""
 from __future__ import annotations
 
 import pytest
@@ -11,42 +12,43 @@ from gspo_ray.trainer.segment_attention import Segments, attend_rows, row_pairs
 
 def dense_reference(query, key, value, segs: Segments):
     """The same attention through one [S, S] boolean mask per row and the math kernel (what the trainer used to
-    build): a prefix query sees the prefix causally, a segment query the prefix and its own earlier tokens."""
+    build): a prefix query sees its unit's prefix causally, a segment query that prefix and its own earlier
+    tokens, nothing of another unit. Returns the output and the mask's count of query-key pairs."""
     width, batch, heads, _ = query.shape
     rep = heads // key.shape[2]
-    out = []
+    out, pairs = [], 0
     for b in range(batch):
-        seg = torch.full((width,), -1)
-        p = segs.prefix[b]
-        seg[:p] = 0
-        start = p
-        for j, c in enumerate(segs.completions[b]):
-            seg[start:start + c] = j + 1
-            start += c
+        unit, seg = torch.full((width,), -1), torch.full((width,), -1)
+        start = 0
+        for u in segs.units(b):
+            p = segs.prefix[u]
+            unit[start:start + p], seg[start:start + p] = u, 0
+            start += p
+            for j, c in enumerate(segs.completions[u]):
+                unit[start:start + c], seg[start:start + c] = u, j + 1
+                start += c
         causal = torch.ones(width, width, dtype=torch.bool).tril()
-        mask = causal & ((seg[None, :] == 0) | (seg[None, :] == seg[:, None])) & (seg[:, None] >= 0)
+        mask = (causal & (unit[None, :] == unit[:, None]) & ((seg[None, :] == 0) | (seg[None, :] == seg[:, None]))
+                & (seg[:, None] >= 0))
+        pairs += int(mask.sum())
         q = query[:, b].transpose(0, 1)
         k = key[:, b].repeat_interleave(rep, 1).transpose(0, 1)
         v = value[:, b].repeat_interleave(rep, 1).transpose(0, 1)
         scores = (q @ k.transpose(-1, -2)) / q.shape[-1] ** 0.5
         probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), -1).nan_to_num(0.0)  # padding: nothing
         out.append((probs @ v).transpose(0, 1))
-    return torch.stack(out, 1), int(sum(mask_count(segs, b, width) for b in range(batch)))
-
-
-def mask_count(segs, b, width):
-    p, total, start = segs.prefix[b], segs.prefix[b] * (segs.prefix[b] + 1) // 2, segs.prefix[b]
-    for c in segs.completions[b]:
-        total += sum(p + i + 1 for i in range(c))
-        start += c
-    return total
+    return torch.stack(out, 1), pairs
 
 
 CASES = {
     # group rows: prefix 5 and segments 3, 0 (empty), 4; then a one-token prefix; then a group of one; padding
     "groups": Segments(prefix=(5, 1, 6), completions=((3, 0, 4), (2, 3), (4,))),
     "plain": Segments.plain([12, 7, 1]),
-    "packed": Segments(prefix=(0,), completions=((4, 6, 2),)),  # three sequences packed in one row
+    "empty_prefix": Segments(prefix=(0,), completions=((4, 6, 2),)),  # three segments of an empty prefix
+    # packed rows: sequences of 4, 1 (one token), 0 (empty) and 6 tokens in one row, 2 of padding at its tail
+    "packed": Segments.plain([4, 1, 0, 6], packed=True),
+    # two group rows and a plain sequence packed in one row (each group row's segments offset), 1 of padding
+    "packed_groups": Segments(prefix=(3, 1, 2), completions=((2, 0, 1), (2, 1), ()), packed=True),
 }
 
 
@@ -69,6 +71,22 @@ def test_segments_equal_the_dense_mask_and_its_gradients(name):
         assert not got[segs.length(b):, b].any()
         assert not grads[0][segs.length(b):, b].any()
     assert segs.pairs() == pairs == sum(row_pairs(p, c) for p, c in zip(segs.prefix, segs.completions))
+
+
+def test_a_packed_row_equals_its_sequences_as_padded_rows():
+    """Sequences of 5, 1 and 3 tokens packed in one row (a tail of 2) give each sequence's output of a padded row
+    of its own (what the trainer's packed layout relies on); a one-token sequence sees only itself."""
+    lengths = [5, 1, 3]
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(11, 1, h, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2))
+    packed = attend_rows(q, k, v, Segments.plain(lengths, packed=True))
+    start = 0
+    for n in lengths:
+        alone = attend_rows(*(x[start:start + n] for x in (q, k, v)), Segments.plain([n]))
+        assert (packed[start:start + n] - alone).abs().max() < 1e-12
+        start += n
+    assert (packed[5, 0] - v[5, 0].repeat_interleave(2, 0)).abs().max() < 1e-12  # softmax over one key
+    assert not packed[start:].any()
 
 
 def test_fp32_and_bf16_match_the_reference():
