@@ -67,3 +67,22 @@ def test_routes_need_the_in_process_engine():
     """The capture hooks the in-process engine's runner: a TP 2 engine's routers run in its worker processes."""
     with pytest.raises(ConfigError, match=r"trainer.routing_replay 'R3' needs rollout.tensor_parallel_size 1 \(got 2\)"):
         load_config(RECIPE, ["trainer.routing_replay=R3", "rollout.tensor_parallel_size=2"])
+
+
+def test_an_engine_trainer_mismatch_of_moe_layers_is_refused(tmp_path):
+    """vLLM's Mixtral routes every layer; a config.json carrying decoder_sparse_step 2 (a Qwen3-MoE key) would give
+    the trainer's converter one MoE layer of two: the engine's routes would not fit, refused before Ray."""
+    from transformers import CONFIG_MAPPING
+
+    from gspo_ray.preflight import routes
+
+    cfg = load_config(RECIPE, ["trainer.routing_replay=R3"])
+    hf = CONFIG_MAPPING["mixtral"](vocab_size=32, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                   num_experts_per_tok=2).to_dict()
+    assert routes.engine_routes_shape(hf) == routes.trainer_routes_shape(hf, "x") == (2, 2, 4)
+    routes.check_routes(cfg, hf, "model.path (x)")  # agreeing readings: fine
+    with pytest.raises(PreflightError, match=r"^trainer.routing_replay 'R3': the engine's routes of model.path \(x\) "
+                                             r"would have 2 MoE layers x top-2 of 4 experts .* the trainer's model "
+                                             r"1 x top-2 of 4$"):
+        routes.check_routes(cfg, {**hf, "decoder_sparse_step": 2}, "model.path (x)")

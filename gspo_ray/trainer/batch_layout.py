@@ -257,15 +257,17 @@ def warn_unbalanced(num_rows: int, dp_size: int) -> None:
 
 def group_micro_batches(batch: TrainBatch, dp_rank: int, dp_size: int, micro_batch_size: int,
                         micro_batch_tokens: int | None, width_multiple: int = 1,
-                        score_weight: float = 0.0, packed: bool = False) -> list[MicroBatch] | None:
+                        score_weight: float = 0.0, packed: bool = False,
+                        match_routes: bool = False) -> list[MicroBatch] | None:
     """Shared-prefix micro-batches of this DP rank, or None when the batch has nothing to share.
 
     Every rank runs plan_ranks on the whole mini-batch (the same on every rank) and builds its own packs; ranks
     short of micro-batches get dummies (one fully masked copy of row 0), so every rank runs the same number of
     forwards (MoE all-to-alls are collective). width_multiple: TP under sequence parallelism (the sequence is
     split over TP ranks). score_weight: attention_score_weight of the model (0: cost = tokens). packed: each
-    micro-batch one packed row of its group rows."""
-    groups = prefix_groups(batch)
+    micro-batch one packed row of its group rows. match_routes: a shared prefix also ends where the rows' engine
+    routes disagree (R3 replays them; group_rows.prefix_groups)."""
+    groups = prefix_groups(batch, match_routes)
     if groups is None:
         return None
     lengths = [int(n) for n in batch.lengths.tolist()]

@@ -145,14 +145,32 @@ def split_group(rows: list[int], prefix: int, lengths: list[int], max_rows: int,
     return out
 
 
-def prefix_groups(batch: TrainBatch) -> list[tuple[list[int], int]] | None:
+def routes_prefix(routes: Tensor, rows: list[int], limit: int) -> int:
+    """Length p <= limit of the prefix over which rows `rows` of `routes` ([B, L, layers, k] engine routes, -1 = not
+    recorded) agree: at every position q < p and MoE layer, the recorded top-k sets (order ignored) are equal; a row
+    without a record there agrees with any."""
+    r = routes[rows, :limit].long().sort(-1).values                      # [G, limit, layers, k]
+    rec = (r >= 0).all(-1)                                               # [G, limit, layers]
+    clash = (r[:, None] != r[None, :]).any(-1) & rec[:, None] & rec[None, :]  # [G, G, limit, layers]
+    bad = clash.flatten(0, 1).any(0).any(-1).nonzero()
+    return int(bad[0]) if len(bad) else limit
+
+
+def prefix_groups(batch: TrainBatch, match_routes: bool = False) -> list[tuple[list[int], int]] | None:
     """(rows, longest common prefix) per prompt group of a batch (prefix 0 for a group of one row), or None when
-    the rows carry no (or wrong) uids."""
+    the rows carry no (or wrong) uids. match_routes: the prefix also ends where the rows' engine routes
+    (`batch.routes`) disagree, so that R3 can replay every row's own routes on the shared columns."""
     groups = find_groups(batch.uids, batch.num_sequences)
     if groups is None:
         warn_once("no_uids", "shared_prefix: batch rows carry no prompt uids; forwarding unshared rows")
         return None
-    return [(rows, common_prefix(batch.tokens, batch.lengths, rows) if len(rows) > 1 else 0) for rows in groups]
+    out = []
+    for rows in groups:
+        prefix = common_prefix(batch.tokens, batch.lengths, rows) if len(rows) > 1 else 0
+        if prefix and match_routes and batch.routes is not None:
+            prefix = routes_prefix(batch.routes, rows, prefix)
+        out.append((rows, prefix))
+    return out
 
 
 def plan_units(groups: list[tuple[list[int], int]], lengths: list[int], max_rows: int,

