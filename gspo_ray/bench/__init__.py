@@ -68,8 +68,9 @@ def run(suite: str = "all", *, quick: bool = False, steps: int = 6, seeds: tuple
     if suite == "moe-async":
         from gspo_ray.bench.moe_async import run_moe_async_bench
 
-        # --steps when given (the CLI's default 6 is the smollm2 / moe suites'), else 60
-        run_moe_async_bench(steps=4 if quick else (60 if steps == 6 else steps), seeds=seeds)
+        # --steps when given (the CLI's default 6 is the smollm2 / moe suites'), else 500: the recipe's early
+        # stop ends a run once it is solved
+        run_moe_async_bench(steps=4 if quick else (500 if steps == 6 else steps), seeds=seeds)
     if suite == "regime":
         from gspo_ray.bench.moe_regime import main as run_regime_probe
 

@@ -1,7 +1,7 @@
 """`gspo-ray bench --suite moe-async`: GSPO without Routing Replay where it is hardest, async training with partial
 rollouts, against R3 (the engine's routing, captured per token and replayed by the trainer).
 
-    gspo-ray bench --suite moe-async [--seeds 0,1,2] [--steps N] [--quick]    (60 steps a run; --quick: 4)
+    gspo-ray bench --suite moe-async [--seeds 0,1,2] [--steps N] [--quick]    (up to 500 steps a run; --quick: 4)
 
 Each finished run is appended to `runs/bench/moe_async.jsonl`, and the tables and the plot are built from every run
 there of the same step count: a long experiment can be split over sittings (seed 0 in one, seeds 1 and 2 in the
@@ -214,7 +214,7 @@ def plot_async(results: list[dict], path: Path) -> Path:
     return path
 
 
-def run_moe_async_bench(steps: int = 60, seeds: tuple[int, ...] = (0, 1, 2),
+def run_moe_async_bench(steps: int = 500, seeds: tuple[int, ...] = (0, 1, 2),
                         png: Path = Path("runs/bench_moe_async.png"),
                         results_path: Path = Path("runs/bench/moe_async.jsonl")) -> list[dict]:
     import ray
