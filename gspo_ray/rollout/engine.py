@@ -129,7 +129,7 @@ class RolloutEngine:
             cpu_cores = engine_cores(cpu_cores)
         env = build_engine_env(run_dir, worker_binding if self.mode == MULTI_PROCESS else cpu_cores, on_cuda,
                                cache_root)
-        for key in ("VLLM_CACHE_ROOT", "TMPDIR"):
+        for key in ("VLLM_CACHE_ROOT", "TMPDIR", "VLLM_RPC_BASE_PATH"):
             Path(env[key]).mkdir(parents=True, exist_ok=True)
         # vLLM sets ~20 variables on import/start (LD_PRELOAD, LOCAL_WORLD_SIZE, ...); shutdown puts them back.
         self._environ_before = dict(os.environ)

@@ -42,6 +42,21 @@ def worker_core_binding(cores: list[int], tensor_parallel_size: int) -> str:
     return "|".join(",".join(map(str, b)) for b in blocks)
 
 
+# A Unix socket's path is at most 107 bytes (sockaddr_un.sun_path); vLLM's multi-process executor binds ZMQ sockets
+# at f"{VLLM_RPC_BASE_PATH}/{uuid4()}" (36 characters) and refuses to start when that is longer.
+SOCKET_PATH_MAX, RPC_NAME_LEN = 107, 36
+
+
+def rpc_socket_dir(preferred: str | Path) -> str:
+    """Where vLLM puts its ZMQ sockets: `preferred` (the run directory's tmp) when a socket path under it fits in
+    a Unix socket address, else a short directory of this user's under the system temp dir (a run directory a
+    few levels deep, e.g. pytest's or a cluster's home, is already too long for a TP > 1 engine)."""
+    preferred = str(preferred)
+    if len(os.fsencode(preferred)) + 1 + RPC_NAME_LEN <= SOCKET_PATH_MAX:
+        return preferred
+    return str(Path(tempfile.gettempdir()) / f"gspo-ray-rpc-{os.getuid()}")
+
+
 def build_engine_env(run_dir: str | Path, cpu_cores: str | None, on_cuda: bool,
                      cache_root: str | Path | None = None) -> dict[str, str]:
     """Environment for an engine (its core in this process). CPU-only variables are left out when CUDA is present.
@@ -55,7 +70,8 @@ def build_engine_env(run_dir: str | Path, cpu_cores: str | None, on_cuda: bool,
     run_dir = Path(run_dir)
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # engine core in this process (see module docstring)
            "VLLM_CACHE_ROOT": str(cache_root or default_cache_root()),
-           "TMPDIR": str(run_dir / "tmp")}  # ZMQ sockets / temp files stay in the run directory
+           "TMPDIR": str(run_dir / "tmp"),  # temp files stay in the run directory
+           "VLLM_RPC_BASE_PATH": rpc_socket_dir(run_dir / "tmp")}  # ... and ZMQ sockets when their path fits
     if not on_cuda:
         # Honoured by vLLM only when it spawns worker processes; in-process we bind ourselves (`bind_cores`).
         env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_cores or "auto"

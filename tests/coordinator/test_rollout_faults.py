@@ -33,15 +33,13 @@ class DyingRolloutWorker(RolloutWorker):
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+def setup(local_ray, tmp_path_factory):
+    """On the package's shared Ray instance (conftest.local_ray; an instance of its own cost a Ray start here and
+    another in the next module)."""
     root = tmp_path_factory.mktemp("faults")
     model = make_tiny_model("qwen3_moe", root / "model", seed=0)
-    if ray.is_initialized():  # the package's shared instance (conftest.local_ray): this module needs its own
-        ray.shutdown()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the test class travels to the actors
-    yield root, model
-    ray.shutdown()
+    return root, model
 
 
 def test_dead_worker_prompts_are_redispatched_once(setup):

@@ -1,7 +1,7 @@
 """A wedged rollout worker is killed and its prompts re-dispatched; an engine abort outside partial mode reaches
 the buffer as failed samples; a CPU-bound runaway reward does not slow the engine it sits beside.
 
-One Ray instance and one pool of two real vLLM workers for the whole module (worker 1 wedges on demand).
+The package's Ray instance and one pool of two real vLLM workers for the whole module (worker 1 wedges on demand).
 """
 import os
 import sys
@@ -74,12 +74,11 @@ class WedgingRolloutWorker(RolloutWorker):
 
 
 @pytest.fixture(scope="module")
-def pool(tmp_path_factory):
+def pool(local_ray, tmp_path_factory):
+    """On the package's shared Ray instance (conftest.local_ray; an instance of its own cost a Ray start here and
+    another in the next module)."""
     root = tmp_path_factory.mktemp("wedge")
     model = make_tiny_model("qwen3_moe", root / "model", seed=0)
-    if ray.is_initialized():  # the package's shared instance (conftest.local_ray): this module needs its own
-        ray.shutdown()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the test class travels to the actors
     cfg = RolloutConfig(num_workers=2, group_size=4, max_new_tokens=6, max_model_len=64)
     actor = ray.remote(WedgingRolloutWorker).options(**rollout_actor_options(JobConfig(rollout=cfg)))
@@ -88,7 +87,6 @@ def pool(tmp_path_factory):
     p.model = model
     yield p
     p.shutdown()
-    ray.shutdown()
 
 
 def test_engine_abort_outside_partial_reaches_the_buffer_as_failed(pool):

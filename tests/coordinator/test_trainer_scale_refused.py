@@ -61,7 +61,7 @@ def test_a_resize_the_cluster_cannot_place_is_refused_before_anything_is_saved(t
 @pytest.mark.usefixtures("local_ray")
 @pytest.mark.parametrize("distributed", ["true", "false"])
 def test_a_resize_is_not_refused_for_the_optimizer(tmp_path, distributed):
-    # either optimizer's state reshards to any DP size on load (test_trainer_scaling.py, test_checkpoint_reshard.py)
+    # either optimizer's state reshards to any DP size on load (test_live_scaling_job.py, test_checkpoint_reshard.py)
     cfg = _job(tmp_path, f"trainer.use_distributed_optimizer={distributed}")
     recovery = TrainerRecovery(cfg, ckpts=None)
     assert recovery.scale_problem(_running(cfg), 2) is None

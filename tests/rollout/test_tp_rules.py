@@ -1,5 +1,10 @@
 """Pure rules of tensor-parallel rollout engines (no engine): which executor an engine runs, how a CPU engine's
-cores are split between its TP workers (`VLLM_CPU_OMP_THREADS_BIND`), and what a rollout actor reserves."""
+cores are split between its TP workers (`VLLM_CPU_OMP_THREADS_BIND`), what a rollout actor reserves, and where the
+engine's ZMQ sockets go."""
+from pathlib import Path
+
+import pytest
+
 from gspo_ray.config import JobConfig, RolloutConfig
 from gspo_ray.coordinator.pools import engine_resources
 from gspo_ray.rollout.engine import IN_PROCESS, MULTI_PROCESS, engine_mode, worker_core_binding
@@ -28,3 +33,29 @@ def test_an_actor_reserves_a_device_per_tp_worker():
 def test_workers_of_tp2_engines_get_disjoint_core_blocks():
     cfg = RolloutConfig(num_workers=2, tensor_parallel_size=2)
     assert [default_cpu_cores(i, cfg, cpu_count=4) for i in range(2)] == ["0,1", "2,3"]
+
+
+def test_engine_sockets_fit_a_unix_socket_address(tmp_path):
+    """vLLM's multi-process executor binds ZMQ sockets at VLLM_RPC_BASE_PATH/<uuid4>; under a run directory a few
+    levels deep (pytest's tmp_path, a cluster home) that path passed the 107-byte limit of a Unix socket address and
+    the TP 2 engine did not start. A short run directory keeps its sockets; a long one gets a short directory."""
+    import uuid
+
+    import zmq
+
+    from gspo_ray.rollout.engine_env import build_engine_env
+
+    short = build_engine_env("/runs/job/rollout-0", "0|1", on_cuda=False)
+    assert short["VLLM_RPC_BASE_PATH"] == short["TMPDIR"] == "/runs/job/rollout-0/tmp"
+    deep = tmp_path / ("d" * 60) / "rollout-0"
+    env = build_engine_env(deep, "0|1", on_cuda=False)
+    assert env["TMPDIR"] == str(deep / "tmp")  # temp files still in the run directory
+    socket = zmq.Context.instance().socket(zmq.PUSH)
+    try:
+        (deep / "tmp").mkdir(parents=True)
+        with pytest.raises(zmq.ZMQError, match="longer than"):  # what the engine met
+            socket.bind(f"ipc://{deep / 'tmp'}/{uuid.uuid4()}")
+        Path(env["VLLM_RPC_BASE_PATH"]).mkdir(parents=True, exist_ok=True)
+        socket.bind(f"ipc://{env['VLLM_RPC_BASE_PATH']}/{uuid.uuid4()}")
+    finally:
+        socket.close(linger=0)
