@@ -27,7 +27,9 @@ from gspo_ray.coordinator.failures import FailureGuard, FailurePolicy
 from gspo_ray.coordinator.partial_carry import PartialCarry, group_from_dict, group_to_dict
 from gspo_ray.coordinator.step_metrics import combine_minibatches
 from gspo_ray.data.records import Group, Prompt, Sample, TrainBatch, collate
+from gspo_ray.coordinator.transfer_push import TransferPush
 from gspo_ray.rollout.weight_sync import WeightProbe
+from gspo_ray.rollout.weight_transfer import CUDA_TRANSPORTS, resolve_weight_transfer
 
 
 @dataclass
@@ -47,6 +49,13 @@ class Coordinator:
         self.cfg, self.rollout, self.trainer, self.prompts, self.state = cfg, rollout, trainer, prompts, state
         self.versions_per_update = cfg.coordinator.num_iterations * cfg.coordinator.num_minibatches  # per batch
         self.probe_sequences: list[list[int]] | None = None  # set by the job: fixed sequences to verify pushes
+        r = cfg.rollout  # the job's transport, resolved once (as coordinator/pools.py gives the engines)
+        self.transport = resolve_weight_transfer(r.weight_transfer, rollout_gpus=r.num_gpus_per_worker,
+                                                 trainer_gpus=cfg.trainer.num_gpus_per_worker,
+                                                 lora=cfg.trainer.lora is not None)
+        self.transfer = (TransferPush(self.transport, r.tensor_parallel_size,
+                                      int(cfg.trainer.export_bucket_mb * 2**20))
+                         if self.transport in CUDA_TRANSPORTS else None)
         self._fresh()
 
     def _fresh(self) -> None:
@@ -187,17 +196,22 @@ class Coordinator:
 
     def sync_weights(self, verify: bool = False) -> dict[str, float]:
         """Export the trainer's weights and push them into every rollout engine (verified by a probe on the first
-        push, every `rollout.verify_every`-th, and when `verify`)."""
+        push, every `rollout.verify_every`-th, and when `verify`). rollout.weight_transfer nccl / ipc: the trainer
+        sends from its shards through vLLM's backend instead (coordinator/transfer_push.py)."""
         t0 = time.perf_counter()
+        self._pushes += 1  # the first push is always checked, then every verify_every-th
+        checked = verify or (self._pushes - 1) % self.cfg.rollout.verify_every == 0
+        if self.transfer is not None:  # nccl / ipc: the trainer's sender drives the engines (transfer_push.py)
+            m = self.transfer(self.rollout, self.trainer, self.state.version, self._probe() if checked else None)
+            m["time/sync_s"] = time.perf_counter() - t0
+            return m
         # the file only where an engine reads it (R9), refs where one cannot (the weights never pass here)
         trainer_node, engine_nodes = self._push_nodes()
-        shared, as_refs = export_plan(self.cfg.trainer.export_shared_memory, trainer_node, engine_nodes,
-                                      cluster_nodes() if trainer_node is not None else 1)
+        shared, as_refs = export_plan(self.cfg.trainer.export_shared_memory and self.transport != "object_store",
+                                      trainer_node, engine_nodes, cluster_nodes() if trainer_node is not None else 1)
         export = self.trainer.export_weights(as_refs=as_refs, shared=shared)
         buckets = export.shared if export.shared is not None else export.buckets
         t1 = time.perf_counter()
-        self._pushes += 1  # the first push is always checked, then every verify_every-th
-        checked = verify or (self._pushes - 1) % self.cfg.rollout.verify_every == 0
         m = self.rollout.push_weights(self.state.version, buckets, probe=self._probe() if checked else None)
         m.update({"sync/export_s": t1 - t0, "time/sync_s": time.perf_counter() - t0})
         return m

@@ -203,6 +203,17 @@ class RolloutPool:
         ref = buckets if refs_only or isinstance(buckets, ray.ObjectRef) else ray.put(buckets)
         self.weights = (version, ref, probe)
         calls = {wid: w.update_weights.remote(version, ref, probe) for wid, w in self.workers.items()}
+        return self._push_results(calls, t0)
+
+    def publish_weights(self, version: int, probe=None) -> dict[str, float]:
+        """After a push through vLLM's nccl / ipc backend (the trainer's sender drove every engine): each worker's
+        probe check, then its new version (RolloutWorker.publish_weights). The same metrics and the same handling
+        of a dead or hung worker as `push_weights`."""
+        t0 = time.perf_counter()
+        calls = {wid: w.publish_weights.remote(version, probe) for wid, w in self.workers.items()}
+        return self._push_results(calls, t0)
+
+    def _push_results(self, calls: dict, t0: float) -> dict[str, float]:
         results, deadline = [], time.monotonic() + self.call_timeout_s
         for wid, call in calls.items():
             try:

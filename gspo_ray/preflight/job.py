@@ -35,7 +35,7 @@ from gspo_ray.preflight.report import IMPORT_TIMEOUT_S, PreflightReport
 from gspo_ray.preflight.verdicts import DataVerdicts
 from gspo_ray.preflight.routes import check_routes
 from gspo_ray.rollout.engine_env import describe_engines
-from gspo_ray.rollout.weight_transfer import check_weight_transfer
+from gspo_ray.rollout.weight_transfer import resolve_weight_transfer
 
 
 def check_use_te(use_te, attention_kernel: str = "sdpa") -> None:
@@ -53,10 +53,11 @@ def check_use_te(use_te, attention_kernel: str = "sdpa") -> None:
 
 
 def check_transfer_devices(cfg: JobConfig) -> None:
-    """rollout.weight_transfer nccl / ipc need CUDA on both sides (rollout and trainer num_gpus_per_worker > 0)."""
+    """rollout.weight_transfer nccl / ipc need CUDA on both sides (rollout and trainer num_gpus_per_worker > 0) and
+    no trainer.lora (its pushes go through the trainer's export)."""
     try:
-        check_weight_transfer(cfg.rollout.weight_transfer, engine_on_gpu=cfg.rollout.num_gpus_per_worker > 0,
-                              trainer_on_gpu=cfg.trainer.num_gpus_per_worker > 0)
+        resolve_weight_transfer(cfg.rollout.weight_transfer, rollout_gpus=cfg.rollout.num_gpus_per_worker,
+                                trainer_gpus=cfg.trainer.num_gpus_per_worker, lora=cfg.trainer.lora is not None)
     except ValueError as e:
         raise PreflightError(str(e)) from None
 
@@ -89,8 +90,11 @@ def run_preflight(cfg: JobConfig, *, import_timeout_s: float = IMPORT_TIMEOUT_S,
     if facts is None and cfg.model.tiny is not None:  # last: importing a transformers config class takes seconds
         check_lora(cfg, check_tiny_config(cfg, cfg.rollout.num_gpus_per_worker == 0), report)
     r = cfg.rollout
+    transport = resolve_weight_transfer(r.weight_transfer, rollout_gpus=r.num_gpus_per_worker,
+                                        trainer_gpus=cfg.trainer.num_gpus_per_worker,
+                                        lora=cfg.trainer.lora is not None)  # checked above
     report.add("engines", "ok", describe_engines(r.tensor_parallel_size, r.enable_expert_parallel,
-                                                 r.num_gpus_per_worker > 0))
+                                                 r.num_gpus_per_worker > 0, transport))
     if verdicts is not None:  # every check passed: the data files' verdicts may be kept
         verdicts.save()
     report.seconds = time.perf_counter() - start

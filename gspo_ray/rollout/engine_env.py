@@ -124,10 +124,13 @@ def bind_cores(cores: set[int]) -> set[int]:
     return previous
 
 
-def describe_engines(tensor_parallel_size: int, expert_parallel: bool, on_gpu: bool) -> str:
-    """One line for the job's start: where each rollout engine runs and how pushes reach it."""
+def describe_engines(tensor_parallel_size: int, expert_parallel: bool, on_gpu: bool, transport: str = "shm") -> str:
+    """One line for the job's start: where each rollout engine runs and how pushes reach it (`transport`: the
+    resolved rollout.weight_transfer, rollout/weight_transfer.resolve_weight_transfer)."""
+    from gspo_ray.rollout.weight_transfer import describe_transport
+
     device = "GPU" if on_gpu else "core"
     where = ("in-process (the model in the rollout actor's process)" if engine_mode(tensor_parallel_size) == IN_PROCESS
              else f"multi-process (vLLM's executor: {tensor_parallel_size} worker processes, one {device} each)")
     return (f"{where}, tensor_parallel_size {tensor_parallel_size}{', expert parallel' if expert_parallel else ''}; "
-            "full-weight pushes through vLLM's weight-transfer protocol (gspo_shm)")
+            f"full-weight pushes through vLLM's weight-transfer protocol: {describe_transport(transport)}")

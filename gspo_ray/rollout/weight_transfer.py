@@ -28,6 +28,8 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
+from gspo_ray.config.rollout import gpu_colocated
+
 FIELD = "rollout.weight_transfer"
 TRANSPORTS = ("auto", "shm", "object_store", "nccl", "ipc")
 CUDA_TRANSPORTS = ("nccl", "ipc")
@@ -63,6 +65,38 @@ def choose_weight_transfer(requested: str, *, engine_on_gpu: bool, trainer_on_gp
         raise ValueError(f"{FIELD} 'shm' reaches engines on trainer rank 0's node only; this engine is on "
                          "another node: use object_store (or auto)")
     return requested
+
+
+def resolve_weight_transfer(requested: str, *, rollout_gpus: float, trainer_gpus: float, lora: bool = False) -> str:
+    """The job's transport, once, before any engine starts (`coordinator/pools.py`): shm | object_store | nccl |
+    ipc. CPU engines or a CPU trainer: `auto` -> "shm", the `gspo_shm` family as before the field (each push's
+    `export_plan` still writes the file only where an engine shares trainer rank 0's node and sends object-store
+    refs elsewhere). CUDA on both sides: `auto` -> "ipc" where the engines share the trainer's GPUs (both
+    num_gpus_per_worker fractional: `config.rollout.gpu_colocated`, the rule that sizes gpu_memory_utilization), else
+    "nccl". An explicit value is checked against the devices (ValueError naming the field) and kept. lora
+    (trainer.lora set): adapter and merged pushes go through the trainer's export only, so `auto` stays "shm" and
+    nccl / ipc are refused."""
+    engine_on_gpu, trainer_on_gpu = rollout_gpus > 0, trainer_gpus > 0
+    check_weight_transfer(requested, engine_on_gpu=engine_on_gpu, trainer_on_gpu=trainer_on_gpu)
+    if lora and requested in CUDA_TRANSPORTS:
+        raise ValueError(f"{FIELD} {requested!r} does not carry trainer.lora pushes yet; valid with trainer.lora: "
+                         "auto, shm, object_store")
+    if requested != "auto":
+        return requested
+    if engine_on_gpu and trainer_on_gpu and not lora:
+        return choose_weight_transfer("auto", engine_on_gpu=True, trainer_on_gpu=True,
+                                      same_gpu=gpu_colocated(rollout_gpus, trainer_gpus), same_node=True)
+    return "shm"
+
+
+def describe_transport(transport: str) -> str:
+    """How pushes reach the engines, for the job's engines line."""
+    if transport in CUDA_TRANSPORTS:
+        return f"vLLM's {transport} backend, sent from the trainer's shards (rollout.weight_transfer {transport})"
+    if transport == "object_store":
+        return f"{SHM_BACKEND}, through Ray's object store (rollout.weight_transfer object_store)"
+    return (f"{SHM_BACKEND}: the shared-memory file on trainer rank 0's node, the object store elsewhere "
+            f"(rollout.weight_transfer {transport})")
 
 
 def engine_backend(transport: str) -> str:
@@ -117,6 +151,10 @@ def engine_target(engine) -> Callable[[str, Any], None]:
     return call
 
 
+WEIGHT_TRANSFER_CALLS = ("init_weight_transfer_engine", "start_weight_update", "update_weights",
+                         "finish_weight_update")  # vLLM's four phases, the methods of every LLM
+
+
 class EnginePoolClient:
     """vLLM's `VLLMWeightSyncClient` (four methods, plain dicts) over a pool of engines, each one vLLM `LLM`
     reached through a target call(method, request). Every call goes to every engine at once, on threads: the NCCL
@@ -157,3 +195,24 @@ class EnginePoolClient:
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self._all("finish_weight_update", [None] * len(self.targets))
+
+
+class ActorPoolClient(EnginePoolClient):
+    """`EnginePoolClient` over rollout actors (Ray handles of `RolloutWorker`): each phase is one
+    `weight_transfer_call.remote(method, request)` per actor, all sent before any is waited for, then every one
+    waited for (a failure is raised once all have answered or failed: NCCL peers must not be left behind in a
+    half-sent phase by an early exit). Lives where vLLM's trainer-side engine runs (trainer rank 0)."""
+
+    def __init__(self, handles: list, engine_workers: list[int], timeout_s: float | None = None) -> None:
+        super().__init__(list(handles), engine_workers)
+        self.timeout_s = timeout_s
+
+    def _all(self, method: str, requests: list[Any]) -> None:
+        import ray
+
+        refs = [h.weight_transfer_call.remote(method, r) for h, r in zip(self.targets, requests)]
+        ready, waiting = ray.wait(refs, num_returns=len(refs), timeout=self.timeout_s)
+        if waiting:
+            raise TimeoutError(f"{method}: {len(waiting)} of {len(refs)} rollout engines did not answer in "
+                               f"{self.timeout_s} s")
+        ray.get(refs)

@@ -6,6 +6,7 @@
     ray.get(w.update_weights.remote(7, bucket_refs, probe))             # -> {"sync/push_s": ..., ...}
 
 Verbs are the coordinator's: `generate`, `continue_samples`, `run_episodes`, `update_weights`, `verify`,
+`weight_transfer_call` / `publish_weights` (pushes through vLLM's nccl / ipc backends),
 `pause`/`resume`, `current_version`, `last_metrics`, `ping`, `describe`, `shutdown`. Engine work is serialised
 by a lock; `pause`, `resume`, `ping` and `describe` never take it, so with `max_concurrency >= 2` a pause
 reaches a running `generate`: its in-flight completions return at once as finish_reason "aborted" (tokens,
@@ -35,6 +36,7 @@ from typing import Any, Iterable
 from gspo_ray.data.records import Prompt, Sample
 from gspo_ray.rollout.engine import FINISH_ABORTED, RolloutEngine, SamplingSettings
 from gspo_ray.rollout.weight_sync import VERIFY_TOL, WeightProbe, WeightSyncError, push_buckets, verify_probe
+from gspo_ray.rollout.weight_transfer import WEIGHT_TRANSFER_CALLS
 
 MAX_REMEMBERED_PROMPTS = 10_000  # prompts of unfinished samples kept per worker (oldest forgotten first)
 
@@ -88,7 +90,10 @@ class RolloutWorker:
                                     worker_id=worker_id, cache_root=self.cfg.cache_dir,  # machine-wide
                                     lora_rank=self.cfg.lora_rank, capture_routes=self.cfg.capture_routes,
                                     tensor_parallel_size=self.cfg.tensor_parallel_size,
-                                    enable_expert_parallel=self.cfg.enable_expert_parallel)
+                                    enable_expert_parallel=self.cfg.enable_expert_parallel,
+                                    # resolved by the job (coordinator/pools.py); "auto" outside one: gspo_shm
+                                    weight_transfer="shm" if self.cfg.weight_transfer == "auto"
+                                    else self.cfg.weight_transfer)
         self.reward_runner = _build_reward_runner(reward_runner, str(model_path))
         self._version = 0
         self._lock = threading.Lock()  # one engine operation at a time
@@ -247,6 +252,46 @@ class RolloutWorker:
                 raise
             except BaseException as e:
                 self._broken = f"weight push interrupted: {type(e).__name__}: {e}"
+                raise
+            self._broken = None
+            self._version = version
+        return metrics
+
+    def weight_transfer_call(self, method: str, request: dict[str, Any] | None = None) -> None:
+        """One phase of vLLM's weight-transfer protocol on this engine (`method`: init_weight_transfer_engine,
+        start_weight_update, update_weights, finish_weight_update; the request dict as vLLM's `LLM` takes it),
+        called by the trainer's sender through `ActorPoolClient` (rollout.weight_transfer nccl / ipc). One verb
+        rather than four: `update_weights` is already this actor's push. From `start_weight_update` on the
+        worker refuses to sample until `publish_weights` has checked the push."""
+        if method not in WEIGHT_TRANSFER_CALLS:
+            raise ValueError(f"{method!r} is not a weight-transfer phase ({', '.join(WEIGHT_TRANSFER_CALLS)})")
+        with self._lock:
+            if method == "start_weight_update":
+                self._broken = "weight push in progress"
+            try:
+                fn = getattr(self.engine.llm, method)
+                fn() if request is None else fn(request)
+            except BaseException as e:
+                if method != "init_weight_transfer_engine":
+                    self._broken = f"weight transfer {method} failed: {type(e).__name__}: {e}"
+                raise
+
+    def publish_weights(self, version: int, probe: WeightProbe | None = None) -> dict[str, float]:
+        """After a push through vLLM's weight transfer (`weight_transfer_call`): the probe check (as
+        `update_weights`), then become `version`. Raises WeightSyncError (the worker keeps refusing to sample) if
+        the push did not finish or the check fails."""
+        with self._lock:
+            if self._broken is not None and self._broken != "weight push in progress":
+                raise WeightSyncError(f"rollout worker {self.worker_id}: {self._broken}")
+            metrics: dict[str, float] = {}
+            try:
+                if probe is not None and self.cfg.verify_push:
+                    start = time.perf_counter()
+                    statistic, tol = self.verify_tolerance()
+                    metrics |= verify_probe(self.engine, probe, tol, statistic, count_experts=True)
+                    metrics["sync/verify_s"] = time.perf_counter() - start
+            except WeightSyncError as e:
+                self._broken = str(e)
                 raise
             self._broken = None
             self._version = version

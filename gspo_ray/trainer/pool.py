@@ -195,6 +195,14 @@ class TrainerPool:
         shared-memory file (see TrainerWorker)."""
         return self._rank0("export_weights", bucket_mb, as_refs=as_refs, shared=shared)
 
+    def send_by_transfer(self, key, init_infos: list, client) -> None:
+        """One push through vLLM's nccl / ipc backend, every rank (TrainerWorker.send_by_transfer)."""
+        self._all("send_by_transfer", key, init_infos, client)
+
+    def rank0_address(self) -> tuple[str, int]:
+        """(trainer rank 0's node IP, a port free there): the NCCL rendezvous of nccl pushes."""
+        return ray.get(self.workers[0].__ray_call__.remote(_free_address))
+
     def version(self) -> int:
         return self._rank0("version")
 
@@ -244,3 +252,12 @@ class TrainerPool:
             remove_placement_group(self.pg)
             self.pg = None
         self.workers = []
+
+
+def _free_address(_actor) -> tuple[str, int]:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    return ray.util.get_node_ip_address(), port

@@ -84,3 +84,25 @@ def start_sender(init_info, client, source: WeightSource):
     """vLLM's trainer-side engine for `init_info`'s backend, after its rendezvous with the engines (on every
     trainer rank; only rank 0 calls the client). Its `send_weights()` is one push."""
     return WeightTransferTrainerFactory.trainer_init(init_info, client=client, source=source)
+
+
+class TransferSender:
+    """One trainer rank's side of the job's pushes through vLLM's `nccl` / `ipc` backends (TrainerWorker
+    `send_by_transfer`): the source and vLLM's trainer-side engine, started (with its rendezvous) on the first push
+    and again whenever the engine set changes (`key`: the engines' ids), then one `send_weights()` per push. On
+    rank 0, vLLM's engine drives the client (the rollout actors' four phases); the other ranks only join the
+    gathers."""
+
+    def __init__(self, key, init_info, client, model, spec: ModelSpec, bucket_bytes: int) -> None:
+        self.key = key  # init_info.backend: vLLM's factory key (a ClassVar of each init record)
+        self.sender = start_sender(init_info, client, MegatronWeightSource.for_backend(init_info.backend, model, spec,
+                                                                                      bucket_bytes))
+
+    @classmethod
+    def push(cls, previous: "TransferSender | None", key, init_info, client, model, spec: ModelSpec,
+             bucket_bytes: int) -> "TransferSender":
+        """Send one push, through `previous` when it serves the same engines; returns the sender kept."""
+        sender = previous if previous is not None and previous.key == key else cls(key, init_info, client, model,
+                                                                                   spec, bucket_bytes)
+        sender.sender.send_weights()
+        return sender
