@@ -271,6 +271,8 @@ class RolloutWorker:
             try:
                 fn = getattr(self.engine.llm, method)
                 fn() if request is None else fn(request)
+                if method == "finish_weight_update":
+                    self.engine.reset_prefix_cache()  # cached KV of the old weights must not serve new requests
             except BaseException as e:
                 if method != "init_weight_transfer_engine":
                     self._broken = f"weight transfer {method} failed: {type(e).__name__}: {e}"

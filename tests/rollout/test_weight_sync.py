@@ -226,6 +226,39 @@ def test_probe_reaches_every_expert_and_counts_like_the_model(setup):
 
 
 @pytest.mark.parametrize("setup", ["qwen3_moe"], indirect=True)
+@BOTH
+def test_transfer_phases_through_the_worker_verbs(setup):
+    """The rollout actor's protocol verbs (`weight_transfer_call`, `publish_weights`: what the trainer's sender drives
+    for nccl / ipc) over the engine's own gspo_shm backend: a push passes the probe check; a stale push (the old
+    weights) fails it and the worker refuses to sample at its old version."""
+    from gspo_ray.rollout.shm_transfer import update_info
+
+    worker, hf, paths = setup
+    _push(worker, paths["base"], 20)
+    writer = SharedWeightWriter()
+    try:
+        for path, version in ((paths["moved"], 21), (paths["base"], 22)):
+            shared = writer.write(read_checkpoint_weights(path))
+            worker.weight_transfer_call("start_weight_update")
+            with pytest.raises(WeightSyncError, match="in progress"):  # nothing samples from a half-pushed engine
+                worker.generate([Prompt(uid="x", prompt_ids=[2, 3])], n=1)
+            worker.weight_transfer_call("update_weights", {"update_info": update_info(shared)})
+            worker.weight_transfer_call("finish_weight_update")
+            if version == 21:
+                metrics = worker.publish_weights(version, _probe(hf["moved"]))
+                assert metrics["sync/verify_max_abs_diff"] <= TOL and worker.current_version() == 21
+        with pytest.raises(WeightSyncError, match="verify_tol"):  # 22 carried the old weights
+            worker.publish_weights(22, _probe(hf["moved"]))
+        assert worker.current_version() == 21
+        with pytest.raises(WeightSyncError):
+            worker.generate([Prompt(uid="x", prompt_ids=[2, 3])], n=1)
+        with pytest.raises(ValueError, match="not a weight-transfer phase"):
+            worker.weight_transfer_call("reload_weights")
+    finally:
+        writer.close()
+    _push(worker, paths["base"], 23)  # a complete push repairs it
+
+
 def test_failed_verify_leaves_the_worker_unusable_at_its_old_version(setup):
     worker, hf, paths = setup
     probe = _covering_probe(hf["base"], paths["base"])
