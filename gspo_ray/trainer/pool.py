@@ -196,8 +196,11 @@ class TrainerPool:
         return self._rank0("export_weights", bucket_mb, as_refs=as_refs, shared=shared)
 
     def send_by_transfer(self, key, init_infos: list, client) -> None:
-        """One push through vLLM's nccl / ipc backend, every rank (TrainerWorker.send_by_transfer)."""
-        self._all("send_by_transfer", key, init_infos, client)
+        """One push through vLLM's nccl / ipc backend, every rank (trainer/weight_send.send_on_rank in each rank's
+        actor; rank 0's vLLM sender drives the engines through `client`)."""
+        from gspo_ray.trainer.weight_send import send_on_rank
+
+        self._all("__ray_call__", send_on_rank, key, init_infos, client)
 
     def rank0_address(self) -> tuple[str, int]:
         """(trainer rank 0's node IP, a port free there): the NCCL rendezvous of nccl pushes."""

@@ -87,7 +87,7 @@ def start_sender(init_info, client, source: WeightSource):
 
 
 class TransferSender:
-    """One trainer rank's side of the job's pushes through vLLM's `nccl` / `ipc` backends (TrainerWorker
+    """One trainer rank's side of the job's pushes through vLLM's `nccl` / `ipc` backends (`send_on_rank`, from TrainerPool
     `send_by_transfer`): the source and vLLM's trainer-side engine, started (with its rendezvous) on the first push
     and again whenever the engine set changes (`key`: the engines' ids), then one `send_weights()` per push. On
     rank 0, vLLM's engine drives the client (the rollout actors' four phases); the other ranks only join the
@@ -106,3 +106,13 @@ class TransferSender:
                                                                                    spec, bucket_bytes)
         sender.sender.send_weights()
         return sender
+
+
+def send_on_rank(worker, key, init_infos: list, client) -> None:
+    """One nccl / ipc push on one trainer rank, run inside its TrainerWorker actor (TrainerPool.send_by_transfer,
+    through Ray's `__ray_call__`): the rank's `TransferSender`, kept on the worker between pushes."""
+    if worker.lora is not None:  # adapter / merged pushes go through export_weights (resolve_weight_transfer)
+        raise ValueError("rollout.weight_transfer nccl / ipc does not carry trainer.lora pushes yet")
+    worker.transfer_sender = TransferSender.push(getattr(worker, "transfer_sender", None), key,
+                                                 init_infos[worker.rank], client, worker.gpt, worker.spec,
+                                                 int(worker.cfg.export_bucket_mb * 2**20))

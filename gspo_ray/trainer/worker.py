@@ -589,14 +589,6 @@ class TrainerWorker:
         dist.barrier()
         return self._version
 
-    def send_by_transfer(self, key, init_infos: list, client) -> None:
-        """One push through vLLM's nccl / ipc backend, every rank (trainer/weight_send.TransferSender)."""
-        from gspo_ray.trainer.weight_send import TransferSender
-        if self.lora is not None:  # the adapter / merged pushes go through export_weights only
-            raise ValueError("rollout.weight_transfer nccl / ipc with trainer.lora is not wired: use auto on CPU")
-        self._transfer = TransferSender.push(getattr(self, "_transfer", None), key, init_infos[self.rank], client,
-                                             self.gpt, self.spec, int(self.cfg.export_bucket_mb * 2**20))
-
     def shutdown(self) -> None:
         from gspo_ray.trainer.parallel import destroy_distributed
 
