@@ -88,8 +88,9 @@ def start_sender(init_info, client, source: WeightSource):
 
 class TransferSender:
     """One trainer rank's side of the job's pushes through vLLM's `nccl` / `ipc` backends (`send_on_rank`, from
-    TrainerPool `send_by_transfer`): the source and vLLM's trainer-side engine, started (with its rendezvous) on the first push
-    and again whenever the engine set changes (`key`: the engines' ids), then one `send_weights()` per push. On
+    TrainerPool `send_by_transfer`): the source and vLLM's trainer-side engine, started (with its rendezvous) on the
+    first push and again whenever the engine set changes (`key`: the engines' ids), then one `send_weights()` per
+    push. On
     rank 0, vLLM's engine drives the client (the rollout actors' four phases); the other ranks only join the
     gathers."""
 

@@ -225,7 +225,6 @@ def test_probe_reaches_every_expert_and_counts_like_the_model(setup):
     assert [c.tolist() for c in counts.values()] == [c.tolist() for c in expected]
 
 
-@pytest.mark.parametrize("setup", ["qwen3_moe"], indirect=True)
 @BOTH
 def test_transfer_phases_through_the_worker_verbs(setup):
     """The rollout actor's protocol verbs (`weight_transfer_call`, `publish_weights`: what the trainer's sender drives
@@ -259,6 +258,7 @@ def test_transfer_phases_through_the_worker_verbs(setup):
     _push(worker, paths["base"], 23)  # a complete push repairs it
 
 
+@pytest.mark.parametrize("setup", ["qwen3_moe"], indirect=True)
 def test_failed_verify_leaves_the_worker_unusable_at_its_old_version(setup):
     worker, hf, paths = setup
     probe = _covering_probe(hf["base"], paths["base"])
