@@ -16,7 +16,8 @@ TOP_K = 2
 
 
 def _used_routes(worker, batch, step):
-    """(metrics, the routing the layers used [B, S, layers, k]) of one train step (routing_map -> expert ids)."""
+    """(metrics, the routing the layers used [B, S, layers, k]) of one train step (routing_map -> expert ids): the
+    forward in padded rows (packed_rows off), so the routing map reshapes to [S, B]."""
     from gspo_ray.trainer.routing.churn import find_routers
 
     used = {}
@@ -38,7 +39,7 @@ def _replay_scenario(rank, world_size, ports, model_dir, whole, done):
     for i, mode in enumerate(("R3", "none")):
         w = TrainerWorker(rank, world_size, "127.0.0.1", ports[i], model_dir,
                           trainer_cfg(1, lr=0.0, routing_replay=mode, routing_agreement=True, shared_prefix=False,
-                                      micro_batch_size=64, router_churn_every=0),  # one forward a step
+                                      packed_rows=False, micro_batch_size=64, router_churn_every=0),  # one forward
                           algo_cfg())
         if mode == "R3":  # the engine's weights, nothing moved: the trainer's own top-k agrees everywhere
             out["unchanged"] = w.train_step(whole)
