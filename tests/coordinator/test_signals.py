@@ -183,8 +183,12 @@ def test_two_sigterms_then_resume_and_ctrl_c_twice(tmp_path):
     # save): 130
     lock.write_text(json.dumps({"pid": 4242, "host": "old-pod-abc", "locked_at": time.time() - 7200,
                                 "renewed_at": time.time() - 3600, "lease_s": 600}))
+    # a step past every row the first run wrote: after a forced stop the file holds steps beyond the resume point
+    # until the resumed run trims them, and a signal sent on those rows would come before its handlers exist
+    first_last = max(r["step"] for r in read_metrics(metrics))
     rc, output = _run(tmp_path, "second", _train(tmp_path, "--resume"),
-                      lambda p: _wait_for_step(metrics, reached + 2, p), [signal.SIGINT, signal.SIGINT], 0.2)
+                      lambda p: _wait_for_step(metrics, max(reached + 2, first_last + 1), p),
+                      [signal.SIGINT, signal.SIGINT], 0.2)
     assert rc == 130, output[-3000:]
     assert "took over a stale lock (pid 4242 on host old-pod-abc" in output and SECRET not in output
     line = _resume_line(output, "SIGINT")
