@@ -119,7 +119,8 @@ def _share(rows: list[dict], lag: str) -> float | None:
 
 
 def format_async(results: list[dict]) -> str:
-    head = ("| run | seed | steps | held-out reward final | best | solved at step | collapsed | skipped steps | "
+    head = ("| run | seed | steps | held-out reward final | best | solved at step | largest dip | collapsed | "
+            "skipped steps | "
             "clip frac token | "
             "clip frac seq | samples spanning 2+ versions per step | routing agreement lag 0 | lag 1 | lag 2+ | "
             "tokens compared lag 0 / 1 / 2+ | s |")
@@ -127,6 +128,7 @@ def format_async(results: list[dict]) -> str:
     for r in results:
         lines.append(f"| {r['label']} | {r['seed']} | {r['steps']} | {optional_number(r['eval_final'], 3)} | "
                      f"{optional_number(r['eval_best'], 3)} | {r['solved'] if 'solved' in r else solved_at(r)} | "
+                     f"{optional_number(r['dip'] if 'dip' in r else largest_dip(r), 3)} | "
                      f"{'yes' if r['collapsed'] else 'no'} | {r['skipped']:.0f} | "
                      f"{optional_number(r['clip_tok'], 3)} | {optional_number(r['clip_seq'], 3)} | "
                      f"{optional_number(r['multi_version'], 1)} | "
@@ -136,7 +138,7 @@ def format_async(results: list[dict]) -> str:
 
 
 def summarise(results: list[dict]) -> list[dict]:
-    """Each variant's mean over its seeds (collapses and skipped steps summed)."""
+    """Each variant's mean over its seeds (collapses and skipped steps summed, the largest dip of any seed)."""
     out = []
     for label in dict.fromkeys(r["label"] for r in results):
         runs = [r for r in results if r["label"] == label]
@@ -144,12 +146,13 @@ def summarise(results: list[dict]) -> list[dict]:
         def m(key):
             vals = [r[key] for r in runs if r[key] is not None]
             return statistics.fmean(vals) if vals else None
-        out.append({"label": label, "seed": f"{len(runs)} seeds", "steps": runs[0]["steps"],
+        out.append({"label": label, "seed": f"{len(runs)} seeds", "steps": max(r["steps"] for r in runs),
                     **{k: m(k) for k in ("eval_final", "eval_best", "clip_tok", "clip_seq", "multi_version",
                                          *(f"agree_{lag}" for lag in LAGS), *(f"tokens_{lag}" for lag in LAGS),
                                          "wall_s")},
                     "collapsed": sum(r["collapsed"] for r in runs) > 0, "skipped": sum(r["skipped"] for r in runs),
                     "solved": _solved_summary([solved_at(r) for r in runs]),
+                    "dip": max(largest_dip(r) for r in runs),
                     "reward": runs[0]["reward"]})
     return out
 
@@ -165,6 +168,16 @@ def solved_at(run: dict, threshold: float | None = None) -> int | str:
     """The first evaluated step whose held-out reward reached the early stop (the run ended there), or "-"."""
     threshold = solved_reward() if threshold is None else threshold
     return next((int(step) for step, value in run.get("eval_history", []) if value >= threshold), "-")
+
+
+def largest_dip(run: dict) -> float:
+    """The held-out reward's largest fall below its best so far (a collapse that recovered shows here, not in the
+    final reward)."""
+    best, dip = float("-inf"), 0.0
+    for _, value in run.get("eval_history", []):
+        best = max(best, value)
+        dip = max(dip, best - value)
+    return dip
 
 
 def _solved_summary(steps: list[int | str]) -> str:

@@ -90,3 +90,10 @@ def test_a_run_the_early_stop_ended_is_solved_and_counts_at_its_last_value():
     running = {"eval_history": [[0, 0.2], [10, 1.0], [20, 1.5], [30, 1.7]]}
     assert solved_at(solved) == 10 and solved_at(running) == "-"
     assert held_out_mean([solved, running]) == {0: 0.1, 10: 1.48, 20: 1.73, 30: 1.83}
+
+
+def test_the_largest_dip_is_the_deepest_fall_below_the_best_so_far():
+    from gspo_ray.bench.moe_async import largest_dip
+
+    assert largest_dip({"eval_history": [[0, 0.1], [10, 1.0], [20, 0.4], [30, 1.5], [40, 1.2]]}) == 0.6
+    assert largest_dip({"eval_history": [[0, 0.1], [10, 0.2]]}) == 0.0
