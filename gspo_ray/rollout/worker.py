@@ -241,12 +241,7 @@ class RolloutWorker:
         with self._lock:
             self._broken = "weight push in progress"  # nothing samples from a half-checked engine
             try:
-                metrics = push_buckets(self.engine, buckets).metrics()
-                if probe is not None and self.cfg.verify_push:
-                    start = time.perf_counter()
-                    statistic, tol = self.verify_tolerance()
-                    metrics |= verify_probe(self.engine, probe, tol, statistic, count_experts=True)
-                    metrics["sync/verify_s"] = time.perf_counter() - start
+                metrics = push_buckets(self.engine, buckets).metrics() | self._check_probe(probe)
             except WeightSyncError as e:
                 self._broken = str(e)  # layers may be half-loaded or wrong: refuse to sample until a good push
                 raise
@@ -255,6 +250,17 @@ class RolloutWorker:
                 raise
             self._broken = None
             self._version = version
+        return metrics
+
+    def _check_probe(self, probe: WeightProbe | None) -> dict[str, float]:
+        """The pushed engine against the trainer's probe (rollout.verify_push): `sync/*` metrics, or
+        WeightSyncError."""
+        if probe is None or not self.cfg.verify_push:
+            return {}
+        start = time.perf_counter()
+        statistic, tol = self.verify_tolerance()
+        metrics = verify_probe(self.engine, probe, tol, statistic, count_experts=True)
+        metrics["sync/verify_s"] = time.perf_counter() - start
         return metrics
 
     def weight_transfer_call(self, method: str, request: dict[str, Any] | None = None) -> None:
@@ -285,13 +291,8 @@ class RolloutWorker:
         with self._lock:
             if self._broken is not None and self._broken != "weight push in progress":
                 raise WeightSyncError(f"rollout worker {self.worker_id}: {self._broken}")
-            metrics: dict[str, float] = {}
             try:
-                if probe is not None and self.cfg.verify_push:
-                    start = time.perf_counter()
-                    statistic, tol = self.verify_tolerance()
-                    metrics |= verify_probe(self.engine, probe, tol, statistic, count_experts=True)
-                    metrics["sync/verify_s"] = time.perf_counter() - start
+                metrics = self._check_probe(probe)
             except WeightSyncError as e:
                 self._broken = str(e)
                 raise
