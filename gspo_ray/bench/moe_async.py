@@ -22,6 +22,7 @@ the per-run table and the over-seed means, and writes a PNG of the training rewa
 """
 from __future__ import annotations
 
+import functools
 import statistics
 import tempfile
 import time
@@ -157,6 +158,7 @@ def summarise(results: list[dict]) -> list[dict]:
     return out
 
 
+@functools.cache  # read the recipe once, not per table row
 def solved_reward() -> float:
     """The held-out reward at which the tiny recipe's job stops, solved (its coordinator.early_stop_reward)."""
     from gspo_ray.config import load_config
