@@ -32,6 +32,7 @@ from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightT
                                                    WeightTransferUpdateInfo)
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
+from gspo_ray.compat.vllm_cpu_seeded_prefill import apply_seeded_prefill_fix
 from gspo_ray.data.shared_weights import SharedWeights, read_shared
 
 BACKEND = "gspo_shm"
@@ -159,3 +160,4 @@ try:
     WeightTransferEngineFactory.register_engine(BACKEND, SharedMemoryTransferEngine)
 except ValueError:  # already registered in this process (a re-import)
     pass
+apply_seeded_prefill_fix()  # in every worker process of a multi-process engine, which imports this module
