@@ -92,14 +92,21 @@ def _tied_lm_head(model: torch.nn.Module) -> torch.nn.Module | None:
 
 @torch.no_grad()
 def redispatch_tied_lm_head(model: torch.nn.Module) -> bool:
-    """Rebuild the CPU GEMM of a tied lm_head from the (reloaded) shared embedding. True if it was tied."""
+    """Point a tied lm_head's CPU GEMM at the (reloaded) shared embedding. True if it was tied.
+
+    The reload re-processes `embed_tokens`, which builds the same GEMM (`dispatch_cpu_unquantized_gemm` of the
+    same tensor, weight kept) as `embed_tokens.cpu_linear`: the lm_head takes that one instead of packing the
+    embedding a second time (SmolLM2's 113 MB: 0.035 s of every push). Built here only where the embedding has none."""
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
     lm_head = _tied_lm_head(model)
     if lm_head is None:
         return False
-    # remove_weight=False: the tensor is the live input embedding, it must stay.
-    dispatch_cpu_unquantized_gemm(lm_head, remove_weight=False)
+    embed = model.model.embed_tokens
+    if callable(getattr(embed, "cpu_linear", None)):
+        lm_head.cpu_linear = embed.cpu_linear
+    else:  # remove_weight=False: the tensor is the live input embedding, it must stay.
+        dispatch_cpu_unquantized_gemm(lm_head, remove_weight=False)
     return True
 
 

@@ -28,12 +28,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
                                                    WeightTransferUpdateInfo)
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 from gspo_ray.compat.vllm_cpu_seeded_prefill import apply_seeded_prefill_fix
 from gspo_ray.data.shared_weights import SharedWeights, read_shared
+from gspo_ray.rollout.engine_env import keep_push_memory
 
 BACKEND = "gspo_shm"
 EXTENSION = "gspo_ray.rollout.shm_transfer.PushReportExtension"
@@ -80,6 +83,8 @@ class SharedMemoryTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo
     def __init__(self, config, vllm_config, device, model) -> None:
         super().__init__(config, vllm_config, device, model)
         self.report: dict[str, Any] = {}
+        if torch.device(device).type == "cpu":  # this worker's pushes reuse the previous push's pages
+            keep_push_memory()
 
     def init_transfer_engine(self, init_info: ShmInitInfo) -> None:
         pass

@@ -121,6 +121,7 @@ def test_shared_memory_push_is_bit_identical(setup):
     _push(worker, paths["moved"], 5)  # the object-store path's result
     reference = _engine_params(worker)
     _push(worker, paths["base"], 6)
+    base_reference = _engine_params(worker)
     writer = SharedWeightWriter()
     try:
         shared = writer.write(read_checkpoint_weights(paths["moved"]))
@@ -129,11 +130,15 @@ def test_shared_memory_push_is_bit_identical(setup):
         got = _engine_params(worker)
         assert got.keys() == reference.keys() and all(torch.equal(got[n], reference[n]) for n in reference)
         # the engine copied the weights out of the file: a later export into it leaves the engine as it was
-        writer.write(read_checkpoint_weights(paths["base"]))
+        base = writer.write(read_checkpoint_weights(paths["base"]))
         assert all(torch.equal(t, reference[n]) for n, t in _engine_params(worker).items())
         with pytest.raises(WeightSyncError, match="generation"):  # the old record now names overwritten bytes
             worker.update_weights(8, shared)
-        _push(worker, paths["base"], 9)  # a good push repairs the refused one
+        # the next export read through the mapping the engine kept from the first: the new bytes, bit for bit,
+        # and a good push repairs the refused one
+        worker.update_weights(9, base)
+        got = _engine_params(worker)
+        assert all(torch.equal(got[n], base_reference[n]) for n in base_reference)
     finally:
         writer.close()
 
