@@ -60,14 +60,15 @@ class TransferPush:
         t0 = time.perf_counter()
         workers = dict(rollout.workers)
         ids = sorted(workers)
-        engine_workers = [self.tp] * len(ids)
-        key = (self.transport, tuple(ids))
-        ranks = list(getattr(trainer, "workers", []))  # a recovered trainer pool: new ranks, maybe a new node
-        if key != self.key or ranks != self._ranks:  # a new rendezvous (the trainer's sender restarts on the key)
-            self.init_infos, self.key, self._ranks = self.init_records(trainer, engine_workers), key, ranks
-        client = ActorPoolClient([workers[i] for i in ids], engine_workers, timeout_s=rollout.call_timeout_s)
-        trainer.send_by_transfer(key, self.init_infos, client)
-        self.live = (version, probe)  # before publish: an engine replacing one that died in it gets this version
+        if ids:  # none: every engine was dropped (e.g. a discarded batch's); the pool's replacement gets this push
+            engine_workers = [self.tp] * len(ids)
+            key = (self.transport, tuple(ids))
+            ranks = list(getattr(trainer, "workers", []))  # a recovered trainer pool: new ranks, maybe a new node
+            if key != self.key or ranks != self._ranks:  # a new rendezvous (the trainer's sender restarts on the key)
+                self.init_infos, self.key, self._ranks = self.init_records(trainer, engine_workers), key, ranks
+            client = ActorPoolClient([workers[i] for i in ids], engine_workers, timeout_s=rollout.call_timeout_s)
+            trainer.send_by_transfer(key, self.init_infos, client)
+        self.live = (version, probe)  # before publish: a replacement started in it (push_new) gets this version
         t1 = time.perf_counter()
         metrics = rollout.publish_weights(version, probe)
         metrics.update({"sync/transfer_s": t1 - t0, "sync/push_s": time.perf_counter() - t0})

@@ -193,6 +193,19 @@ def test_ipc_records_and_a_non_cuda_transport_refused():
         TransferPush("shm", tensor_parallel_size=1, bucket_bytes=1)
 
 
+def kill(handle) -> None:
+    """ray.kill, then until the actor is gone (the kill is asynchronous: a call sent right after may still run)."""
+    ray.kill(handle, no_restart=True)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            ray.get(handle.ping.remote(), timeout=30)
+        except ray.exceptions.RayActorError:
+            return
+        time.sleep(0.01)
+    raise AssertionError("the killed actor still answers")
+
+
 PHASES = ["init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update",
           "publish_weights"]
 
@@ -235,7 +248,7 @@ def test_new_and_replacement_engines_get_the_live_policy_before_serving(local_ra
         assert init["rank_offset"] == 1 + 2 * wid and init["world_size"] == 9
 
     pool.scale(1)
-    ray.kill(pool.workers[0], no_restart=True)  # the last engine dies: its batch goes to a replacement (4)
+    kill(pool.workers[0])  # the last engine dies: its batch goes to a replacement (4)
     groups, _ = pool.generate([Prompt(uid="p0", prompt_ids=[1])], n=2)
     assert members[-1] == ([4], []) and sorted(pool.workers) == [4] and pool.restarts_left == 2
     calls = ray.get(pool.workers[4].recorded.remote())
@@ -243,11 +256,19 @@ def test_new_and_replacement_engines_get_the_live_policy_before_serving(local_ra
     assert [s.versions for s in groups[0].samples] == [[8], [8]]  # sampled with the live policy, not the base
     assert trainer.sent[-1][0] == ("nccl", (4,))
 
+    kill(pool.workers[4])  # a batch whose engine died, discarded (a trainer recovery): the
+    pool.discard(pool.submit([Prompt(uid="p1", prompt_ids=[1])], n=2))  # pool is empty at the recovery's push
+    assert pool.workers == {}
+    coord.state.version = trainer.held = 9
+    coord.sync_weights()  # no engine to send to: the pool's replacement (5) gets this push before it joins
+    assert members[-1] == ([5], []) and sorted(pool.workers) == [5] and trainer.sent[-1][0] == ("nccl", (5,))
+    assert [c[0] for c in ray.get(pool.workers[5].recorded.remote())] == PHASES and pool.restarts_left == 1
+
     trainer.held, sent = 0, len(trainer.sent)  # the trainer rebuilt and not reloaded yet (a recovery under way)
-    with pytest.raises(RuntimeError, match=r"rollout worker\(s\) \[5\]: the trainer holds policy version 0") as e:
+    with pytest.raises(RuntimeError, match=r"rollout worker\(s\) \[6\]: the trainer holds policy version 0") as e:
         pool.scale(2)
-    assert e.value.__notes__ == ["rollout worker(s) [5] did not receive the live policy: stopped before serving"]
-    assert sorted(pool.workers) == [4] and len(trainer.sent) == sent  # nothing sent; engine 5 never joins ...
+    assert e.value.__notes__ == ["rollout worker(s) [6] did not receive the live policy: stopped before serving"]
+    assert sorted(pool.workers) == [5] and len(trainer.sent) == sent  # nothing sent; engine 6 never joins ...
     with pytest.raises(ray.exceptions.RayActorError):
-        ray.get(made[5].ping.remote(), timeout=30)  # ... and was stopped
+        ray.get(made[6].ping.remote(), timeout=30)  # ... and was stopped
     pool.shutdown()
