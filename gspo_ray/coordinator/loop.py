@@ -56,6 +56,8 @@ class Coordinator:
         self.transfer = (TransferPush(self.transport, r.tensor_parallel_size,
                                       int(cfg.trainer.export_bucket_mb * 2**20))
                          if self.transport in CUDA_TRANSPORTS else None)
+        if self.transfer is not None:  # the pool never holds these pushes: new engines get the live policy here
+            rollout.on_new_workers = lambda workers: self.transfer.push_new(self.rollout, self.trainer, workers)
         self._fresh()
 
     def _fresh(self) -> None:

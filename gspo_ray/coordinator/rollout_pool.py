@@ -2,7 +2,8 @@
 
 Prompts are split into per-worker chunks. If a worker dies mid-batch, its chunk goes back to the queue and is
 served by a surviving (or freshly started) worker; every prompt comes back exactly once with `n` samples, which
-`wait` asserts. New workers receive the current weights before they serve anything.
+`wait` asserts. New workers receive the current weights before they serve anything (nccl / ipc jobs: through the
+`on_new_workers` hook the coordinator sets, coordinator/transfer_push.py).
 
 A wedged worker (an engine that hangs, a call that never returns) is treated like a dead one: when none of a
 worker's calls has finished for `call_timeout_s` (`rollout.call_timeout_s`) it is killed, so the calls it holds
@@ -76,6 +77,9 @@ class RolloutPool:
         self._next_id = 0
         self.max_restarts = self.restarts_left = max_restarts
         self.weights: tuple[int, Any, Any] | None = None  # (version, buckets ref, probe) of the live policy
+        # nccl / ipc jobs (rollout.weight_transfer; `weights` stays None, the pushes never pass here): called with
+        # new workers {wid: handle} before they join, to give them the live policy (TransferPush.push_new)
+        self.on_new_workers: Callable[[dict[int, Any]], None] | None = None
         self.redispatched = 0
         self.retiring: dict[int, Any] = {}  # scaled away while serving a dispatched batch: stopped once it is done
         self._open: list[PendingRollout] = []  # dispatched batches not waited for yet
@@ -284,13 +288,23 @@ class RolloutPool:
 
     def _start_workers(self, k: int) -> list[int]:
         """k workers started together (each engine's start-up overlaps the others': a grow by k costs about one
-        start, not k), each given the live weights before it serves."""
+        start, not k), each given the live weights before it serves: the pool's last push, or (nccl / ipc) through
+        `on_new_workers`. If that fails they are stopped and the error goes on (its type kept, so a dead worker is
+        replaced by `_surviving_worker` and a dead trainer rank reaches the job's recovery), noting their ids."""
         wids = list(range(self._next_id, self._next_id + k))
         self._next_id += k
         handles = [self.make_worker(wid) for wid in wids]
-        if self.weights is not None:
-            version, ref, probe = self.weights
-            ray.get([h.update_weights.remote(version, ref, probe) for h in handles], timeout=self.call_timeout_s)
+        try:
+            if self.weights is not None:
+                version, ref, probe = self.weights
+                ray.get([h.update_weights.remote(version, ref, probe) for h in handles], timeout=self.call_timeout_s)
+            elif self.on_new_workers is not None:
+                self.on_new_workers(dict(zip(wids, handles)))
+        except BaseException as e:
+            for h in handles:  # never serving, never left holding an engine's resources
+                ray.kill(h, no_restart=True)
+            e.add_note(f"rollout worker(s) {wids} did not receive the live policy: stopped before serving")
+            raise
         self.workers.update(zip(wids, handles))
         return wids
 

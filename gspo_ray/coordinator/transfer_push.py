@@ -13,6 +13,12 @@ One push:
    per push `start_weight_update`, `update_weights` (concurrent with the broadcast for nccl), `finish_weight_update`.
 2. The rollout pool's `publish_weights`: each engine's probe check (as for `gspo_shm` pushes), then its version.
 
+New engines (the pool grown by `scale`, or replacing dead ones) get the live policy before they serve
+(`push_new`, the pool's `on_new_workers` hook, set by the coordinator): once each answers, the same transfer to
+these engines only (their own rendezvous: trainer rank 0 + their workers, ranks from 1), then their probe check and
+the live version. The next regular push then starts the sender again with every engine (its key differs). Before
+the job's first push nothing is sent: the engines serve the checkpoint they were built from, which is version 0.
+
 The weights never pass through this process; only the control calls and the init records do. Not run on a GPU
 (docs/rollout-engines.md): on CPU the order and the fan-out are tested with Ray actors standing in for the engines
 and for the trainer's sender (tests/coordinator/test_transfer_push.py).
@@ -21,6 +27,8 @@ from __future__ import annotations
 
 import time
 from typing import Any
+
+import ray
 
 from gspo_ray.rollout.weight_transfer import CUDA_TRANSPORTS, ActorPoolClient, ipc_init_info, nccl_init_infos
 
@@ -37,6 +45,7 @@ class TransferPush:
         self.key: tuple | None = None
         self.init_infos: list[Any] = []
         self._ranks: list = []
+        self.live: tuple[int, Any] | None = None  # (version, probe) of the last push: what a new engine gets
 
     def init_records(self, trainer, engine_workers: list[int]) -> list[Any]:
         """vLLM's trainer init record of every trainer rank (nccl: one group, trainer rank 0 + every engine
@@ -51,14 +60,41 @@ class TransferPush:
         t0 = time.perf_counter()
         workers = dict(rollout.workers)
         ids = sorted(workers)
-        engine_workers = [self.tp] * len(ids)
-        key = (self.transport, tuple(ids))
-        ranks = list(getattr(trainer, "workers", []))  # a recovered trainer pool: new ranks, maybe a new node
-        if key != self.key or ranks != self._ranks:  # a new rendezvous (the trainer's sender restarts on the key)
-            self.init_infos, self.key, self._ranks = self.init_records(trainer, engine_workers), key, ranks
-        client = ActorPoolClient([workers[i] for i in ids], engine_workers, timeout_s=rollout.call_timeout_s)
-        trainer.send_by_transfer(key, self.init_infos, client)
+        if ids:  # none: every engine was dropped (e.g. a discarded batch's); the pool's replacement gets this push
+            engine_workers = [self.tp] * len(ids)
+            key = (self.transport, tuple(ids))
+            ranks = list(getattr(trainer, "workers", []))  # a recovered trainer pool: new ranks, maybe a new node
+            if key != self.key or ranks != self._ranks:  # a new rendezvous (the trainer's sender restarts on the key)
+                self.init_infos, self.key, self._ranks = self.init_records(trainer, engine_workers), key, ranks
+            client = ActorPoolClient([workers[i] for i in ids], engine_workers, timeout_s=rollout.call_timeout_s)
+            trainer.send_by_transfer(key, self.init_infos, client)
+        self.live = (version, probe)  # before publish: a replacement started in it (push_new) gets this version
         t1 = time.perf_counter()
         metrics = rollout.publish_weights(version, probe)
         metrics.update({"sync/transfer_s": t1 - t0, "sync/push_s": time.perf_counter() - t0})
         return metrics
+
+    def push_new(self, rollout, trainer, workers: dict[int, Any]) -> None:
+        """Give engines about to join `rollout` ({worker id: handle}, not in `rollout.workers` yet) the live policy:
+        nothing before the first push; else, once each engine answers (one that died starting raises the actor
+        error the pool replaces it on), the last push's transfer to these engines alone, then their probe check
+        (the last push's probe, None where it was not checked) and its version. Raises RuntimeError, sending
+        nothing, if the trainer no longer holds that policy (a recovery or rescale under way); any other failure
+        of the push goes on as it came (the pool stops the engines and notes their ids)."""
+        if self.live is None:
+            return
+        version, probe = self.live
+        ids = sorted(workers)
+        held = trainer.version()
+        if held != version:
+            raise RuntimeError(f"rollout worker(s) {ids}: the trainer holds policy version {held}, the engines serve "
+                               f"{version} (a trainer recovery or rescale under way): no live policy to send them")
+        handles = [workers[i] for i in ids]
+        ray.get([h.ping.remote() for h in handles], timeout=rollout.call_timeout_s)  # all up before the rendezvous
+        engine_workers = [self.tp] * len(ids)
+        # a key no full push has: the trainer starts a sender for these engines, and the next push one for all
+        self.key, self._ranks = (self.transport, tuple(ids)), list(getattr(trainer, "workers", []))
+        self.init_infos = self.init_records(trainer, engine_workers)
+        client = ActorPoolClient(handles, engine_workers, timeout_s=rollout.call_timeout_s)
+        trainer.send_by_transfer(self.key, self.init_infos, client)
+        ray.get([h.publish_weights.remote(version, probe) for h in handles], timeout=rollout.call_timeout_s)

@@ -7,6 +7,8 @@ real `RolloutPool`, `ActorPoolClient` and `TransferPush` over Ray actors that st
 all engines have entered it, so calls sent one engine after the other would time out) and `SenderStandIn` (the
 trainer pool; its rank 0 calls the client in the order vLLM's `NCCLTrainerWeightTransferEngine` does:
 `init_weight_transfer_engine` with vLLM's own worker payload when started, then start / update / finish per push).
+`RecordingEngine.generate` records the call and stamps its samples with the engine's published version, so a test
+can tell an engine that served before it had the live policy.
 """
 from __future__ import annotations
 
@@ -16,9 +18,11 @@ import pytest
 import ray
 
 from gspo_ray.config import load_config
+from gspo_ray.coordinator.loop import Coordinator, LoopState
 from gspo_ray.coordinator.pools import rollout_config
 from gspo_ray.coordinator.rollout_pool import RolloutPool
 from gspo_ray.coordinator.transfer_push import TransferPush
+from gspo_ray.data.records import Prompt, Sample
 from gspo_ray.rollout.engine_env import describe_engines
 from gspo_ray.rollout.weight_transfer import resolve_weight_transfer
 
@@ -75,7 +79,7 @@ class RecordingEngine:
     """Stands in for a RolloutWorker whose engine runs vLLM's nccl backend (CUDA only)."""
 
     def __init__(self, worker_id: int, barrier):
-        self.worker_id, self.barrier, self.calls = worker_id, barrier, []
+        self.worker_id, self.barrier, self.calls, self.version = worker_id, barrier, [], 0
 
     def ping(self) -> int:
         return self.worker_id
@@ -91,7 +95,14 @@ class RecordingEngine:
 
     def publish_weights(self, version: int, probe=None) -> dict[str, float]:
         self.calls.append(("publish_weights", (version, probe)))
+        self.version = version
         return {"sync/verify_max_abs_diff": 0.001 * (self.worker_id + 1)}
+
+    def generate(self, prompts, n, budget=None, **sampling) -> list[Sample]:
+        self.calls.append(("generate", [p.uid for p in prompts]))
+        return [Sample(prompt_uid=p.uid, sample_index=i, prompt_ids=[1], completion_ids=[2], logprobs=[0.0],
+                       loss_mask=[1], versions=[self.version], finish_reason="stop", worker_id=self.worker_id)
+                for p in prompts for i in range(n)]
 
     def recorded(self) -> list:
         return self.calls
@@ -107,7 +118,10 @@ class SenderStandIn:
 
     def __init__(self, barrier):
         self.barrier, self.workers = barrier, ["rank0", "rank1"]
-        self.key, self.sent = None, []
+        self.key, self.sent, self.held = None, [], 0  # held: the policy version the ranks hold
+
+    def version(self) -> int:
+        return self.held
 
     def rank0_address(self):
         return "10.0.0.1", 29611
@@ -177,3 +191,84 @@ def test_ipc_records_and_a_non_cuda_transport_refused():
     assert [i.rank for i in infos] == [0, 1] and all(i.backend == "ipc" for i in infos)
     with pytest.raises(ValueError, match="nccl / ipc"):
         TransferPush("shm", tensor_parallel_size=1, bucket_bytes=1)
+
+
+def kill(handle) -> None:
+    """ray.kill, then until the actor is gone (the kill is asynchronous: a call sent right after may still run)."""
+    ray.kill(handle, no_restart=True)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            ray.get(handle.ping.remote(), timeout=30)
+        except ray.exceptions.RayActorError:
+            return
+        time.sleep(0.01)
+    raise AssertionError("the killed actor still answers")
+
+
+PHASES = ["init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update",
+          "publish_weights"]
+
+
+def test_new_and_replacement_engines_get_the_live_policy_before_serving(local_ray):
+    """A job whose pushes go through nccl (the coordinator's wiring): engines added by `scale` and a replacement
+    for a dead one get the trainer's transfer (a rendezvous of their own) and the live version before they join
+    the pool or serve; before the first push they get nothing (they serve the checkpoint, version 0)."""
+    barrier, made = Barrier.remote(), {}
+    pool = RolloutPool(lambda wid: made.setdefault(wid, RecordingEngine.remote(wid, barrier)), 0)
+    trainer = SenderStandIn(barrier)
+    cfg = load_config(None, ["rollout.num_gpus_per_worker=1", "trainer.num_gpus_per_worker=1",
+                             "rollout.tensor_parallel_size=2"])
+    coord = Coordinator(cfg, pool, trainer, None, LoopState())
+    assert coord.transport == "nccl"
+    hook, members = pool.on_new_workers, []
+    pool.on_new_workers = lambda new: (members.append((sorted(new), sorted(pool.workers))), hook(new))
+
+    pool.scale(2)  # before any push: nothing sent, the engines serve the checkpoint (engines 0, 1 start together)
+    assert members == [([0, 1], [])] and trainer.sent == []
+
+    coord.state.version = trainer.held = 7
+    coord.sync_weights()
+    assert trainer.sent[-1][0] == ("nccl", (0, 1))
+    assert [c[0] for c in ray.get(pool.workers[1].recorded.remote())] == PHASES  # the push, nothing before it
+    pool.scale(4)  # engines 2, 3 alone: trainer rank 0 + their 2 x 2 workers, the live version, then they join
+    assert members[-1] == ([2, 3], [0, 1]) and sorted(pool.workers) == [0, 1, 2, 3]
+    assert trainer.sent[-1][0] == ("nccl", (2, 3)) and {i.world_size for i in trainer.sent[-1][1]} == {5}
+    for wid, offset in ((2, 1), (3, 3)):  # ranks within the subset's world, not the pool's
+        calls = ray.get(pool.workers[wid].recorded.remote())
+        assert [c[0] for c in calls] == PHASES and calls[-1][1] == (7, None)
+        assert calls[0][1]["init_info"]["rank_offset"] == offset and calls[0][1]["init_info"]["world_size"] == 5
+    assert [c[0] for c in ray.get(pool.workers[0].recorded.remote())] == PHASES  # the others: untouched
+
+    coord.state.version = trainer.held = 8
+    coord.sync_weights()  # the next push: every engine again, in a new rendezvous (world 1 + 4 x 2)
+    assert trainer.sent[-1][0] == ("nccl", (0, 1, 2, 3))
+    for wid in range(4):
+        init = [c for c in ray.get(pool.workers[wid].recorded.remote()) if c[0] == PHASES[0]][-1][1]["init_info"]
+        assert init["rank_offset"] == 1 + 2 * wid and init["world_size"] == 9
+
+    pool.scale(1)
+    kill(pool.workers[0])  # the last engine dies: its batch goes to a replacement (4)
+    groups, _ = pool.generate([Prompt(uid="p0", prompt_ids=[1])], n=2)
+    assert members[-1] == ([4], []) and sorted(pool.workers) == [4] and pool.restarts_left == 2
+    calls = ray.get(pool.workers[4].recorded.remote())
+    assert [c[0] for c in calls] == PHASES + ["generate"] and calls[4][1] == (8, None)
+    assert [s.versions for s in groups[0].samples] == [[8], [8]]  # sampled with the live policy, not the base
+    assert trainer.sent[-1][0] == ("nccl", (4,))
+
+    kill(pool.workers[4])  # a batch whose engine died, discarded (a trainer recovery): the
+    pool.discard(pool.submit([Prompt(uid="p1", prompt_ids=[1])], n=2))  # pool is empty at the recovery's push
+    assert pool.workers == {}
+    coord.state.version = trainer.held = 9
+    coord.sync_weights()  # no engine to send to: the pool's replacement (5) gets this push before it joins
+    assert members[-1] == ([5], []) and sorted(pool.workers) == [5] and trainer.sent[-1][0] == ("nccl", (5,))
+    assert [c[0] for c in ray.get(pool.workers[5].recorded.remote())] == PHASES and pool.restarts_left == 1
+
+    trainer.held, sent = 0, len(trainer.sent)  # the trainer rebuilt and not reloaded yet (a recovery under way)
+    with pytest.raises(RuntimeError, match=r"rollout worker\(s\) \[6\]: the trainer holds policy version 0") as e:
+        pool.scale(2)
+    assert e.value.__notes__ == ["rollout worker(s) [6] did not receive the live policy: stopped before serving"]
+    assert sorted(pool.workers) == [5] and len(trainer.sent) == sent  # nothing sent; engine 6 never joins ...
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(made[6].ping.remote(), timeout=30)  # ... and was stopped
+    pool.shutdown()
