@@ -17,7 +17,7 @@ import torch
 from gspo_ray.data.records import Prompt
 from gspo_ray.data.shared_weights import SharedWeightWriter
 from gspo_ray.models.tiny import make_tiny_model
-from gspo_ray.rollout.engine import MULTI_PROCESS, RolloutEngine, SamplingSettings
+from gspo_ray.rollout.engine import MULTI_PROCESS, RolloutEngine, SamplingSettings, mix_seed
 from gspo_ray.rollout.weight_sync import (WeightProbe, WeightSyncError, hf_teacher_forced_logprobs, iter_buckets,
                                           push_buckets, read_checkpoint_weights, verify_probe)
 
@@ -109,3 +109,27 @@ def test_budgeted_generation_continued_on_tp2_equals_one_run(setup):
         parts = two.continue_samples(parts, greedy, budget=4)
     assert [s.completion_ids for s in parts] == [s.completion_ids for s in whole]
     assert max(abs(x - y) for s, t in zip(parts, whole) for x, y in zip(s.logprobs, t.logprobs)) <= TOL
+
+
+
+@MOE
+def test_seeded_generate_over_the_step_budget_on_tp2_gives_the_samples_of_batches_within_it(setup):
+    """The seeded split-prefill workaround reaches the TP 2 workers (compat/vllm_cpu_seeded_prefill.py: inherited
+    from the engine's process when vLLM forks them, applied by rollout/shm_transfer.py's import when it spawns them,
+    as inside a Ray actor): with it undone in both places, this batch ends the step with "CPU Generator does not use
+    offset" in the workers (checked when written). With it, each request samples what the same request (generate's
+    seed) samples in a batch that fits one step."""
+    _, two, _, base = setup
+    push_buckets(two, iter_buckets(read_checkpoint_weights(base), 1))  # the module's weights, whatever ran before
+    budget = two.llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
+    prompts = [Prompt(uid=f"s{i}", prompt_ids=[2] + [3 + (i * 7 + t * 3) % 19 for t in range(119)])
+               for i in range(budget // 240 + 2)]  # x2 samples: more prompt tokens than one step takes
+    sampling = SamplingSettings(max_new_tokens=4)
+    samples = two.generate(prompts, n=2, sampling=sampling, seed=5)
+    assert len({tuple(s.completion_ids) for s in samples}) > len(samples) // 2  # really sampled
+    reference = {}
+    for part in (prompts[: len(prompts) // 2], prompts[len(prompts) // 2:]):  # each fits one step: no split
+        requests = {f"{p.uid}-{j}": (p.prompt_ids, two.sampling_params(sampling, 4, mix_seed(5, int(p.uid[1:]), j)))
+                    for p in part for j in range(2)}
+        reference |= two.run(requests)
+    assert all(s.completion_ids == reference[f"{s.prompt_uid}-{s.sample_index}"].token_ids for s in samples)
