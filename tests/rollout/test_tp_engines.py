@@ -2,7 +2,8 @@
 process per core) samples the same tokens with the same log-probs (<= 1e-5) as a TP 1 in-process engine under one
 seed, for the tiny MoE and a tiny dense model; full-weight pushes go through vLLM's weight-transfer protocol
 (our `gspo_shm` backend) into every TP worker and pass the probe check, while a stale push fails it; a budgeted
-generation continued on the TP 2 engine equals an uninterrupted one (greedy).
+generation continued on the TP 2 engine equals an uninterrupted one (greedy); multi-turn episodes on it equal TP 1's;
+a seeded batch over its step budget (split prefills) samples what batches within it sample.
 
 Costly (a TP 2 engine starts in ~25-35 s on 2 cores): one pair of engines per architecture (module-scoped,
 indirectly parametrised, so each starts once), and every TP 2 test of the suite lives in this module.
@@ -133,3 +134,29 @@ def test_seeded_generate_over_the_step_budget_on_tp2_gives_the_samples_of_batche
                     for p in part for j in range(2)}
         reference |= two.run(requests)
     assert all(s.completion_ids == reference[f"{s.prompt_uid}-{s.sample_index}"].token_ids for s in samples)
+
+
+@MOE
+def test_multi_turn_episodes_on_tp2_equal_tp1s(setup):
+    """Multi-turn episodes (model turns interleaved with an env's tokens) on the TP 2 engine: the same episodes,
+    tokens and log-probs (<= 1e-5) as on the TP 1 engine under one seed."""
+    from gspo_ray.data.prompts import load_tokenizer
+    from gspo_ray.envs.guess import GuessNumberEnv, build_guess_prompts
+    from gspo_ray.rollout.episodes import EpisodeRunner
+
+    one, two, _, base = setup
+    push_buckets(two, iter_buckets(read_checkpoint_weights(base), 1))  # the module's weights, whatever ran before
+    tok = load_tokenizer(base)
+    prompts = build_guess_prompts(tok, 3, seed=1)
+    runs = []
+    for engine in (one, two):
+        runner = EpisodeRunner(engine, GuessNumberEnv, tok, max_turns=3, max_tokens_per_turn=4, max_total_tokens=60,
+                               isolation="thread")
+        try:
+            runs.append(runner.run(prompts, 2, SamplingSettings(temperature=1.0), version=3, seed=7))
+        finally:
+            runner.close()
+    a, b = runs
+    assert [s.completion_ids for s in a] == [s.completion_ids for s in b]
+    assert any(0 in s.loss_mask[:-1] for s in b), "no env tokens between model turns"
+    assert max(abs(x - y) for s, t in zip(a, b) for x, y in zip(s.logprobs, t.logprobs)) <= TOL
