@@ -19,6 +19,11 @@ these engines only (their own rendezvous: trainer rank 0 + their workers, ranks 
 the live version. The next regular push then starts the sender again with every engine (its key differs). Before
 the job's first push nothing is sent: the engines serve the checkpoint they were built from, which is version 0.
 
+An engine lost before a push (dead, or no `ping` answer in `rollout.call_timeout_s`) is dropped before the
+rendezvous; one lost inside it fails the phase with EngineTransferError (rollout/weight_transfer.py), and the push
+drops it and goes again, once, to the engines left. Where the trainer's other ranks were stuck in its gathers (the
+pool killed them) it raises TrainerRankDied instead: the job's trainer recovery.
+
 The weights never pass through this process; only the control calls and the init records do. Not run on a GPU
 (docs/rollout-engines.md): on CPU the order and the fan-out are tested with Ray actors standing in for the engines
 and for the trainer's sender (tests/coordinator/test_transfer_push.py).
@@ -35,6 +40,7 @@ from ray.exceptions import GetTimeoutError
 from gspo_ray.coordinator.rollout_pool import WORKER_DEATH
 from gspo_ray.rollout.weight_transfer import (CUDA_TRANSPORTS, ActorPoolClient, engine_transfer_fault, ipc_init_info,
                                               nccl_init_infos)
+from gspo_ray.trainer.pool import TrainerRankDied
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +94,13 @@ class TransferPush:
                 lost = [ids[i] for i in fault.dead + fault.hung]
                 rollout.drop_workers([ids[i] for i in fault.dead], [ids[i] for i in fault.hung])
                 dropped += len(lost)
-                if attempt or not lost or getattr(e, "killed", False):  # once; the trainer's ranks must be up
+                if getattr(e, "killed", False):  # ranks left in the gathers, killed: the trainer is rebuilt
+                    died = TrainerRankDied(getattr(e, "rank", 0), getattr(e, "method", "send_by_transfer"), e)
+                    named = lost or [ids[i] for i in fault.failed]
+                    died.add_note(f"rollout engine(s) {named} failed the push ({fault.method}); the other trainer "
+                                  "ranks were stuck in its gathers and were killed")
+                    raise died from e
+                if attempt or not lost:  # one retry, and only to another engine set
                     raise
                 log.warning("%s push of version %d: rollout engine(s) %s lost (%s); pushing again to the %d left",
                             self.transport, version, lost, fault, len(rollout.workers))

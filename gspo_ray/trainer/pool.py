@@ -18,7 +18,8 @@ would wait in a collective on it for `collective_timeout_s`, are killed right aw
 An error inside a rank (an exception, not a death: a CUDA OOM, a full disk, a bug) is handled the same way: the
 other ranks, blocked in a collective on the failed one, are killed at once and the call raises TrainerRankFailed
 naming that rank and carrying its exception (`cause`; `is_disk_full` still finds an ENOSPC in it). Only when every
-rank raised within ERROR_GRACE_S (the same bad argument everywhere, before any collective) does the pool stay up.
+rank raised within ERROR_GRACE_S (the same bad argument everywhere, before any collective) does the pool stay up;
+for a push (`call_ranks(..., changes_state=False)`), every rank idle within ERROR_GRACE_S is enough.
 """
 from __future__ import annotations
 

@@ -28,7 +28,7 @@ from gspo_ray.coordinator.transfer_push import TransferPush
 from gspo_ray.data.records import Prompt, Sample
 from gspo_ray.rollout.engine_env import describe_engines
 from gspo_ray.rollout.weight_transfer import EngineTransferError, resolve_weight_transfer
-from gspo_ray.trainer.pool import TrainerPool, TrainerRankFailed
+from gspo_ray.trainer.pool import TrainerPool, TrainerRankDied, TrainerRankFailed
 
 # `stand_in_send` runs in the rank actors: by value, since pytest imports this module under a name they cannot
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -130,7 +130,11 @@ class RankStandIn:
     """Stands in for a TrainerWorker (Megatron on CUDA): what `stand_in_send` keeps on it between pushes."""
 
     def __init__(self, rank: int):
-        self.rank, self.key = rank, None
+        self.rank, self.key, self.stall = rank, None, 0.0
+
+    def stall_in_gathers(self, seconds: float) -> None:
+        """A rank other than 0 then takes this long in each push (as in the bucket gathers with trainer TP > 1)."""
+        self.stall = seconds
 
     def version(self) -> int:
         return 0
@@ -157,6 +161,7 @@ def stand_in_send(rank, key, payload, client) -> None:
     the client as vLLM's NCCL trainer engine does (`payload`: vLLM's worker init payload, built by the caller), the
     others only join the gathers (none here)."""
     if rank.rank != 0:
+        time.sleep(rank.stall)
         return
     if key != rank.key:  # trainer_init: vLLM's worker payload, rank_offset 1 after the single sender
         client.init_weight_transfer_engine(payload)
@@ -353,4 +358,25 @@ def test_an_engine_lost_before_or_during_a_push_is_the_rollouts_fault(ranks):
     assert [c[0] for c in calls[-6:]] == ["start_weight_update"] + PHASES  # the failed phase, then the retry
     assert calls[-5][1]["init_info"]["world_size"] == 2 and calls[-1][1] == (3, None)
     assert trainer.workers == ranks and ray.get([r.version.remote() for r in ranks]) == [0, 0]  # not recovered
+    pool.shutdown()
+
+
+def test_ranks_stuck_behind_an_engine_fault_rebuild_the_trainer(local_ray, monkeypatch):
+    """With trainer TP / EP > 1 the other ranks sit in the bucket gathers while rank 0 sends (here rank 1 stalls
+    past ERROR_GRACE_S): an engine lost inside the push leaves them there, the pool kills its ranks, and the push
+    raises TrainerRankDied (the job's trainer recovery rebuilds them), the dead engine already out of the pool."""
+    monkeypatch.setattr("gspo_ray.trainer.pool.ERROR_GRACE_S", 0.2)
+    barrier = Barrier.remote()
+    pool = RolloutPool(lambda wid: RecordingEngine.remote(wid, barrier), 2)
+    trainer = SenderStandIn(barrier, [RankStandIn.remote(r) for r in range(2)])
+    ray.get([trainer.workers[1].stall_in_gathers.remote(30), pool.workers[1].die_in_phase.remote("update_weights")])
+    push = TransferPush("nccl", tensor_parallel_size=1, bucket_bytes=2**20)
+    with pytest.raises(TrainerRankDied, match="trainer rank 0 died during __ray_call__") as e:
+        push(pool, trainer, version=1)
+    assert isinstance(e.value.__cause__, TrainerRankFailed) and e.value.__cause__.killed
+    assert e.value.__notes__ == ["rollout engine(s) [1] failed the push (update_weights); the other trainer ranks "
+                                 "were stuck in its gathers and were killed"]
+    assert sorted(pool.workers) == [0] and len(trainer.sent) == 1  # no retry: there is no trainer to send from
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(trainer.workers[1].version.remote(), timeout=30)
     pool.shutdown()
