@@ -217,6 +217,19 @@ class RolloutPool:
         calls = {wid: w.publish_weights.remote(version, probe) for wid, w in self.workers.items()}
         return self._push_results(calls, t0)
 
+    def drop_workers(self, dead: list[int], hung: list[int] = ()) -> None:
+        """Workers found dead or hung outside a batch (an nccl / ipc push, coordinator/transfer_push.py), handled as
+        `_push_results` does: popped, a hung one killed first and counted as wedged. An empty pool gets its
+        replacement at the next `publish_weights` (the live policy first, through `on_new_workers`) or use."""
+        for wid in hung:
+            if wid in self.workers:
+                log.warning("rollout worker %d did not answer during a weight push: killing it as wedged", wid)
+                self.wedged += 1
+                ray.kill(self.workers.pop(wid), no_restart=True)
+        for wid in dead:
+            if self.workers.pop(wid, None) is not None:
+                log.warning("rollout worker %d died before or during a weight push", wid)
+
     def _push_results(self, calls: dict, t0: float) -> dict[str, float]:
         results, deadline = [], time.monotonic() + self.call_timeout_s
         for wid, call in calls.items():

@@ -19,18 +19,30 @@ these engines only (their own rendezvous: trainer rank 0 + their workers, ranks 
 the live version. The next regular push then starts the sender again with every engine (its key differs). Before
 the job's first push nothing is sent: the engines serve the checkpoint they were built from, which is version 0.
 
+An engine lost before a push (dead, or no `ping` answer in `rollout.call_timeout_s`) is dropped before the
+rendezvous; one lost inside it fails the phase with EngineTransferError (rollout/weight_transfer.py), and the push
+drops it and goes again, once, to the engines left. Where the trainer's other ranks were stuck in its gathers (the
+pool killed them) it raises TrainerRankDied instead: the job's trainer recovery.
+
 The weights never pass through this process; only the control calls and the init records do. Not run on a GPU
 (docs/rollout-engines.md): on CPU the order and the fan-out are tested with Ray actors standing in for the engines
 and for the trainer's sender (tests/coordinator/test_transfer_push.py).
 """
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
 import ray
+from ray.exceptions import GetTimeoutError
 
-from gspo_ray.rollout.weight_transfer import CUDA_TRANSPORTS, ActorPoolClient, ipc_init_info, nccl_init_infos
+from gspo_ray.coordinator.rollout_pool import WORKER_DEATH
+from gspo_ray.rollout.weight_transfer import (CUDA_TRANSPORTS, ActorPoolClient, engine_transfer_fault, ipc_init_info,
+                                              nccl_init_infos)
+from gspo_ray.trainer.pool import TrainerRankDied
+
+log = logging.getLogger(__name__)
 
 
 class TransferPush:
@@ -46,6 +58,7 @@ class TransferPush:
         self.init_infos: list[Any] = []
         self._ranks: list = []
         self.live: tuple[int, Any] | None = None  # (version, probe) of the last push: what a new engine gets
+        self.faults: list[BaseException] = []  # every push error that was an engine's (EngineTransferError inside)
 
     def init_records(self, trainer, engine_workers: list[int]) -> list[Any]:
         """vLLM's trainer init record of every trainer rank (nccl: one group, trainer rank 0 + every engine
@@ -58,21 +71,64 @@ class TransferPush:
 
     def __call__(self, rollout, trainer, version: int, probe=None) -> dict[str, float]:
         t0 = time.perf_counter()
-        workers = dict(rollout.workers)
-        ids = sorted(workers)
-        if ids:  # none: every engine was dropped (e.g. a discarded batch's); the pool's replacement gets this push
+        dropped = self._drop_lost(rollout)
+        for attempt in (0, 1):
+            workers = dict(rollout.workers)
+            ids = sorted(workers)
+            if not ids:  # every engine dropped (e.g. a discarded batch's): the pool's replacement gets this push
+                break
             engine_workers = [self.tp] * len(ids)
             key = (self.transport, tuple(ids))
             ranks = list(getattr(trainer, "workers", []))  # a recovered trainer pool: new ranks, maybe a new node
             if key != self.key or ranks != self._ranks:  # a new rendezvous (the trainer's sender restarts on the key)
                 self.init_infos, self.key, self._ranks = self.init_records(trainer, engine_workers), key, ranks
             client = ActorPoolClient([workers[i] for i in ids], engine_workers, timeout_s=rollout.call_timeout_s)
-            trainer.send_by_transfer(key, self.init_infos, client)
+            try:
+                trainer.send_by_transfer(key, self.init_infos, client)
+                break
+            except Exception as e:
+                fault = engine_transfer_fault(e)
+                if fault is None:
+                    raise
+                self.faults.append(e)
+                lost = [ids[i] for i in fault.dead + fault.hung]
+                rollout.drop_workers([ids[i] for i in fault.dead], [ids[i] for i in fault.hung])
+                dropped += len(lost)
+                if getattr(e, "killed", False):  # ranks left in the gathers, killed: the trainer is rebuilt
+                    died = TrainerRankDied(getattr(e, "rank", 0), getattr(e, "method", "send_by_transfer"), e)
+                    named = lost or [ids[i] for i in fault.failed]
+                    died.add_note(f"rollout engine(s) {named} failed the push ({fault.method}); the other trainer "
+                                  "ranks were stuck in its gathers and were killed")
+                    raise died from e
+                if attempt or not lost:  # one retry, and only to another engine set
+                    raise
+                log.warning("%s push of version %d: rollout engine(s) %s lost (%s); pushing again to the %d left",
+                            self.transport, version, lost, fault, len(rollout.workers))
         self.live = (version, probe)  # before publish: a replacement started in it (push_new) gets this version
         t1 = time.perf_counter()
         metrics = rollout.publish_weights(version, probe)
-        metrics.update({"sync/transfer_s": t1 - t0, "sync/push_s": time.perf_counter() - t0})
+        metrics.update({"sync/transfer_s": t1 - t0, "sync/push_s": time.perf_counter() - t0,
+                        "sync/engines_dropped": float(dropped)})
         return metrics
+
+    def _drop_lost(self, rollout) -> int:
+        """Before a push: every engine pinged (`ping` never waits on generation); a dead one is dropped and one
+        with no answer in `call_timeout_s` killed as wedged (`RolloutPool.drop_workers`), so the rendezvous is
+        not started with an engine that cannot join it. Returns how many were dropped."""
+        refs = {wid: h.ping.remote() for wid, h in rollout.workers.items()}
+        if not refs:
+            return 0
+        ray.wait(list(refs.values()), num_returns=len(refs), timeout=rollout.call_timeout_s)
+        dead, hung = [], []
+        for wid, ref in refs.items():
+            try:
+                ray.get(ref, timeout=0)
+            except GetTimeoutError:
+                hung.append(wid)
+            except WORKER_DEATH:
+                dead.append(wid)
+        rollout.drop_workers(dead, hung)
+        return len(dead) + len(hung)
 
     def push_new(self, rollout, trainer, workers: dict[int, Any]) -> None:
         """Give engines about to join `rollout` ({worker id: handle}, not in `rollout.workers` yet) the live policy:

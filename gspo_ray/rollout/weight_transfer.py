@@ -197,11 +197,43 @@ class EnginePoolClient:
         self._all("finish_weight_update", [None] * len(self.targets))
 
 
+class EngineTransferError(RuntimeError):
+    """A phase of an nccl / ipc push that some rollout engines did not complete, each listed by its index in the
+    client's targets: `dead` (its actor died), `hung` (no answer in the client's timeout_s), `failed` (alive, its
+    call raised). `ActorPoolClient` raises it instead of Ray's actor errors: a RayActorError raised inside trainer
+    rank 0's method reaches the driver as an instance of RayActorError (Ray's `as_instanceof_cause`), which the
+    trainer pool takes for the rank's own death (TrainerRankDied, a whole trainer recovery) while the fault is one
+    engine's. The coordinator drops the engines and pushes again (coordinator/transfer_push.py)."""
+
+    def __init__(self, method: str, dead=(), hung=(), failed=(), detail: str = "") -> None:
+        self.method, self.dead, self.hung, self.failed = method, list(dead), list(hung), list(failed)
+        self.detail = detail
+        super().__init__(method, self.dead, self.hung, self.failed, detail)  # all of them: it pickles through Ray
+
+    def __str__(self) -> str:
+        parts = [f"{what} {idx}" for what, idx in (("dead", self.dead), ("no answer", self.hung),
+                                                   ("raised", self.failed)) if idx]
+        return (f"{self.method}: rollout engine(s) of the push not done ({'; '.join(parts)})"
+                + (f": {self.detail}" if self.detail else ""))
+
+
+def engine_transfer_fault(error: BaseException | None) -> EngineTransferError | None:
+    """The EngineTransferError behind `error` (itself, a trainer pool error's `cause`, a RayTaskError's, or the
+    chained `__cause__`), or None."""
+    for _ in range(8):
+        if error is None or isinstance(error, EngineTransferError):
+            return error
+        error = getattr(error, "cause", None) or error.__cause__
+    return None
+
+
 class ActorPoolClient(EnginePoolClient):
     """`EnginePoolClient` over rollout actors (Ray handles of `RolloutWorker`): each phase is one
     `weight_transfer_call.remote(method, request)` per actor, all sent before any is waited for, then every one
-    waited for (a failure is raised once all have answered or failed: NCCL peers must not be left behind in a
-    half-sent phase by an early exit). Lives where vLLM's trainer-side engine runs (trainer rank 0)."""
+    waited for (a failure is raised once all have answered or failed, or `timeout_s` passed: NCCL peers must not
+    be left behind in a half-sent phase by an early exit). A phase some engines did not complete raises
+    EngineTransferError naming them, never a Ray actor error. Lives where vLLM's trainer-side engine runs (trainer
+    rank 0)."""
 
     def __init__(self, handles: list, engine_workers: list[int], timeout_s: float | None = None) -> None:
         super().__init__(list(handles), engine_workers)
@@ -209,10 +241,23 @@ class ActorPoolClient(EnginePoolClient):
 
     def _all(self, method: str, requests: list[Any]) -> None:
         import ray
+        from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
         refs = [h.weight_transfer_call.remote(method, r) for h, r in zip(self.targets, requests)]
-        ready, waiting = ray.wait(refs, num_returns=len(refs), timeout=self.timeout_s)
-        if waiting:
-            raise TimeoutError(f"{method}: {len(waiting)} of {len(refs)} rollout engines did not answer in "
-                               f"{self.timeout_s} s")
-        ray.get(refs)
+        _, waiting = ray.wait(refs, num_returns=len(refs), timeout=self.timeout_s)
+        hung = [i for i, ref in enumerate(refs) if ref in waiting]
+        dead, failed, detail = [], [], f"no answer in {self.timeout_s} s" if hung else ""
+        for i, ref in enumerate(refs):
+            if i in hung:
+                continue
+            try:
+                ray.get(ref, timeout=0)
+            except (RayActorError, ActorDiedError, ActorUnavailableError) as e:
+                dead.append(i)
+                detail = detail or type(e).__name__
+            except Exception as e:  # noqa: BLE001 - alive, its call raised: named, the first one's line kept
+                failed.append(i)
+                cause = getattr(e, "cause", None) or e
+                detail = detail or f"{type(cause).__name__}: {(str(cause).strip().splitlines() or [''])[-1]}"
+        if dead or hung or failed:
+            raise EngineTransferError(method, dead, hung, failed, detail)

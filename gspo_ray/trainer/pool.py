@@ -18,7 +18,8 @@ would wait in a collective on it for `collective_timeout_s`, are killed right aw
 An error inside a rank (an exception, not a death: a CUDA OOM, a full disk, a bug) is handled the same way: the
 other ranks, blocked in a collective on the failed one, are killed at once and the call raises TrainerRankFailed
 naming that rank and carrying its exception (`cause`; `is_disk_full` still finds an ENOSPC in it). Only when every
-rank raised within ERROR_GRACE_S (the same bad argument everywhere, before any collective) does the pool stay up.
+rank raised within ERROR_GRACE_S (the same bad argument everywhere, before any collective) does the pool stay up;
+for a push (`call_ranks(..., changes_state=False)`), every rank idle within ERROR_GRACE_S is enough.
 """
 from __future__ import annotations
 
@@ -136,9 +137,10 @@ class TrainerPool:
     def _on_bundle(self, index: int) -> PlacementGroupSchedulingStrategy:
         return PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=index)
 
-    def _all(self, method: str, *args, **kwargs) -> list:
+    def _all(self, method: str, *args, keep_if_idle: bool = False, **kwargs) -> list:
         """Every rank's result. Results are taken as they come, so a dead rank is seen at once even while the
-        others still wait on it in a collective; then they are killed (TrainerRankDied)."""
+        others still wait on it in a collective; then they are killed (TrainerRankDied). keep_if_idle: see
+        `call_ranks`."""
         refs = [getattr(w, method).remote(*args, **kwargs) for w in self.workers]
         waiting = list(refs)
         while waiting:
@@ -153,17 +155,20 @@ class TrainerPool:
                 raise TrainerRankDied(rank, method, e) from e
             except Exception as e:  # an error inside a rank: the others may be stuck in a collective on it
                 rank = refs.index(done[0])
-                killed = self._stop_after_error(refs, waiting)
+                killed = self._stop_after_error(refs, waiting, keep_if_idle)
                 log.warning("trainer rank %d failed during %s%s: %s", rank, method,
                             ": killed the pool's ranks" if killed else "", e)
                 raise TrainerRankFailed(rank, method, e, killed) from e
         return ray.get(refs)
 
-    def _stop_after_error(self, refs: list, waiting: list) -> bool:
+    def _stop_after_error(self, refs: list, waiting: list, keep_if_idle: bool = False) -> bool:
         """After one rank's error: unless every rank raises within ERROR_GRACE_S (an error all ranks hit alike,
-        e.g. a bad argument, leaves them all idle and in step), kill them all. Returns whether they were killed."""
+        e.g. a bad argument, leaves them all idle and in step), kill them all. keep_if_idle: every rank having
+        returned (raised or not) within ERROR_GRACE_S is enough. Returns whether they were killed."""
         if waiting:
             _, waiting = ray.wait(waiting, num_returns=len(waiting), timeout=ERROR_GRACE_S)
+        if not waiting and keep_if_idle:
+            return False
         if not waiting:
             failed = 0
             for ref in refs:
@@ -200,7 +205,15 @@ class TrainerPool:
         actor; rank 0's vLLM sender drives the engines through `client`)."""
         from gspo_ray.trainer.weight_send import send_on_rank
 
-        self._all("__ray_call__", send_on_rank, key, init_infos, client)
+        self.call_ranks(send_on_rank, key, init_infos, client, changes_state=False)
+
+    def call_ranks(self, fn, *args, changes_state: bool = True) -> list:
+        """`fn(rank's TrainerWorker, *args)` on every rank (Ray's `__ray_call__`), collective like every pool call.
+        changes_state False (a push: the ranks send, no weight or optimizer state of theirs changes): a rank's error
+        that leaves every rank idle within ERROR_GRACE_S (none is stuck in a collective on it; e.g. trainer rank 0's
+        EngineTransferError, an engine's fault, where the other ranks' sources need no gather) keeps the pool up:
+        TrainerRankFailed with `killed` False, the ranks fit for the next call."""
+        return self._all("__ray_call__", fn, *args, keep_if_idle=not changes_state)
 
     def rank0_address(self) -> tuple[str, int]:
         """(trainer rank 0's node IP, a port free there): the NCCL rendezvous of nccl pushes."""

@@ -12,7 +12,10 @@ can tell an engine that served before it had the live policy.
 """
 from __future__ import annotations
 
+import os
+import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 import ray
@@ -24,7 +27,11 @@ from gspo_ray.coordinator.rollout_pool import RolloutPool
 from gspo_ray.coordinator.transfer_push import TransferPush
 from gspo_ray.data.records import Prompt, Sample
 from gspo_ray.rollout.engine_env import describe_engines
-from gspo_ray.rollout.weight_transfer import resolve_weight_transfer
+from gspo_ray.rollout.weight_transfer import EngineTransferError, resolve_weight_transfer
+from gspo_ray.trainer.pool import TrainerPool, TrainerRankDied, TrainerRankFailed
+
+# `stand_in_send` runs in the rank actors: by value, since pytest imports this module under a name they cannot
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 @pytest.mark.parametrize("requested,rollout_gpus,trainer_gpus,expected", [
@@ -80,13 +87,20 @@ class RecordingEngine:
 
     def __init__(self, worker_id: int, barrier):
         self.worker_id, self.barrier, self.calls, self.version = worker_id, barrier, [], 0
+        self.die_in = None
 
     def ping(self) -> int:
         return self.worker_id
 
+    def die_in_phase(self, method: str) -> None:
+        """Its process exits (as at a kill -9) once it has entered `method` (the others go on past the barrier)."""
+        self.die_in = method
+
     def weight_transfer_call(self, method: str, request=None) -> None:
         self.calls.append((method, request))
         ray.get(self.barrier.arrive.remote(method))
+        if method == self.die_in:
+            os._exit(1)
         deadline = time.monotonic() + 10
         while not ray.get(self.barrier.all_in.remote(method)):  # an NCCL rendezvous: everyone or nobody
             if time.monotonic() > deadline:
@@ -111,14 +125,60 @@ class RecordingEngine:
         pass
 
 
-class SenderStandIn:
-    """Stands in for the trainer pool: two ranks; rank 0 drives the client as vLLM's NCCL trainer engine does."""
+@ray.remote(num_cpus=0)
+class RankStandIn:
+    """Stands in for a TrainerWorker (Megatron on CUDA): what `stand_in_send` keeps on it between pushes."""
 
-    num_workers = 2
+    def __init__(self, rank: int):
+        self.rank, self.key, self.stall = rank, None, 0.0
 
-    def __init__(self, barrier):
-        self.barrier, self.workers = barrier, ["rank0", "rank1"]
-        self.key, self.sent, self.held = None, [], 0  # held: the policy version the ranks hold
+    def stall_in_gathers(self, seconds: float) -> None:
+        """A rank other than 0 then takes this long in each push (as in the bucket gathers with trainer TP > 1)."""
+        self.stall = seconds
+
+    def version(self) -> int:
+        return 0
+
+    def forget(self) -> None:
+        self.key = None
+
+    def shutdown(self) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def ranks(local_ray):
+    """One pair of trainer rank stand-ins for the module (each test's `SenderStandIn` makes them forget their
+    sender); killed at the end."""
+    handles = [RankStandIn.remote(r) for r in range(2)]
+    yield handles
+    for h in handles:
+        ray.kill(h)
+
+
+def stand_in_send(rank, key, payload, client) -> None:
+    """trainer/weight_send.send_on_rank's part on one rank (in its actor, through `__ray_call__`): rank 0 drives
+    the client as vLLM's NCCL trainer engine does (`payload`: vLLM's worker init payload, built by the caller), the
+    others only join the gathers (none here)."""
+    if rank.rank != 0:
+        time.sleep(rank.stall)
+        return
+    if key != rank.key:  # trainer_init: vLLM's worker payload, rank_offset 1 after the single sender
+        client.init_weight_transfer_engine(payload)
+        rank.key = key
+    client.start_weight_update()
+    client.update_weights(update_info(["w"]))
+    client.finish_weight_update()
+
+
+class SenderStandIn(TrainerPool):
+    """Stands in for the trainer pool: two rank actors (`RankStandIn`), called through the real TrainerPool's
+    `call_ranks` as `send_by_transfer` does (so an error on rank 0 is classified by the real pool code)."""
+
+    def __init__(self, barrier, ranks):
+        self.barrier, self.pg, self.workers = barrier, None, list(ranks)
+        ray.get([r.forget.remote() for r in ranks])
+        self.sent, self.held = [], 0  # held: the policy version the ranks hold
 
     def version(self) -> int:
         return self.held
@@ -131,27 +191,22 @@ class SenderStandIn:
 
         self.sent.append((key, init_infos))
         ray.get(self.barrier.reset.remote(len(key[1])))
-        info = init_infos[0]
-        if key != self.key:  # trainer_init: vLLM's worker payload, rank_offset 1 after the single sender
-            client.init_weight_transfer_engine(worker_init_payload(NCCLWeightTransferInitInfo(
-                master_address=info.master_address, master_port=info.master_port, rank_offset=1,
-                world_size=info.world_size, packed=info.packed,
-                packed_buffer_size_bytes=info.packed_buffer_size_bytes,
-                packed_num_buffers=info.packed_num_buffers)))
-            self.key = key
-        client.start_weight_update()
-        client.update_weights(update_info(["w"]))
-        client.finish_weight_update()
+        info = init_infos[0]  # vLLM's worker payload as its trainer_init builds it (built here: no vLLM import there)
+        payload = worker_init_payload(NCCLWeightTransferInitInfo(
+            master_address=info.master_address, master_port=info.master_port, rank_offset=1,
+            world_size=info.world_size, packed=info.packed, packed_buffer_size_bytes=info.packed_buffer_size_bytes,
+            packed_num_buffers=info.packed_num_buffers))
+        self.call_ranks(stand_in_send, key, payload, client, changes_state=False)
 
 
 def update_info(names):
     return {"names": names, "dtype_names": ["float32"] * len(names), "shapes": [[2, 2]] * len(names)}
 
 
-def test_nccl_push_calls_every_engine_at_once_in_vllms_order(local_ray):
+def test_nccl_push_calls_every_engine_at_once_in_vllms_order(ranks):
     barrier = Barrier.remote()
     pool = RolloutPool(lambda wid: RecordingEngine.remote(wid, barrier), 2)
-    trainer = SenderStandIn(barrier)
+    trainer = SenderStandIn(barrier, ranks)
     push = TransferPush("nccl", tensor_parallel_size=2, bucket_bytes=2**20)
     m1 = push(pool, trainer, version=3, probe=None)
     m2 = push(pool, trainer, version=4, probe=None)
@@ -187,7 +242,7 @@ def test_nccl_push_calls_every_engine_at_once_in_vllms_order(local_ray):
 
 def test_ipc_records_and_a_non_cuda_transport_refused():
     push = TransferPush("ipc", tensor_parallel_size=1, bucket_bytes=2**20)
-    infos = push.init_records(SenderStandIn(None), [1])
+    infos = push.init_records(SimpleNamespace(num_workers=2), [1])
     assert [i.rank for i in infos] == [0, 1] and all(i.backend == "ipc" for i in infos)
     with pytest.raises(ValueError, match="nccl / ipc"):
         TransferPush("shm", tensor_parallel_size=1, bucket_bytes=1)
@@ -210,13 +265,13 @@ PHASES = ["init_weight_transfer_engine", "start_weight_update", "update_weights"
           "publish_weights"]
 
 
-def test_new_and_replacement_engines_get_the_live_policy_before_serving(local_ray):
+def test_new_and_replacement_engines_get_the_live_policy_before_serving(ranks):
     """A job whose pushes go through nccl (the coordinator's wiring): engines added by `scale` and a replacement
     for a dead one get the trainer's transfer (a rendezvous of their own) and the live version before they join
     the pool or serve; before the first push they get nothing (they serve the checkpoint, version 0)."""
     barrier, made = Barrier.remote(), {}
     pool = RolloutPool(lambda wid: made.setdefault(wid, RecordingEngine.remote(wid, barrier)), 0)
-    trainer = SenderStandIn(barrier)
+    trainer = SenderStandIn(barrier, ranks)
     cfg = load_config(None, ["rollout.num_gpus_per_worker=1", "trainer.num_gpus_per_worker=1",
                              "rollout.tensor_parallel_size=2"])
     coord = Coordinator(cfg, pool, trainer, None, LoopState())
@@ -272,3 +327,50 @@ def test_new_and_replacement_engines_get_the_live_policy_before_serving(local_ra
     with pytest.raises(ray.exceptions.RayActorError):
         ray.get(made[6].ping.remote(), timeout=30)  # ... and was stopped
     pool.shutdown()
+
+
+def test_an_engine_lost_before_or_during_a_push_is_the_rollouts_fault(ranks, monkeypatch):
+    """An engine dead before a push is dropped before the rendezvous (its ping fails); one that dies inside a phase
+    (the trainer's sender running in rank 0's actor) fails that phase with EngineTransferError, not a Ray actor
+    error: the trainer pool keeps its ranks, the coordinator drops the dead engine and pushes again to the others
+    in a new rendezvous. Every serving engine then holds the pushed version; the trainer is not recovered. Only
+    where the other trainer ranks were left waiting on rank 0 (killed by the pool) is it the trainer's death."""
+    barrier = Barrier.remote()
+    pool = RolloutPool(lambda wid: RecordingEngine.remote(wid, barrier), 3)
+    trainer = SenderStandIn(barrier, ranks)
+    push = TransferPush("nccl", tensor_parallel_size=1, bucket_bytes=2**20)
+    push(pool, trainer, version=1)
+
+    kill(pool.workers[2])  # between two pushes: out before the trainer starts sending
+    m = push(pool, trainer, version=2)
+    assert sorted(pool.workers) == [0, 1] and m["sync/engines_dropped"] == 1 and push.faults == []
+    assert trainer.sent[-1][0] == ("nccl", (0, 1))
+
+    ray.get(pool.workers[1].die_in_phase.remote("start_weight_update"))  # dies inside the push's first phase
+    m = push(pool, trainer, version=3)
+    assert sorted(pool.workers) == [0] and m["sync/engines_dropped"] == 1
+    (error,) = push.faults
+    assert isinstance(error, TrainerRankFailed) and not error.killed and error.rank == 0
+    assert isinstance(error.cause, EngineTransferError) and error.cause.dead == [1]
+    assert not isinstance(error, ray.exceptions.RayActorError)
+    assert not isinstance(error.cause, ray.exceptions.RayActorError)
+    assert [k for k, _ in trainer.sent[-2:]] == [("nccl", (0, 1)), ("nccl", (0,))]  # again, a new rendezvous
+    calls = ray.get(pool.workers[0].recorded.remote())
+    assert [c[0] for c in calls[-6:]] == ["start_weight_update"] + PHASES  # the failed phase, then the retry
+    assert calls[-5][1]["init_info"]["world_size"] == 2 and calls[-1][1] == (3, None)
+    assert trainer.workers == ranks and ray.get([r.version.remote() for r in ranks]) == [0, 0]  # not recovered
+
+    # with trainer TP / EP > 1 the other ranks sit in the bucket gathers while rank 0 sends (here rank 1 stalls
+    # past ERROR_GRACE_S): the pool kills its ranks, and the push raises TrainerRankDied, the job's trainer recovery
+    monkeypatch.setattr("gspo_ray.trainer.pool.ERROR_GRACE_S", 0.2)
+    stuck = SenderStandIn(barrier, [RankStandIn.remote(r) for r in range(2)])
+    ray.get([stuck.workers[1].stall_in_gathers.remote(30), pool.workers[0].die_in_phase.remote("update_weights")])
+    with pytest.raises(TrainerRankDied, match="trainer rank 0 died during __ray_call__") as e:
+        push(pool, stuck, version=4)
+    assert isinstance(e.value.__cause__, TrainerRankFailed) and e.value.__cause__.killed
+    assert e.value.__notes__ == ["rollout engine(s) [0] failed the push (update_weights); the other trainer ranks "
+                                 "were stuck in its gathers and were killed"]
+    assert pool.workers == {} and len(stuck.sent) == 1  # no retry (no trainer to send from), no replacement yet
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(stuck.workers[1].version.remote(), timeout=30)
+
