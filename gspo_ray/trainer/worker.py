@@ -28,9 +28,7 @@ import contextlib
 import logging
 import math
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -56,36 +54,18 @@ from gspo_ray.trainer.batch_layout import (
     group_micro_batches,
     loss_units,
     model_score_weight,
-    routing_keys,
     row_micro_batches,
 )
-from gspo_ray.trainer.group_rows import shard_token_order, warn_once
+from gspo_ray.trainer.group_rows import warn_once
 from gspo_ray.trainer.heap import release_free_heap
 from gspo_ray.trainer.lora.worker import TrainerLoRA, check_checkpoint_kind, load_model, model_state
 from gspo_ray.trainer.metric_accumulator import MetricAccumulator, dp_token_metrics
 from gspo_ray.trainer.pg_weights import build_pg_weight
-from gspo_ray.trainer.routing.agreement import RoutingAgreement, position_lags
-from gspo_ray.trainer.routing.churn import RouterRecorder, comm_device
-from gspo_ray.trainer.routing.drift import RoutingDrift
-from gspo_ray.trainer.routing.noise_probe import RoutingNoiseProbe
-from gspo_ray.trainer.routing.replay import build_routing_replay
+from gspo_ray.trainer.routing.churn import comm_device
+from gspo_ray.trainer.routing.worker import TrainerRouting
+from gspo_ray.trainer.weight_export import WeightExport, WeightExporter
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class WeightExport:
-    """Full HF-named weights of one policy version, in buckets (rank 0 fills `buckets`; other ranks leave it empty).
-    A bucket is a list of (HF name, tensor), or a Ray ref to one (`export_weights(as_refs=True)`)."""
-
-    version: int
-    buckets: list[Any] = field(default_factory=list)
-    shared: Any = None  # a data.shared_weights.SharedWeights (export_weights(shared=True)) instead of buckets
-
-    @property
-    def num_bytes(self) -> int:
-        """Bytes of the buckets held here (refs are not fetched and count 0)."""
-        return sum(t.numel() * t.element_size() for b in self.buckets if isinstance(b, list) for _, t in b)
 
 
 class TrainerWorker:
@@ -129,21 +109,20 @@ class TrainerWorker:
                                             attention=trainer_cfg.attention_kernel)
             self.ref_model.eval()
             self.ref_model.requires_grad_(False)
-        self.recorder = RouterRecorder(self.gpt)
-        self.replay = build_routing_replay(self.gpt, trainer_cfg.routing_replay)  # None unless R2 on an MoE
-        self.drift = RoutingDrift(self.gpt) if trainer_cfg.routing_drift and self.recorder.routers else None
-        self.noise = RoutingNoiseProbe(self.gpt) if trainer_cfg.routing_noise and self.recorder.routers else None
-        # trainer top-k vs the engine's per trained token, by version lag (where batches carry the engine's routes)
-        self.agreement = RoutingAgreement(self.gpt) if self.recorder.routers and (
-            trainer_cfg.routing_agreement or trainer_cfg.routing_replay == "R3") else None
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+        self.dp_size = parallel_state.get_data_parallel_world_size()
+        self.dp_group = parallel_state.get_data_parallel_group()
+        # Routing Replay, drift, the noise probe, agreement, router churn (trainer/routing/worker.py); their
+        # forwards go through self._logprobs, looked up at each call
+        self.routing = TrainerRouting(self.gpt, trainer_cfg, lambda *a, **kw: self._logprobs(*a, **kw),
+                                      self.dp_group, world_size)
+        self.replay, self.drift, self.noise = self.routing.replay, self.routing.drift, self.routing.noise
+        self.exporter = WeightExporter(rank)  # export_weights (trainer/weight_export.py)
         self.forward_passes: dict[str, int] = {}  # model forwards since the last train_step returned, by kind
         self.forward_tokens: dict[str, int] = {}  # and the tokens they computed (padding included)
         self._version = 0
         self.skipped = SkippedSteps(trainer_cfg.max_skipped_steps)  # non-finite steps: skipped, then fatal
         self.temperature = temperature  # the rollout's sampling temperature: log-probs of logits / T
-        self.dp_rank = parallel_state.get_data_parallel_rank()
-        self.dp_size = parallel_state.get_data_parallel_world_size()
-        self.dp_group = parallel_state.get_data_parallel_group()
 
     # ---- queries -------------------------------------------------------------------------------------------------
     def version(self) -> int:
@@ -229,9 +208,9 @@ class TrainerWorker:
         out = torch.zeros(batch.num_sequences, width)
         sampler = purpose == "old_logprobs" and not reference  # the policy that sampled: R2 and drift record
         mbs = self._plan(batch, policy_routing=sampler)
-        passes = self._fetch_routing_records(batch, mbs) if sampler else [(False, False)] * len(mbs)
+        passes = self.routing.fetch(batch, mbs) if sampler else [(False, False)] * len(mbs)
         for mb, (record_first, _) in zip(mbs, passes):
-            with self._routing_records(mb, sampler=True, record_first=record_first) if sampler else \
+            with self.routing.records(mb, sampler=True, record_first=record_first) if sampler else \
                     self._reference() if reference else contextlib.nullcontext():
                 lp = self._logprobs(model, mb, "reference" if reference else purpose,
                                     temperature=temperature).cpu()
@@ -246,10 +225,6 @@ class TrainerWorker:
         return torch.where(valid, out, 0.0)
 
     # ---- training ------------------------------------------------------------------------------------------------
-    def _churn_now(self) -> bool:
-        every = self.cfg.router_churn_every
-        return bool(every) and bool(self.recorder.routers) and self._version % every == 0
-
     def _micro_step(self, micro: MicroBatch, totals: float, norm_len: float, acc: MetricAccumulator,
                     churn: bool, eps: tuple[float, float], passes: tuple[bool, bool] = (False, False)) -> None:
         """Forward, loss and backward of one micro-batch; grads accumulate in DDP's buffers. The loss is computed
@@ -259,9 +234,10 @@ class TrainerWorker:
         if ref_logp is None and self.ref_model is not None:
             with torch.no_grad(), self._reference():
                 ref_logp = self._logprobs(self.ref_model, micro, "reference", loss_tokens_only=True)
-        capture = self._churn_capture(micro, "before") if churn else contextlib.nullcontext()
+        capture = self.routing.churn_capture(micro, "before") if churn else contextlib.nullcontext()
         # replay first: a recording forward it runs is neither captured nor watched
-        with self._routing_records(micro, record_first=passes[0]), capture, self._agreement(micro):
+        with self.routing.records(micro, record_first=passes[0]), capture, \
+                self.routing.agreement_watch(micro, self._version):
             # a micro-batch with nothing to train (a dummy that keeps the ranks' collectives in step) scores
             # every token, so its loss (times weight 0) still has a graph and its backward runs the same all-to-alls
             logp, entropy = self._logprobs(self.gpt, micro, "train", with_entropy=True,
@@ -270,7 +246,7 @@ class TrainerWorker:
         old_logp, adv, mask = mb.old_logp.to(logp), mb.adv.to(logp), mb.loss_mask.bool().to(logp.device)
         if self.noise is not None:  # the same rows with their recorded routing; on every micro-batch (EP in step)
             scored = bool(mb.loss_mask.any())
-            self.noise.measure(self._row_keys(micro), mb.lengths,
+            self.noise.measure(self.routing.row_keys(micro), mb.lengths,
                                lambda: self._logprobs(self.gpt, micro, "routing_noise", loss_tokens_only=scored),
                                logp, old_logp, adv, mask, record_first=passes[1])
         # dilution mask / mismatch correction (None when both are off); their metrics join the loss's
@@ -296,13 +272,13 @@ class TrainerWorker:
         a = self.algo
         totals = loss_units(batch.loss_mask, a.aggregation)
         norm_len = None if a.norm_len is None else float(a.norm_len)  # a constant (see __init__), never the width
-        churn = self._churn_now()
+        churn = self.routing.churn_now(self._version)
         mbs = self._plan(batch, policy_routing=True)
-        passes = self._fetch_routing_records(batch, mbs)
+        passes = self.routing.fetch(batch, mbs)
         acc = MetricAccumulator(per_sequence_ratio=a.importance_sampling_level != "token")
         self.gpt.train()
         zero_grads(self.ddp, self.optimizer)
-        self.recorder.clear()
+        self.routing.recorder.clear()
         eps = tuple(eps) if eps is not None else (self.eps_low, self.eps_high)
         for mb, extra in zip(mbs, passes):
             self._micro_step(mb, totals, norm_len, acc, churn, eps, extra)
@@ -314,14 +290,7 @@ class TrainerWorker:
             log.warning("skipped step (non-finite loss or gradients); policy version stays %d", self._version)
         self.skipped.record(ok, self._version)  # raises after trainer.max_skipped_steps in a row
         metrics = acc.reduce(self.dp_group)
-        if churn:
-            metrics |= self._router_churn(mbs)
-        if self.drift is not None:
-            metrics |= self.drift.metrics()  # all ranks, like churn
-        if self.noise is not None:
-            metrics |= self.noise.metrics(self.dp_group)
-        if self.agreement is not None:
-            metrics |= self.agreement.metrics(self.dp_group)
+        metrics |= self.routing.step_metrics(mbs, churn)  # router churn (a re-forward), drift, probe, agreement
         metrics |= {"train/eps_low": eps[0], "train/eps_high": eps[1]}  # the band this step trained with
         metrics |= {f"train/forward_passes_{k}": float(v) for k, v in self.forward_passes.items()}
         # tokens the training forwards computed over DP, padding included (shared prefixes lower them), and the
@@ -334,123 +303,15 @@ class TrainerWorker:
                     "train/policy_version": float(self._version), "train/step_s": time.perf_counter() - t0}
         return metrics
 
-    def _record_stores(self) -> list:
-        return [x for x in (self.replay, self.drift, self.noise) if x is not None]
-
     def end_batch(self) -> None:
         """The rollout batch's passes are done (the coordinator says so): forget its routing records, and give the
         step's freed heap back to the OS while this rank waits for the next batch (trainer/heap.py)."""
-        for records in self._record_stores():
-            records.end_batch()
+        self.routing.end_batch()
         release_free_heap()
 
     def routing_record_bytes(self) -> int:
         """Bytes of routing records (R2, drift, probe) this rank holds."""
-        return sum(r.store.nbytes() for r in self._record_stores())
-
-    @staticmethod
-    def _row_keys(micro: MicroBatch) -> list[str | None]:
-        """Routing keys of a micro-batch's rows; None for padding rows and dummies (copies of row 0, which must not
-        store or compare as row 0 a second time)."""
-        return [k if r >= 0 else None for k, r in zip(routing_keys(micro.batch), micro.rows)]
-
-    def _fetch_routing_records(self, batch: TrainBatch, mbs: list[MicroBatch]) -> list[tuple[bool, bool]]:
-        """Before a policy forward over `batch` (collective): the routing records of the rows this DP rank forwards
-        come to it from the rank that holds them (rows change DP rank between calls); then, per micro-batch,
-        whether R2's and the probe's held forward run a recording forward first, agreed over all ranks so that
-        EP ranks run the same forwards (each MoE layer's forward is an all-to-all)."""
-        stores = self._record_stores()
-        if not stores:
-            return [(False, False)] * len(mbs)
-        keys = routing_keys(batch)
-        mine = {r for mb in mbs for r in mb.rows if r >= 0}
-        for records in stores:
-            records.fetch(keys, mine, self.dp_group)
-        if self.cfg.routing_replay == "R3" and self.replay is not None:  # the engine's routes are the records
-            self.replay.load([k if b in mine else None for b, k in enumerate(keys)], batch.routes, batch.lengths)
-        holders = (self.replay, None if self.noise is None else self.noise.replay)
-        flags = torch.tensor([[h is not None and h.needs_recording_pass(self._row_keys(mb)) for h in holders]
-                              for mb in mbs], dtype=torch.uint8).reshape(len(mbs), 2)
-        if self.world_size > 1 and any(h is not None for h in holders):
-            flags = flags.to(comm_device())
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-            flags = flags.cpu()
-        return [(bool(a), bool(b)) for a, b in flags.tolist()]
-
-    @torch.no_grad()
-    def _router_churn(self, mbs: list[MicroBatch]) -> dict[str, float]:
-        """Re-run the step's micro-batches with the new weights and compare top-k choices (see router_churn)."""
-        self.gpt.eval()
-        for mb in mbs:
-            with self._replayed(mb), self._churn_capture(mb, "after"):
-                self._logprobs(self.gpt, mb, "router_churn")
-        self.gpt.train()
-        metrics = self.recorder.churn_metrics()  # all ranks: DP rows and SP shards are disjoint token sets
-        self.recorder.clear()
-        return metrics
-
-    @contextlib.contextmanager
-    def _churn_capture(self, mb: MicroBatch, phase: str):
-        """RouterRecorder.capture around a forward of `mb`. After a group-row forward the recorded routing maps
-        (one entry per real group-row token of this rank's shard) are re-expanded to the rows' own tokens, so
-        churn counts each prefix token once per row that uses it, as padded rows do (dummy rows count nothing)."""
-        if mb.layout is None:
-            with self.recorder.capture(mb.batch.lengths, phase):
-                yield
-            return
-        with self.recorder.capture(mb.layout.lengths, phase):
-            yield
-        width = mb.layout.tokens.shape[1]
-        s_local, offset = width, 0
-        if self.gpt.config.sequence_parallel:  # each TP rank's routers see one shard of the positions
-            s_local = width // parallel_state.get_tensor_model_parallel_world_size()
-            offset = parallel_state.get_tensor_model_parallel_rank() * s_local
-        lengths = torch.where(torch.tensor(mb.rows) >= 0, mb.batch.lengths, 0)
-        order = shard_token_order(mb.layout, lengths, s_local, offset)
-        for maps in self.recorder.maps[phase].values():
-            maps[-1] = maps[-1][order]
-
-    def _routing_records(self, micro: MicroBatch, sampler: bool = False,
-                         record_first: bool | None = None) -> contextlib.ExitStack:
-        """Routing Replay, then routing drift, around a policy forward of `micro` (one set of row keys for both;
-        Replay on padded rows only, see _plan). sampler: the sampling policy's forward (old-log-prob recompute),
-        where the routing-noise probe records too. record_first: see `_replayed`."""
-        stack = contextlib.ExitStack()
-        probe = self.noise if sampler else None
-        if self.replay is None and self.drift is None and probe is None:
-            return stack
-        if micro.layout is not None and ((self.replay is not None and self.cfg.routing_replay == "R2")
-                                         or probe is not None):
-            raise RuntimeError("R2 records per padded row: _plan must not give group rows here")
-        keys = self._row_keys(micro)
-        if probe is not None:
-            stack.enter_context(probe.sampler(keys, micro.batch.lengths))
-        stack.enter_context(self._replayed(micro, keys, record_first))  # first: its recording forward is not watched
-        if self.drift is not None:
-            stack.enter_context(self.drift.watch(keys, micro.batch.lengths, layout=micro.layout))
-        return stack
-
-    def _agreement(self, micro: MicroBatch):
-        """Routing agreement (trainer top-k vs the engine's, by version lag) around a training forward of `micro`;
-        the lag of position t - 1 is the trainer's version minus the version that sampled token t."""
-        mb = micro.batch
-        if self.agreement is None or mb.routes is None or mb.versions is None:
-            return contextlib.nullcontext()
-        lags = position_lags(mb.versions, self._version)
-        real = torch.tensor([r >= 0 for r in micro.rows])[:, None]  # dummies (copies of row 0) compare nothing
-        lags = torch.where(real & mb.loss_mask.bool().roll(-1, dims=1), lags, -1)  # trained tokens only
-        return self.agreement.watch(mb.routes, lags, mb.lengths, layout=micro.layout)
-
-    def _replayed(self, micro: MicroBatch, keys: list[str | None] | None = None, record_first: bool | None = None):
-        """Routing Replay around a policy forward of `micro` (records its routing the first time; see
-        routing.replay). record_first: whether a recording forward runs first, agreed over the ranks
-        (`_fetch_routing_records`); None decides from this rank's rows."""
-        if self.replay is None:
-            return contextlib.nullcontext()
-        return self.replay.forward(keys or self._row_keys(micro), micro.batch.lengths,
-                                   record_fn=lambda: self._logprobs(self.gpt, micro, "routing_record",
-                                                                    loss_tokens_only=True),
-                                   record_first=record_first, layout=micro.layout)
+        return self.routing.record_bytes()
 
     def _check_batch(self, batch: TrainBatch) -> None:
         b, width = batch.tokens.shape
@@ -475,55 +336,9 @@ class TrainerWorker:
         from gspo_ray.trainer.bridge import export_hf_weights
 
         bucket_mb = bucket_mb if bucket_mb is not None else self.cfg.export_bucket_mb
-        buckets = []
         source = (self.lora.weights(self.gpt, self.spec, bucket_mb) if self.lora is not None
                   else export_hf_weights(self.gpt, self.spec, bucket_mb=bucket_mb))
-        if shared:  # rank 0 writes every tensor once into its file (an adapter push too); the others only gather
-            tensors = (pair for bucket in source for pair in bucket)
-            if self.rank != 0:
-                for _ in tensors:
-                    pass
-                return WeightExport(version=self._version)
-            if as_refs:  # engines on other nodes too: object-store buckets beside the file, from the same pass
-                tensors = self._put_as_well(tensors, bucket_mb, buckets)
-            record = self._shared_writer().write(tensors)
-            record.fallback = buckets if as_refs else None
-            return WeightExport(version=self._version, shared=record)
-        for bucket in source:
-            if self.rank == 0:
-                # copies: the caller may hold them across later steps, which update the parameters in place
-                copy = [(name, t.detach().to("cpu").clone().contiguous()) for name, t in bucket]
-                if as_refs:
-                    import ray  # only inside an actor; the class itself stays importable without a cluster
-
-                    buckets.append(ray.put(copy))
-                else:
-                    buckets.append(copy)
-        return WeightExport(version=self._version, buckets=buckets)
-
-    def _shared_writer(self):
-        from gspo_ray.data.shared_weights import SharedWeightWriter
-
-        if getattr(self, "_writer", None) is None:
-            self._writer = SharedWeightWriter(f"gspo-weights-rank{self.rank}")
-        return self._writer
-
-    @staticmethod
-    def _put_as_well(tensors, bucket_mb: float, refs: list):
-        """Pass `tensors` through while putting copies of them, in buckets of <= bucket_mb MiB, into the object
-        store (their refs appended to `refs`)."""
-        import ray
-
-        bucket, size = [], 0
-        for name, t in tensors:
-            bucket.append((name, t.detach().to("cpu").clone().contiguous()))
-            size += t.numel() * t.element_size()
-            if size >= bucket_mb * 2 ** 20:
-                refs.append(ray.put(bucket))
-                bucket, size = [], 0
-            yield name, t
-        if bucket:
-            refs.append(ray.put(bucket))
+        return self.exporter.export(source, self._version, bucket_mb, as_refs=as_refs, shared=shared)
 
     def save(self, ckpt_dir: str | Path) -> str:
         """This rank's share of model + optimizer (each byte written by one rank, trainer/shards.py), its scheduler
@@ -592,7 +407,6 @@ class TrainerWorker:
     def shutdown(self) -> None:
         from gspo_ray.trainer.parallel import destroy_distributed
 
-        self.recorder.remove()
-        if getattr(self, "_writer", None) is not None:
-            self._writer.close()  # the shared weight file goes with its last mapping
+        self.routing.close()
+        self.exporter.close()  # the shared weight file goes with its last mapping
         destroy_distributed()

@@ -5,4 +5,6 @@
     replay.py        Routing Replay (R2) on megatron-core's RouterReplay
     records.py       the per-row record store (current rollout batch only; each record on the DP rank using it)
     noise_probe.py   trainer.routing_noise: the routing-induced log-ratio (a held-routing forward beside each one)
+    agreement.py     trainer top-k vs the engine's per trained token, by version lag
+    worker.py        TrainerRouting: what a TrainerWorker runs around its forwards with all of the above
 """
