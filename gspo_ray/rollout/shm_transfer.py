@@ -36,7 +36,6 @@ from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 from gspo_ray.compat.vllm_cpu_seeded_prefill import apply_seeded_prefill_fix
 from gspo_ray.data.shared_weights import SharedWeights, read_shared
-from gspo_ray.rollout.engine_env import keep_push_memory
 
 BACKEND = "gspo_shm"
 EXTENSION = "gspo_ray.rollout.shm_transfer.PushReportExtension"
@@ -128,6 +127,29 @@ class SharedMemoryTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo
 
     def shutdown(self) -> None:
         pass
+
+
+# glibc's mallopt parameters (malloc.h)
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+PUSH_HEAP_MMAP_THRESHOLD = 256 * 2**20  # above the largest tensor a push materialises (SmolLM2's embedding: 113 MB)
+
+
+def keep_push_memory() -> bool:
+    """Let this engine process reuse the memory of one weight push in the next: allocations up to 256 MiB come from
+    the heap (not a fresh mmap each) and freed heap is not trimmed. vLLM's layer-wise reload materialises every layer
+    afresh and re-packs every linear, so each push otherwise faults ~the model's bytes of new pages in twice.
+    Measured (SmolLM2-135M fp32, in-process engine on one core, median of 6 pushes from the shared file): 0.54 s ->
+    0.46 s (0.43 s when set as MALLOC_* variables before the process starts). The price: the process keeps its push
+    peak resident (the materialised layers and packed weights of one push). glibc only; False where it is absent."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.mallopt(M_MMAP_THRESHOLD, PUSH_HEAP_MMAP_THRESHOLD)
+                    and libc.mallopt(M_TRIM_THRESHOLD, 2**34))
+    except (OSError, AttributeError):  # not glibc
+        return False
 
 
 def push_engine_kwargs() -> dict[str, Any]:

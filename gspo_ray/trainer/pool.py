@@ -35,7 +35,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from gspo_ray.data.records import TrainBatch
 
 if TYPE_CHECKING:  # the driver never needs Megatron itself: the actors import it
-    from gspo_ray.trainer.worker import WeightExport
+    from gspo_ray.trainer.weight_export import WeightExport
 
 log = logging.getLogger(__name__)
 
