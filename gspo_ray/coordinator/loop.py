@@ -52,7 +52,7 @@ class Coordinator:
         r = cfg.rollout  # the job's transport, resolved once (as coordinator/pools.py gives the engines)
         self.transport = resolve_weight_transfer(r.weight_transfer, rollout_gpus=r.num_gpus_per_worker,
                                                  trainer_gpus=cfg.trainer.num_gpus_per_worker,
-                                                 lora=cfg.trainer.lora is not None)
+                                                 lora_serve=cfg.trainer.lora.serve if cfg.trainer.lora else None)
         self.transfer = (TransferPush(self.transport, r.tensor_parallel_size,
                                       int(cfg.trainer.export_bucket_mb * 2**20))
                          if self.transport in CUDA_TRANSPORTS else None)

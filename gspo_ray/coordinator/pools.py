@@ -76,7 +76,7 @@ def rollout_config(cfg: JobConfig):
     if r.weight_transfer == "auto":  # once, for every engine of the job and its pushes (coordinator/loop.py)
         r = r.model_copy(update={"weight_transfer": resolve_weight_transfer(
             "auto", rollout_gpus=r.num_gpus_per_worker, trainer_gpus=cfg.trainer.num_gpus_per_worker,
-            lora=cfg.trainer.lora is not None)})
+            lora_serve=cfg.trainer.lora.serve if cfg.trainer.lora else None)})
     if r.num_threads is not None:
         return r
     return r.model_copy(update={"num_threads": auto_threads(cfg, r.num_workers, r.num_cpus_per_worker)})

@@ -57,7 +57,8 @@ def check_transfer_devices(cfg: JobConfig) -> None:
     no trainer.lora (its pushes go through the trainer's export)."""
     try:
         resolve_weight_transfer(cfg.rollout.weight_transfer, rollout_gpus=cfg.rollout.num_gpus_per_worker,
-                                trainer_gpus=cfg.trainer.num_gpus_per_worker, lora=cfg.trainer.lora is not None)
+                                trainer_gpus=cfg.trainer.num_gpus_per_worker,
+                                lora_serve=cfg.trainer.lora.serve if cfg.trainer.lora else None)
     except ValueError as e:
         raise PreflightError(str(e)) from None
 
@@ -90,9 +91,9 @@ def run_preflight(cfg: JobConfig, *, import_timeout_s: float = IMPORT_TIMEOUT_S,
     if facts is None and cfg.model.tiny is not None:  # last: importing a transformers config class takes seconds
         check_lora(cfg, check_tiny_config(cfg, cfg.rollout.num_gpus_per_worker == 0), report)
     r = cfg.rollout
-    transport = resolve_weight_transfer(r.weight_transfer, rollout_gpus=r.num_gpus_per_worker,
+    transport = resolve_weight_transfer(r.weight_transfer, rollout_gpus=r.num_gpus_per_worker,  # checked above
                                         trainer_gpus=cfg.trainer.num_gpus_per_worker,
-                                        lora=cfg.trainer.lora is not None)  # checked above
+                                        lora_serve=cfg.trainer.lora.serve if cfg.trainer.lora else None)
     report.add("engines", "ok", describe_engines(r.tensor_parallel_size, r.enable_expert_parallel,
                                                  r.num_gpus_per_worker > 0, transport))
     if verdicts is not None:  # every check passed: the data files' verdicts may be kept

@@ -67,23 +67,30 @@ def choose_weight_transfer(requested: str, *, engine_on_gpu: bool, trainer_on_gp
     return requested
 
 
-def resolve_weight_transfer(requested: str, *, rollout_gpus: float, trainer_gpus: float, lora: bool = False) -> str:
+def resolve_weight_transfer(requested: str, *, rollout_gpus: float, trainer_gpus: float,
+                            lora_serve: str | None = None) -> str:
     """The job's transport, once, before any engine starts (`coordinator/pools.py`): shm | object_store | nccl |
     ipc. CPU engines or a CPU trainer: `auto` -> "shm", the `gspo_shm` family as before the field (each push's
     `export_plan` still writes the file only where an engine shares trainer rank 0's node and sends object-store
     refs elsewhere). CUDA on both sides: `auto` -> "ipc" where the engines share the trainer's GPUs (both
     num_gpus_per_worker fractional: `config.rollout.gpu_colocated`, the rule that sizes gpu_memory_utilization), else
-    "nccl". An explicit value is checked against the devices (ValueError naming the field) and kept. lora
-    (trainer.lora set): adapter and merged pushes go through the trainer's export only, so `auto` stays "shm" and
-    nccl / ipc are refused."""
+    "nccl". An explicit value is checked against the devices (ValueError naming the field) and kept.
+
+    lora_serve: trainer.lora.serve when trainer.lora is set (None: full fine-tuning). "merged": the engines get full
+    weights W + (alpha / rank) B A, pushed like full fine-tuning's (nccl / ipc read the trainer's merged view,
+    trainer/weight_send.py). "adapter": the engines load the adapter through vLLM's LoRA API, which only the
+    trainer's export carries (on CUDA engines, where nccl / ipc run, an MoE serves the adapter too), so `auto` stays
+    "shm" and nccl / ipc are refused."""
     engine_on_gpu, trainer_on_gpu = rollout_gpus > 0, trainer_gpus > 0
     check_weight_transfer(requested, engine_on_gpu=engine_on_gpu, trainer_on_gpu=trainer_on_gpu)
-    if lora and requested in CUDA_TRANSPORTS:
-        raise ValueError(f"{FIELD} {requested!r} does not carry trainer.lora pushes yet; valid with trainer.lora: "
-                         "auto, shm, object_store")
+    adapter = lora_serve == "adapter"
+    if adapter and requested in CUDA_TRANSPORTS:
+        raise ValueError(f"{FIELD} {requested!r} sends full weights; trainer.lora.serve adapter pushes the adapter "
+                         "through vLLM's LoRA API (the trainer's export): valid with it: auto, shm, object_store "
+                         "(or trainer.lora.serve merged)")
     if requested != "auto":
         return requested
-    if engine_on_gpu and trainer_on_gpu and not lora:
+    if engine_on_gpu and trainer_on_gpu and not adapter:
         return choose_weight_transfer("auto", engine_on_gpu=True, trainer_on_gpu=True,
                                       same_gpu=gpu_colocated(rollout_gpus, trainer_gpus), same_node=True)
     return "shm"

@@ -22,8 +22,14 @@ trainer rank iterates in the same order, which both vLLM trainer engines do (non
 `nccl` each bucket is gathered to rank 0 only (the others yield None for what they do not hold, vLLM's convention;
 its non-senders only iterate); for `ipc` to every rank.
 
+With trainer.lora and merged pushes (trainer.lora.serve merged) the source reads the model's merged view
+(`trainer/lora/peft_io.MergedView`, `push_model`): each adapted weight is W + (alpha / rank) B A, merged when its
+bucket is gathered, so one bucket's merged tensors are alive at a time and every push reads the adapters of that
+push. Adapter pushes (serve adapter) do not come here: the engines load the adapter through vLLM's LoRA API.
+
 Not run on a GPU (none reaches this project with a CUDA build of vLLM): the two engines' CUDA data paths. Our part
-(the plan, the gather order, metadata agreeing with iteration, the init records) is tested on CPU.
+(the plan, the gather order, metadata agreeing with iteration, the init records, the merged view's tensors) is
+tested on CPU.
 """
 from __future__ import annotations
 
@@ -34,6 +40,7 @@ from torch import Tensor
 from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
+from gspo_ray.trainer.lora.peft_io import MergedView
 from gspo_ray.trainer.model_spec import ModelSpec
 from gspo_ray.trainer.weight_buckets import Collect, WeightBucket, gather_bucket, plan_buckets, torch_collect
 
@@ -42,17 +49,23 @@ class MegatronWeightSource(WeightSource):
     """vLLM's `WeightSource` over a Megatron model's shards: full HF tensors, gathered bucket by bucket.
 
     tp_group / ep_group: the model's TP and expert-parallel groups (None: Megatron's parallel_state when the model
-    is sharded over them). to_root: gather each bucket to global rank 0 only (`nccl`: only it sends; the other
+    is sharded over them). model: a Megatron model (its `named_parameters()`, held by name: the live parameters, read
+    at each push) or a mapping name -> local tensor; a mapping whose values are computed when read gives its names,
+    shapes and dtypes through `param_meta()` and is read at every push, bucket by bucket (`trainer/lora/peft_io.
+    MergedView`: W + scale B A of the adapters as they are at that push; `gather_bucket` holds one bucket's values
+    at a time). to_root: gather each bucket to global rank 0 only (`nccl`: only it sends; the other
     ranks yield None for what they do not hold) instead of to every rank (`ipc`: every rank's GPU serves its own
     engine workers); `for_backend` picks it. collect(tensor, group, to_root): torch.distributed's by default."""
 
     def __init__(self, model, spec: ModelSpec, bucket_bytes: int = 64 * 2**20, tp_group=None, ep_group=None,
                  to_root: bool = False, collect: Collect = torch_collect) -> None:
-        named = model.named_parameters() if hasattr(model, "named_parameters") else model.items()
-        self._params = dict(named)
+        if hasattr(model, "param_meta"):  # values computed when read (MergedView): planned without reading them
+            self._params, meta = model, list(model.param_meta())
+        else:
+            self._params = dict(model.named_parameters() if hasattr(model, "named_parameters") else model.items())
+            meta = [(n, tuple(t.shape), t.dtype) for n, t in self._params.items()]
         self.spec = spec
-        self.plan: list[WeightBucket] = plan_buckets(
-            ((n, tuple(t.shape), t.dtype) for n, t in self._params.items()), spec, bucket_bytes)
+        self.plan: list[WeightBucket] = plan_buckets(meta, spec, bucket_bytes)
         if (spec.tp > 1 and tp_group is None) or (spec.ep > 1 and ep_group is None):
             from megatron.core import parallel_state as ps
 
@@ -109,11 +122,26 @@ class TransferSender:
         return sender
 
 
+def push_model(worker):
+    """What a rank's nccl / ipc pushes read: the model, or with trainer.lora and merged pushes
+    (`TrainerLoRA.merged_push`: trainer.lora.serve merged; on CUDA engines an MoE serves the adapter) its merged view
+    `MergedView(gpt)`: W + (alpha / rank) B A of each adapted weight, computed bucket by bucket at each push from the
+    adapters as they are then, in the base weight's dtype (trainer.dtype, what the plan's metadata declares and
+    vLLM's senders check; the engines' weight loaders cast to rollout.dtype as for full weights). Adapter pushes
+    are refused: they go through vLLM's LoRA API."""
+    if worker.lora is None:
+        return worker.gpt
+    if not worker.lora.merged_push:
+        raise ValueError("rollout.weight_transfer nccl / ipc sends full weights; trainer.lora.serve adapter pushes "
+                         "the adapter through vLLM's LoRA API (the trainer's export): use rollout.weight_transfer "
+                         "auto, shm or object_store, or trainer.lora.serve merged")
+    return MergedView(worker.gpt)
+
+
 def send_on_rank(worker, key, init_infos: list, client) -> None:
     """One nccl / ipc push on one trainer rank, run inside its TrainerWorker actor (TrainerPool.send_by_transfer,
-    through Ray's `__ray_call__`): the rank's `TransferSender`, kept on the worker between pushes."""
-    if worker.lora is not None:  # adapter / merged pushes go through export_weights (resolve_weight_transfer)
-        raise ValueError("rollout.weight_transfer nccl / ipc does not carry trainer.lora pushes yet")
+    through Ray's `__ray_call__`): the rank's `TransferSender`, kept on the worker between pushes, over
+    `push_model(worker)` (the model, or its merged LoRA view)."""
     worker.transfer_sender = TransferSender.push(getattr(worker, "transfer_sender", None), key,
-                                                 init_infos[worker.rank], client, worker.gpt, worker.spec,
+                                                 init_infos[worker.rank], client, push_model(worker), worker.spec,
                                                  int(worker.cfg.export_bucket_mb * 2**20))

@@ -34,24 +34,38 @@ from gspo_ray.trainer.pool import TrainerPool, TrainerRankDied, TrainerRankFaile
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
-@pytest.mark.parametrize("requested,rollout_gpus,trainer_gpus,expected", [
-    ("auto", 0, 0, "shm"),              # CPU: gspo_shm, the file or refs per push as before (export_plan)
-    ("auto", 1, 0, "shm"),              # a CPU trainer: host memory either way
-    ("auto", 0, 1, "shm"),
-    ("auto", 1, 1, "nccl"),             # whole GPUs never share: broadcast
-    ("auto", 0.5, 1, "nccl"),
-    ("auto", 0.5, 0.5, "ipc"),          # both fractional: Ray packs them onto one GPU
-    ("object_store", 0, 0, "object_store"),
-    ("nccl", 0.5, 0.5, "nccl"),         # an explicit value is kept
+@pytest.mark.parametrize("requested,rollout_gpus,trainer_gpus,lora_serve,expected", [
+    ("auto", 0, 0, None, "shm"),              # CPU: gspo_shm, the file or refs per push as before (export_plan)
+    ("auto", 1, 0, None, "shm"),              # a CPU trainer: host memory either way
+    ("auto", 0, 1, None, "shm"),
+    ("auto", 1, 1, None, "nccl"),             # whole GPUs never share: broadcast
+    ("auto", 0.5, 1, None, "nccl"),
+    ("auto", 0.5, 0.5, None, "ipc"),          # both fractional: Ray packs them onto one GPU
+    ("object_store", 0, 0, None, "object_store"),
+    ("nccl", 0.5, 0.5, None, "nccl"),         # an explicit value is kept
+    # trainer.lora.serve merged: full weights W + scale B A, from the trainer's merged view like full fine-tuning
+    ("auto", 1, 1, "merged", "nccl"),
+    ("auto", 0.5, 0.5, "merged", "ipc"),
+    ("auto", 0, 0, "merged", "shm"),
+    ("ipc", 0.5, 0.5, "merged", "ipc"),
+    ("auto", 1, 1, "adapter", "shm"),         # the adapter goes through vLLM's LoRA API: the trainer's export
+    ("object_store", 1, 1, "adapter", "object_store"),
 ])
-def test_resolve_weight_transfer(requested, rollout_gpus, trainer_gpus, expected):
-    assert resolve_weight_transfer(requested, rollout_gpus=rollout_gpus, trainer_gpus=trainer_gpus) == expected
+def test_resolve_weight_transfer(requested, rollout_gpus, trainer_gpus, lora_serve, expected):
+    assert resolve_weight_transfer(requested, rollout_gpus=rollout_gpus, trainer_gpus=trainer_gpus,
+                                   lora_serve=lora_serve) == expected
 
 
 def test_lora_pushes_stay_on_the_trainers_export():
-    assert resolve_weight_transfer("auto", rollout_gpus=1, trainer_gpus=1, lora=True) == "shm"
-    with pytest.raises(ValueError, match="rollout.weight_transfer 'nccl' does not carry trainer.lora pushes"):
-        resolve_weight_transfer("nccl", rollout_gpus=1, trainer_gpus=1, lora=True)
+    """Only adapter pushes (trainer.lora.serve adapter): nccl / ipc send full weights, refused in one line naming
+    the field; merged pushes resolve like full fine-tuning, down to the workers' config."""
+    for transport in ("nccl", "ipc"):
+        with pytest.raises(ValueError, match=rf"^rollout.weight_transfer '{transport}' sends full weights; "
+                                             r"trainer.lora.serve adapter pushes the adapter through vLLM's LoRA API"):
+            resolve_weight_transfer(transport, rollout_gpus=0.5, trainer_gpus=0.5, lora_serve="adapter")
+    gpus = ["rollout.num_gpus_per_worker=0.5", "trainer.num_gpus_per_worker=0.5"]
+    assert rollout_config(load_config(None, gpus + ["trainer.lora.serve=adapter"])).weight_transfer == "shm"
+    assert rollout_config(load_config(None, gpus + ["trainer.lora.serve=merged"])).weight_transfer == "ipc"
 
 
 def test_resolution_reaches_the_workers_and_the_engines_line():

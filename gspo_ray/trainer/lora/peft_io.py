@@ -5,6 +5,7 @@
     cfg_json, tensors = read_peft_dir(adapter_dir)    # ValueError naming the path when it is not one
     load_full_adapter(gpt, spec, tensors, where)      # full tensors -> this rank's shards (shapes checked)
     export_hf_weights(MergedParameters(gpt), spec)     # W + scale * B A, one linear at a time (merged pushes)
+    view = MergedView(gpt); view[name]                 # the same, merged when read (nccl / ipc merged pushes)
 
 PEFT names (what `peft.PeftModel.from_pretrained` and vLLM's LoRA loader read):
 `base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight` [r, in], `...lora_B.weight` [out, r]; MoE
@@ -13,7 +14,9 @@ experts `base_model.model.model.layers.{i}.mlp.experts.{e}.gate_proj.lora_A.weig
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from torch import Tensor, nn
@@ -175,30 +178,62 @@ def merged_weight(w: Tensor, delta: Tensor) -> Tensor:
     return (w.float() + delta).to(w.dtype)
 
 
+class MergedView(Mapping[str, Tensor]):
+    """`model`'s parameters by name, each adapted linear's weight read as W + scale * B A (this rank's shard, in W's
+    dtype: `merged_weight`) when it is looked up; every other parameter is the live parameter itself.
+
+    Nothing is merged until a value is read, and the view keeps no merged tensor: keys and `param_meta()` (name,
+    shape, dtype, all the base parameter's) come from the parameters alone, and each `view[name]` merges again from
+    the adapters as they are then. So a view built once serves every push (the nccl / ipc source reads it bucket by
+    bucket at each push, trainer/weight_send.py) and never goes stale after an optimizer step, and only what the
+    reader still holds is alive (R4: never every adapted weight's merged copy at once). Adapters are matched to
+    weights by the weight tensor itself, not its name: a grouped-GEMM expert's adapter sits on a view whose weight
+    is the grouped linear's weight{j}."""
+
+    def __init__(self, model: nn.Module):
+        by_weight = {id(linear.weight): linear for _, linear in adapted_linears(model)}
+        self._params: dict[str, Tensor] = dict(model.named_parameters())
+        self._linears = {n: by_weight[id(p)] for n, p in self._params.items() if id(p) in by_weight}
+
+    @property
+    def adapted(self) -> list[str]:
+        """Names of the weights read merged, in parameter order."""
+        return list(self._linears)
+
+    def param_meta(self) -> Iterator[tuple[str, tuple[int, ...], torch.dtype]]:
+        """(name, shape, dtype) of every value, without merging (a merged weight keeps its base's shape and dtype)."""
+        return ((n, tuple(p.shape), p.dtype) for n, p in self._params.items())
+
+    def __getitem__(self, name: str) -> Tensor:
+        param, linear = self._params[name], self._linears.get(name)
+        if linear is None:
+            return param
+        with torch.no_grad():
+            return merged_weight(param.detach(), linear.lora.delta_weight())
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._params)
+
+    def __len__(self) -> int:
+        return len(self._params)
+
+
 class MergedParameters:
     """`model` as the weight exporter reads it (`export_hf_weights(MergedParameters(gpt), spec)`: the exporter
     only calls `named_parameters()`), with each adapted linear's weight read as W + scale * B A (this rank's shard).
 
-    One merged weight at a time: an adapted linear's merged tensor is built when the exporter reaches it and dropped
-    when it moves on (the exporter keeps its own bucket copy), so a push holds one linear's merged copy, not one per
-    adapted weight (an MoE adapts nearly every expert weight). The parameters themselves are never touched."""
+    One merged weight at a time: an adapted linear's merged tensor is built (`MergedView`) when the exporter reaches
+    it and dropped when it moves on (the exporter keeps its own bucket copy), so a push holds one linear's merged
+    copy, not one per adapted weight (an MoE adapts nearly every expert weight). The parameters themselves are
+    never touched."""
 
     def __init__(self, model: nn.Module):
         self.model = model
 
     def named_parameters(self):
-        # by the weight tensor itself, not its name: a grouped-GEMM expert's adapter sits on a view whose weight
-        # is the grouped linear's weight{j}
-        linears = {id(linear.weight): linear for _, linear in adapted_linears(self.model)}
-        for name, param in self.model.named_parameters():
-            linear = linears.get(id(param))
-            if linear is None:
-                yield name, param
-                continue
-            with torch.no_grad():
-                merged = merged_weight(param.detach(), linear.lora.delta_weight())
-            yield name, merged
-            del merged  # gone before the next linear is merged
+        view = MergedView(self.model)
+        for name in view:
+            yield name, view[name]  # no local keeps it: gone once the exporter drops it, before the next merge
 
 
 def expected_adapter_shapes(spec: ModelSpec, rank: int, targets: list[str]) -> dict[str, tuple[int, int]]:
