@@ -54,7 +54,7 @@ def check_use_te(use_te, attention_kernel: str = "sdpa") -> None:
 
 def check_transfer_devices(cfg: JobConfig) -> None:
     """rollout.weight_transfer nccl / ipc need CUDA on both sides (rollout and trainer num_gpus_per_worker > 0) and
-    no trainer.lora (its pushes go through the trainer's export)."""
+    no trainer.lora with serve adapter (adapters go through vLLM's LoRA API; merged pushes may use nccl / ipc)."""
     try:
         resolve_weight_transfer(cfg.rollout.weight_transfer, rollout_gpus=cfg.rollout.num_gpus_per_worker,
                                 trainer_gpus=cfg.trainer.num_gpus_per_worker,
