@@ -263,6 +263,25 @@ def legacy_was_distributed(ckpt_dir: str | Path) -> bool:
     return bool(mains) and all(p.dim() == 1 for p in mains)
 
 
+def describe_layers(layers: dict) -> str:
+    """A checkpoint's `layers` record ({"te": bool, "grouped_gemm": bool}) in words."""
+    kind = "Transformer Engine layers" if layers.get("te") else "Megatron's local layers"
+    return kind + (", grouped GEMM experts" if layers.get("grouped_gemm") else "")
+
+
+def check_layers(meta: dict, layers: dict, where: str) -> None:
+    """A checkpoint written by other layers than this trainer builds (Transformer Engine's spec names the fused norms
+    and grouped experts differently: trainer/param_names.py) cannot be resumed here: ValueError naming both, before
+    anything is read. A checkpoint from before the record (no `layers`) is not checked."""
+    saved = meta.get("layers")
+    if saved is None or (bool(saved.get("te")), bool(saved.get("grouped_gemm"))) == (
+            bool(layers.get("te")), bool(layers.get("grouped_gemm"))):
+        return
+    raise ValueError(f"checkpoint {where} was written by {describe_layers(saved)}; this trainer builds "
+                     f"{describe_layers(layers)} (trainer.use_te): their parameter names differ, "
+                     "so it resumes only under the same layers; a new run can start from its HF export (model.path)")
+
+
 def legacy_problem(meta: dict, tp: int, ep: int, world_size: int, distributed: bool, saved_distributed: bool,
                    where: str) -> str | None:
     """None when a checkpoint of the older layout (no "format" in meta.json: a full model and optimizer replica per

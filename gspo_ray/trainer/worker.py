@@ -358,8 +358,14 @@ class TrainerWorker:
         meta = {"format": shards.FORMAT, "world_size": self.world_size, "tp": self.cfg.tp, "ep": self.cfg.ep,
                 "dtype": self.cfg.dtype, "version": self._version, "layouts": layouts,
                 "distributed_optimizer": self.cfg.distributed_optimizer,
-                "lora": self.lora.meta() if self.lora is not None else None}
+                "lora": self.lora.meta() if self.lora is not None else None, "layers": self._layers()}
         return str(ckpt.save_checkpoint(ckpt_dir, self.rank, payload, meta))
+
+    def _layers(self) -> dict:
+        from gspo_ray.trainer.model import layer_kinds
+
+        kinds = layer_kinds(self.gpt)  # what was built (the TE spec, grouped experts), not what was asked
+        return {"te": kinds.te, "grouped_gemm": kinds.grouped_gemm}
 
     def _param_names(self) -> dict[int, str]:
         return {id(p): name for name, p in self.gpt.named_parameters()}
@@ -375,6 +381,7 @@ class TrainerWorker:
         """
         meta = ckpt.read_meta(ckpt_dir)
         check_checkpoint_kind(meta, self.lora, str(ckpt_dir))
+        ckpt.check_layers(meta, self._layers(), str(ckpt_dir))
         lay, fp32 = self.layout(), torch_dtype(self.cfg.dtype) == torch.float32
         if meta.get("format") == shards.FORMAT:
             saved = shards.SavedShards(ckpt_dir, meta, self.spec, lambda d, r: ckpt.load_rank_payload(d, r, mmap=True))

@@ -7,6 +7,8 @@ distributed (ZeRO-1) optimizer, whose state is sharded over the data-parallel ra
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -43,6 +45,15 @@ def _resume(rank, world_size, ports, model_dir, ckpt_root, b1, b2):
 
         b = TrainerWorker(rank, world_size, "127.0.0.1", ports[2 * i + 1], model_dir, tcfg, algo_cfg())
         fresh = b.compute_logprobs(b2)
+        if not distributed:  # the same files, as if written by Transformer Engine's layers (a copy per rank)
+            other = Path(f"{ckpt_root}/te{rank}")
+            shutil.copytree(ckpt_dir, other)
+            meta = json.loads((other / ckpt.META).read_text())
+            (other / ckpt.META).write_text(json.dumps({**meta, "layers": {"te": True, "grouped_gemm": True}}))
+            try:  # refused on every rank before anything is read (were it loaded, it would be on both ranks)
+                b.load(other)
+            except ValueError as e:
+                results["other_layers"] = str(e)
         version = b.load(ckpt_dir)
         loaded = {"logp": b.compute_logprobs(b2), "opt": _opt_tensors(b), "rng": torch.get_rng_state()}
         b_step2, b_logp2 = b.train_step(b2), b.compute_logprobs(b2)
@@ -82,12 +93,23 @@ def test_resume_is_bit_identical(resumed, distributed):
         assert a["train/forward_passes_train"] == b["train/forward_passes_train"]  # the step itself: the same
 
 
+def test_a_checkpoint_of_other_layers_is_refused_naming_both(resumed):
+    ranks, _ = resumed
+    assert ranks[0]["other_layers"].endswith(
+        "was written by Transformer Engine layers, grouped GEMM experts; this trainer builds Megatron's local layers "
+        "(trainer.use_te): their parameter names differ, so it resumes only under the same layers; a new run can "
+        "start from its HF export (model.path)")
+    assert [r["other_layers"].partition(" was written")[2] for r in ranks] == \
+        [ranks[0]["other_layers"].partition(" was written")[2]] * 2  # both ranks refused it alike
+
+
 def test_checkpoint_layout_on_disk(resumed):
     _, root = resumed
     d = root / "dist0"
     assert sorted(p.name for p in d.iterdir()) == ["meta.json", "rank_0.pt", "rank_1.pt"]
     meta = json.loads((d / "meta.json").read_text())
     assert (meta["world_size"], meta["tp"], meta["ep"], meta["version"]) == (2, 1, 2, 1)
+    assert meta["layers"] == {"te": False, "grouped_gemm": False}  # what was built: the local spec here
     assert [lay["ep_rank"] for lay in meta["layouts"]] == [0, 1]
     payload = ckpt.load_rank_payload(d, 1)
     assert set(payload) == {"model", "optimizer", "scheduler", "version", "rng", "layout"}
