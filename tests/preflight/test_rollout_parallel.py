@@ -45,26 +45,30 @@ def test_config_fields_are_documented_and_default_to_one_engine_device():
         RolloutConfig(tensor_parallel_size=0)
 
 
-def test_train_stops_before_ray_naming_the_field(tmp_path):
+def _job_file(tmp_path, rollout: dict):
+    """A small jsonl job with these rollout fields, written as tmp_path/job.yaml."""
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"copy:{n}=", "reference": str(n)}) + "\n" for n in (12, 345)))
     job = {"name": "tp", "logging": {"out_dir": str(tmp_path / "runs")}, "data": {"source": "jsonl", "path": str(data)},
-           "rollout": {"max_new_tokens": 6, "max_model_len": 64, "tensor_parallel_size": 3}}
+           "rollout": {"max_new_tokens": 6, "max_model_len": 64, **rollout}}
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
-    result = CliRunner().invoke(app, ["train", str(tmp_path / "job.yaml")])
+    return tmp_path / "job.yaml"
+
+
+@pytest.mark.parametrize("rollout,expected", [
+    ({"tensor_parallel_size": 3}, "rollout.tensor_parallel_size (3)"),
+    ({"weight_transfer": "nccl"}, "rollout.weight_transfer 'nccl'"),  # CUDA transports with CPU engines
+])
+def test_train_stops_before_ray_naming_the_field(tmp_path, rollout, expected):
+    result = CliRunner().invoke(app, ["train", str(_job_file(tmp_path, rollout))])
     assert result.exit_code == 2, result.output
     err = result.stderr.strip()
-    assert err.startswith("error: ") and "rollout.tensor_parallel_size (3)" in err and len(err.splitlines()) == 1
+    assert err.startswith("error: ") and expected in err and len(err.splitlines()) == 1
     assert sorted(p.name for p in Path(tmp_path).iterdir()) == ["job.yaml", "train.jsonl"]  # nothing written
 
 
 def test_the_engine_choice_is_in_the_jobs_first_lines(tmp_path):
-    data = tmp_path / "train.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"copy:{n}=", "reference": str(n)}) + "\n" for n in (12, 345)))
     for tp, expected in ((1, "engines    ok       in-process"), (2, "engines    ok       multi-process")):
-        job = {"name": "tp", "logging": {"out_dir": str(tmp_path / "runs")},
-               "data": {"source": "jsonl", "path": str(data)},
-               "rollout": {"max_new_tokens": 6, "max_model_len": 64, "tensor_parallel_size": tp}}
-        (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
-        result = CliRunner().invoke(app, ["config", "validate", str(tmp_path / "job.yaml")])
+        job = _job_file(tmp_path, {"tensor_parallel_size": tp})
+        result = CliRunner().invoke(app, ["config", "validate", str(job)])
         assert result.exit_code == 0 and expected in result.stdout, result.output

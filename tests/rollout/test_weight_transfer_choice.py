@@ -1,17 +1,13 @@
 """rollout.weight_transfer (rollout/weight_transfer.py): the transport chosen per engine, vLLM's own init records for
 its `nccl` / `ipc` backends built for real, the pool client's NCCL rank layout and concurrency, and the refusal of
-a CUDA transport for CPU devices (one line naming the field, exit 2, before Ray starts). Pure: no engine, no GPU."""
+a CUDA transport for CPU devices (`gspo-ray train`'s one line, exit 2, before Ray: tests/preflight/
+test_rollout_parallel.py). Pure: no engine, no GPU."""
 from __future__ import annotations
 
-import json
 import threading
-from pathlib import Path
 
 import pytest
-import yaml
-from typer.testing import CliRunner
 
-from gspo_ray.cli import app
 from gspo_ray.config import RolloutConfig
 from gspo_ray.rollout.weight_transfer import (EnginePoolClient, check_weight_transfer, choose_weight_transfer,
                                               engine_backend, ipc_init_info, nccl_init_infos)
@@ -104,19 +100,6 @@ def test_pool_client_calls_every_engine_at_once():
     assert [m for _, m, _ in calls].count("update_weights") == 3
     assert all(r == {"update_info": {"names": ["w"], "dtype_names": ["bfloat16"], "shapes": [[2]]}}
                for _, m, r in calls if m == "update_weights")
-
-
-def test_train_refuses_nccl_for_cpu_engines_before_ray(tmp_path):
-    data = tmp_path / "train.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"copy:{n}=", "reference": str(n)}) + "\n" for n in (12, 345)))
-    job = {"name": "wt", "logging": {"out_dir": str(tmp_path / "runs")}, "data": {"source": "jsonl", "path": str(data)},
-           "rollout": {"max_new_tokens": 6, "max_model_len": 64, "weight_transfer": "nccl"}}
-    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
-    result = CliRunner().invoke(app, ["train", str(tmp_path / "job.yaml")])
-    assert result.exit_code == 2, result.output
-    err = result.stderr.strip()
-    assert err.startswith("error: ") and "rollout.weight_transfer 'nccl'" in err and len(err.splitlines()) == 1
-    assert sorted(p.name for p in Path(tmp_path).iterdir()) == ["job.yaml", "train.jsonl"]  # nothing written
 
 
 def test_a_cpu_engine_refuses_cuda_transports_before_vllm_starts(tmp_path):
