@@ -4,7 +4,7 @@
     choose_weight_transfer("auto", engine_on_gpu=True, trainer_on_gpu=True, same_gpu=False, same_node=True) # "nccl"
     LLM(..., **engine_transfer_kwargs("nccl"))                          # weight_transfer_config + our extension
     trainer_info, worker_info = nccl_init_infos("10.0.0.1", 29600, engine_workers=[2, 2])   # vLLM's own records
-    client = EnginePoolClient([engine_target(e) for e in engines], [e.tensor_parallel_size for e in engines])
+    client = ActorPoolClient(rollout_actors, [tensor_parallel_size] * len(rollout_actors), timeout_s=600)
 
 Transports (the field's values, `auto` resolved by `choose_weight_transfer` once the placement is known):
 - `shm`: the trainer's shared-memory export, mapped by every TP worker of an engine on the same node (our
@@ -25,8 +25,7 @@ backend in each worker; its rendezvous (`init_weight_transfer_engine`) waits for
 """
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any
 
 from gspo_ray.config.rollout import gpu_colocated
 
@@ -149,27 +148,18 @@ def ipc_init_info(*, rank: int = 0, packed_buffer_bytes: int | None = None):
     return IPCTrainerInitInfo(rank=rank, packed=True, packed_buffer_size_bytes=packed_buffer_bytes)
 
 
-def engine_target(engine) -> Callable[[str, Any], None]:
-    """A call target over an in-process `RolloutEngine`: (vLLM LLM method, request dict or None)."""
-    def call(method: str, request: Any) -> None:
-        fn = getattr(engine.llm, method)
-        fn() if request is None else fn(request)
-
-    return call
-
-
 WEIGHT_TRANSFER_CALLS = ("init_weight_transfer_engine", "start_weight_update", "update_weights",
                          "finish_weight_update")  # vLLM's four phases, the methods of every LLM
 
 
 class EnginePoolClient:
-    """vLLM's `VLLMWeightSyncClient` (four methods, plain dicts) over a pool of engines, each one vLLM `LLM`
-    reached through a target call(method, request). Every call goes to every engine at once, on threads: the NCCL
-    rendezvous and broadcast block until every worker of the group has joined. The NCCL init record is
-    re-addressed per engine: vLLM numbers a worker `rank_offset + its rank in the engine`, and each of our
-    engines is its own `LLM`, so engine i gets rank_offset 1 + the workers of engines 0..i-1."""
+    """vLLM's `VLLMWeightSyncClient` (four methods, plain dicts) over a pool of engines, each one vLLM `LLM`: every
+    call goes to every engine at once (`_all`, `ActorPoolClient`'s over rollout actors), since the NCCL rendezvous
+    and broadcast block until every worker of the group has joined. The NCCL init record is re-addressed per
+    engine: vLLM numbers a worker `rank_offset + its rank in the engine`, and each of our engines is its own `LLM`,
+    so engine i gets rank_offset 1 + the workers of engines 0..i-1."""
 
-    def __init__(self, targets: list[Callable[[str, Any], None]], engine_workers: list[int]) -> None:
+    def __init__(self, targets: list, engine_workers: list[int]) -> None:
         if len(targets) != len(engine_workers):
             raise ValueError(f"{len(targets)} engines, {len(engine_workers)} worker counts")
         self.targets, self.engine_workers = targets, list(engine_workers)
@@ -187,9 +177,8 @@ class EnginePoolClient:
         return [init_info | {"rank_offset": off} for off in offsets]
 
     def _all(self, method: str, requests: list[Any]) -> None:
-        with ThreadPoolExecutor(max_workers=len(self.targets)) as pool:
-            for f in [pool.submit(t, method, r) for t, r in zip(self.targets, requests)]:
-                f.result()
+        """`method` on every engine at once, request i to engine i; returns once all are done."""
+        raise NotImplementedError
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self._all("init_weight_transfer_engine", [{"init_info": i} for i in self.engine_init_infos(init_info)])

@@ -1,10 +1,9 @@
 """rollout.weight_transfer (rollout/weight_transfer.py): the transport chosen per engine, vLLM's own init records for
-its `nccl` / `ipc` backends built for real, the pool client's NCCL rank layout and concurrency, and the refusal of
+its `nccl` / `ipc` backends built for real, the pool client's NCCL rank layout (its calls to every engine at once:
+tests/coordinator/test_transfer_push.py), and the refusal of
 a CUDA transport for CPU devices (`gspo-ray train`'s one line, exit 2, before Ray: tests/preflight/
 test_rollout_parallel.py). Pure: no engine, no GPU."""
 from __future__ import annotations
-
-import threading
 
 import pytest
 
@@ -77,29 +76,6 @@ def test_init_records_are_vllms_own_and_address_every_engine_worker():
     assert isinstance(ipc, IPCTrainerInitInfo) and ipc.backend == "ipc" and not ipc.is_sender and ipc.packed
     assert IPCWeightTransferInitInfo(**EnginePoolClient([None], [1]).engine_init_infos({"packed": True})[0]).packed
     assert not ipc_init_info().packed  # unpacked: one handle per tensor
-
-
-def test_pool_client_calls_every_engine_at_once():
-    """vLLM's NCCL rendezvous and broadcast block until every worker of the group joined: a client that called
-    the engines one after another would wait forever on the first. Each target here blocks until all are in."""
-    barrier = threading.Barrier(3, timeout=30)
-    calls = []
-
-    def target(i):
-        def call(method, request):
-            barrier.wait()
-            calls.append((i, method, request))
-        return call
-
-    client = EnginePoolClient([target(i) for i in range(3)], [1, 1, 1])
-    client.init_weight_transfer_engine({"master_address": "h", "master_port": 1, "rank_offset": 1, "world_size": 4})
-    client.start_weight_update()
-    client.update_weights({"names": ["w"], "dtype_names": ["bfloat16"], "shapes": [[2]]})
-    client.finish_weight_update()
-    assert sorted(r["init_info"]["rank_offset"] for _, m, r in calls if m == "init_weight_transfer_engine") == [1, 2, 3]
-    assert [m for _, m, _ in calls].count("update_weights") == 3
-    assert all(r == {"update_info": {"names": ["w"], "dtype_names": ["bfloat16"], "shapes": [[2]]}}
-               for _, m, r in calls if m == "update_weights")
 
 
 def test_a_cpu_engine_refuses_cuda_transports_before_vllm_starts(tmp_path):
