@@ -62,6 +62,10 @@ def default_cpu_cores(worker_id: int, cfg, cpu_count: int | None = None) -> str 
     return ",".join(str((first + j) % cpu_count) for j in range(k))
 
 
+# `_broken` between a transfer push's finish_weight_update and publish_weights: complete, not checked yet
+PUSHED_UNCHECKED = "weight push finished, its probe check not done"
+
+
 class RolloutWorker:
     """A rollout actor (plain class; wrap with `ray.remote`). Owns one `RolloutEngine`."""
 
@@ -279,6 +283,7 @@ class RolloutWorker:
                 fn() if request is None else fn(request)
                 if method == "finish_weight_update":
                     self.engine.reset_prefix_cache()  # cached KV of the old weights must not serve new requests
+                    self._broken = PUSHED_UNCHECKED  # still refusing to sample: publish_weights checks it
             except BaseException as e:
                 if method != "init_weight_transfer_engine":
                     self._broken = f"weight transfer {method} failed: {type(e).__name__}: {e}"
@@ -289,7 +294,7 @@ class RolloutWorker:
         `update_weights`), then become `version`. Raises WeightSyncError (the worker keeps refusing to sample) if
         the push did not finish or the check fails."""
         with self._lock:
-            if self._broken is not None and self._broken != "weight push in progress":
+            if self._broken not in (None, PUSHED_UNCHECKED):  # a failed phase, or a push never finished
                 raise WeightSyncError(f"rollout worker {self.worker_id}: {self._broken}")
             try:
                 metrics = self._check_probe(probe)

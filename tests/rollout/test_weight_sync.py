@@ -247,6 +247,8 @@ def test_transfer_phases_through_the_worker_verbs(setup):
             with pytest.raises(WeightSyncError, match="in progress"):  # nothing samples from a half-pushed engine
                 worker.generate([Prompt(uid="x", prompt_ids=[2, 3])], n=1)
             worker.weight_transfer_call("update_weights", {"update_info": update_info(shared)})
+            with pytest.raises(WeightSyncError, match="in progress"):  # not finished: never published
+                worker.publish_weights(version)
             worker.weight_transfer_call("finish_weight_update")
             if version == 21:
                 metrics = worker.publish_weights(version, _probe(hf["moved"]))
