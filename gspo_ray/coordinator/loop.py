@@ -29,7 +29,7 @@ from gspo_ray.coordinator.step_metrics import combine_minibatches
 from gspo_ray.data.records import Group, Prompt, Sample, TrainBatch, collate
 from gspo_ray.coordinator.transfer_push import TransferPush
 from gspo_ray.rollout.weight_sync import WeightProbe
-from gspo_ray.rollout.weight_transfer import CUDA_TRANSPORTS, resolve_weight_transfer
+from gspo_ray.rollout.weight_transfer import CUDA_TRANSPORTS, job_weight_transfer
 
 
 @dataclass
@@ -49,11 +49,8 @@ class Coordinator:
         self.cfg, self.rollout, self.trainer, self.prompts, self.state = cfg, rollout, trainer, prompts, state
         self.versions_per_update = cfg.coordinator.num_iterations * cfg.coordinator.num_minibatches  # per batch
         self.probe_sequences: list[list[int]] | None = None  # set by the job: fixed sequences to verify pushes
-        r = cfg.rollout  # the job's transport, resolved once (as coordinator/pools.py gives the engines)
-        self.transport = resolve_weight_transfer(r.weight_transfer, rollout_gpus=r.num_gpus_per_worker,
-                                                 trainer_gpus=cfg.trainer.num_gpus_per_worker,
-                                                 lora_serve=cfg.trainer.lora.serve if cfg.trainer.lora else None)
-        self.transfer = (TransferPush(self.transport, r.tensor_parallel_size,
+        self.transport = job_weight_transfer(cfg)  # the job's transport, as coordinator/pools.py gives the engines
+        self.transfer = (TransferPush(self.transport, cfg.rollout.tensor_parallel_size,
                                       int(cfg.trainer.export_bucket_mb * 2**20))
                          if self.transport in CUDA_TRANSPORTS else None)
         if self.transfer is not None:  # the pool never holds these pushes: new engines get the live policy here

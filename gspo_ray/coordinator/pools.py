@@ -9,7 +9,7 @@ from pathlib import Path
 from gspo_ray.config import JobConfig
 from gspo_ray.config.rollout import resolve_gpu_memory_utilization
 from gspo_ray.coordinator.rollout_pool import RolloutPool
-from gspo_ray.rollout.weight_transfer import resolve_weight_transfer
+from gspo_ray.rollout.weight_transfer import job_weight_transfer
 
 
 def auto_threads(cfg: JobConfig, num_workers: int, num_cpus_per_worker: float) -> int:
@@ -63,7 +63,7 @@ def build_trainer_pool(cfg: JobConfig, model_path: Path, run_dir: Path):
 def rollout_config(cfg: JobConfig):
     """The rollout sub-config the workers get: `num_threads` resolved (see auto_threads), and
     `gpu_memory_utilization` 'auto' sized by whether a trainer shares the engines' GPUs, `weight_transfer` 'auto'
-    resolved (rollout/weight_transfer.resolve_weight_transfer)."""
+    resolved (rollout/weight_transfer.job_weight_transfer)."""
     r = cfg.rollout
     if r.gpu_memory_utilization == "auto":
         r = r.model_copy(update={"gpu_memory_utilization": resolve_gpu_memory_utilization(
@@ -74,9 +74,7 @@ def rollout_config(cfg: JobConfig):
     if (cfg.trainer.routing_replay == "R3" or cfg.trainer.routing_agreement) and not r.capture_routes:
         r = r.model_copy(update={"capture_routes": True})  # the engines return the routing that sampled
     if r.weight_transfer == "auto":  # once, for every engine of the job and its pushes (coordinator/loop.py)
-        r = r.model_copy(update={"weight_transfer": resolve_weight_transfer(
-            "auto", rollout_gpus=r.num_gpus_per_worker, trainer_gpus=cfg.trainer.num_gpus_per_worker,
-            lora_serve=cfg.trainer.lora.serve if cfg.trainer.lora else None)})
+        r = r.model_copy(update={"weight_transfer": job_weight_transfer(cfg)})
     if r.num_threads is not None:
         return r
     return r.model_copy(update={"num_threads": auto_threads(cfg, r.num_workers, r.num_cpus_per_worker)})

@@ -35,7 +35,7 @@ from gspo_ray.preflight.report import IMPORT_TIMEOUT_S, PreflightReport
 from gspo_ray.preflight.verdicts import DataVerdicts
 from gspo_ray.preflight.routes import check_routes
 from gspo_ray.rollout.engine_env import describe_engines
-from gspo_ray.rollout.weight_transfer import resolve_weight_transfer
+from gspo_ray.rollout.weight_transfer import job_weight_transfer
 
 
 def check_use_te(use_te, attention_kernel: str = "sdpa") -> None:
@@ -56,9 +56,7 @@ def check_transfer_devices(cfg: JobConfig) -> None:
     """rollout.weight_transfer nccl / ipc need CUDA on both sides (rollout and trainer num_gpus_per_worker > 0) and
     no trainer.lora with serve adapter (adapters go through vLLM's LoRA API; merged pushes may use nccl / ipc)."""
     try:
-        resolve_weight_transfer(cfg.rollout.weight_transfer, rollout_gpus=cfg.rollout.num_gpus_per_worker,
-                                trainer_gpus=cfg.trainer.num_gpus_per_worker,
-                                lora_serve=cfg.trainer.lora.serve if cfg.trainer.lora else None)
+        job_weight_transfer(cfg)
     except ValueError as e:
         raise PreflightError(str(e)) from None
 
@@ -91,9 +89,7 @@ def run_preflight(cfg: JobConfig, *, import_timeout_s: float = IMPORT_TIMEOUT_S,
     if facts is None and cfg.model.tiny is not None:  # last: importing a transformers config class takes seconds
         check_lora(cfg, check_tiny_config(cfg, cfg.rollout.num_gpus_per_worker == 0), report)
     r = cfg.rollout
-    transport = resolve_weight_transfer(r.weight_transfer, rollout_gpus=r.num_gpus_per_worker,  # checked above
-                                        trainer_gpus=cfg.trainer.num_gpus_per_worker,
-                                        lora_serve=cfg.trainer.lora.serve if cfg.trainer.lora else None)
+    transport = job_weight_transfer(cfg)  # checked above
     report.add("engines", "ok", describe_engines(r.tensor_parallel_size, r.enable_expert_parallel,
                                                  r.num_gpus_per_worker > 0, transport))
     if verdicts is not None:  # every check passed: the data files' verdicts may be kept

@@ -95,6 +95,16 @@ def resolve_weight_transfer(requested: str, *, rollout_gpus: float, trainer_gpus
     return "shm"
 
 
+def job_weight_transfer(cfg) -> str:
+    """A job's transport (`resolve_weight_transfer` of its config: rollout.weight_transfer, both pools'
+    num_gpus_per_worker, trainer.lora.serve): the one answer the preflight, the workers' config and the
+    coordinator's pushes share."""
+    lora = cfg.trainer.lora
+    return resolve_weight_transfer(cfg.rollout.weight_transfer, rollout_gpus=cfg.rollout.num_gpus_per_worker,
+                                   trainer_gpus=cfg.trainer.num_gpus_per_worker,
+                                   lora_serve=lora.serve if lora is not None else None)
+
+
 def describe_transport(transport: str) -> str:
     """How pushes reach the engines, for the job's engines line."""
     if transport in CUDA_TRANSPORTS:
