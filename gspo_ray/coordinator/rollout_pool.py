@@ -218,8 +218,8 @@ class RolloutPool:
         return self._push_results(calls, t0)
 
     def drop_workers(self, dead: list[int], hung: list[int] = ()) -> None:
-        """Workers found dead or hung outside a batch (an nccl / ipc push, coordinator/transfer_push.py), handled as
-        `_push_results` does: popped, a hung one killed first and counted as wedged. An empty pool gets its
+        """Workers found dead or hung during a weight push (`_push_results`; an nccl / ipc push's, coordinator/
+        transfer_push.py): popped, a hung one killed first and counted as wedged. An empty pool gets its
         replacement at the next `publish_weights` (the live policy first, through `on_new_workers`) or use."""
         for wid in hung:
             if wid in self.workers:
@@ -231,16 +231,15 @@ class RolloutPool:
                 log.warning("rollout worker %d died before or during a weight push", wid)
 
     def _push_results(self, calls: dict, t0: float) -> dict[str, float]:
-        results, deadline = [], time.monotonic() + self.call_timeout_s
+        results, dead, hung, deadline = [], [], [], time.monotonic() + self.call_timeout_s
         for wid, call in calls.items():
             try:
                 results.append(ray.get(call, timeout=max(deadline - time.monotonic(), 0.0)))
-            except (*WORKER_DEATH, GetTimeoutError) as e:  # it misses this push; replaced below or on next use
-                log.warning("rollout worker %d died or hung during a weight push (%s)", wid, type(e).__name__)
-                if isinstance(e, GetTimeoutError):
-                    self.wedged += 1
-                    ray.kill(self.workers[wid], no_restart=True)
-                self.workers.pop(wid, None)
+            except GetTimeoutError:  # it misses this push; replaced below or on next use
+                hung.append(wid)
+            except WORKER_DEATH:
+                dead.append(wid)
+        self.drop_workers(dead, hung)
         if not self.workers:
             self._surviving_worker()  # starts a replacement, which receives these weights first
         out = {"sync/push_s": time.perf_counter() - t0}  # the whole call: fetch, load, check
