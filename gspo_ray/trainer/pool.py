@@ -19,7 +19,7 @@ An error inside a rank (an exception, not a death: a CUDA OOM, a full disk, a bu
 other ranks, blocked in a collective on the failed one, are killed at once and the call raises TrainerRankFailed
 naming that rank and carrying its exception (`cause`; `is_disk_full` still finds an ENOSPC in it). Only when every
 rank raised within ERROR_GRACE_S (the same bad argument everywhere, before any collective) does the pool stay up;
-for a push (`call_ranks(..., changes_state=False)`), every rank idle within ERROR_GRACE_S is enough.
+for a push (`call_ranks`), every rank idle within ERROR_GRACE_S is enough.
 """
 from __future__ import annotations
 
@@ -205,15 +205,15 @@ class TrainerPool:
         actor; rank 0's vLLM sender drives the engines through `client`)."""
         from gspo_ray.trainer.weight_send import send_on_rank
 
-        self.call_ranks(send_on_rank, key, init_infos, client, changes_state=False)
+        self.call_ranks(send_on_rank, key, init_infos, client)
 
-    def call_ranks(self, fn, *args, changes_state: bool = True) -> list:
-        """`fn(rank's TrainerWorker, *args)` on every rank (Ray's `__ray_call__`), collective like every pool call.
-        changes_state False (a push: the ranks send, no weight or optimizer state of theirs changes): a rank's error
+    def call_ranks(self, fn, *args) -> list:
+        """`fn(rank's TrainerWorker, *args)` on every rank (Ray's `__ray_call__`), collective like every pool call,
+        for a call that changes no weight or optimizer state of the ranks (a push: they only send): a rank's error
         that leaves every rank idle within ERROR_GRACE_S (none is stuck in a collective on it; e.g. trainer rank 0's
         EngineTransferError, an engine's fault, where the other ranks' sources need no gather) keeps the pool up:
         TrainerRankFailed with `killed` False, the ranks fit for the next call."""
-        return self._all("__ray_call__", fn, *args, keep_if_idle=not changes_state)
+        return self._all("__ray_call__", fn, *args, keep_if_idle=True)
 
     def rank0_address(self) -> tuple[str, int]:
         """(trainer rank 0's node IP, a port free there): the NCCL rendezvous of nccl pushes."""

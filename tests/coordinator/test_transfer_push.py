@@ -210,7 +210,7 @@ class SenderStandIn(TrainerPool):
             master_address=info.master_address, master_port=info.master_port, rank_offset=1,
             world_size=info.world_size, packed=info.packed, packed_buffer_size_bytes=info.packed_buffer_size_bytes,
             packed_num_buffers=info.packed_num_buffers))
-        self.call_ranks(stand_in_send, key, payload, client, changes_state=False)
+        self.call_ranks(stand_in_send, key, payload, client)
 
 
 def update_info(names):
