@@ -12,7 +12,7 @@ LOCK  := requirements/cpu.lock
 RECIPE ?= gspo_ray/recipes/tiny_moe.yaml
 ARGS   ?=
 
-.PHONY: venv run test test-fast bench bench-moe bench-moe-tiny bench-trl learn-real clean gpu-check
+.PHONY: venv run test test-fast test-isa bench bench-moe bench-moe-tiny bench-trl learn-real clean gpu-check
 
 venv: $(STAMP)
 
@@ -31,6 +31,14 @@ run: $(STAMP)
 TEST_JOBS ?= 2
 test: $(STAMP)
 	$(BIN)/python -m pytest tests -q -rs --durations=25 $(if $(filter 1,$(TEST_JOBS)),,-n $(TEST_JOBS) --dist loadfile)
+
+# The tests whose floats depend on the CPU's kernels (marker `isa`), with torch's and oneDNN's kernels held to another
+# instruction set: ISA=avx2 (the default) makes an Intel AVX-512 / AMX host compute as an AMD EPYC one does;
+# ISA=default (no vector kernels) gives an AVX2 host another order of sums. One host kind stands in for the other.
+ISA ?= avx2
+ONEDNN_ISA = $(if $(filter default,$(ISA)),SSE41,$(shell echo $(ISA) | tr a-z A-Z))
+test-isa: $(STAMP)
+	ATEN_CPU_CAPABILITY=$(ISA) ONEDNN_MAX_CPU_ISA=$(ONEDNN_ISA) $(BIN)/python -m pytest tests -q -rs -m isa
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest tests -q -m "not slow"

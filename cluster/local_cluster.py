@@ -35,100 +35,17 @@ import random
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gspo_ray.coordinator.ray_node import (MAX_TEMP_ROOT_LEN, alive, descendants, node_env, node_ports,
+                                            port_args, start_node_process, stop_node_process, tail)
+
 log = logging.getLogger(__name__)
-
-# Ports are drawn below the kernel's ephemeral range (32768-60999 on Linux), so an outgoing connection cannot
-# take one between probing and `ray start` binding it, and above Ray's default worker range (10002-19999).
-PORT_LO, PORT_HI = 20000, 32000
-WORKER_PORTS_PER_NODE = 64
-# AF_UNIX socket paths are limited to 107 bytes; Ray puts them at <temp>/session_<date>_<pid>/sockets/<name>.
-MAX_TEMP_ROOT_LEN = 40
-
-
-def _port_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind(("0.0.0.0", port))
-        except OSError:
-            return False
-    return True
-
-
-def find_free_ports(n: int, taken: set[int], rng: random.Random) -> list[int]:
-    """`n` distinct free TCP ports in [PORT_LO, PORT_HI) not in `taken` (which is updated)."""
-    out: list[int] = []
-    while len(out) < n:
-        p = rng.randrange(PORT_LO, PORT_HI)
-        if p not in taken and _port_free(p):
-            taken.add(p)
-            out.append(p)
-    return out
-
-
-def find_free_port_block(size: int, taken: set[int], rng: random.Random, tries: int = 200) -> tuple[int, int]:
-    """A contiguous free range [lo, hi] of `size` ports (Ray's --min/--max-worker-port)."""
-    for _ in range(tries):
-        lo = rng.randrange(PORT_LO, PORT_HI - size)
-        block = range(lo, lo + size)
-        if not taken.intersection(block) and all(_port_free(p) for p in block):
-            taken.update(block)
-            return lo, lo + size - 1
-    raise RuntimeError(f"no free block of {size} ports in [{PORT_LO}, {PORT_HI})")
-
-
-def _descendants(roots: list[int]) -> list[int]:
-    """All live descendants of `roots` (walks /proc once)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])  # field 4; the command name may contain spaces
-        children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], list(roots)
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
-    return out
-
-
-def _own_session_tied_to_parent() -> None:
-    """In the child before exec: a session of its own (stop() signals the group), and SIGTERM when the process
-    that started it dies. Without the second, a test killed by a timeout before its teardown runs leaves the whole
-    cluster running; `ray start --block` tears its node down in order on SIGTERM."""
-    os.setsid()
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie child of ours still answers kill(0); treat it as gone.
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 @dataclass
@@ -264,52 +181,22 @@ class LocalCluster:
 
     @staticmethod
     def _stop_node(node: "_Node", timeout_s: float = 20.0) -> None:
-        """SIGTERM the node's `ray start --block` (it tears its node down in order), SIGKILL what remains."""
-        # Ray starts job entrypoints in new sessions: collect the whole tree before it is orphaned.
-        tree = set(_descendants([node.proc.pid]))
-        node.proc.send_signal(signal.SIGTERM)
-        try:
-            node.proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            try:
-                os.killpg(node.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            node.proc.wait(timeout=10)
-        deadline = time.monotonic() + 5.0
-        while any(_alive(p) for p in tree) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        for pid in tree:
-            if _alive(pid):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+        stop_node_process(node.proc, timeout_s)
 
     # -- nodes -------------------------------------------------------------------------------------------------
     def _node_ports(self, head: bool) -> dict[str, int]:
-        names = ["node_manager", "object_manager", "dashboard_agent_listen", "dashboard_agent_grpc",
-                 "runtime_env_agent", "metrics_export"]
-        if head:
-            names += ["gcs", "dashboard", "ray_client_server"]
-        ports = dict(zip(names, find_free_ports(len(names), self._taken, self._rng)))
-        ports["min_worker"], ports["max_worker"] = find_free_port_block(WORKER_PORTS_PER_NODE, self._taken,
-                                                                        self._rng)
-        return ports
+        return node_ports(head, self._taken, self._rng)
 
     def _ray_start(self, name: str, args: list[str], ports: dict[str, int], cpus: int,
                    resources: dict[str, float]) -> _Node:
         temp_dir = self._temp_root / name
         temp_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.base_dir / f"{name}.log"
-        port_args = [f"--{k.replace('_', '-')}-port={v}" for k, v in ports.items() if k != "gcs"]
-        cmd = [ray_executable(), "start", *args, f"--temp-dir={temp_dir}", f"--num-cpus={cpus}", "--num-gpus=0",
-               f"--resources={json.dumps(resources)}", f"--object-store-memory={self.object_store_mb << 20}",
-               "--disable-usage-stats", *port_args, "--block"]
-        with open(log_path, "wb") as fh:
-            proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env=_node_env(self.token_path, self.node_death_s),
-                                    preexec_fn=_own_session_tied_to_parent)
+        ports = {k: v for k, v in ports.items() if k != "gcs"}  # the head's GCS port is in `args`
+        proc = start_node_process([*args, f"--temp-dir={temp_dir}", f"--num-cpus={cpus}", "--num-gpus=0",
+                                   f"--resources={json.dumps(resources)}",
+                                   f"--object-store-memory={self.object_store_mb << 20}", *port_args(ports)],
+                                  log_path, _node_env(self.token_path, self.node_death_s))
         node = _Node(name, proc, log_path, temp_dir, ports)
         self.nodes.append(node)
         return node
@@ -342,7 +229,7 @@ class LocalCluster:
     def node_hosting(self, pid: int) -> str:
         """The name of the node whose process tree holds `pid` (e.g. an actor's worker process)."""
         for node in self.nodes:
-            if node.proc.poll() is None and pid in _descendants([node.proc.pid]):
+            if node.proc.poll() is None and pid in descendants([node.proc.pid]):
                 return node.name
         raise LookupError(f"pid {pid} is on none of this cluster's live nodes")
 
@@ -352,7 +239,7 @@ class LocalCluster:
         node = next(n for n in self.nodes if n.name == name)
         if node.name == "head":
             raise ValueError("kill_node is for worker nodes: the head holds the GCS")
-        for pid in [node.proc.pid, *_descendants([node.proc.pid])]:
+        for pid in [node.proc.pid, *descendants([node.proc.pid])]:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -366,7 +253,7 @@ class LocalCluster:
             for node in self.nodes:
                 if node.proc.poll() is not None:
                     raise RuntimeError(f"ray node {node.name} exited with {node.proc.returncode} while waiting for "
-                                       f"{what}; log {node.log}:\n{_tail(node.log)}")
+                                       f"{what}; log {node.log}:\n{tail(node.log)}")
             if ready():
                 return
             time.sleep(0.5)
@@ -385,33 +272,20 @@ class LocalCluster:
     def pids(self) -> list[int]:
         """PIDs of the node processes and everything below them (live)."""
         roots = [n.proc.pid for n in self.nodes if n.proc.poll() is None]
-        return roots + _descendants(roots)
-
-
-def ray_executable() -> str:
-    """The `ray` script of this interpreter's environment (not whatever `ray` is first on PATH)."""
-    exe = Path(sys.executable).parent / "ray"
-    if not exe.exists():
-        raise FileNotFoundError(f"no `ray` next to {sys.executable}; install ray[default] in this environment")
-    return str(exe)
+        return roots + descendants(roots)
 
 
 def _node_env(token_path: Path, node_death_s: float | None = None) -> dict[str, str]:
-    env = dict(os.environ)
+    extra = {}
     if node_death_s is not None:  # read by the GCS (head) at start: 5 missed checks, one per node_death_s / 5
         period_ms = max(int(node_death_s * 1000 / 5), 200)
-        env.update({"RAY_health_check_period_ms": str(period_ms), "RAY_health_check_timeout_ms": str(period_ms),
-                    "RAY_health_check_failure_threshold": "5"})
-    # Job entrypoints inherit the raylet's PATH: put this environment's bin first so `gspo-ray` resolves.
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    env.pop("RAY_ADDRESS", None)  # never join someone else's cluster
-    env["RAY_USAGE_STATS_ENABLED"] = "0"
-    # Ray 2.60 drains a node for up to 30 s on SIGTERM (for Serve upgrades); a test cluster should stop at once.
-    env["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"] = "0"
+        extra.update({"RAY_health_check_period_ms": str(period_ms), "RAY_health_check_timeout_ms": str(period_ms),
+                      "RAY_health_check_failure_threshold": "5"})
     # The nodes listen on the host's address: token auth, with this cluster's own token (not ~/.ray/auth_token,
     # which the first local ray.init() leaves readable by every user under the usual umask).
-    env.pop("RAY_AUTH_TOKEN", None)
-    env.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_path)})
+    extra.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_path)})
+    env = node_env(extra)
+    env.pop("RAY_AUTH_TOKEN", None)  # would win over the path
     return env
 
 
@@ -421,13 +295,6 @@ def _http_ok(url: str, headers: dict[str, str]) -> bool:
             return r.status == 200
     except OSError:
         return False
-
-
-def _tail(path: Path, n: int = 30) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
-    except OSError:
-        return "(no log)"
 
 
 def main() -> None:

@@ -232,14 +232,12 @@ def plot_async(results: list[dict], path: Path) -> Path:
 def run_moe_async_bench(steps: int = 500, seeds: tuple[int, ...] = (0, 1, 2),
                         png: Path = Path("runs/bench_moe_async.png"),
                         results_path: Path = Path("runs/bench/moe_async.jsonl")) -> list[dict]:
-    import ray
-
     from gspo_ray.bench.common import bench_cfg
-    from gspo_ray.coordinator.job import init_ray
+    from gspo_ray.coordinator.job import init_ray, shutdown_ray
 
     results = []
     with tempfile.TemporaryDirectory(prefix="gspo-bench-moe-async-") as tmp:
-        started = init_ray(bench_cfg(Path(tmp), "ray", 1))  # one Ray for every run: each job joins it
+        head = init_ray(bench_cfg(Path(tmp), "ray", 1))  # one Ray for every run: each job joins it
         try:
             for seed in seeds:
                 for label, level, replay, extra in VARIANTS:
@@ -252,8 +250,7 @@ def run_moe_async_bench(steps: int = 500, seeds: tuple[int, ...] = (0, 1, 2),
                         continue
                     print(format_async(results[-1:]).splitlines()[-1], flush=True)
         finally:
-            if started:
-                ray.shutdown()
+            shutdown_ray(head)
     if not results:
         return results
     results = load_results(results_path, steps)  # this sitting's runs and any earlier sitting's of the same length

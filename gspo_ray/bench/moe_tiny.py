@@ -132,14 +132,12 @@ def plot_rewards(results: list[dict], path: Path) -> Path:
 
 def run_moe_tiny_bench(steps: int = 40, seeds: tuple[int, ...] = (0, 1, 2), lr: float = LR,
                        experts: int = EXPERTS, png: Path = Path("runs/bench_moe_tiny.png")) -> list[dict]:
-    import ray
-
     from gspo_ray.bench.common import bench_cfg
-    from gspo_ray.coordinator.job import init_ray
+    from gspo_ray.coordinator.job import init_ray, shutdown_ray
 
     results = []
     with tempfile.TemporaryDirectory(prefix="gspo-bench-moe-tiny-") as tmp:
-        started = init_ray(bench_cfg(Path(tmp), "ray", 1))  # one Ray for every run: each job joins it
+        head = init_ray(bench_cfg(Path(tmp), "ray", 1))  # one Ray for every run: each job joins it
         try:
             for seed in seeds:
                 for label, level, replay, extra in VARIANTS:
@@ -149,8 +147,7 @@ def run_moe_tiny_bench(steps: int = 40, seeds: tuple[int, ...] = (0, 1, 2), lr: 
                         overrides=("data.num_eval=64", *extra)))  # evaluated at start and end
                     print(format_moe(results[-1:]).splitlines()[-1], flush=True)
         finally:
-            if started:
-                ray.shutdown()
+            shutdown_ray(head)
     png.parent.mkdir(parents=True, exist_ok=True)
     plot_rewards(results, png)
     print(f"make run's tiny Qwen3-MoE widened to {experts} experts top-2 (random init), copy task, 16 prompts x 8, "

@@ -19,6 +19,7 @@ from gspo_ray.coordinator.evaluation import early_stop_value
 from gspo_ray.coordinator.export import export_after_save, export_final
 from gspo_ray.coordinator.failures import TooManyFailedSamples, failure_line
 from gspo_ray.coordinator.loop import Coordinator, LoopState
+from gspo_ray.coordinator.ray_node import LocalRayHead
 from gspo_ray.coordinator.recovery import RestartsExhausted, TrainerRecovery, restore_checkpoint
 from gspo_ray.coordinator.run_dir import RunDirError, prepare_run_dir, redacted_config_dict
 from gspo_ray.coordinator.run_lock import RunLock
@@ -91,25 +92,46 @@ def build_prompt_sources(cfg: JobConfig, model_path: Path):
     return train, held_out.validate() if held_out is not None else None
 
 
-def init_ray(cfg: JobConfig) -> bool:
-    """Join `cluster.address`, or start a local instance. Returns True when this process started Ray."""
+def init_ray(cfg: JobConfig) -> LocalRayHead | None:
+    """Join `cluster.address`, or start a local instance. Returns the local instance's head when this process
+    started one (`shutdown_ray` ends it), else None.
+
+    The local instance is a `ray start --head` this process owns, in a session of its own (coordinator/ray_node.py):
+    a SIGTERM to the job's process group (`timeout`, a wrapper script, a container's init) reaches the driver, which
+    finishes its step and saves, and not Ray's processes under it. The head dies with the driver however it dies."""
     import ray
 
     if ray.is_initialized():
-        return False
+        return None
     env = {"env_vars": {"RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1", "VLLM_LOGGING_LEVEL": "WARNING",
                         "TOKENIZERS_PARALLELISM": "false", **cfg.cluster.runtime_env.get("env_vars", {})}}
     env.update({k: v for k, v in cfg.cluster.runtime_env.items() if k != "env_vars"})
     address = cfg.cluster.address or os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address, namespace=cfg.cluster.namespace, runtime_env=env, log_to_driver=False)
-        return False
+        return None
     # No idle worker processes kept around: the job's actors have their own. Without this, a local instance that ran
     # one task kept 2 idle workers (0.11 GiB PSS) 8 s later; with it, none.
-    ray.init(num_cpus=cfg.cluster.num_cpus, include_dashboard=False, namespace=cfg.cluster.namespace,
-             runtime_env=env, log_to_driver=False,
-             _system_config={"num_workers_soft_limit": 0, "prestart_worker_first_driver": False})
-    return True
+    head = LocalRayHead(num_cpus=cfg.cluster.num_cpus,
+                        system_config={"num_workers_soft_limit": 0, "prestart_worker_first_driver": False})
+    try:
+        head.start()
+        ray.init(address=head.address, namespace=cfg.cluster.namespace, runtime_env=env, log_to_driver=False)
+    except BaseException:
+        ray.shutdown()
+        head.stop()
+        raise
+    return head
+
+
+def shutdown_ray(head: LocalRayHead | None) -> None:
+    """Leave Ray; with the head `init_ray` started, end that instance too (its workers, raylet and GCS)."""
+    import ray
+
+    if head is None:
+        return
+    ray.shutdown()
+    head.stop()
 
 
 def evaluate(rollout, prompts, step: int, run_dir: Path | None = None, note=None) -> dict[str, float]:
@@ -158,7 +180,7 @@ def _renewing(lock: RunLock, after_step=None):
     return hook
 
 
-def _start_ray(cfg: JobConfig, stop: StopRequest) -> bool:
+def _start_ray(cfg: JobConfig, stop: StopRequest) -> LocalRayHead | None:
     """`init_ray`, then the signals back from Ray (whose handler exits the driver on SIGTERM). A SIGTERM while
     Ray starts (its handler's SystemExit) is a stop request like any other."""
     import signal
@@ -167,23 +189,21 @@ def _start_ray(cfg: JobConfig, stop: StopRequest) -> bool:
 
     try:
         with signals_seen() as seen:
-            started = init_ray(cfg)
+            head = init_ray(cfg)
     except SystemExit as e:
         if e.code != signal.SIGTERM:
             raise
-        ray.shutdown()  # whatever the interrupted start left running
+        ray.shutdown()  # whatever the interrupted start left running (init_ray stopped its head)
         stop.signum = stop.signum or signal.SIGTERM
         raise StopRequested(stop.signum) from None
     stop.install()  # after ray.init, whose SIGTERM handler aborts the driver
     if signal.SIGTERM in seen and not stop.requested:  # Ray's handler ran, its SystemExit was lost
         stop.signum = signal.SIGTERM  # the caller's raise_if_requested stops before the pools
-    return started
+    return head
 
 
 def _run_locked(cfg: JobConfig, resume: bool, rollout_factory, after_step, fresh: bool,
                 stop: StopRequest) -> RunSummary:
-    import ray
-
     from gspo_ray.coordinator.pools import build_pools
 
     t_start = time.perf_counter()
@@ -198,7 +218,7 @@ def _run_locked(cfg: JobConfig, resume: bool, rollout_factory, after_step, fresh
             raise RunDirError(f"--resume: no complete checkpoint in {ckpts.root}; pass --fresh to start over")
         log.warning("--resume: no checkpoint in %s, starting from scratch", ckpts.root)
     stop.raise_if_requested()  # a signal while the model and data were prepared: no Ray, no pools
-    started_ray = _start_ray(cfg, stop)
+    ray_head = _start_ray(cfg, stop)
     after_step = stop.check_after(after_step)
     trainer = rollout = tracker = control = None
     summary = RunSummary(run_dir=run_dir, steps=0)
@@ -231,8 +251,7 @@ def _run_locked(cfg: JobConfig, resume: bool, rollout_factory, after_step, fresh
             for pool in (rollout, trainer):
                 if pool is not None:
                     pool.shutdown()
-            if started_ray:
-                ray.shutdown()
+            shutdown_ray(ray_head)
     # the pools are gone: the conversion reads the checkpoint files, with this machine's memory to itself
     summary.hf_dir = export_final(cfg.logging, run_dir, summary.checkpoint, model_path)
     if cfg.logging.plot and (run_dir / "metrics.jsonl").exists():

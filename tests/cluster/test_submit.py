@@ -23,8 +23,8 @@ from gspo_ray.config import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-from cluster.local_cluster import (LocalCluster, _alive, _descendants, find_free_port_block,  # noqa: E402
-                                   find_free_ports)
+from cluster.local_cluster import LocalCluster  # noqa: E402
+from gspo_ray.coordinator.ray_node import alive, descendants, find_free_port_block, find_free_ports  # noqa: E402
 
 RECIPE = "gspo_ray/recipes/tiny_moe.yaml"
 UNREACHABLE = "http://127.0.0.1:9"  # discard port: any attempt to submit would fail with a connection error
@@ -258,7 +258,7 @@ def test_cluster_stop_ends_exactly_its_own_processes(cluster):
         t0 = time.monotonic()
         cluster.stop()
         assert time.monotonic() - t0 < 30
-        assert [p for p in pids if _alive(p)] == []
+        assert [p for p in pids if alive(p)] == []
         assert bystander.poll() is None
     finally:
         bystander.kill()
@@ -312,13 +312,13 @@ def _finish_slurm_script(proc: subprocess.Popen, temp: Path, timeout_s: float) -
     except subprocess.TimeoutExpired:
         out = "(timed out)"
     finally:
-        leftovers = set(_descendants([proc.pid]))
+        leftovers = set(descendants([proc.pid]))
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         # A node's last processes exit a moment after its `ray start` returns.
         deadline = time.monotonic() + 10
-        while (leftovers := {p for p in leftovers | _processes_mentioning(str(temp)) if _alive(p)}) \
+        while (leftovers := {p for p in leftovers | _processes_mentioning(str(temp)) if alive(p)}) \
                 and time.monotonic() < deadline:
             time.sleep(0.5)
         for pid in leftovers:
@@ -378,4 +378,4 @@ def _processes_mentioning(text: str) -> set[int]:
                     out.add(int(entry))
             except OSError:
                 pass
-    return {p for p in out if _alive(p)}
+    return {p for p in out if alive(p)}

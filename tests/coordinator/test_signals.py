@@ -13,10 +13,12 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from gspo_ray.coordinator.checkpoint import CheckpointManager
+from gspo_ray.coordinator.ray_node import alive, descendants
 from gspo_ray.coordinator.signals import StopRequest, StopRequested, exit_code_for
 from gspo_ray.coordinator.tracking import read_metrics
 
@@ -80,16 +82,19 @@ def _wait_for_step(metrics, step, proc, timeout_s=400):
 
 
 def _run(tmp_path, tag, args, signal_when, signals, gap_s):
-    """Start `train`, wait for `signal_when(proc)`, send `signals` `gap_s` apart; returns (rc, output)."""
+    """Start `train` as a shell, `timeout` or a container's init would (the leader of a process group of its
+    own), wait for `signal_when(proc)`, send `signals` `gap_s` apart to the whole group (what `kill -TERM -PGID`,
+    `timeout` and a terminal's Ctrl-C do: every process in it gets the signal, Ray's included if they were there);
+    returns (rc, output)."""
     out = tmp_path / f"{tag}.log"
     with open(out, "w") as log:
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             signal_when(proc)
             for i, sig in enumerate(signals):
                 if i:
                     time.sleep(gap_s)
-                proc.send_signal(sig)
+                os.killpg(proc.pid, sig)
             rc = proc.wait(timeout=180)
         finally:
             if proc.poll() is None:
@@ -120,11 +125,11 @@ def _wait_for_lock(run_dir, proc, timeout_s=120):
 
 
 def _wait_for_ray(log, proc, timeout_s=180):
-    """Until Ray has started (the pools start next), then 2 s: while the pools start. Inside ray.init Ray's
-    C++ fatal-signal handler is active (a SIGTERM there ends the driver at once, not with 143); the SIGTERM its
-    Python handler would lose is recorded by signals_seen (test above)."""
+    """Until the driver has joined the Ray instance it started (the pools start next), then 2 s: while the pools
+    start. Inside ray.init Ray's C++ fatal-signal handler is active (a SIGTERM there ends the driver at once, not
+    with 143); the SIGTERM its Python handler would lose is recorded by signals_seen (test above)."""
     deadline = time.monotonic() + timeout_s
-    while "Started a local Ray instance" not in (log.read_text() if log.exists() else ""):
+    while "Connected to Ray cluster" not in (log.read_text() if log.exists() else ""):
         assert proc.poll() is None and time.monotonic() < deadline, f"Ray did not start (exit {proc.returncode})"
         time.sleep(0.05)
     time.sleep(2.0)
@@ -197,3 +202,25 @@ def test_two_sigterms_then_resume_and_ctrl_c_twice(tmp_path):
     rows = read_metrics(metrics)
     assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))  # continued where the first run stopped
     _secret_free(run_dir)
+
+    # SIGKILL of the driver alone: the Ray instance it started (outside its process group, so that the signals
+    # above reached the driver only) dies with it, nothing of it left behind
+    killed = tmp_path / "killed.log"
+    with open(killed, "w") as log:
+        proc = subprocess.Popen(_train(tmp_path, "--resume"), stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            _wait_for_step(metrics, max(r["step"] for r in rows) + 1, proc)
+            ray_procs = descendants([proc.pid])  # `ray start`, its GCS, raylet, agents, the job's actors
+            assert len(ray_procs) >= 4, ray_procs
+            assert {os.getsid(p) for p in ray_procs if alive(p)} != {os.getsid(proc.pid)}  # a session of its own
+            proc.kill()
+            proc.wait(timeout=10)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    deadline = time.monotonic() + 60
+    while (left := [p for p in ray_procs if alive(p)]) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left, [Path(f"/proc/{p}/cmdline").read_bytes()[:200] for p in left if alive(p)]
