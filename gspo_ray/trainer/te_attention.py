@@ -4,15 +4,16 @@
     out = thd_attend_rows(query, key, value, segs, kernel)  # [S, B, Hq, D] x [S, B, Hkv, D] x 2 -> [S, B, Hq * D]
     kernel = TEThdKernel(heads, kv_heads, head_dim, scale)  # TE's DotProductAttention (CUDA + transformer_engine)
 
-The same attention as segment_attention.attend_rows, as one varlen call: every segment of every row is one sequence
-of the THD batch, with separate query and key lengths. A prefix of P tokens is a sequence of P queries over its P
-keys; completion j of c_j tokens a sequence of c_j queries over P + c_j keys, [prefix ; completion j], the prefix's
-keys and values gathered once per completion segment. TE's `padding_causal_bottom_right` mask aligns causality to
-the bottom-right corner of each (queries, keys) block, so the i-th query of a completion sees the whole prefix and
-completion tokens 0..i (and a prefix, with as many queries as keys, is plain causal). Empty segments are left out;
-padding positions get no query and output 0, as in attend_rows.
+The same attention as segment_attention.attend_rows, as one varlen call: every segment of every unit is one
+sequence of the THD batch, with separate query and key lengths (a unit is a row, or, in a packed row, each sequence
+/ group row laid one after another in it: a unit's columns start where the previous unit's end). A prefix of P
+tokens is a sequence of P queries over its P keys; completion j of c_j tokens a sequence of c_j queries over P + c_j
+keys, [prefix ; completion j], the prefix's keys and values gathered once per completion segment. TE's
+`padding_causal_bottom_right` mask aligns causality to the bottom-right corner of each (queries, keys) block, so the
+i-th query of a completion sees the whole prefix and completion tokens 0..i (and a prefix, with as many queries as
+keys, is plain causal). Empty segments are left out; padding positions get no query and output 0, as in attend_rows.
 
-    cu_seqlens_q  = [0, P, P + c_1, P + c_1 + c_2, ...]            (over every row's sequences, in order)
+    cu_seqlens_q  = [0, P, P + c_1, P + c_1 + c_2, ...]            (over every unit's sequences, in order)
     cu_seqlens_kv = [0, P, P + (P + c_1), ... ]                     (the kv length of a completion is P + c_j)
 
 Memory: the gathered K/V hold sum_r (P_r + sum_j (P_r + c_rj)) positions a layer, the prefix G times over; the
@@ -21,10 +22,11 @@ forward and backward (it recomputes under checkpointing); this kernel keeps TE's
 memory for one fewer attention forward. Which one is faster at which lengths has not been measured (no GPU here).
 
 What has run: thd_layout and thd_attend_rows on CPU with a torch reference of the THD semantics in place of TE
-(tests/trainer/test_te_attention.py: equal to attend_rows, values and gradients). TEThdKernel calls TE's documented
-API (transformer_engine.pytorch.DotProductAttention with qkv_format="thd", cu_seqlens_q / cu_seqlens_kv,
-max_seqlen_q / max_seqlen_kv) and has not run: Transformer Engine does not install on this machine. TE's fused
-kernels take bf16 / fp16; fp32 falls back to TE's unfused path or is refused, per TE version.
+(tests/trainer/test_te_attention.py: equal to attend_rows, values and gradients, padded and packed rows), and
+TEThdKernel against a stand-in DotProductAttention that reads only cu_seqlens as TE documents them. TEThdKernel
+calls TE's documented API (transformer_engine.pytorch.DotProductAttention with qkv_format="thd", cu_seqlens_q /
+cu_seqlens_kv, max_seqlen_q / max_seqlen_kv) and has not run: Transformer Engine does not install on this machine.
+TE's fused kernels take bf16 / fp16; fp32 falls back to TE's unfused path or is refused, per TE version.
 """
 from __future__ import annotations
 
@@ -71,24 +73,27 @@ def thd_layout(segs: Segments, width: int) -> ThdLayout:
         return torch.arange(start, start + count, dtype=torch.int64) * batch + row
 
     for b in range(batch):
-        p, completions = segs.prefix[b], segs.completions[b]
         if segs.length(b) > width:
             raise ValueError(f"row {b}: segments of {segs.length(b)} tokens in a width of {width}")
-        prefix = positions(b, 0, p)
-        if p:
-            q_parts.append(prefix)
-            kv_parts.append(prefix)
-            q_lens.append(p)
-            kv_lens.append(p)
-        start = p
-        for c in completions:
-            if c:
-                own = positions(b, start, c)
-                q_parts.append(own)
-                kv_parts += [prefix, own]
-                q_lens.append(c)
-                kv_lens.append(p + c)
-            start += c
+        column = 0  # a packed row holds every unit one after another: each unit is its own THD sequences
+        for u in segs.units(b):
+            p, completions = segs.prefix[u], segs.completions[u]
+            prefix = positions(b, column, p)
+            if p:
+                q_parts.append(prefix)
+                kv_parts.append(prefix)
+                q_lens.append(p)
+                kv_lens.append(p)
+            start = column + p
+            for c in completions:
+                if c:
+                    own = positions(b, start, c)
+                    q_parts.append(own)
+                    kv_parts += [prefix, own]
+                    q_lens.append(c)
+                    kv_lens.append(p + c)
+                start += c
+            column = start
     empty = torch.zeros(0, dtype=torch.int64)
     return ThdLayout(torch.cat(q_parts) if q_parts else empty, torch.cat(kv_parts) if kv_parts else empty,
                      _cumulative(q_lens), _cumulative(kv_lens), max(q_lens, default=0), max(kv_lens, default=0))
