@@ -184,6 +184,11 @@ class RolloutConfig(Strict):
     call_timeout_s: float = Field(1800, gt=0, description="a rollout worker that finishes none of its calls (a "
                                   "chunk of prompts, a weight push) for this long is treated as wedged: killed, and "
                                   "its prompts re-dispatched to the others. Size it above your slowest chunk")
+    placement_timeout_s: float = Field(60, gt=0, description="a grow of the rollout pool (the autoscaler, "
+                                       "`gspo-ray scale rollout N`) first waits this long for the cluster to have "
+                                       "room for the new workers; none by then: the grow is refused and the job goes "
+                                       "on at its size. Raise it where the cluster adds nodes on demand (the KubeRay "
+                                       "or cloud autoscaler takes minutes to start a node)")
 
     @model_validator(mode="after")
     def _full_distribution(self) -> "RolloutConfig":

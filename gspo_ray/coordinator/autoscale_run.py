@@ -66,8 +66,7 @@ def autoscale_step(scaler: Autoscaler, coord, metrics: dict, rescale_trainer, st
             if not applied:
                 scaler.refused(d, reason)
                 log.warning("autoscale step %d: %s %s -> %d refused: %s", step, d.action, key, want[key], reason)
-                d = Decision("hold", coord.rollout.num_workers, coord.trainer.num_workers, f"refused: {reason}",
-                             d.throughput, d.throughput)
+                d = _after_refusal(scaler, d, coord, reason, step, at_s, time.perf_counter() - t0)
                 break
         else:
             scaler.applied(d, step, at_s, cost_s=time.perf_counter() - t0)
@@ -77,3 +76,21 @@ def autoscale_step(scaler: Autoscaler, coord, metrics: dict, rescale_trainer, st
     log.info("autoscale step %d: %s -> rollout %d, trainer %d: %s%s", step, d.action, d.rollout_workers,
              d.trainer_workers, d.reason, f" ({judged[0].outcome()})" if judged else "")
     return d
+
+
+def _after_refusal(scaler: Autoscaler, d: Decision, coord, reason: str, step: int, at_s: float,
+                   cost_s: float) -> Decision:
+    """The decision that stands once part of `d` was refused. Nothing applied: a hold. A move whose shrink was
+    applied before its grow was refused is kept and recorded as the shrink it became (a move in history, so the
+    cool-down runs and the next window judges it like any shrink), not rolled back: undoing it costs a second
+    resize now (a trainer save, rebuild and reload, or an engine start into room that was just found short), the
+    price the move was predicted to pay back; if the shrink loses throughput, the usual rules grow the pool back
+    once the cool-down is over."""
+    now = (coord.rollout.num_workers, coord.trainer.num_workers)
+    if now == scaler.sizes():
+        return Decision("hold", *now, f"refused: {reason}", d.throughput, d.throughput)
+    predicted = 1 / max(scaler.time_per_token(*now) * scaler.tokens_per_completion(), 1e-12)
+    kept = Decision("shrink", *now, f"refused: {reason}; kept the {d.action}'s shrink to {now[0]}/{now[1]}",
+                    d.throughput, predicted)
+    scaler.applied(kept, step, at_s, cost_s=cost_s)
+    return kept

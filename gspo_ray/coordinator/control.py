@@ -162,7 +162,9 @@ def resize_pool(coord, key: str, size: int, rescale_trainer=None) -> tuple[bool,
     reason = None
     try:
         if key == "rollout_workers":
-            metrics.update(coord.rollout.scale(size))
+            reason = rollout_room_problem(coord, size)
+            if reason is None:
+                metrics.update(coord.rollout.scale(size))
         elif rescale_trainer is not None:
             result = rescale_trainer(size)
             metrics.update(result.metrics)
@@ -171,7 +173,30 @@ def resize_pool(coord, key: str, size: int, rescale_trainer=None) -> tuple[bool,
             reason = "this job cannot resize its trainer pool"
     except ValueError as e:  # a size the pool refuses outright
         reason = str(e)
+    except ray.exceptions.GetTimeoutError as e:
+        # the room was taken between the check and the start: the new workers were stopped (_start_workers)
+        reason = f"the new rollout workers did not start in time ({e}); the pool stays at {coord.rollout.num_workers}"
     pool = coord.rollout if key == "rollout_workers" else coord.trainer
     if reason is None and pool.num_workers != size:
         reason = f"the pool stayed at {pool.num_workers}"
     return reason is None, reason or "", metrics
+
+
+def rollout_room_problem(coord, size: int) -> str | None:
+    """Why the cluster cannot take the workers a rollout grow to `size` adds (None: it can, or it is no grow),
+    found within `rollout.placement_timeout_s` and before any actor is made (rollout_pool.room_for)."""
+    from gspo_ray.coordinator.pools import engine_resources, rollout_config
+    from gspo_ray.coordinator.rollout_pool import room_for
+
+    more = size - coord.rollout.num_workers
+    if more <= 0:
+        return None
+    r = rollout_config(coord.cfg)
+    res = engine_resources(r)
+    bundle = {"CPU": res["num_cpus"], "GPU": res["num_gpus"], **r.resources}
+    if room_for(bundle, more, r.placement_timeout_s):
+        return None
+    ask = ", ".join(f"{v:g} {k}" for k, v in bundle.items() if v)
+    return (f"the cluster has no room for {more} more rollout worker(s) of {ask} each within "
+            f"rollout.placement_timeout_s ({r.placement_timeout_s:g} s); the pool stays at "
+            f"{coord.rollout.num_workers}")

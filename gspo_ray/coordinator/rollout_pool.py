@@ -349,6 +349,24 @@ class RolloutPool:
             ref.future().add_done_callback(lambda _: setattr(pending, "last_done", time.perf_counter()))
 
 
+def room_for(bundle: dict[str, float], count: int, timeout_s: float) -> bool:
+    """Whether the cluster can place `count` more actors of `bundle` resources ({"CPU": 2, "GPU": 1, ...}) within
+    `timeout_s`: a placement group of `count` bundles is reserved (each bundle whole on one node, as an actor is),
+    waited for and released at once. Without it a grow into a full cluster would leave its actors pending until
+    `call_timeout_s` and then fail the job; this way the grow is refused in seconds. A cluster autoscaler sees the
+    pending group and may add a node meanwhile (hence a timeout, not a look at the free resources)."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    bundle = {k: float(v) for k, v in bundle.items() if v}
+    if count <= 0 or not bundle:  # nothing to place (a worker that asks for no resources always fits)
+        return True
+    group = placement_group([bundle] * count, strategy="PACK")  # PACK is soft: bundles spread when they must
+    try:
+        return group.wait(timeout_seconds=timeout_s)
+    finally:
+        remove_placement_group(group)
+
+
 def rollout_metrics(samples: list[Sample], seconds: float, multi_turn: bool = False) -> dict[str, float]:
     """Additive quantities only, so several rounds of one step can be summed. Episodes count model tokens as
     `rollout/tokens` (what the engine generated) and the environment's separately. What the reward returned
