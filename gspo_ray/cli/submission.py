@@ -120,6 +120,9 @@ def _config_arg(config_path: Path, working_dir: Path) -> str:
 # The module (a name, not a secret) that carries a submitted job's secret-valued overrides; `gspo-ray train`
 # appends them. The module travels as a `py_modules` package: Ray's job record keeps its URI, never its content.
 SECRET_MODULE_ENV = "GSPO_RAY_SECRET_MODULE"
+# Where Ray's job supervisor hands a submitted driver its job config (runtime_env and metadata) as JSON; the
+# driver's ray.init merges it into the runtime_env of every actor (ray/_private/runtime_env/constants.py).
+RAY_JOB_CONFIG_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"
 
 
 def split_secret_overrides(overrides: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -145,16 +148,49 @@ def write_secret_module(secret: Sequence[str], directory: Path) -> tuple[Path, s
 
 
 def secret_overrides_from_env() -> list[str]:
-    """The overrides `submit` handed to the job in its secret module (none outside a submitted job)."""
+    """The overrides `submit` handed to the job in its secret module (none outside a submitted job), read once:
+    the module is then forgotten (`forget_secret_module`)."""
     name = os.environ.get(SECRET_MODULE_ENV)
     if not name:
         return []
     try:
-        raw = importlib.import_module(name).OVERRIDES
+        module = importlib.import_module(name)
+        raw = module.OVERRIDES
     except (ImportError, AttributeError) as e:
         raise ConfigError(f"{SECRET_MODULE_ENV}={name}: the job's secret overrides did not arrive with it "
                           f"({type(e).__name__}: {e}); submit it again with gspo-ray submit") from None
+    forget_secret_module(name, Path(module.__file__).parent)
     return [str(o) for o in json.loads(raw)]
+
+
+def forget_secret_module(name: str, package: Path) -> None:
+    """Once the driver has read its secret module: Ray unpacked the package on the driver's node with default
+    permissions (its zip extraction keeps no 0600), and would unpack it on every node that runs one of the job's
+    actors, a job's py_modules being every actor's. So the module leaves the import cache, its unpacked files
+    leave this node's disk, and its package leaves the runtime_env this process's `ray.init` gives the actors
+    (Ray's job config in the environment), with the variable naming it. The zip stays in the cluster's GCS until
+    the job ends (Ray deletes a job's packages then): readable meanwhile by a client of the cluster that knows its
+    URI, which can run code on the cluster anyway (docs/cluster.md)."""
+    import shutil
+    import sys
+
+    sys.modules.pop(name, None)
+    importlib.invalidate_caches()
+    shutil.rmtree(package, ignore_errors=True)
+    os.environ.pop(SECRET_MODULE_ENV, None)
+    raw = os.environ.get(RAY_JOB_CONFIG_ENV)
+    if not raw:
+        return
+    job_config = json.loads(raw)
+    env = job_config.get("runtime_env") or {}
+    unpacked_as = package.parent.name  # Ray unpacks gcs://_ray_pkg_<hash>.zip into .../_ray_pkg_<hash>/
+    kept = [uri for uri in env.get("py_modules") or [] if uri.rsplit("/", 1)[-1].removesuffix(".zip") != unpacked_as]
+    if kept:
+        env["py_modules"] = kept
+    else:
+        env.pop("py_modules", None)
+    (env.get("env_vars") or {}).pop(SECRET_MODULE_ENV, None)
+    os.environ[RAY_JOB_CONFIG_ENV] = json.dumps(job_config)
 
 
 def build_entrypoint(config_arg: str, overrides: Sequence[str] = (), entrypoint: str = TRAIN_ENTRYPOINT,

@@ -74,6 +74,29 @@ def test_secret_overrides_leave_the_command_line_for_a_private_module(monkeypatc
     assert jobs.secret_overrides_from_env() == []
 
 
+def test_the_driver_forgets_the_secret_module_once_read(monkeypatch, tmp_path):
+    """Ray unpacks a py_modules zip with default permissions, on the driver's node and on every node that runs one
+    of the job's actors: once read, the module leaves the driver's import cache and disk, and the runtime_env the
+    driver passes on to its actors (Ray's job config in the environment) no longer carries it."""
+    import sys
+
+    secret = ["cluster.runtime_env.env_vars.HF_TOKEN=hf_x"]
+    unpacked = tmp_path / "runtime_resources" / "py_modules_files" / "_ray_pkg_5ec2e7"  # as Ray lays it out
+    unpacked.mkdir(parents=True)
+    path, name = jobs.write_secret_module(secret, unpacked)
+    job_config = {"runtime_env": {"working_dir": "gcs://_ray_pkg_0de.zip",
+                                  "py_modules": ["gcs://_ray_pkg_5ec2e7.zip", "gcs://_ray_pkg_other.zip"],
+                                  "env_vars": {jobs.SECRET_MODULE_ENV: name, "A": "1"}}, "metadata": {}}
+    monkeypatch.setenv(jobs.RAY_JOB_CONFIG_ENV, json.dumps(job_config))
+    monkeypatch.setenv(jobs.SECRET_MODULE_ENV, name)
+    monkeypatch.syspath_prepend(str(unpacked))
+    assert jobs.secret_overrides_from_env() == secret
+    assert name not in sys.modules and not path.exists() and jobs.SECRET_MODULE_ENV not in os.environ
+    env = json.loads(os.environ[jobs.RAY_JOB_CONFIG_ENV])["runtime_env"]
+    assert env["py_modules"] == ["gcs://_ray_pkg_other.zip"] and env["env_vars"] == {"A": "1"}
+    assert env["working_dir"] == "gcs://_ray_pkg_0de.zip"
+
+
 def test_credential_files_of_the_working_dir_are_never_packaged(tmp_path):
     """What Ray would upload, zipped by Ray's own packager with the excludes `submit` sends: planted credential
     files stay home at any depth, the code goes."""
