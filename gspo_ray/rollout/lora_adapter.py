@@ -42,6 +42,7 @@ import torch
 
 from gspo_ray.compat.vllm_version import vllm_minor
 from gspo_ray.config.lora import merged_push
+from gspo_ray.models.peft_format import ADAPTER_CONFIG, ADAPTER_WEIGHTS, peft_config
 
 log = logging.getLogger(__name__)
 VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm.config.lora.MaxLoRARanks
@@ -83,8 +84,6 @@ class AdapterServing:
 
     def peft_config(self, tensors: dict[str, torch.Tensor]) -> dict:
         """adapter_config.json of a push (scale already folded into B: lora_alpha = r); checks the push's rank."""
-        from gspo_ray.trainer.lora.peft_io import peft_config
-
         ranks = {t.shape[0] for n, t in tensors.items() if ".lora_A." in n}
         if ranks != {self.rank}:
             raise ValueError(f"adapter push of rank {sorted(ranks)}, the engine serves rank {self.rank}")
@@ -97,8 +96,8 @@ class AdapterServing:
         config = self.peft_config(tensors)
         out.mkdir(parents=True, exist_ok=True)
         save_file({k: v.detach().to("cpu", torch.float32).contiguous() for k, v in tensors.items()},
-                  str(out / "adapter_model.safetensors"))
-        (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+                  str(out / ADAPTER_WEIGHTS))
+        (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
         return out
 
     def load(self, llm, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
