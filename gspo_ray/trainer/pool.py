@@ -85,11 +85,14 @@ class TrainerPool:
     """Handles to the trainer ranks; method calls are collective over all of them."""
 
     def __init__(self, model_path: str | Path, trainer_cfg, algo_cfg, run_dir: str | Path | None = None,
-                 ready_timeout_s: float = 600, temperature: float = 1.0):
-        """temperature: the rollout's sampling temperature; the trainer's log-probs are those of logits / T."""
+                 ready_timeout_s: float = 600, temperature: float = 1.0, placement=None):
+        """temperature: the rollout's sampling temperature; the trainer's log-probs are those of logits / T.
+        placement: bundles made by the job (coordinator/pools.ColocatedPlacement: `rank_strategy(rank)`, shared with
+        colocated engines, never removed here); None = a placement group of the pool's own."""
         self.model_path, self.algo_cfg, self.run_dir = model_path, algo_cfg, run_dir
         self.ready_timeout_s, self.temperature = ready_timeout_s, temperature
         self.workers: list = []
+        self.placement, self.pg = placement, None
         self._start(trainer_cfg)
 
     @property
@@ -111,8 +114,11 @@ class TrainerPool:
         bundle = {"CPU": trainer_cfg.num_cpus_per_worker, **trainer_cfg.resources}
         if trainer_cfg.num_gpus_per_worker:
             bundle["GPU"] = trainer_cfg.num_gpus_per_worker
-        self.pg = placement_group([dict(bundle) for _ in range(n)], strategy="PACK")
-        ray.get(self.pg.ready(), timeout=ready_timeout_s)
+        if self.placement is not None and self.placement.num_ranks != n:
+            raise ValueError(f"the colocated placement holds {self.placement.num_ranks} trainer ranks, not {n}")
+        if self.placement is None:
+            self.pg = placement_group([dict(bundle) for _ in range(n)], strategy="PACK")
+            ray.get(self.pg.ready(), timeout=ready_timeout_s)
         addr, port = ray.get(ray.remote(num_cpus=0)(_master_address).options(
             scheduling_strategy=self._on_bundle(0)).remote())
         from gspo_ray.trainer.worker import TrainerWorker
@@ -137,6 +143,8 @@ class TrainerPool:
     def _on_bundle(self, index: int) -> PlacementGroupSchedulingStrategy:
         return PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=index)
 
+        if self.placement is not None:
+            return self.placement.rank_strategy(index)
     def _all(self, method: str, *args, keep_if_idle: bool = False, **kwargs) -> list:
         """Every rank's result. Results are taken as they come, so a dead rank is seen at once even while the
         others still wait on it in a collective; then they are killed (TrainerRankDied). keep_if_idle: see
