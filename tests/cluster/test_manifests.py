@@ -104,8 +104,11 @@ def test_separate_gpu_pools_with_shm_and_autoscaling(name):
         g = groups[group_name]
         gpus = _gpus(g["template"])
         assert gpus >= 1, f"{group_name}: no nvidia.com/gpu limit"
-        # One unit of the pool's resource per GPU, and only its own pool's resource.
-        assert _start_resources(g) == {resource: gpus}
+        # Only its own pool's resource: one unit per trainer GPU (a rank each), one per rollout pod (an engine
+        # each, of the pod's GPUs: a TP-k engine's GPUs must share a node)
+        assert _start_resources(g) == {resource: gpus if group_name == "trainer" else 1}
+        resources = g["template"]["spec"]["containers"][0]["resources"]
+        assert resources["limits"]["nvidia.com/gpu"] == resources["requests"]["nvidia.com/gpu"], group_name
         assert 0 <= g["minReplicas"] <= g["replicas"] <= g["maxReplicas"] and g["maxReplicas"] > g["minReplicas"]
     for group_name, template in _templates(_load(name)):
         volumes = {v["name"]: v for v in template["spec"].get("volumes", [])}
@@ -114,6 +117,33 @@ def test_separate_gpu_pools_with_shm_and_autoscaling(name):
         # The run directory must be the same shared volume everywhere (trainer ranks all write checkpoints).
         assert "persistentVolumeClaim" in volumes[mounts["/mnt/runs"]], group_name
     assert spec["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"
+
+
+def _engine_fits_a_rollout_pod(doc: dict, cfg) -> None:
+    """One engine per rollout pod, on all of its GPUs: the engine's GPUs (rollout.tensor_parallel_size; an actor and
+    its TP workers live on one node) are the pod's, else it can never be placed or leaves GPUs idle."""
+    from gspo_ray.coordinator.pools import engine_resources, rollout_config
+
+    groups = {g["groupName"]: g for g in doc["spec"]["rayClusterSpec"]["workerGroupSpecs"]}
+    pod_gpus = _gpus(groups["rollout"]["template"])
+    assert engine_resources(rollout_config(cfg))["num_gpus"] == pod_gpus, \
+        f"an engine of {cfg.rollout.tensor_parallel_size} GPUs on rollout pods of {pod_gpus}"
+
+
+def test_a_tp2_engine_fits_once_the_rollout_pods_gpus_say_2():
+    """The rollout pods' GPU count is one value (a YAML anchor): set to 2 with rollout.tensor_parallel_size=2 in the
+    entrypoint, a TP-2 engine fits a pod; at 1 it cannot be placed."""
+    text = (KUBERAY / "rayjob.yaml").read_text()
+    assert text.count('&rollout_gpus "1"') == 1
+    doc = yaml.safe_load(text.replace('&rollout_gpus "1"', '&rollout_gpus "2"'))
+    resources = doc["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]["resources"]
+    assert resources["limits"]["nvidia.com/gpu"] == resources["requests"]["nvidia.com/gpu"] == "2"
+    argv = shlex.split(doc["spec"]["entrypoint"])
+    overrides = [a for a in argv[3:] if not a.startswith("--")]
+    tp2 = load_config(ROOT / argv[2], [*overrides, "rollout.tensor_parallel_size=2"])
+    _engine_fits_a_rollout_pod(doc, tp2)
+    with pytest.raises(AssertionError, match="an engine of 2 GPUs on rollout pods of 1"):
+        _engine_fits_a_rollout_pod(_load("rayjob.yaml"), tp2)
 
 
 def test_rayjob_entrypoint_is_a_valid_job_that_fits_the_cluster():
@@ -134,6 +164,7 @@ def test_rayjob_entrypoint_is_a_valid_job_that_fits_the_cluster():
         per_pod = min(_gpus(g["template"]) / sub.num_gpus_per_worker,
                       _start_resources(g)[POOLS[pool]] / sub.resources[POOLS[pool]])
         assert sub.num_workers <= int(per_pod) * g["maxReplicas"], pool
+    _engine_fits_a_rollout_pod(doc, cfg)
     assert spec["shutdownAfterJobFinishes"] is True and spec["ttlSecondsAfterFinished"] > 0
     env = yaml.safe_load(spec["runtimeEnvYAML"])
     assert env["env_vars"]["RAY_OVERRIDE_JOB_RUNTIME_ENV"] == "1"
