@@ -184,6 +184,11 @@ class RolloutConfig(Strict):
     call_timeout_s: float = Field(1800, gt=0, description="a rollout worker that finishes none of its calls (a "
                                   "chunk of prompts, a weight push) for this long is treated as wedged: killed, and "
                                   "its prompts re-dispatched to the others. Size it above your slowest chunk")
+    push_timeout_s: float = Field(900, gt=0, description="rollout.weight_transfer nccl / ipc: the bound of one push "
+                                  "(rendezvous, start, broadcast, finish). Trainer rank 0 aborts a push still "
+                                  "running after it, or at once when an engine's side fails; the engines at fault "
+                                  "are dropped and the push goes again to the others. The preflight refuses a "
+                                  "bound below its estimate of one push (docs/rollout-engines.md)")
     placement_timeout_s: float = Field(60, gt=0, description="a grow of the rollout pool (the autoscaler, "
                                        "`gspo-ray scale rollout N`) first waits this long for the cluster to have "
                                        "room for the new workers; none by then: the grow is refused and the job goes "

@@ -53,7 +53,7 @@ class Coordinator:
         self.probe_sequences: list[list[int]] | None = None  # set by the job: fixed sequences to verify pushes
         self.transport = job_weight_transfer(cfg)  # the job's transport, as coordinator/pools.py gives the engines
         self.transfer = (TransferPush(self.transport, cfg.rollout.tensor_parallel_size,
-                                      int(cfg.trainer.export_bucket_mb * 2**20))
+                                      int(cfg.trainer.export_bucket_mb * 2**20), cfg.rollout.push_timeout_s)
                          if self.transport in CUDA_TRANSPORTS else None)
         # colocated engines sleep while the trainer ranks on their GPUs train (coordinator/engine_sleep.py)
         colocated = gpu_colocated(cfg.rollout.num_gpus_per_worker, cfg.trainer.num_gpus_per_worker)

@@ -21,7 +21,10 @@ the job's first push nothing is sent: the engines serve the checkpoint they were
 
 An engine lost before a push (dead, or no `ping` answer in `rollout.call_timeout_s`) is dropped before the
 rendezvous; one lost inside it fails the phase with EngineTransferError (rollout/weight_transfer.py), and the push
-drops it and goes again, once, to the engines left. Where the trainer's other ranks were stuck in its gathers (the
+drops it and goes again, once, to the engines left. Every push is bounded by `rollout.push_timeout_s`: each phase's
+wait on the engines, and trainer rank 0's watchdog (trainer/push_guard.py), which aborts a broadcast still
+pending when an engine's side has failed or the bound has passed, so a death inside the broadcast is an error
+within the bound, not a hang. Where the trainer's other ranks were stuck in its gathers (the
 pool killed them) it raises TrainerRankDied instead: the job's trainer recovery.
 
 The weights never pass through this process; only the control calls and the init records do. Not run on a GPU
@@ -50,10 +53,13 @@ class TransferPush:
     changes (the key the trainer's sender is kept by: transport and the rollout workers' ids) or the trainer's
     ranks do (a recovered trainer pool starts its sender afresh)."""
 
-    def __init__(self, transport: str, tensor_parallel_size: int, bucket_bytes: int) -> None:
+    def __init__(self, transport: str, tensor_parallel_size: int, bucket_bytes: int,
+                 push_timeout_s: float = 900.0) -> None:
         if transport not in CUDA_TRANSPORTS:
             raise ValueError(f"TransferPush serves nccl / ipc, got {transport!r} (gspo_shm pushes: push_weights)")
         self.transport, self.tp, self.bucket_bytes = transport, tensor_parallel_size, bucket_bytes
+        self.push_timeout_s = push_timeout_s  # rollout.push_timeout_s: every phase and trainer rank 0's watchdog
+        self.pushes = 0
         self.key: tuple | None = None
         self.init_infos: list[Any] = []
         self._ranks: list = []
@@ -62,9 +68,11 @@ class TransferPush:
 
     def init_records(self, trainer, engine_workers: list[int]) -> list[Any]:
         """vLLM's trainer init record of every trainer rank (nccl: one group, trainer rank 0 + every engine
-        worker, rendezvous at a free port on rank 0's node; ipc: the rank only)."""
+        worker, rendezvous at a free port on rank 0's node; ipc: the rank only). Both packed in buckets of
+        `bucket_bytes` (trainer.export_bucket_mb): an unpacked ipc push would hold a whole unsharded copy of the
+        model on every trainer GPU until its finish."""
         if self.transport == "ipc":
-            return [ipc_init_info(rank=r) for r in range(trainer.num_workers)]
+            return [ipc_init_info(rank=r, packed_buffer_bytes=self.bucket_bytes) for r in range(trainer.num_workers)]
         address, port = trainer.rank0_address()
         return [nccl_init_infos(address, port, engine_workers, rank=r, packed_buffer_bytes=self.bucket_bytes)[0]
                 for r in range(trainer.num_workers)]
@@ -82,9 +90,9 @@ class TransferPush:
             ranks = list(getattr(trainer, "workers", []))  # a recovered trainer pool: new ranks, maybe a new node
             if key != self.key or ranks != self._ranks:  # a new rendezvous (the trainer's sender restarts on the key)
                 self.init_infos, self.key, self._ranks = self.init_records(trainer, engine_workers), key, ranks
-            client = ActorPoolClient([workers[i] for i in ids], engine_workers, timeout_s=rollout.call_timeout_s)
+            client = ActorPoolClient([workers[i] for i in ids], engine_workers, timeout_s=self.push_timeout_s)
             try:
-                trainer.send_by_transfer(key, self.init_infos, client)
+                trainer.send_by_transfer(key, self.init_infos, client, timeout_s=self.push_timeout_s)
                 break
             except Exception as e:
                 fault = engine_transfer_fault(e)
@@ -106,10 +114,22 @@ class TransferPush:
                             self.transport, version, lost, fault, len(rollout.workers))
         self.live = (version, probe)  # before publish: a replacement started in it (push_new) gets this version
         t1 = time.perf_counter()
+        self.pushes += 1
+        if self.pushes == 1:
+            self.check_first_push(t1 - t0)
         metrics = rollout.publish_weights(version, probe)
         metrics.update({"sync/transfer_s": t1 - t0, "sync/push_s": time.perf_counter() - t0,
                         "sync/engines_dropped": float(dropped)})
         return metrics
+
+    def check_first_push(self, seconds: float) -> None:
+        """The job's first push, measured, against rollout.push_timeout_s (the preflight only had an estimate):
+        a warning when it took over half the bound, since a slower push (a busier network, a larger bucket
+        backlog) would then be aborted."""
+        if seconds > self.push_timeout_s / 2:
+            log.warning("the first %s push took %.1f s, over half of rollout.push_timeout_s (%.0f s): raise "
+                        "rollout.push_timeout_s, or pushes a little slower than this one will be aborted",
+                        self.transport, seconds, self.push_timeout_s)
 
     def _drop_lost(self, rollout) -> int:
         """Before a push: every engine pinged (`ping` never waits on generation); a dead one is dropped and one
@@ -151,6 +171,6 @@ class TransferPush:
         # a key no full push has: the trainer starts a sender for these engines, and the next push one for all
         self.key, self._ranks = (self.transport, tuple(ids)), list(getattr(trainer, "workers", []))
         self.init_infos = self.init_records(trainer, engine_workers)
-        client = ActorPoolClient(handles, engine_workers, timeout_s=rollout.call_timeout_s)
-        trainer.send_by_transfer(self.key, self.init_infos, client)
+        client = ActorPoolClient(handles, engine_workers, timeout_s=self.push_timeout_s)
+        trainer.send_by_transfer(self.key, self.init_infos, client, timeout_s=self.push_timeout_s)
         ray.get([h.publish_weights.remote(version, probe) for h in handles], timeout=rollout.call_timeout_s)

@@ -31,6 +31,7 @@ from gspo_ray.preflight.job_model import check_tiny_config, checked_tokenizer, m
 from gspo_ray.preflight.lora import check_lora
 from gspo_ray.preflight.model import PreflightError
 from gspo_ray.preflight.plugins import dry_env, dry_reward, import_env, import_reward
+from gspo_ray.preflight.push_bound import check_push_timeout
 from gspo_ray.preflight.report import IMPORT_TIMEOUT_S, PreflightReport
 from gspo_ray.preflight.verdicts import DataVerdicts
 from gspo_ray.preflight.routes import check_routes
@@ -71,6 +72,7 @@ def run_preflight(cfg: JobConfig, *, import_timeout_s: float = IMPORT_TIMEOUT_S,
     check_use_te(cfg.trainer.use_te, cfg.trainer.attention_kernel)
     check_transfer_devices(cfg)
     facts = model_facts(cfg, report)
+    check_push_timeout(cfg, facts.path if facts is not None else None)
     check_routes(cfg, facts.hf_config if facts is not None else None, f"model.path ({cfg.model.path})")
     if facts is not None or cfg.model.tiny is None:  # a tiny model's adapters are checked with its config below
         check_lora(cfg, facts.hf_config if facts is not None else None, report)

@@ -105,6 +105,23 @@ def job_weight_transfer(cfg) -> str:
                                    lora_serve=lora.serve if lora is not None else None)
 
 
+# One nccl / ipc push, as the scale model counts it (bench/scale_sync.py, docs/scale.md "Weight sync per transport"):
+# every engine worker takes in the model's HF bytes M once, from one broadcast (nccl) or by mapping the trainer's
+# gathered copy on its own GPU (ipc). The rates are assumptions, not measurements (nothing here has run on a GPU):
+# nccl at a 100 Gb/s network's half (the broadcast crosses nodes), ipc at a fraction of a GPU's copy rate (gather,
+# pack, map, load per bucket), plus the fixed cost of the rendezvous and vLLM's layerwise reload start / finish.
+PUSH_BYTES_PER_S = {"nccl": 6e9, "ipc": 25e9}
+PUSH_FIXED_S = 30.0
+
+
+def estimate_push_s(model_bytes: int, transport: str) -> float:
+    """Seconds one nccl / ipc push of a model of `model_bytes` HF bytes (in the trainer's dtype) is expected to
+    take (the assumptions above); the floor rollout.push_timeout_s is checked against."""
+    if transport not in CUDA_TRANSPORTS:
+        raise ValueError(f"no push estimate for {transport!r} (nccl, ipc)")
+    return PUSH_FIXED_S + model_bytes / PUSH_BYTES_PER_S[transport]
+
+
 def describe_transport(transport: str) -> str:
     """How pushes reach the engines, for the job's engines line."""
     if transport in CUDA_TRANSPORTS:
@@ -150,7 +167,8 @@ def nccl_init_infos(master_address: str, master_port: int, engine_workers: list[
 
 def ipc_init_info(*, rank: int = 0, packed_buffer_bytes: int | None = None):
     """vLLM's `IPCTrainerInitInfo` for trainer rank `rank` (packed: one reusable IPC buffer of that size,
-    bounded memory; unpacked when None: one handle per tensor, the whole model shared at once)."""
+    bounded memory, what the job's pushes use; unpacked when None: one handle per tensor, the whole model shared
+    at once and held by every trainer GPU until `finish_weight_update`)."""
     from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
 
     if packed_buffer_bytes is None:
@@ -159,7 +177,8 @@ def ipc_init_info(*, rank: int = 0, packed_buffer_bytes: int | None = None):
 
 
 WEIGHT_TRANSFER_CALLS = ("init_weight_transfer_engine", "start_weight_update", "update_weights",
-                         "finish_weight_update")  # vLLM's four phases, the methods of every LLM
+                         "finish_weight_update",  # vLLM's four phases, the methods of every LLM
+                         "shutdown_weight_transfer_engine")  # and its release of the last rendezvous's group
 
 
 class EnginePoolClient:
@@ -173,6 +192,7 @@ class EnginePoolClient:
         if len(targets) != len(engine_workers):
             raise ValueError(f"{len(targets)} engines, {len(engine_workers)} worker counts")
         self.targets, self.engine_workers = targets, list(engine_workers)
+        self.fault: EngineTransferError | None = None
 
     def engine_init_infos(self, init_info: dict[str, Any]) -> list[dict[str, Any]]:
         """Each engine's init record: NCCL's with its own rank_offset (the world must hold them all), any other
@@ -186,11 +206,24 @@ class EnginePoolClient:
         offsets = [init_info["rank_offset"] + sum(self.engine_workers[:i]) for i in range(len(self.targets))]
         return [init_info | {"rank_offset": off} for off in offsets]
 
+    # `fault`: the first engine fault of a phase, set as soon as it is seen. vLLM's nccl sender runs update_weights
+    # on a side thread and never reads its error while its broadcast blocks; trainer rank 0's watchdog
+    # (trainer/weight_send.send_bounded) reads it here and aborts the broadcast.
+
     def _all(self, method: str, requests: list[Any]) -> None:
         """`method` on every engine at once, request i to engine i; returns once all are done."""
         raise NotImplementedError
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        """A new rendezvous: each engine's previous transfer engine released first (vLLM's worker would assign
+        the new NCCL group over the old one and leak it). An engine that cannot release it (alive, its call
+        raised: e.g. a push left unfinished) keeps it and still joins; a lost one fails the phase."""
+        try:
+            self._all("shutdown_weight_transfer_engine", [None] * len(self.targets))
+        except EngineTransferError as e:
+            if e.dead or e.hung:
+                raise
+            self.fault = None  # a refused release is not a fault of the push
         self._all("init_weight_transfer_engine", [{"init_info": i} for i in self.engine_init_infos(init_info)])
 
     def start_weight_update(self) -> None:
@@ -246,24 +279,35 @@ class ActorPoolClient(EnginePoolClient):
         self.timeout_s = timeout_s
 
     def _all(self, method: str, requests: list[Any]) -> None:
+        import time
+
         import ray
         from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
         refs = [h.weight_transfer_call.remote(method, r) for h, r in zip(self.targets, requests)]
-        _, waiting = ray.wait(refs, num_returns=len(refs), timeout=self.timeout_s)
-        hung = [i for i, ref in enumerate(refs) if ref in waiting]
-        dead, failed, detail = [], [], f"no answer in {self.timeout_s} s" if hung else ""
-        for i, ref in enumerate(refs):
-            if i in hung:
-                continue
+        deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
+        waiting, dead, failed, detail = list(refs), [], [], ""
+        while waiting:  # one at a time: a death is reported at once, the others still waited for
+            left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            done, waiting = ray.wait(waiting, num_returns=1, timeout=left)
+            if not done:
+                break
+            i = refs.index(done[0])
             try:
-                ray.get(ref, timeout=0)
+                ray.get(done[0], timeout=0)
             except (RayActorError, ActorDiedError, ActorUnavailableError) as e:
                 dead.append(i)
                 detail = detail or type(e).__name__
+                if self.fault is None:  # its peers may never finish this phase (an NCCL group with a dead member)
+                    self.fault = EngineTransferError(method, dead, (), failed, detail)
             except Exception as e:  # noqa: BLE001 - alive, its call raised: named, the first one's line kept
                 failed.append(i)
                 cause = getattr(e, "cause", None) or e
                 detail = detail or f"{type(cause).__name__}: {(str(cause).strip().splitlines() or [''])[-1]}"
+        hung = sorted(refs.index(ref) for ref in waiting)
+        if hung:
+            detail = f"no answer in {self.timeout_s} s" + (f"; {detail}" if detail else "")
         if dead or hung or failed:
-            raise EngineTransferError(method, dead, hung, failed, detail)
+            error = EngineTransferError(method, sorted(dead), hung, sorted(failed), detail)
+            self.fault = self.fault or error
+            raise error

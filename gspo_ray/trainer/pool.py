@@ -24,6 +24,7 @@ for a push (`call_ranks`), every rank idle within ERROR_GRACE_S is enough.
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -79,6 +80,7 @@ class TrainerRankFailed(RuntimeError):
 
 
 ERROR_GRACE_S = 2.0  # after a rank's error, how long the others may take to finish (or raise) before being killed
+PUSH_BACKSTOP_S = 60.0  # a push's ranks past rank 0's own bound (its watchdog, its gate) by this much are killed
 
 
 class TrainerPool:
@@ -90,9 +92,9 @@ class TrainerPool:
         placement: bundles made by the job (coordinator/pools.ColocatedPlacement: `rank_strategy(rank)`, shared with
         colocated engines, never removed here); None = a placement group of the pool's own."""
         self.model_path, self.algo_cfg, self.run_dir = model_path, algo_cfg, run_dir
+        self.placement, self.pg = placement, None
         self.ready_timeout_s, self.temperature = ready_timeout_s, temperature
         self.workers: list = []
-        self.placement, self.pg = placement, None
         self._start(trainer_cfg)
 
     @property
@@ -141,18 +143,26 @@ class TrainerPool:
         log.info("trainer pool ready: %d ranks (tp=%d, ep=%d) at %s:%d", n, trainer_cfg.tp, trainer_cfg.ep, addr, port)
 
     def _on_bundle(self, index: int) -> PlacementGroupSchedulingStrategy:
-        return PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=index)
-
         if self.placement is not None:
             return self.placement.rank_strategy(index)
-    def _all(self, method: str, *args, keep_if_idle: bool = False, **kwargs) -> list:
+        return PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=index)
+
+    def _all(self, method: str, *args, keep_if_idle: bool = False, timeout_s: float | None = None, **kwargs) -> list:
         """Every rank's result. Results are taken as they come, so a dead rank is seen at once even while the
         others still wait on it in a collective; then they are killed (TrainerRankDied). keep_if_idle: see
-        `call_ranks`."""
+        `call_ranks`. timeout_s: ranks not all done by then are killed (TrainerRankFailed, `killed`)."""
         refs = [getattr(w, method).remote(*args, **kwargs) for w in self.workers]
         waiting = list(refs)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while waiting:
-            done, waiting = ray.wait(waiting, num_returns=1)
+            left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            done, waiting = ray.wait(waiting, num_returns=1, timeout=left)
+            if not done:
+                rank = refs.index(waiting[0])
+                log.warning("trainer ranks %s still in %s after %.0f s: killing the pool's ranks",
+                            [refs.index(r) for r in waiting], method, timeout_s)
+                self._kill_workers()
+                raise TrainerRankFailed(rank, method, TimeoutError(f"no answer in {timeout_s} s"), killed=True)
             try:
                 ray.get(done[0])
             except RayActorError as e:
@@ -208,24 +218,27 @@ class TrainerPool:
         shared-memory file (see TrainerWorker)."""
         return self._rank0("export_weights", bucket_mb, as_refs=as_refs, shared=shared)
 
-    def send_by_transfer(self, key, init_infos: list, client) -> None:
+    def send_by_transfer(self, key, init_infos: list, client, timeout_s: float | None = None) -> None:
         """One push through vLLM's nccl / ipc backend, every rank (trainer/weight_send.send_on_rank in each rank's
-        actor; rank 0's vLLM sender drives the engines through `client`)."""
+        actor; rank 0's vLLM sender drives the engines through `client`). timeout_s: rollout.push_timeout_s, the
+        bound rank 0's watchdog keeps; the pool's own wait is a backstop PUSH_BACKSTOP_S behind it (ranks stuck
+        past it are killed: a trainer recovery)."""
         from gspo_ray.trainer.weight_send import send_on_rank
 
-        self.call_ranks(send_on_rank, key, init_infos, client)
+        self.call_ranks(send_on_rank, key, init_infos, client, timeout_s,
+                        timeout_s=None if timeout_s is None else timeout_s + PUSH_BACKSTOP_S)
 
-    def call_ranks(self, fn, *args) -> list:
+    def call_ranks(self, fn, *args, timeout_s: float | None = None) -> list:
         """`fn(rank's TrainerWorker, *args)` on every rank (Ray's `__ray_call__`), collective like every pool call,
         for a call that changes no weight or optimizer state of the ranks (a push: they only send): a rank's error
         that leaves every rank idle within ERROR_GRACE_S (none is stuck in a collective on it; e.g. trainer rank 0's
         EngineTransferError, an engine's fault, where the other ranks' sources need no gather) keeps the pool up:
         TrainerRankFailed with `killed` False, the ranks fit for the next call."""
-        return self._all("__ray_call__", fn, *args, keep_if_idle=True)
+        return self._all("__ray_call__", fn, *args, keep_if_idle=True, timeout_s=timeout_s)
 
     def rank0_address(self) -> tuple[str, int]:
         """(trainer rank 0's node IP, a port free there): the NCCL rendezvous of nccl pushes."""
-        return ray.get(self.workers[0].__ray_call__.remote(_free_address))
+        return ray.get(self.workers[0].__ray_call__.remote(rendezvous_address))
 
     def version(self) -> int:
         return self._rank0("version")
@@ -278,10 +291,9 @@ class TrainerPool:
         self.workers = []
 
 
-def _free_address(_actor) -> tuple[str, int]:
-    import socket
+def rendezvous_address(_actor) -> tuple[str, int]:
+    """(this node's IP, a free port): below the ephemeral range like the trainer's own ports (parallel.free_port),
+    not bind(0)'s, which the kernel hands to the next outgoing connection before the rendezvous listens."""
+    from gspo_ray.trainer.parallel import free_port
 
-    with socket.socket() as s:
-        s.bind(("", 0))
-        port = s.getsockname()[1]
-    return ray.util.get_node_ip_address(), port
+    return ray.util.get_node_ip_address(), free_port()

@@ -33,7 +33,7 @@ tested on CPU.
 """
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch import Tensor
@@ -41,6 +41,7 @@ from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
 from gspo_ray.trainer.lora.peft_io import MergedView
+from gspo_ray.trainer.push_guard import PushGate, send_bounded
 from gspo_ray.trainer.model_spec import ModelSpec
 from gspo_ray.trainer.weight_buckets import Collect, WeightBucket, gather_bucket, plan_buckets, torch_collect
 
@@ -58,7 +59,8 @@ class MegatronWeightSource(WeightSource):
     engine workers); `for_backend` picks it. collect(tensor, group, to_root): torch.distributed's by default."""
 
     def __init__(self, model, spec: ModelSpec, bucket_bytes: int = 64 * 2**20, tp_group=None, ep_group=None,
-                 to_root: bool = False, collect: Collect = torch_collect) -> None:
+                 to_root: bool = False, collect: Collect = torch_collect,
+                 before_gathers: Callable[[], None] | None = None) -> None:
         if hasattr(model, "param_meta"):  # values computed when read (MergedView): planned without reading them
             self._params, meta = model, list(model.param_meta())
         else:
@@ -72,14 +74,16 @@ class MegatronWeightSource(WeightSource):
             tp_group = tp_group or (ps.get_tensor_model_parallel_group() if spec.tp > 1 else None)
             ep_group = ep_group or (ps.get_expert_model_parallel_group() if spec.ep > 1 else None)
         self.tp_group, self.ep_group, self.to_root, self.collect = tp_group, ep_group, to_root, collect
+        self.before_gathers = before_gathers  # once per iteration, before the first bucket's gathers (PushGate)
 
     @classmethod
-    def for_backend(cls, backend: str, model, spec: ModelSpec, bucket_bytes: int) -> "MegatronWeightSource":
+    def for_backend(cls, backend: str, model, spec: ModelSpec, bucket_bytes: int,
+                    before_gathers: Callable[[], None] | None = None) -> "MegatronWeightSource":
         """The source vLLM's `backend` ("nccl" | "ipc") needs: gathered to rank 0 for nccl, to every rank for
         ipc."""
         if backend not in ("nccl", "ipc"):
             raise ValueError(f"no trainer-side sender for weight transfer backend {backend!r} (nccl, ipc)")
-        return cls(model, spec, bucket_bytes, to_root=backend == "nccl")
+        return cls(model, spec, bucket_bytes, to_root=backend == "nccl", before_gathers=before_gathers)
 
     def metadata(self) -> list[ParamMeta]:
         """Every HF tensor of the push (name, dtype, full shape), from the plan: no gather."""
@@ -87,6 +91,8 @@ class MegatronWeightSource(WeightSource):
                 for hf_name, shape in p.hf]
 
     def __iter__(self) -> Iterator[tuple[str, Tensor]]:
+        if self.before_gathers is not None:
+            self.before_gathers()
         with torch.no_grad():
             for bucket in self.plan:
                 yield from gather_bucket(bucket, self._params, self.spec, self.tp_group, self.ep_group,
@@ -101,24 +107,43 @@ def start_sender(init_info, client, source: WeightSource):
 
 class TransferSender:
     """One trainer rank's side of the job's pushes through vLLM's `nccl` / `ipc` backends (`send_on_rank`, from
-    TrainerPool `send_by_transfer`): the source and vLLM's trainer-side engine, started (with its rendezvous) on the
+    TrainerPool `send_by_transfer`): vLLM's trainer-side engine (`sender`), started (with its rendezvous) on the
     first push and again whenever the engine set changes (`key`: the engines' ids), then one `send_weights()` per
-    push. On
-    rank 0, vLLM's engine drives the client (the rollout actors' four phases); the other ranks only join the
-    gathers."""
+    push. On rank 0, vLLM's engine drives the client (the rollout actors' phases) under `send_bounded`'s
+    watchdog; the other ranks only join the gathers. A sender is shut down (vLLM's `shutdown`: its NCCL group
+    destroyed) when another replaces it and when a push through it fails: after a failed broadcast vLLM's group
+    is unusable, so the next push starts a new one even for the same engines."""
 
-    def __init__(self, key, init_info, client, model, spec: ModelSpec, bucket_bytes: int) -> None:
-        self.key = key  # init_info.backend: vLLM's factory key (a ClassVar of each init record)
-        self.sender = start_sender(init_info, client, MegatronWeightSource.for_backend(init_info.backend, model, spec,
-                                                                                      bucket_bytes))
+    def __init__(self, key, sender) -> None:
+        self.key, self.sender = key, sender
+
+    def shutdown(self) -> None:
+        """Release vLLM's sender (its NCCL communicator on rank 0; nothing elsewhere)."""
+        shutdown = getattr(self.sender, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
 
     @classmethod
-    def push(cls, previous: "TransferSender | None", key, init_info, client, model, spec: ModelSpec,
-             bucket_bytes: int) -> "TransferSender":
-        """Send one push, through `previous` when it serves the same engines; returns the sender kept."""
-        sender = previous if previous is not None and previous.key == key else cls(key, init_info, client, model,
-                                                                                   spec, bucket_bytes)
-        sender.sender.send_weights()
+    def push(cls, previous: "TransferSender | None", key, start: Callable[[], object], *, is_sender: bool,
+             timeout_s: float | None = None) -> "TransferSender":
+        """Send one push, through `previous` when it serves the same engines, else through `start()`'s new sender
+        (`previous` shut down first: its engines are rendezvousing anew). Rank 0 (`is_sender`) sends under the
+        watchdog (`send_bounded`, `timeout_s`). Returns the sender to keep; on any error the sender used is shut
+        down and the error raised (keep none)."""
+        if previous is not None and previous.key != key:
+            previous.shutdown()
+            previous = None
+        sender = previous if previous is not None else cls(key, start())
+        try:
+            if is_sender:
+                client = getattr(sender.sender, "client", None)
+                send_bounded(sender.sender.send_weights, lambda: getattr(client, "fault", None), sender.shutdown,
+                             timeout_s, reset=lambda: setattr(client, "fault", None) if client is not None else None)
+            else:
+                sender.sender.send_weights()
+        except BaseException:
+            sender.shutdown()
+            raise
         return sender
 
 
@@ -138,10 +163,25 @@ def push_model(worker):
     return MergedView(worker.gpt)
 
 
-def send_on_rank(worker, key, init_infos: list, client) -> None:
+def send_on_rank(worker, key, init_infos: list, client, timeout_s: float | None = None,
+                 start: Callable = start_sender) -> None:
     """One nccl / ipc push on one trainer rank, run inside its TrainerWorker actor (TrainerPool.send_by_transfer,
-    through Ray's `__ray_call__`): the rank's `TransferSender`, kept on the worker between pushes, over
-    `push_model(worker)` (the model, or its merged LoRA view)."""
-    worker.transfer_sender = TransferSender.push(getattr(worker, "transfer_sender", None), key,
-                                                 init_infos[worker.rank], client, push_model(worker), worker.spec,
-                                                 int(worker.cfg.export_bucket_mb * 2**20))
+    through Ray's `__ray_call__`): the rank's `TransferSender`, kept on the worker between pushes (dropped while
+    a push runs: a failed one keeps none), over `push_model(worker)` (the model, or its merged LoRA view).
+    timeout_s: rollout.push_timeout_s, rank 0's watchdog and the other ranks' wait for its start (`PushGate`:
+    they enter the bucket gathers only once the engines accepted `start_weight_update`). start(init_info, client,
+    source): vLLM's sender (`start_sender`; a stand-in in CPU tests)."""
+    previous, worker.transfer_sender = getattr(worker, "transfer_sender", None), None
+    gate = getattr(worker, "push_gate", None)
+    if gate is None:  # every rank's first push, together: the gate's group is created collectively
+        gate = worker.push_gate = PushGate.create(worker.rank, timeout_s)
+    gate.begin()
+    init_info = init_infos[worker.rank]
+    source = lambda: MegatronWeightSource.for_backend(  # noqa: E731 - built only when a sender starts
+        init_info.backend, push_model(worker), worker.spec, int(worker.cfg.export_bucket_mb * 2**20),
+        before_gathers=gate.pass_through)
+    try:
+        worker.transfer_sender = TransferSender.push(previous, key, lambda: start(init_info, client, source()),
+                                                     is_sender=worker.rank == 0, timeout_s=timeout_s)
+    finally:
+        gate.end()  # rank 0 failed before its start: the others, waiting at the gate, are let go (refused)

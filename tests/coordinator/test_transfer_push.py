@@ -99,9 +99,9 @@ class Barrier:
 class RecordingEngine:
     """Stands in for a RolloutWorker whose engine runs vLLM's nccl backend (CUDA only)."""
 
-    def __init__(self, worker_id: int, barrier):
+    def __init__(self, worker_id: int, barrier, barrier_s: float = 10):
         self.worker_id, self.barrier, self.calls, self.version = worker_id, barrier, [], 0
-        self.die_in = None
+        self.die_in, self.barrier_s = None, barrier_s
 
     def ping(self) -> int:
         return self.worker_id
@@ -115,7 +115,9 @@ class RecordingEngine:
         ray.get(self.barrier.arrive.remote(method))
         if method == self.die_in:
             os._exit(1)
-        deadline = time.monotonic() + 10
+        if method == "shutdown_weight_transfer_engine":  # each engine's own release, no rendezvous
+            return
+        deadline = time.monotonic() + self.barrier_s
         while not ray.get(self.barrier.all_in.remote(method)):  # an NCCL rendezvous: everyone or nobody
             if time.monotonic() > deadline:
                 raise TimeoutError(f"engine {self.worker_id}: not every engine entered {method}")
@@ -170,7 +172,7 @@ def ranks(local_ray):
         ray.kill(h)
 
 
-def stand_in_send(rank, key, payload, client) -> None:
+def stand_in_send(rank, key, payload, client, timeout_s=None) -> None:
     """trainer/weight_send.send_on_rank's part on one rank (in its actor, through `__ray_call__`): rank 0 drives
     the client as vLLM's NCCL trainer engine does (`payload`: vLLM's worker init payload, built by the caller), the
     others only join the gathers (none here)."""
@@ -200,7 +202,9 @@ class SenderStandIn(TrainerPool):
     def rank0_address(self):
         return "10.0.0.1", 29611
 
-    def send_by_transfer(self, key, init_infos, client) -> None:
+    send = staticmethod(stand_in_send)  # what each rank runs
+
+    def send_by_transfer(self, key, init_infos, client, timeout_s=None) -> None:
         from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo, worker_init_payload
 
         self.sent.append((key, init_infos))
@@ -210,7 +214,7 @@ class SenderStandIn(TrainerPool):
             master_address=info.master_address, master_port=info.master_port, rank_offset=1,
             world_size=info.world_size, packed=info.packed, packed_buffer_size_bytes=info.packed_buffer_size_bytes,
             packed_num_buffers=info.packed_num_buffers))
-        self.call_ranks(stand_in_send, key, payload, client)
+        self.call_ranks(self.send, key, payload, client, timeout_s)
 
 
 def update_info(names):
@@ -235,22 +239,24 @@ def test_nccl_push_calls_every_engine_at_once_in_vllms_order(ranks):
     calls = ray.get([h.recorded.remote() for h in pool.workers.values()])
     for wid, engine_calls in enumerate(calls):
         methods = [c[0] for c in engine_calls]
-        assert methods == ["init_weight_transfer_engine", "start_weight_update", "update_weights",
+        assert methods == ["shutdown_weight_transfer_engine",  # a rendezvous releases the last one's group first
+                           "init_weight_transfer_engine", "start_weight_update", "update_weights",
                            "finish_weight_update", "publish_weights",
                            "start_weight_update", "update_weights", "finish_weight_update", "publish_weights"]
-        init = engine_calls[0][1]["init_info"]
+        init = engine_calls[1][1]["init_info"]
         assert init["rank_offset"] == 1 + 2 * wid and init["world_size"] == 5  # engine 1 after engine 0's 2
-        assert engine_calls[2][1] == {"update_info": update_info(["w"])}
-        assert engine_calls[4][1] == (3, None) and engine_calls[8][1] == (4, None)
+        assert engine_calls[3][1] == {"update_info": update_info(["w"])}
+        assert engine_calls[5][1] == (3, None) and engine_calls[9][1] == (4, None)
 
     pool.scale(1)  # a new engine set (worker 1 stopped): a new rendezvous, engine 0 alone in a world of 3
     push(pool, trainer, version=5, probe=None)
     key3, infos3 = trainer.sent[-1]
     assert key3 == ("nccl", (0,)) and {i.world_size for i in infos3} == {3}
-    last = ray.get(pool.workers[0].recorded.remote())[-5:]
-    assert [c[0] for c in last] == ["init_weight_transfer_engine", "start_weight_update", "update_weights",
-                                    "finish_weight_update", "publish_weights"]
-    assert last[0][1]["init_info"]["rank_offset"] == 1 and last[0][1]["init_info"]["world_size"] == 3
+    last = ray.get(pool.workers[0].recorded.remote())[-6:]
+    assert [c[0] for c in last] == ["shutdown_weight_transfer_engine", "init_weight_transfer_engine",
+                                    "start_weight_update", "update_weights", "finish_weight_update",
+                                    "publish_weights"]
+    assert last[1][1]["init_info"]["rank_offset"] == 1 and last[1][1]["init_info"]["world_size"] == 3
     pool.shutdown()
 
 
@@ -275,8 +281,8 @@ def kill(handle) -> None:
     raise AssertionError("the killed actor still answers")
 
 
-PHASES = ["init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update",
-          "publish_weights"]
+PHASES = ["shutdown_weight_transfer_engine", "init_weight_transfer_engine", "start_weight_update", "update_weights",
+          "finish_weight_update", "publish_weights"]
 
 
 def test_new_and_replacement_engines_get_the_live_policy_before_serving(ranks):
@@ -306,14 +312,14 @@ def test_new_and_replacement_engines_get_the_live_policy_before_serving(ranks):
     for wid, offset in ((2, 1), (3, 3)):  # ranks within the subset's world, not the pool's
         calls = ray.get(pool.workers[wid].recorded.remote())
         assert [c[0] for c in calls] == PHASES and calls[-1][1] == (7, None)
-        assert calls[0][1]["init_info"]["rank_offset"] == offset and calls[0][1]["init_info"]["world_size"] == 5
+        assert calls[1][1]["init_info"]["rank_offset"] == offset and calls[1][1]["init_info"]["world_size"] == 5
     assert [c[0] for c in ray.get(pool.workers[0].recorded.remote())] == PHASES  # the others: untouched
 
     coord.state.version = trainer.held = 8
     coord.sync_weights()  # the next push: every engine again, in a new rendezvous (world 1 + 4 x 2)
     assert trainer.sent[-1][0] == ("nccl", (0, 1, 2, 3))
     for wid in range(4):
-        init = [c for c in ray.get(pool.workers[wid].recorded.remote()) if c[0] == PHASES[0]][-1][1]["init_info"]
+        init = [c for c in ray.get(pool.workers[wid].recorded.remote()) if c[0] == PHASES[1]][-1][1]["init_info"]
         assert init["rank_offset"] == 1 + 2 * wid and init["world_size"] == 9
 
     pool.scale(1)
@@ -321,7 +327,7 @@ def test_new_and_replacement_engines_get_the_live_policy_before_serving(ranks):
     groups, _ = pool.generate([Prompt(uid="p0", prompt_ids=[1])], n=2)
     assert members[-1] == ([4], []) and sorted(pool.workers) == [4] and pool.restarts_left == 2
     calls = ray.get(pool.workers[4].recorded.remote())
-    assert [c[0] for c in calls] == PHASES + ["generate"] and calls[4][1] == (8, None)
+    assert [c[0] for c in calls] == PHASES + ["generate"] and calls[5][1] == (8, None)
     assert [s.versions for s in groups[0].samples] == [[8], [8]]  # sampled with the live policy, not the base
     assert trainer.sent[-1][0] == ("nccl", (4,))
 
@@ -370,7 +376,7 @@ def test_an_engine_lost_before_or_during_a_push_is_the_rollouts_fault(ranks, mon
     assert not isinstance(error.cause, ray.exceptions.RayActorError)
     assert [k for k, _ in trainer.sent[-2:]] == [("nccl", (0, 1)), ("nccl", (0,))]  # again, a new rendezvous
     calls = ray.get(pool.workers[0].recorded.remote())
-    assert [c[0] for c in calls[-6:]] == ["start_weight_update"] + PHASES  # the failed phase, then the retry
+    assert [c[0] for c in calls[-7:]] == ["start_weight_update"] + PHASES  # the failed phase, then the retry
     assert calls[-5][1]["init_info"]["world_size"] == 2 and calls[-1][1] == (3, None)
     assert trainer.workers == ranks and ray.get([r.version.remote() for r in ranks]) == [0, 0]  # not recovered
 
@@ -388,3 +394,80 @@ def test_an_engine_lost_before_or_during_a_push_is_the_rollouts_fault(ranks, mon
     with pytest.raises(ray.exceptions.RayActorError):
         ray.get(stuck.workers[1].version.remote(), timeout=30)
 
+
+
+class AbortableBroadcast:
+    """Stands in for vLLM's `NCCLTrainerWeightTransferEngine` on rank 0 (CUDA only): its rendezvous calls the
+    client's init; `send_weights` runs the engines' update_weights on a side thread while it "broadcasts", which
+    blocks until every engine received (here: until the side thread ends) or the sender is shut down
+    (ncclCommAbort), then raises as NCCL would; `shutdown` counted."""
+
+    def __init__(self, client, payload):
+        import threading
+
+        self.client, self.aborted, self.shutdowns = client, threading.Event(), 0
+        client.init_weight_transfer_engine(payload)
+
+    def send_weights(self) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.client.start_weight_update()
+        exe = ThreadPoolExecutor(max_workers=1)
+        future = exe.submit(self.client.update_weights, update_info(["w"]))
+        while not future.done():  # a broadcast with a dead peer never ends on its own
+            if self.aborted.wait(0.02):
+                exe.shutdown(wait=False)
+                raise RuntimeError("NCCL error: communicator aborted")
+        future.result()
+        self.client.finish_weight_update()
+
+    def shutdown(self) -> None:
+        self.shutdowns += 1
+        self.aborted.set()
+
+
+def watched_send(rank, key, payload, client, timeout_s=None) -> None:
+    """trainer/weight_send.send_on_rank's part on one rank, through the real TransferSender and its watchdog, with
+    `AbortableBroadcast` as vLLM's sender on rank 0."""
+    from gspo_ray.trainer.weight_send import TransferSender
+
+    if rank.rank != 0:
+        return
+    previous, rank.sender = getattr(rank, "sender", None), None
+    rank.sender = TransferSender.push(previous, key, lambda: AbortableBroadcast(client, payload), is_sender=True,
+                                      timeout_s=timeout_s)
+
+
+class WatchedSenderStandIn(SenderStandIn):
+    send = staticmethod(watched_send)
+
+
+def test_an_engine_killed_inside_the_broadcast_ends_the_push_within_its_bound(ranks):
+    """Rank 0 blocked in the broadcast while an engine actor is killed: the watchdog aborts the broadcast as soon
+    as the client sees the death (not at the bound, not never), the dead engine is dropped, the push goes again to
+    the survivor, and the job goes on: the trainer's ranks kept, the pool serving the pushed version."""
+    barrier = Barrier.remote()
+    pool = RolloutPool(lambda wid: RecordingEngine.remote(wid, barrier, barrier_s=2), 2)
+    trainer = WatchedSenderStandIn(barrier, ranks)
+    push = TransferPush("nccl", tensor_parallel_size=1, bucket_bytes=2**20, push_timeout_s=60)
+    push(pool, trainer, version=1)
+    ray.get(pool.workers[1].die_in_phase.remote("update_weights"))
+    t0 = time.monotonic()
+    m = push(pool, trainer, version=2)
+    assert time.monotonic() - t0 < 30  # far inside the 60 s bound: the death, not the bound, ended it
+    assert sorted(pool.workers) == [0] and m["sync/engines_dropped"] == 1
+    (error,) = push.faults
+    assert isinstance(error, TrainerRankFailed) and not error.killed
+    assert isinstance(error.cause, EngineTransferError) and error.cause.dead == [1]
+    assert [k for k, _ in trainer.sent[-2:]] == [("nccl", (0, 1)), ("nccl", (0,))]
+    assert ray.get(pool.workers[0].recorded.remote())[-1] == ("publish_weights", (2, None))
+    assert trainer.workers == ranks and ray.get([r.version.remote() for r in ranks]) == [0, 0]  # not recovered
+    pool.shutdown()
+
+
+def test_ipc_pushes_are_packed():
+    """vLLM's ipc sender with `packed=True` and the job's bucket bytes: one reusable buffer, not the whole model
+    shared until `finish`."""
+    push = TransferPush("ipc", tensor_parallel_size=1, bucket_bytes=3 * 2**20)
+    infos = push.init_records(SimpleNamespace(num_workers=2), [1])
+    assert {(i.packed, i.packed_buffer_size_bytes) for i in infos} == {(True, 3 * 2**20)}
