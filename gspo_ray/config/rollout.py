@@ -138,6 +138,16 @@ class RolloutConfig(Strict):
                        "the same reason as top_p")
     max_new_tokens: int = Field(16, ge=1, description="completion token limit")
     max_model_len: int = Field(256, ge=8, description="prompt + completion limit of the engine")
+    max_num_seqs: int | None = Field(None, ge=1, description="sequences each engine schedules at once (vLLM's "
+                                     "max_num_seqs; None = vLLM's default for the platform, 256 on CPU). A step's "
+                                     "completions beyond it wait for a free slot")
+    max_num_batched_tokens: int | None = Field(None, ge=1, description="tokens per engine step, prefill and "
+                                               "decode together (vLLM's max_num_batched_tokens; None = vLLM's "
+                                               "default). At least max_model_len unless enable_chunked_prefill "
+                                               "is true, and at least max_num_seqs")
+    enable_chunked_prefill: bool | None = Field(None, description="split long prompts' prefill over engine steps "
+                                                "beside running decodes (vLLM's enable_chunked_prefill; None = "
+                                                "vLLM's default for the platform)")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="engine dtype; bf16 log-probs drift "
                                                   "far beyond GSPO's 3e-4 clip band on CPU (see mismatch metrics)")
     kv_cache_gb: float = Field(1, gt=0, description="KV cache size per engine on CPU, resident from start-up "
@@ -204,6 +214,14 @@ class RolloutConfig(Strict):
         if self.top_k > 0:
             raise ValueError(f"rollout.top_k ({self.top_k}) must be -1 (off): the trainer cannot score a "
                              "truncated sampling distribution; use rollout.temperature to sharpen it")
+        tokens = self.max_num_batched_tokens
+        if tokens is not None and tokens < self.max_model_len and self.enable_chunked_prefill is not True:
+            raise ValueError(f"rollout.max_num_batched_tokens ({tokens}) is below rollout.max_model_len "
+                             f"({self.max_model_len}): a prompt that long could never be prefilled in one step; "
+                             "raise it, or set rollout.enable_chunked_prefill true")
+        if tokens is not None and self.max_num_seqs is not None and tokens < self.max_num_seqs:
+            raise ValueError(f"rollout.max_num_batched_tokens ({tokens}) is below rollout.max_num_seqs "
+                             f"({self.max_num_seqs}): every scheduled sequence needs a token of the step")
         return self
 
 

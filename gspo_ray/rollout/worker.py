@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from gspo_ray.data.records import Prompt, Sample
-from gspo_ray.rollout.engine import FINISH_ABORTED, RolloutEngine, SamplingSettings
+from gspo_ray.rollout.engine import FINISH_ABORTED, RolloutEngine, SamplingSettings, scheduler_options
 from gspo_ray.rollout.weight_sync import VERIFY_TOL, WeightProbe, WeightSyncError, push_buckets, verify_probe
 from gspo_ray.rollout.weight_transfer import WEIGHT_TRANSFER_CALLS
 
@@ -90,6 +90,7 @@ class RolloutWorker:
             torch.set_num_threads(self.cfg.num_threads)
         self.engine = RolloutEngine(model_path, run_dir=Path(run_dir) / f"rollout-{worker_id}", dtype=self.cfg.dtype,
                                     max_model_len=self.cfg.max_model_len, kv_cache_gb=self.cfg.kv_cache_gb,
+                                    **scheduler_options(self.cfg),  # max_num_seqs, max_num_batched_tokens, ...
                                     # rollout.seed is None outside a job (gspo-ray eval): 0
                                     enforce_eager=self.cfg.enforce_eager, seed=(self.cfg.seed or 0) + worker_id,
                                     gpu_memory_utilization=self.cfg.gpu_memory_utilization, cpu_cores=cores,
