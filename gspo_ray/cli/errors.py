@@ -93,6 +93,11 @@ def report_unexpected(e: BaseException) -> None:
         traceback.print_exception(type(e), e, e.__traceback__)
     hint = "" if _state["debug"] else " (gspo-ray --debug ... shows the traceback)"
     typer.echo(f"error: {describe_exception(e)}{hint}", err=True)
+    from gspo_ray.coordinator.remote_errors import remote_error_block
+
+    block = None if _state["debug"] else remote_error_block(e)  # a Ray actor's traceback or death cause
+    if block:
+        typer.echo(f"the actor's side:\n{block}", err=True)
 
 
 def run_app(app, args: list[str] | None = None, prog_name: str = "gspo-ray") -> int:

@@ -32,6 +32,7 @@ from typing import Any, Callable
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayActorError
 
+from gspo_ray.coordinator.remote_errors import remote_error_block
 from gspo_ray.data.records import Group, Prompt, Sample
 
 log = logging.getLogger(__name__)
@@ -139,8 +140,8 @@ class RolloutPool:
             try:
                 samples += ray.get(ref)
             except WORKER_DEATH as e:
-                log.warning("rollout worker %d died (%s); re-dispatching %d prompts", wid, type(e).__name__,
-                            len(chunk.prompts))
+                log.warning("rollout worker %d died; re-dispatching %d prompts. Its error:\n%s", wid,
+                            len(chunk.prompts), remote_error_block(e) or type(e).__name__)
                 self.workers.pop(wid, None)
                 self.retiring.pop(wid, None)
                 self.redispatched += len(chunk.prompts)
@@ -217,10 +218,12 @@ class RolloutPool:
         calls = {wid: w.publish_weights.remote(version, probe) for wid, w in self.workers.items()}
         return self._push_results(calls, t0)
 
-    def drop_workers(self, dead: list[int], hung: list[int] = ()) -> None:
+    def drop_workers(self, dead: list[int], hung: list[int] = (), causes: dict[int, BaseException] | None = None
+                     ) -> None:
         """Workers found dead or hung during a weight push (`_push_results`; an nccl / ipc push's, coordinator/
         transfer_push.py): popped, a hung one killed first and counted as wedged. An empty pool gets its
-        replacement at the next `publish_weights` (the live policy first, through `on_new_workers`) or use."""
+        replacement at the next `publish_weights` (the live policy first, through `on_new_workers`) or use.
+        `causes`: worker id -> the error its call raised, shown with its death."""
         for wid in hung:
             if wid in self.workers:
                 log.warning("rollout worker %d did not answer during a weight push: killing it as wedged", wid)
@@ -228,18 +231,20 @@ class RolloutPool:
                 ray.kill(self.workers.pop(wid), no_restart=True)
         for wid in dead:
             if self.workers.pop(wid, None) is not None:
-                log.warning("rollout worker %d died before or during a weight push", wid)
+                cause = (causes or {}).get(wid)
+                log.warning("rollout worker %d died before or during a weight push%s", wid,
+                            f". Its error:\n{remote_error_block(cause) or type(cause).__name__}" if cause else "")
 
     def _push_results(self, calls: dict, t0: float) -> dict[str, float]:
-        results, dead, hung, deadline = [], [], [], time.monotonic() + self.call_timeout_s
+        results, dead, hung, deadline = [], {}, [], time.monotonic() + self.call_timeout_s
         for wid, call in calls.items():
             try:
                 results.append(ray.get(call, timeout=max(deadline - time.monotonic(), 0.0)))
             except GetTimeoutError:  # it misses this push; replaced below or on next use
                 hung.append(wid)
-            except WORKER_DEATH:
-                dead.append(wid)
-        self.drop_workers(dead, hung)
+            except WORKER_DEATH as e:
+                dead[wid] = e
+        self.drop_workers(list(dead), hung, causes=dead)
         if not self.workers:
             self._surviving_worker()  # starts a replacement, which receives these weights first
         out = {"sync/push_s": time.perf_counter() - t0}  # the whole call: fetch, load, check
