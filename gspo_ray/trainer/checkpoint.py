@@ -270,16 +270,25 @@ def describe_layers(layers: dict) -> str:
 
 
 def check_layers(meta: dict, layers: dict, where: str) -> None:
-    """A checkpoint written by other layers than this trainer builds (Transformer Engine's spec names the fused norms
-    and grouped experts differently: trainer/param_names.py) cannot be resumed here: ValueError naming both, before
-    anything is read. A checkpoint from before the record (no `layers`) is not checked."""
+    """Whether a checkpoint written by other layers than this trainer builds can resume here; ValueError naming
+    both, before anything is read, where it cannot.
+
+    Maps (trainer/shards.py reads each tensor under the name the saved layers gave it): Transformer Engine's spec
+    and the local one, grouped GEMM experts (TEGroupedMLP) or SequentialMLP, either way. Every parameter of one is a
+    parameter of the other, the same tensor under another name (param_names.param_key: TE's fused norm weights are
+    the norms' weights, grouped expert j's `weight{j}` is SequentialMLP's expert j), and so is its optimizer state;
+    LoRA adapters have the same names under both. Module extra state does not map (TE's FP8 scaling state has no
+    counterpart in the local layers, which keep None): this trainer's own is kept.
+    Refused: a checkpoint of the older layout (no "format": a full replica per rank, read by name with no map)
+    written by other layers. A checkpoint from before the record (no `layers`) is not checked."""
     saved = meta.get("layers")
-    if saved is None or (bool(saved.get("te")), bool(saved.get("grouped_gemm"))) == (
-            bool(layers.get("te")), bool(layers.get("grouped_gemm"))):
+    if saved is None or meta.get("format") is not None or (
+            bool(saved.get("te")), bool(saved.get("grouped_gemm"))) == (bool(layers.get("te")),
+                                                                       bool(layers.get("grouped_gemm"))):
         return
-    raise ValueError(f"checkpoint {where} was written by {describe_layers(saved)}; this trainer builds "
-                     f"{describe_layers(layers)} (trainer.use_te): their parameter names differ, "
-                     "so it resumes only under the same layers; a new run can start from its HF export (model.path)")
+    raise ValueError(f"checkpoint {where} has the older layout and was written by {describe_layers(saved)}; this "
+                     f"trainer builds {describe_layers(layers)} (trainer.use_te): it resumes only under the same "
+                     "layers; a new run can start from its HF export (model.path)")
 
 
 def legacy_problem(meta: dict, tp: int, ep: int, world_size: int, distributed: bool, saved_distributed: bool,

@@ -96,6 +96,15 @@ def hf_names_by_param(spec: ModelSpec, kinds: LayerKinds) -> dict[tuple[int, str
     return out
 
 
+def param_key(name: str, arch: str | None = None) -> tuple[tuple[str, ...], int | None]:
+    """What a parameter is, whichever layers named it: (its HF tensors, its local expert index). Two names with one
+    key hold the same tensor, same shape and values (the module doc: TE's fused norm weight is the norm's weight,
+    grouped expert j's `weight{j}` is SequentialMLP's expert j), so a checkpoint of one spec resumes under the other
+    by this key (trainer/shards.py). KeyError for a name bridge.param_map does not know."""
+    pm = param_map(name, arch)
+    return pm.hf_names, pm.local_expert
+
+
 def params_by_hf_name(spec: ModelSpec, kinds: LayerKinds) -> dict[str, tuple[int, str, int]]:
     """{HF name: (EP rank, Megatron name, index among that parameter's HF tensors)}: the load direction (which
     parameter of which rank reads a HF tensor). ValueError when two parameters claim one HF tensor."""

@@ -18,8 +18,18 @@ the model params themselves and are not written again. What stays per rank: RNG 
 
 Resharding on load. A rank rebuilds each tensor it needs in its own layout from the saved local tensors: the same
 TP / EP coordinates -> only the saved slices that overlap the slice it needs are read (files are memory-mapped);
-another TP size -> the saved TP shards are joined (`bridge.unshard_tp`, vocabulary padding kept) and split again;
-another EP size -> expert j of EP rank e is global expert e * local + j, read under its saved rank and name.
+another TP size -> the saved TP shards are joined (`bridge.unshard_tp`, vocabulary padding kept; LoRA adapters by
+`lora.adapters.adapter_tp_split`) and split again; another EP size -> expert j of EP rank e is global expert
+e * local + j, read under its saved rank and name (SequentialMLP's `local_experts.{j}.` or TEGroupedMLP's
+`weight{j}`).
+
+Other layers (Transformer Engine's spec or the local one, grouped GEMM experts or not: trainer/param_names.py): a
+parameter this trainer names differently is read under the saved name of the same tensor, the one with its HF
+tensors and local expert index (`param_names.param_key`): TE's fused norm weight is the norm's weight, grouped
+expert j's `weight{j}` is SequentialMLP's expert j, same shape, same values. Module extra state (`_extra_state`:
+TE's, a uint8 tensor, empty or its pickled FP8 scaling state; Megatron's local linears', None) is no tensor to
+split or rename: it is kept as saved where this rank's module is the saved one (same layers, same TP for dense
+modules, same EP for experts), else this trainer's own is kept (an FP8 scaling history restarts).
 Megatron's own dist_checkpointing (torch_dist) was not used: see docs/async-and-failures.md ("Checkpoint layout").
 """
 from __future__ import annotations
@@ -33,7 +43,9 @@ from torch import Tensor
 from gspo_ray.trainer.optim import sub_optimizers
 
 EXPERT_KEY = ".experts."  # Megatron names of expert-parallel params contain this
-_LOCAL_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
+EXTRA_STATE = "._extra_state"  # a module's extra state in a state dict (Transformer Engine's FP8 metadata)
+# the local expert index in a name: SequentialMLP's `local_experts.{j}.`, TEGroupedMLP's `linear_fc{1,2}.weight{j}`
+_LOCAL_EXPERT = (re.compile(r"\.local_experts\.(\d+)\."), re.compile(r"\.experts\.linear_fc[12]\.weight(\d+)$"))
 FORMAT = 2  # meta.json "format": 2 = this layout; absent = every rank wrote its whole model and optimizer
 
 
@@ -43,6 +55,25 @@ class MissingShardError(ValueError):
 
 def is_expert(name: str) -> bool:
     return EXPERT_KEY in name
+
+
+def local_expert(name: str) -> int | None:
+    """The local expert index in an expert tensor's name (None: the name has none, e.g. a grouped module's extra
+    state)."""
+    for pattern in _LOCAL_EXPERT:
+        m = pattern.search(name)
+        if m:
+            return int(m.group(1))
+    return None
+
+
+def with_local_expert(name: str, index: int) -> str:
+    """`name` with its local expert index replaced by `index`."""
+    for pattern in _LOCAL_EXPERT:
+        m = pattern.search(name)
+        if m:
+            return name[:m.start(1)] + str(index) + name[m.end(1):]
+    raise ValueError(f"{name}: no local expert index")
 
 
 class Owners:
@@ -133,6 +164,7 @@ class SavedShards:
         self.dir, self.meta, self.spec = Path(ckpt_dir), meta, spec
         self.owners = Owners(meta["layouts"], 0)
         self._load, self._payloads = load_payload, {}
+        self._keys: dict[int, dict] = {}  # saved rank -> {param_key: saved name}, for names other layers gave
 
     def payload(self, rank: int) -> dict:
         if rank not in self._payloads:
@@ -145,23 +177,46 @@ class SavedShards:
         saved_ep, ep = self.meta["ep"], self.spec.ep
         if saved_ep == ep:
             return name, ep_rank
-        m = _LOCAL_EXPERT.search(name)
-        if m is None:
+        index = local_expert(name)
+        if index is None:
             raise ValueError(f"{name}: an expert tensor without a local expert index cannot be moved across EP sizes")
-        glob = ep_rank * (self.spec.num_experts // ep) + int(m.group(1))
+        glob = ep_rank * (self.spec.num_experts // ep) + index
         per_saved = self.spec.num_experts // saved_ep
-        return name[:m.start()] + f".local_experts.{glob % per_saved}." + name[m.end():], glob // per_saved
+        return with_local_expert(name, glob % per_saved), glob // per_saved
+
+    def _owner(self, name: str, tp_rank: int, ep_rank: int) -> int:
+        return self.owners.expert_owner(ep_rank) if is_expert(name) else self.owners.dense_owner(tp_rank)
+
+    def _saved_name(self, name: str, owner: int) -> str:
+        """The name saved rank `owner` gave the tensor this trainer names `name`: the same name, or under other
+        layers the one of the same tensor (param_names.param_key); `name` itself when none is found (then the
+        caller's lookup names it missing)."""
+        from gspo_ray.trainer.bridge import is_lora_param
+        from gspo_ray.trainer.param_names import param_key
+
+        model = self.payload(owner)["model"]
+        if name in model or is_lora_param(name) or name.endswith(EXTRA_STATE):
+            return name
+        if owner not in self._keys:
+            self._keys[owner] = {param_key(n, self.spec.arch): n for n, v in model.items()
+                                 if isinstance(v, Tensor) and not n.endswith(EXTRA_STATE) and not is_lora_param(n)}
+        try:
+            key = param_key(name, self.spec.arch)
+        except KeyError:
+            return name
+        return self._keys[owner].get(key, name)
 
     def _saved_model(self, name: str, tp_rank: int, ep_rank: int):
-        owner = (self.owners.expert_owner(ep_rank) if is_expert(name) else self.owners.dense_owner(tp_rank))
-        model = self.payload(owner)["model"]
-        if name not in model:
+        owner = self._owner(name, tp_rank, ep_rank)
+        model, saved = self.payload(owner)["model"], self._saved_name(name, owner)
+        if saved not in model:
             raise MissingShardError(f"{self.dir}: {name} is missing from rank_{owner}.pt")
-        return model[name]
+        return model[saved]
 
     def _saved_slices(self, key: str, name: str, tp_rank: int, ep_rank: int):
         """[(start, flat tensor)] of `key` (exp_avg, exp_avg_sq, main, step) of `name` in its saved DP group."""
         out = []
+        name = self._saved_name(name, self._owner(name, tp_rank, ep_rank))
         for r in self.owners.holders(name, tp_rank, ep_rank):
             piece = self.payload(r)["optimizer"]["params"].get(name)
             if piece is not None:
@@ -190,7 +245,7 @@ class SavedShards:
 
     def _target(self, fetch, name: str, layout: dict, shape) -> Tensor:
         """The tensor `fetch(saved_name, tp_rank, ep_rank) -> saved local tensor` gives, in this rank's layout."""
-        from gspo_ray.trainer.bridge import param_map, shard_tp, unshard_tp
+        from gspo_ray.trainer.bridge import shard_tp, unshard_tp
 
         if is_expert(name):
             saved_name, ep_rank = self._expert_source(name, layout["ep_rank"])
@@ -198,7 +253,7 @@ class SavedShards:
         if self.meta["tp"] == self.spec.tp:
             return fetch(name, layout["tp_rank"], 0)
         try:
-            pm = param_map(name, self.spec.arch)
+            pm = tp_map(name, self.spec.arch)
         except KeyError:
             raise ValueError(f"checkpoint {self.dir} was written with tp={self.meta['tp']}, this trainer has "
                              f"tp={self.spec.tp}: {name} cannot be resharded over TP") from None
@@ -221,10 +276,8 @@ class SavedShards:
         """This rank's model state dict (the keys and shapes of `reference`, its own current state dict)."""
         out = {}
         for name, ref in reference.items():
-            if not isinstance(ref, Tensor):  # Megatron's per-module extra state: kept as saved when present
-                saved, tp_rank, ep_rank = self._saved_key(name, layout)
-                owner = self.owners.expert_owner(ep_rank) if is_expert(name) else self.owners.dense_owner(tp_rank)
-                out[name] = self.payload(owner)["model"].get(saved, ref)
+            if name.endswith(EXTRA_STATE) or not isinstance(ref, Tensor):
+                out[name] = self._extra_state(name, layout, ref)
                 continue
             t = self._target(self._saved_model, name, layout, ref.shape)
             if t.shape != ref.shape:
@@ -278,6 +331,17 @@ class SavedShards:
             return self._target(self._saved_model, name, layout, shape)
         return self._target(lambda nm, t, e: self._full_opt(key, nm, t, e), name, layout, shape)
 
+    def _extra_state(self, name: str, layout: dict, ref):
+        """A module's extra state (see the module doc): as saved where this rank's module is the saved one and the
+        saved value is of the same kind (a tensor under TE, None under the local layers), else `ref`, this
+        trainer's own."""
+        coordinate = "ep" if is_expert(name) else "tp"
+        if self.meta[coordinate] != getattr(self.spec, coordinate):
+            return ref  # another shard of the module: its FP8 scaling state does not apply
+        owner = self._owner(name, layout["tp_rank"], layout["ep_rank"])
+        saved = self.payload(owner)["model"].get(name, ref)
+        return saved if isinstance(saved, Tensor) == isinstance(ref, Tensor) else ref
+
     def _saved_key(self, name: str, layout: dict) -> tuple[str, int, int]:
         if is_expert(name):
             saved, ep_rank = self._expert_source(name, layout["ep_rank"])
@@ -292,6 +356,17 @@ class SavedShards:
         return flat.view(shape)
 
 
+def tp_map(name: str, arch: str | None):
+    """The bridge.ParamMap that says how TP splits a saved tensor: a base parameter's, or an adapter factor's
+    (lora.adapters.adapter_tp_split; merged as a copy). KeyError for a name of neither."""
+    from gspo_ray.trainer.bridge import ParamMap, is_lora_param, param_map
+    from gspo_ray.trainer.lora.adapters import adapter_tp_split
+
+    if is_lora_param(name):
+        return ParamMap((), "copy", adapter_tp_split(name))
+    return param_map(name, arch)
+
+
 def full_state(ckpt_dir: str | Path, model_dir: str | Path, load_payload,
                keys: tuple[str, ...] = ("model", "exp_avg", "exp_avg_sq")) -> dict[str, dict[str, Tensor | None]]:
     """{Megatron name at TP 1 / EP 1: {key: tensor}} of a format-2 checkpoint: the whole model and optimizer state
@@ -304,11 +379,11 @@ def full_state(ckpt_dir: str | Path, model_dir: str | Path, load_payload,
     saved = SavedShards(ckpt_dir, meta, spec, load_payload)
     lay = dict(rank=0, tp_rank=0, ep_rank=0, etp_rank=0, pp_rank=0)
     names = [n for n, v in saved.payload(saved.owners.dense_owner(0))["model"].items()
-             if isinstance(v, Tensor) and not is_expert(n)]
+             if isinstance(v, Tensor) and not is_expert(n) and not n.endswith(EXTRA_STATE)]
     for e in range(meta["ep"]):  # expert j of saved EP rank e is expert e * local + j at EP 1
         local = spec.num_experts // meta["ep"] if spec.num_experts else 0
         for n, v in saved.payload(saved.owners.expert_owner(e))["model"].items():
-            m = _LOCAL_EXPERT.search(n)
-            if isinstance(v, Tensor) and is_expert(n) and m:
-                names.append(n[:m.start()] + f".local_experts.{e * local + int(m.group(1))}." + n[m.end():])
+            j = local_expert(n)
+            if isinstance(v, Tensor) and is_expert(n) and j is not None:
+                names.append(with_local_expert(n, e * local + j))
     return {n: {k: saved.tensor(k, n, lay, None) for k in keys} for n in names}

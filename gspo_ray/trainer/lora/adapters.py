@@ -127,6 +127,23 @@ def match_linear(module_name: str, targets: list[str]) -> LinearTarget | None:
     return None
 
 
+_ADAPTER_PARAM = re.compile(r"(?P<module>.+)\.lora\.pairs\.(?P<target>[a-z_]+)\.(?P<factor>[AB])")
+
+
+def adapter_tp_split(param_name: str) -> str:
+    """How TP splits an adapter factor (`<linear>.lora.pairs.<target>.A|B`), per the module doc: "col" (dim 0:
+    B of a column-parallel linear), "row" (dim 1: A of a row-parallel linear) or "none" (the replicated factor,
+    and every expert adapter: expert-TP is 1). KeyError for a name that is no adapter of a known linear."""
+    m = _ADAPTER_PARAM.fullmatch(param_name)
+    t = match_linear(m["module"], [m["target"]]) if m else None
+    if t is None:
+        raise KeyError(f"{param_name!r} is no adapter of a known linear")
+    if t.local_expert is not None:
+        return "none"
+    split = (m["factor"] == "B") == (t.kind == "col")  # column: B split on rows; row: A split on columns
+    return t.kind if split else "none"
+
+
 def full_out_sizes(t: LinearTarget, spec: ModelSpec) -> dict[str, int]:
     """Output rows of each HF target at TP 1."""
     d = spec.head_dim
