@@ -22,11 +22,15 @@ compat/megatron_rope_positions.py).
 
 Per segment this is one `torch.nn.functional.scaled_dot_product_attention` call: the prefix with is_causal, a
 completion with `torch.nn.attention.bias.causal_lower_right(c, P + c)` on keys and values [prefix ; completion],
-GQA through `enable_gqa` (no repeated K/V). On CPU (torch 2.13) both reach the flash kernel for CPU (checked:
-grad_fn ScaledDotProductFlashAttentionForCpuBackward0), which works block by block: no score matrix is held; the
-lower-right mask is one [c, P + c] bool tensor per call (built here on CPU, as
+GQA through `enable_gqa` (no repeated K/V where the fused kernel takes GQA; see below). On CPU (torch 2.13) both
+reach the flash kernel for CPU (checked: grad_fn ScaledDotProductFlashAttentionForCpuBackward0), which works block by
+block: no score matrix is held; the lower-right mask is one [c, P + c] bool tensor per call (built here on CPU, as
 causal_lower_right materialises it there; the CausalBias object on CUDA). On CUDA the same calls run on torch's flash /
-memory-efficient kernels (the lower-right variant has native support there).
+memory-efficient kernels (the lower-right variant has native support there). Only flash takes GQA there, and flash
+refuses fp32: so where flash will not take a GQA call (fp32, or a GPU before sm80), K/V heads are repeated per query
+head first (`kernel_kv`, exactly what enable_gqa computes) and the memory-efficient kernel runs it; without that
+torch would fall to its math kernel, with a materialised [c, P + c] mask and score matrix per head. Which kernel
+each call gets on a GPU is read from torch's dispatch (torch/nn/attention/bias.py, sdp_utils), not run here.
 
 Memory. A completion's keys and values [prefix ; completion] are a gathered copy; kept for the backward of every
 segment and layer they would hold the prefix once per completion (G x P keys a group row and layer). So a
@@ -145,7 +149,8 @@ def _attend_unit(qs, ks, vs, scale: float | None, gqa: bool) -> list[Tensor]:
     p = qs[0].shape[2]
     out = []
     if p:
-        out.append(F.scaled_dot_product_attention(qs[0], ks[0], vs[0], is_causal=True, scale=scale, enable_gqa=gqa))
+        k, v, prefix_gqa = kernel_kv(qs[0], ks[0], vs[0], gqa)
+        out.append(F.scaled_dot_product_attention(qs[0], k, v, is_causal=True, scale=scale, enable_gqa=prefix_gqa))
     for j in range(1, len(qs)):
         if qs[j].shape[2] == 0:
             continue
@@ -162,7 +167,7 @@ def _segment(q: Tensor, k_prefix: Tensor, k: Tensor, v_prefix: Tensor, v: Tensor
     """One completion's queries q [1, H, c, D] against keys and values [prefix ; completion] ([1, H, n, D] pieces),
     the causality aligned bottom-right."""
     count, prefix = q.shape[2], k_prefix.shape[2]
-    kk, vv = torch.cat((k_prefix, k), dim=2), torch.cat((v_prefix, v), dim=2)
+    kk, vv, gqa = kernel_kv(q, torch.cat((k_prefix, k), dim=2), torch.cat((v_prefix, v), dim=2), gqa)
     if q.is_cuda:  # the lower-right variant has native flash / memory-efficient kernels there
         # imported here: torch.nn.attention.bias pulls in torch._dynamo, seconds of import a CPU rank never needs
         # (compat/megatron_import.py keeps it out)
@@ -172,6 +177,28 @@ def _segment(q: Tensor, k_prefix: Tensor, k: Tensor, v_prefix: Tensor, v: Tensor
     else:  # what causal_lower_right materialises on CPU: query i sees keys 0..prefix + i
         mask = torch.ones(count, prefix + count, dtype=torch.bool, device=q.device).tril(prefix)
     return F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask, scale=scale, enable_gqa=gqa)
+
+
+def fused_kernel_takes_gqa(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether torch's fused kernel for this call takes GQA (Hkv < Hq heads). On CPU its flash kernel does. On CUDA
+    only flash does (torch's memory-efficient kernel refuses enable_gqa), and flash refuses fp32 (and GPUs before
+    sm80): asked through torch.backends.cuda.can_use_flash_attention, as CausalBias's own dispatch asks it."""
+    if not q.is_cuda:
+        return True
+    params = torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, False, True)
+    return torch.backends.cuda.can_use_flash_attention(params)
+
+
+def kernel_kv(q: Tensor, k: Tensor, v: Tensor, gqa: bool) -> tuple[Tensor, Tensor, bool]:
+    """Keys, values and enable_gqa for one SDPA call whose fused kernel would not take GQA: K/V heads repeated per
+    query head (what enable_gqa computes, torch's documented reference: repeat_interleave on the head dimension), so
+    that on CUDA in fp32 the memory-efficient kernel runs (with the lower-right mask natively) instead of torch's
+    math kernel, which holds a [c, P + c] mask and score matrix per head. The copy is Hq / Hkv times the call's keys
+    and values, far below the scores it spares. Otherwise the inputs as given."""
+    if not gqa or fused_kernel_takes_gqa(q, k, v):
+        return k, v, gqa
+    repeat = q.shape[1] // k.shape[1]
+    return k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1), False
 
 
 def unsupported(config) -> str | None:

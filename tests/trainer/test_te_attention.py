@@ -148,3 +148,34 @@ def test_te_kernel_on_packed_rows_equals_attend_rows(monkeypatch, segs, width):
     grad = torch.randn(got.shape, generator=g, dtype=torch.float64)
     for a, b in zip(torch.autograd.grad(got, (q, k, v), grad), torch.autograd.grad(want, (q, k, v), grad)):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_attend_rows_repeats_kv_heads_where_the_fused_kernel_takes_no_gqa(monkeypatch):
+    """On CUDA only flash takes GQA and flash refuses fp32 (torch's dispatch, read): there attend_rows repeats K/V
+    heads itself, so the memory-efficient kernel, not the math one, runs each call. Forced here on CPU: every SDPA
+    call sees Hq key heads and no enable_gqa, and the result equals the GQA calls', values and gradients."""
+    from gspo_ray.trainer import segment_attention
+
+    segs, width = Segments(prefix=(4, 0, 3), completions=((2, 3), (5,), ()), packed=True), 18
+    g = torch.Generator().manual_seed(2)
+    heads, kv_heads, dim = 6, 2, 8
+    q, k, v = (torch.randn(width, 1, h, dim, generator=g, dtype=torch.float64, requires_grad=True)
+               for h in (heads, kv_heads, kv_heads))
+    want = attend_rows(q, k, v, segs)
+    grad = torch.randn(want.shape, generator=g, dtype=torch.float64)
+    want_grads = torch.autograd.grad(want, (q, k, v), grad)
+
+    calls, sdpa = [], F.scaled_dot_product_attention
+
+    def recording_sdpa(query, key, value, **kwargs):
+        calls.append((key.shape[1], value.shape[1], kwargs.get("enable_gqa", False)))
+        return sdpa(query, key, value, **kwargs)
+
+    monkeypatch.setattr(segment_attention, "fused_kernel_takes_gqa", lambda *_: False, raising=False)
+    monkeypatch.setattr(segment_attention.F, "scaled_dot_product_attention", recording_sdpa)
+    got = attend_rows(q, k, v, segs)
+    got_grads = torch.autograd.grad(got, (q, k, v), grad)
+    assert calls and set(calls) == {(heads, heads, False)}
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
