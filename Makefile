@@ -46,9 +46,10 @@ test-fast: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/gspo-ray bench
 
-# On a lent GPU machine with torch + megatron-core only (no venv build): scripts/gpu_check.sh, one table, <= 8 min
+# On a lent GPU machine with torch + megatron-core only (no venv build): scripts/gpu_check.sh, one table, <= 8 min.
+# ARGS="--wheels DIR" installs the megatron-core wheel there (scripts/gpu_check.sh says how to fetch it)
 gpu-check:
-	scripts/gpu_check.sh
+	scripts/gpu_check.sh $(ARGS)
 
 # The peer on this machine: TRL's GRPOTrainer on the SmolLM2 recipe (same prompts, reward, settings), in its own
 # venv; TRL is not a dependency of gspo-ray. Compare with `gspo-ray bench --suite smollm2`. ARGS="--lr 1e-5 --steps 10"

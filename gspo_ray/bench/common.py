@@ -3,8 +3,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gspo_ray.config import load_config
-
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 TINY_RECIPE = RECIPES / "tiny_moe.yaml"
 SMOLLM2_RECIPE = RECIPES / "smollm2_repeat.yaml"
@@ -14,6 +12,10 @@ def bench_cfg(out_dir: Path, name: str, steps: int, *overrides: str, recipe: Pat
     """A recipe (default the tiny-MoE one) for `steps` steps, without eval, checkpoints or extra outputs, in sync
     mode with the level's fixed clip band unless `overrides` say otherwise (the tiny recipe itself runs async
     with eps auto: the tables compare against the on-policy baseline)."""
+    # imported here, not above: the table helpers below must import with torch alone (gpu_check on a bare GPU
+    # machine has no pydantic)
+    from gspo_ray.config import load_config
+
     return load_config(recipe, ["coordinator.mode=sync", "algorithm.eps=fixed",
                                 f"coordinator.steps={steps}", "coordinator.eval_every=0",
                                 "coordinator.checkpoint_every=0", "data.num_eval=0", f"logging.out_dir={out_dir}",
