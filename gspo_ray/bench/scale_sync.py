@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import torch
 
+from gspo_ray.rollout.weight_transfer import estimate_push_s
 from gspo_ray.trainer.bridge import param_map, shard_tp
 from gspo_ray.trainer.model_spec import ModelSpec
 from gspo_ray.trainer.weight_buckets import GATHER_EP, GATHER_TP, WeightBucket, plan_buckets
@@ -94,12 +95,15 @@ def _gb(x: float) -> str:
 
 def sync_table(rows: list[dict]) -> str:
     head = ("| model | DP | TP | EP | engines x TP | buckets (largest GiB) | other rank GiB: gather to 0 | "
-            "all-gather | engine GiB (every transport) | rank 0 GiB: nccl | ipc | object store | shm |")
+            "all-gather | engine GiB (every transport) | rank 0 GiB: nccl | ipc | object store | shm | "
+            "push s, estimate: nccl | ipc |")
     lines = [head, "|---" * (head.count("|") - 1) + "|"]
     for r in rows:
         lines.append(f"| {r['model']} | {r['dp']} | {r['tp']} | {r['ep']} | {r['sync_engines']} x "
                      f"{r['sync_engine_tp']} | {r['sync_buckets']} ({_gb(r['sync_largest_bucket_bytes'])}) | "
                      f"{_gb(r['sync_gather_to_rank0_bytes'])} | {_gb(r['sync_all_gather_bytes_per_rank'])} | "
                      f"{_gb(r['sync_model_bytes'])} | "
-                     + " | ".join(_gb(r[f"sync_{t}_rank0_bytes"]) for t in TRANSPORTS) + " |")
+                     + " | ".join(_gb(r[f"sync_{t}_rank0_bytes"]) for t in TRANSPORTS) + " | "
+                     # the estimate the preflight holds rollout.push_timeout_s to (preflight/push_bound.py)
+                     + " | ".join(f"{estimate_push_s(r['sync_model_bytes'], t):.0f}" for t in ("nccl", "ipc")) + " |")
     return "\n".join(lines)
