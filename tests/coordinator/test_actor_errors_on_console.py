@@ -5,7 +5,6 @@ package's shared instance), stand-in actors."""
 from __future__ import annotations
 
 import logging
-import os
 import sys
 
 import pytest
@@ -13,6 +12,8 @@ import ray
 
 from gspo_ray.cli.errors import report_unexpected
 from gspo_ray.coordinator.rollout_pool import RolloutPool
+from tests.coordinator import stand_ins
+from tests.coordinator.stand_ins import StandInRolloutWorker
 
 
 def read_shards(path):
@@ -31,25 +32,10 @@ class EngineThatCannotStart:
         return 0
 
 
-class StandInRolloutWorker:
-    def __init__(self, worker_id: int):
-        self.worker_id = worker_id
-
-    def ping(self):
-        return self.worker_id
-
-    def update_weights(self, version, buckets, probe=None):
-        if self.worker_id == 1:
-            os._exit(3)  # the engine process dies under the push
-        return {"sync/push_s": 0.0}
-
-    def shutdown(self):
-        return None
-
-
 @pytest.fixture(scope="module", autouse=True)
 def _stand_ins_travel():
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the stand-in classes travel to the actors
+    for module in (sys.modules[__name__], stand_ins):  # the stand-in classes travel to the actors
+        ray.cloudpickle.register_pickle_by_value(module)
 
 
 @pytest.mark.usefixtures("local_ray")
@@ -72,7 +58,7 @@ def test_an_actor_that_died_starting_is_shown_with_its_exception(capsys):
 @pytest.mark.usefixtures("local_ray")
 def test_a_rollout_worker_that_died_under_a_push_is_logged_with_its_cause(caplog):
     actor = ray.remote(num_cpus=0, max_restarts=0)(StandInRolloutWorker)
-    pool = RolloutPool(actor.remote, 2, call_timeout_s=60)
+    pool = RolloutPool(lambda wid: actor.remote(wid, dies_under_push=(1,)), 2, call_timeout_s=60)
     try:
         with caplog.at_level(logging.WARNING, logger="gspo_ray.coordinator.rollout_pool"):
             pool.push_weights(1, {"w": [0.0]})

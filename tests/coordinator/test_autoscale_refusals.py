@@ -9,7 +9,6 @@
 """
 from __future__ import annotations
 
-import sys
 import time
 from types import SimpleNamespace
 
@@ -24,24 +23,10 @@ from gspo_ray.coordinator.control import JobControl
 from gspo_ray.coordinator.job import _apply_control
 from gspo_ray.coordinator.loop import LoopState
 from gspo_ray.coordinator.rollout_pool import RolloutPool
+from tests.coordinator import stand_ins
+from tests.coordinator.stand_ins import StandInRolloutWorker
 
 RECIPE = "gspo_ray/recipes/tiny_moe.yaml"
-
-
-class StandInRolloutWorker:
-    """What the pool calls on a rollout worker at start, push and stop; no engine."""
-
-    def __init__(self, worker_id: int):
-        self.worker_id = worker_id
-
-    def ping(self):
-        return self.worker_id
-
-    def update_weights(self, version, buckets, probe=None):
-        return {"sync/push_s": 0.0}
-
-    def shutdown(self):
-        return None
 
 
 def scaler(rollout=(1, 4), trainer=(1, 1), mode="async", **cfg) -> Autoscaler:
@@ -59,7 +44,7 @@ def step_row(rollout_s: float, train_s: float) -> dict:
 def test_a_rollout_grow_the_cluster_has_no_room_for_is_refused_in_seconds(tmp_path):
     cfg = load_config(RECIPE, [f"logging.out_dir={tmp_path}", "rollout.num_workers=2", "rollout.num_cpus_per_worker=2",
                                "rollout.placement_timeout_s=1", "rollout.call_timeout_s=20"])
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the stand-in class travels to the actors
+    ray.cloudpickle.register_pickle_by_value(stand_ins)  # the stand-in class travels to the actors
     actor = ray.remote(num_cpus=2, max_restarts=0)(StandInRolloutWorker)
     pool = RolloutPool(actor.remote, 2, call_timeout_s=cfg.rollout.call_timeout_s)  # 4 of 5 CPUs: no room for a 3rd
     control = ray.remote(num_cpus=0)(JobControl).remote()
