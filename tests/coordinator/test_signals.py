@@ -116,6 +116,20 @@ def _secret_free(run_dir):
     assert not leaked, leaked
 
 
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def _session(pid: int) -> int | None:
+    try:
+        return os.getsid(pid)
+    except ProcessLookupError:
+        return None
+
+
 def _wait_for_lock(run_dir, proc, timeout_s=120):
     deadline = time.monotonic() + timeout_s
     while not (run_dir / ".gspo-ray.lock").exists():
@@ -211,9 +225,12 @@ def test_two_sigterms_then_resume_and_ctrl_c_twice(tmp_path):
                                 start_new_session=True)
         try:
             _wait_for_step(metrics, max(r["step"] for r in rows) + 1, proc)
-            ray_procs = descendants([proc.pid])  # `ray start`, its GCS, raylet, agents, the job's actors
+            # the driver's `ray start` and its tree: GCS, raylet, agents, the job's actors
+            heads = [p for p in descendants([proc.pid]) if b"\0start\0--head" in _cmdline(p)]
+            assert len(heads) == 1, heads
+            ray_procs = heads + descendants(heads)
             assert len(ray_procs) >= 4, ray_procs
-            assert {os.getsid(p) for p in ray_procs if alive(p)} != {os.getsid(proc.pid)}  # a session of its own
+            assert os.getsid(proc.pid) not in {_session(p) for p in ray_procs}  # none in the driver's session
             proc.kill()
             proc.wait(timeout=10)
         finally:
@@ -223,4 +240,4 @@ def test_two_sigterms_then_resume_and_ctrl_c_twice(tmp_path):
     deadline = time.monotonic() + 60
     while (left := [p for p in ray_procs if alive(p)]) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert not left, [Path(f"/proc/{p}/cmdline").read_bytes()[:200] for p in left if alive(p)]
+    assert not left, [_cmdline(p)[:200] for p in left]
