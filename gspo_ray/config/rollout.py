@@ -150,6 +150,11 @@ class RolloutConfig(Strict):
                                                 "vLLM's default for the platform)")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="engine dtype; bf16 log-probs drift "
                                                   "far beyond GSPO's 3e-4 clip band on CPU (see mismatch metrics)")
+    head_dtype: Literal["float32", "model"] = Field("float32", description="dtype of the engine's output layer "
+                                                    "(logits) in a bf16 engine: float32 (vLLM's head_dtype "
+                                                    "override: bf16 hidden states and weight cast up, fp32 logits "
+                                                    "and log-softmax, as the trainer's trainer.head_dtype) or "
+                                                    "model (the engine dtype); no effect in a float32 engine")
     kv_cache_gb: float = Field(1, gt=0, description="KV cache size per engine on CPU, resident from start-up "
                                "(fractions allowed: a step needs ~prompts x group_size x 128-token blocks of KV)")
     gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] | Literal["auto"] = Field(

