@@ -3,7 +3,8 @@
 Runs the recipe as it ships (its steps, eval schedule and early stop), once per seed with `seed=S` (which seeds the
 engines' sampling) and `model.tiny.seed=S` when the model is built locally (so the init changes too); the prompts
 and the held-out set stay those of the recipe's data seed. Reports:
-- per seed: held-out greedy exact at each evaluation, the step at which exact first reaches >= 0.95, the training
+- per seed: held-out greedy exact at each evaluation (for an environment's task, its share of held-out episodes
+  solved, `eval/solved`: `--recipe gspo_ray/recipes/guess_moe.yaml`), the step at which it first reaches >= 0.95, the training
   time (sum of step times) and the job's wall time (pool start-up and evaluations included);
 - over seeds: held-out exact at each evaluated step (mean and range) and the job seconds at which it was reached;
 - the curves (held-out exact against job seconds and steps, one line per seed) as a PNG beside the table.
@@ -46,10 +47,18 @@ def learn_run(recipe: Path, seed: int, out_dir: Path, overrides: tuple[str, ...]
         raise SystemExit(summary.exit_code)
     wall = time.perf_counter() - start
     rows = read_metrics(summary.run_dir / "metrics.jsonl")
-    curve = [(r["step"], r.get("time/job_s"), r["eval/exact"], r["eval/reward"]) for r in rows if "eval/exact" in r]
+    curve = [(r["step"], r.get("time/job_s"), held_out_score(r), r["eval/reward"])
+             for r in rows if "eval/reward" in r]
     solved = next(((s, t) for s, t, e, _ in curve if e >= SOLVED), (None, None))
     return {"seed": seed, "curve": curve, "solved_at": solved[0], "solved_job_s": solved[1],
-            "train_s": sum(r.get("time/step_s") or 0.0 for r in rows), "wall_s": wall, "steps": summary.steps}
+            "train_s": sum(r.get("time/step_s") or 0.0 for r in rows), "wall_s": wall, "steps": summary.steps,
+            "run_dir": str(summary.run_dir)}
+
+
+def held_out_score(row: dict) -> float:
+    """An evaluation row's held-out score: greedy exact for a task with answers, else the environment's share of
+    episodes solved (absent while none is: 0)."""
+    return row["eval/exact"] if "eval/exact" in row else row.get("eval/solved", 0.0)
 
 
 def per_seed_table(runs: list[dict]) -> str:
