@@ -122,18 +122,17 @@ def test_the_job_seed_seeds_the_engines_unless_rollout_seed_is_set():
     assert JobConfig.model_validate({"seed": 3, "rollout": {"seed": 7}}).rollout.seed == 7
 
 
-@pytest.mark.parametrize("dtypes,named", [(["rollout.dtype=bfloat16"], "rollout.dtype bfloat16"),
-                                          (["trainer.dtype=bfloat16"], "trainer.dtype bfloat16"),
-                                          (["rollout.dtype=bfloat16", "trainer.dtype=bfloat16"],
-                                           "rollout.dtype and trainer.dtype bfloat16")])
-def test_bf16_needs_the_trainer_anchor(dtypes, named):
-    """bf16 log-probs are no old policy for a 3e-4 band: refused unless the trainer recomputes them."""
-    with pytest.raises(ConfigError, match=f"{named} needs coordinator.recompute_old_logprobs: true"):
-        load_config(RECIPE, dtypes)
+@pytest.mark.parametrize("dtypes", [["rollout.dtype=bfloat16"], ["trainer.dtype=bfloat16"],
+                                    ["rollout.dtype=bfloat16", "trainer.dtype=bfloat16"]])
+def test_bf16_with_the_engine_anchor_is_accepted_the_job_measures_its_gap(dtypes):
+    """bf16 with the engine's log-probs as the anchor is no longer refused at config time: the job measures their
+    gap to the trainer's at step 1 and stops there if the band cannot hold it (tests/algo/test_anchor_gap.py)."""
+    cfg = load_config(RECIPE, dtypes)
+    assert not cfg.coordinator.recompute_old_logprobs and cfg.coordinator.anchor_gap_every == 10
     cfg = load_config(RECIPE, [*dtypes, "coordinator.recompute_old_logprobs=true", "algorithm.eps=fixed",
                                "algorithm.mismatch_correction.level=sequence"])
     assert [f"{k}.dtype={getattr(cfg, k).dtype}" for k in ("rollout", "trainer") if f"{k}.dtype=bfloat16" in dtypes] == dtypes
-    assert load_config(RECIPE, []).rollout.dtype == "float32"  # the default needs no anchor
+    assert load_config(None, []).rollout.dtype == "float32"  # the default (the recipe's auto: tests/conftest.py)
 
 
 def test_the_recomputed_anchor_in_async_one_pass_is_refused_where_it_silences_the_ratio():

@@ -57,10 +57,12 @@ def _load(path: Optional[Path], overrides: list[str]):
 
 
 def _preflight(cfg, verbose: bool = False, remember: bool = False):
-    """Model dir, data, plug-ins and their dry calls: one line and exit 2 on a bad input, before Ray starts."""
+    """Model dir, data, plug-ins and their dry calls: one line and exit 2 on a bad input, before Ray starts. They
+    see `dtype: auto` resolved as the job will resolve it (its lines are the job's, said at its start)."""
     from gspo_ray.cli.errors import preflight_or_exit
+    from gspo_ray.models.native_bf16 import resolve_job_dtypes
 
-    return preflight_or_exit(cfg, verbose, remember)
+    return preflight_or_exit(resolve_job_dtypes(cfg, slowdown=lambda: 0.0)[0], verbose, remember)
 
 
 @config_app.command("validate")
@@ -95,7 +97,8 @@ def train(file: Path, overrides: list[str] = typer.Argument(None, help="key.path
 
     \b
     Exit codes: 0 done (or early stop); 1 an unexpected error (its type and message; --debug: the traceback);
-    2 a bad input, a run directory in use or unusable, an unusable checkpoint, disk full;
+    2 a bad input, a run directory in use or unusable, an unusable checkpoint, disk full, an engine-trainer
+    log-prob gap the clip band cannot hold (bf16: coordinator.anchor_gap_every);
     3 too many failed samples; 130 stopped by SIGINT (Ctrl-C); 143 stopped by SIGTERM."""
     from gspo_ray.cli.quiet import quiet_third_party
     from gspo_ray.coordinator.signals import StopRequest
@@ -144,10 +147,12 @@ def _train(cfg, resume: bool, fresh: bool, stop) -> int:
     from gspo_ray.coordinator.checkpoint import CheckpointDiskFull, CheckpointError
     from gspo_ray.coordinator.control import ControlNameTaken
     from gspo_ray.coordinator.job import run_job
+    from gspo_ray.coordinator.loop import AnchorGapTooWide
 
     try:
         summary = run_job(cfg, resume=resume, fresh=fresh, stop=stop)
-    except (RunDirError, RunLockError, CheckpointError, ControlNameTaken) as e:  # a run dir in use, a bad checkpoint: exit 2
+    # a run dir in use, a bad checkpoint, an engine anchor the clip band cannot hold: exit 2
+    except (RunDirError, RunLockError, CheckpointError, ControlNameTaken, AnchorGapTooWide) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2)
     except CheckpointDiskFull as e:  # the save's files are gone, the last checkpoint is intact

@@ -28,6 +28,15 @@ class CoordinatorConfig(Strict):
                                    "(at most 4x missing), so 0 still over-samples")
     recompute_old_logprobs: bool = Field(False, description="recompute old log-probs with the trainer instead of "
                                          "using the engine's (to measure the engine-trainer gap)")
+    anchor_gap_every: int = Field(10, ge=0, description="with the engine's log-probs as the anchor: the trainer "
+                                  "scores the first mini-batch's samples of the trainer's current version before "
+                                  "the step's first update, at the job's first step and every N steps after (0 = "
+                                  "the first step only); train/anchor_gap_* logged, and the job stops where the gap "
+                                  "does not fit the clip band (gspo_ray/algo/anchor_gap.py). 10: one forward of one "
+                                  "mini-batch per 10 steps (under 1% of the train phase) catches a gap that grows as "
+                                  "the policy sharpens within 10 steps. Async mode: only step 1's samples are of the "
+                                  "trainer's version; later checks usually find none and log only "
+                                  "train/anchor_gap_samples 0")
     eval_every: int = Field(5, ge=0, description="held-out evaluation every N steps (0 = only start and end)")
     checkpoint_every: int = Field(10, ge=0, description="save a checkpoint every N steps (0 = only at the end, "
                                   "and whenever checkpoint_every_s passed)")

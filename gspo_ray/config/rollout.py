@@ -148,8 +148,13 @@ class RolloutConfig(Strict):
     enable_chunked_prefill: bool | None = Field(None, description="split long prompts' prefill over engine steps "
                                                 "beside running decodes (vLLM's enable_chunked_prefill; None = "
                                                 "vLLM's default for the platform)")
-    dtype: Literal["float32", "bfloat16"] = Field("float32", description="engine dtype; bf16 log-probs drift "
-                                                  "far beyond GSPO's 3e-4 clip band on CPU (see mismatch metrics)")
+    dtype: Literal["float32", "bfloat16", "auto"] = Field("float32", description="engine dtype; auto = bfloat16 "
+                                                          "where the pool's device computes it natively (CUDA; a "
+                                                          "CPU with amx_bf16 or avx512_bf16), float32 elsewhere, "
+                                                          "resolved at job start (models/native_bf16.py). With "
+                                                          "the engine's log-probs as the anchor the job checks "
+                                                          "their gap to the trainer's (coordinator."
+                                                          "anchor_gap_every)")
     head_dtype: Literal["float32", "model"] = Field("float32", description="dtype of the engine's output layer "
                                                     "(logits) in a bf16 engine: float32 (vLLM's head_dtype "
                                                     "override: bf16 hidden states and weight cast up, fp32 logits "

@@ -21,7 +21,10 @@ class TrainerConfig(Strict):
                                     "cluster in sync mode the node's cores / trainer ranks (a Ray actor with "
                                     "num_cpus=1 otherwise runs one thread), else num_cpus_per_worker")
     resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources / node labels")
-    dtype: Literal["float32", "bfloat16"] = Field("float32", description="training dtype")
+    dtype: Literal["float32", "bfloat16", "auto"] = Field("float32", description="training dtype; auto = "
+                                                          "bfloat16 where the pool's device computes it natively "
+                                                          "(CUDA; a CPU with amx_bf16 or avx512_bf16), float32 "
+                                                          "elsewhere, resolved at job start")
     head_dtype: Literal["float32", "model"] = Field("float32", description="dtype of the output layer and the "
                                                     "log-softmax in a bf16 model: float32 (hidden states and weight "
                                                     "cast up, as vLLM's fp32 head: the engine's log-probs and the "

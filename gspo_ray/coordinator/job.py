@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +26,7 @@ from gspo_ray.coordinator.run_dir import RunDirError, prepare_run_dir, redacted_
 from gspo_ray.coordinator.run_lock import RunLock
 from gspo_ray.coordinator.signals import StopRequest, StopRequested, exit_code_for, signals_seen
 from gspo_ray.coordinator.tracking import MetricsTracker, plot_metrics
+from gspo_ray.models.native_bf16 import resolve_job_dtypes
 from gspo_ray.rollout.scoring import check_reward
 from gspo_ray.rollout.weight_sync import build_probe_sequences
 
@@ -207,6 +209,9 @@ def _run_locked(cfg: JobConfig, resume: bool, rollout_factory, after_step, fresh
     from gspo_ray.coordinator.pools import build_pools
 
     t_start = time.perf_counter()
+    cfg, dtype_lines = resolve_job_dtypes(cfg)  # once, before anything is built: every part sees the same dtype
+    for line in dtype_lines:
+        print(line, file=sys.stderr, flush=True)
     run_dir = prepare_run_dir(cfg, resume=resume, fresh=fresh)  # before any expensive work
     model_path = prepare_model(cfg)
     train_prompts, eval_prompts = build_prompt_sources(cfg, model_path)

@@ -12,6 +12,10 @@ A step whose samples failed too often (all of them, or above `rollout.reward.max
 With `rollout.partial`, each rollout round gives completions a token budget; groups with unfinished members
 wait in a `PartialCarry` and are continued in the next round, across steps and so under newer weights, while
 fresh prompts keep the pipeline full. Only finished groups reach the buffer, which applies the staleness rule.
+
+Where the engine's log-probs anchor the ratio, the trainer scores the first mini-batch's samples of its own
+version at the first step and every `anchor_gap_every` steps, before the step's first update; a gap the clip band
+cannot hold stops the run there with AnchorGapTooWide (algo/anchor_gap.py has the rule), nothing trained on it.
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ import math
 import time
 from dataclasses import dataclass
 
+from gspo_ray.algo.anchor_gap import anchor_gap_floor, anchor_gap_stop_line, compute_anchor_gap
 from gspo_ray.algo.auto_eps import AutoEpsController
 from gspo_ray.config import JobConfig
 from gspo_ray.config.rollout import gpu_colocated
@@ -32,6 +37,12 @@ from gspo_ray.data.records import Group, Prompt, Sample, TrainBatch, collate
 from gspo_ray.coordinator.transfer_push import TransferPush
 from gspo_ray.rollout.weight_sync import WeightProbe
 from gspo_ray.rollout.weight_transfer import CUDA_TRANSPORTS, job_weight_transfer
+
+
+class AnchorGapTooWide(RuntimeError):
+    """The engine's log-probs differ from the trainer's by more than the clip band can hold (algo/anchor_gap.py):
+    the run stopped before training on the batch. Its message is one line naming the gap, the band and the ways
+    out."""
 
 
 @dataclass
@@ -88,6 +99,7 @@ class Coordinator:
         self.last_groups: list[Group] = []  # the groups of the last step (for rollout dumps)
         self.last_version = 0  # the policy version they were admitted (staleness-checked) and trained at
         self._pushes = 0  # weight pushes asked of this coordinator (rollout.verify_every counts them)
+        self._gap_checked = False  # the engine-trainer anchor gap was checked since start (or reset)
         self._node_cache: dict = {}  # "trainer" / rollout worker id -> (its pg / actor handle, Ray node id)
 
     # -- one step ---------------------------------------------------------------------------------------------
@@ -162,6 +174,7 @@ class Coordinator:
         if c.recompute_old_logprobs:
             self._recompute_old_logprobs(groups)
         rows, first, steps, empty = [], {}, 0, 0
+        gap_due, gap = self._anchor_gap_due(), {}
         first_sight = self.state.version  # the version of the trainer's first forward over these groups
         # the version whose log-probs anchor the ratio: the trainer's own (recomputed now) or the sampling policy's
         anchor_version = self.state.version if c.recompute_old_logprobs else _version_span(groups)[0]
@@ -170,6 +183,8 @@ class Coordinator:
                 if not bool(batch.loss_mask.any()):  # every token masked (rollout.partial stale_rule "mask")
                     empty += 1
                     continue
+                if gap_due:  # before the step's first update; stops here if the band cannot hold the gap
+                    gap_due, gap = False, self._check_anchor_gap(batch, groups)
                 before = self.state.version
                 if self.auto_eps is None:
                     m = self.trainer.train_step(batch)
@@ -195,6 +210,7 @@ class Coordinator:
             lag = key.rsplit("_", 1)[1]
             out[f"moe/route_agree_{lag}"] = out[key] / out[f"moe/route_agree_tokens_{lag}"]
         out.update(first)
+        out.update(gap)
         if self.auto_eps is not None:
             out.update(self.auto_eps.update())  # sets the band of the next rollout batch
         out.update({"train/optimizer_steps": steps, "train/empty_minibatches": empty, "train/version": self.state.version,
@@ -327,6 +343,44 @@ class Coordinator:
         logp = self.trainer.compute_logprobs(batch, temperature=1.0, purpose="probe")
         return WeightProbe([list(ids) for ids in seqs], [logp[i, 1:len(ids)].tolist() for i, ids in enumerate(seqs)])
 
+    def _anchor_gap_due(self) -> bool:
+        """The engine's log-probs anchor the ratio and this is the first step since start (or reset), or one of
+        every `coordinator.anchor_gap_every` steps after it (steps 1, 1 + N, 1 + 2N, ...)."""
+        c = self.cfg.coordinator
+        if c.recompute_old_logprobs:
+            return False
+        return not self._gap_checked or (c.anchor_gap_every > 0 and self.state.step % c.anchor_gap_every == 0)
+
+    def _check_anchor_gap(self, batch: TrainBatch, groups: list[Group]) -> dict[str, float]:
+        """The trainer's log-probs of `batch`'s samples of its current version against the engine's (one no-grad
+        forward, `train/forward_passes_anchor_gap`), judged by algo/anchor_gap.py's rule against the band in force:
+        a fixed band stops the run (AnchorGapTooWide) where it cannot hold the gap; eps auto keeps its band at
+        least anchor_gap_floor from now on, and stops only where that floor is above auto_eps.max_eps. No sample
+        of the current version (async mode after step 1): `train/anchor_gap_samples` 0 and no other value."""
+        self._gap_checked = True
+        version, a = self.state.version, self.cfg.algorithm
+        by_uid = {f"{s.prompt_uid}/{s.sample_index}": s for g in groups for s in g.samples}
+        rows = [i for i, uid in enumerate(batch.uids) if _sampled_at(by_uid[uid], version)]
+        if not rows:
+            return {"train/anchor_gap_samples": 0.0}
+        batch = batch.select(rows)
+        logp = self.trainer.compute_logprobs(batch, purpose="anchor_gap")
+        level, ctl = a.importance_sampling_level, self.auto_eps
+        band = ctl.band() if ctl is not None else a.clip_range()
+        gap = compute_anchor_gap(logp, batch.old_logp, batch.loss_mask, *band, level=level)
+        floor = anchor_gap_floor(gap, level)
+        if ctl is None and floor > band[0] or ctl is not None and floor > ctl.max_eps:
+            raise AnchorGapTooWide(anchor_gap_stop_line(gap, band, level, self.state.step + 1,
+                                                        None if ctl is None else ctl.max_eps))
+        if ctl is None:
+            return gap.metrics()
+        # auto: its band never narrows below what leaves the gap its share (until the next check measures again)
+        ctl.min_eps = max(a.auto_eps.min_eps, floor)
+        if ctl.eps_low < floor:
+            ctl.eps_low = floor
+            gap = compute_anchor_gap(logp, batch.old_logp, batch.loss_mask, *ctl.band(), level=level)
+        return gap.metrics() | {"train/anchor_gap_band_floor": floor}
+
     def _recompute_old_logprobs(self, groups: list[Group]) -> None:
         """Anchor the ratio on the trainer's log-probs (the `recompute_old_logprobs` switch); the engine's stay in
         `Sample.logprobs` as the behaviour policy of mismatch corrections."""
@@ -346,6 +400,12 @@ def _probe_sample(ids: list[int]) -> Sample:
     return Sample(prompt_uid="probe", sample_index=0, prompt_ids=ids[:1], completion_ids=rest,
                   logprobs=[0.0] * len(rest), loss_mask=[1] * len(rest), versions=[0] * len(rest),
                   finish_reason="stop")
+
+
+def _sampled_at(sample: Sample, version: int) -> bool:
+    """Every trained token of `sample` was sampled by policy `version` (none trained: False)."""
+    trained = [v for v, m in zip(sample.versions, sample.loss_mask) if m]
+    return bool(trained) and all(v == version for v in trained)
 
 
 def _accumulate(into: dict[str, float], new: dict[str, float]) -> None:

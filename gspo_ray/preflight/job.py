@@ -62,6 +62,14 @@ def check_transfer_devices(cfg: JobConfig) -> None:
         raise PreflightError(str(e)) from None
 
 
+def anchor_line(recompute: bool, gap_every: int) -> str:
+    """Which log-probs anchor GSPO's ratio in this job (the preflight's `anchor` line)."""
+    if recompute:
+        return "recomputed by the trainer (coordinator.recompute_old_logprobs: one old-policy forward per batch)"
+    return ("the engine's log-probs, gap to the trainer's checked at step 1" +
+            (f" and every {gap_every} steps" if gap_every else "") + " (coordinator.anchor_gap_every)")
+
+
 def run_preflight(cfg: JobConfig, *, import_timeout_s: float = IMPORT_TIMEOUT_S,
                   remember_in: Path | None = None) -> PreflightReport:
     """Check everything about `cfg`'s input that can be checked without Ray or an engine. Raises PreflightError
@@ -94,6 +102,8 @@ def run_preflight(cfg: JobConfig, *, import_timeout_s: float = IMPORT_TIMEOUT_S,
     transport = job_weight_transfer(cfg)  # checked above
     report.add("engines", "ok", describe_engines(r.tensor_parallel_size, r.enable_expert_parallel,
                                                  r.num_gpus_per_worker > 0, transport))
+    report.add("anchor", "ok", anchor_line(cfg.coordinator.recompute_old_logprobs,
+                                           cfg.coordinator.anchor_gap_every))
     if verdicts is not None:  # every check passed: the data files' verdicts may be kept
         verdicts.save()
     report.seconds = time.perf_counter() - start

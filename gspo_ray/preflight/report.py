@@ -11,6 +11,7 @@ from gspo_ray.preflight.model import PreflightError
 
 IMPORT_TIMEOUT_S = 60.0  # a plug-in module may import heavy libraries; one that hangs still ends the preflight
 MAX_LINE = 300
+SUMMARY_FACTS = ("anchor",)  # checks whose detail `train` prints under its summary line too
 
 
 def one_line(e: BaseException | str, limit: int = MAX_LINE) -> str:
@@ -38,8 +39,11 @@ class PreflightReport:
         return [f"  {c.name:<10} {c.status:<8} {c.detail}" for c in self.checks]
 
     def summary(self) -> str:
+        """The line `train` prints, then the job's facts the checks settled (SUMMARY_FACTS: which anchor)."""
         notes = [f"{c.name} {c.status}" for c in self.checks if c.status != "ok"]
-        return f"preflight ok in {self.seconds:.1f} s" + (f" ({', '.join(notes)})" if notes else "")
+        facts = [f"{c.name}: {c.detail}" for c in self.checks if c.name in SUMMARY_FACTS]
+        return "\n".join([f"preflight ok in {self.seconds:.1f} s" + (f" ({', '.join(notes)})" if notes else ""),
+                          *facts])
 
 
 def call_with_timeout(fn: Callable[[], Any], timeout_s: float, what: str, timeout_field: str = "") -> Any:

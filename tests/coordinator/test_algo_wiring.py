@@ -234,6 +234,9 @@ def test_routing_agreement_of_a_step_counts_only_the_mini_batches_that_compared(
             return {**lag0, "moe/route_agree_lag1": 0.5, "moe/route_agree_hits_lag1": 5.0 * self.calls,
                     "moe/route_agree_tokens_lag1": 10.0 * self.calls, "train/policy_version": float(self.calls)}
 
+        def compute_logprobs(self, batch, purpose):  # step 1's anchor-gap check: the engine's own, no gap
+            return batch.old_logp
+
         def end_batch(self):
             pass
 

@@ -88,9 +88,9 @@ def test_one_step_job_on_the_real_model(smollm2, tmp_path):
         # the weights pushed after the update reproduce the trainer's log-probs
         assert r["sync/verify_max_abs_diff"] <= 1e-4
         # one training forward per micro-batch and no old-log-prob pass: the engine's log-probs are the anchor
-        # (the only other forward is the push probe's, on one short probe sequence per push)
+        # (the others are the push probe's, on one short probe sequence per push, and step 1's anchor-gap check)
         assert r["train/forward_passes_train"] == 3 and "train/forward_passes_old_logprobs" not in r
-        assert set(k for k in r if k.startswith("train/forward_passes_")) <= {"train/forward_passes_train",
-                                                                           "train/forward_passes_probe"}
+        assert set(k for k in r if k.startswith("train/forward_passes_")) <= {
+            "train/forward_passes_train", "train/forward_passes_probe", "train/forward_passes_anchor_gap"}
         assert "rollout/info/exact" in r  # what the reward returns besides `reward` reaches the rollout metrics
     assert rows[-1]["train/version"] == 1
