@@ -171,8 +171,10 @@ class Coordinator:
         c, t0 = self.cfg.coordinator, time.perf_counter()
         if len(groups) < c.num_minibatches:
             return {"train/skipped": 1.0, "time/train_s": 0.0}
+        old_logprobs_s = 0.0  # the old-policy forward's share of the train phase (0: the engine's anchor)
         if c.recompute_old_logprobs:
             self._recompute_old_logprobs(groups)
+            old_logprobs_s = time.perf_counter() - t0
         rows, first, steps, empty = [], {}, 0, 0
         gap_due, gap = self._anchor_gap_due(), {}
         first_sight = self.state.version  # the version of the trainer's first forward over these groups
@@ -214,7 +216,7 @@ class Coordinator:
         if self.auto_eps is not None:
             out.update(self.auto_eps.update())  # sets the band of the next rollout batch
         out.update({"train/optimizer_steps": steps, "train/empty_minibatches": empty, "train/version": self.state.version,
-                    "time/train_s": time.perf_counter() - t0})
+                    "time/train_s": time.perf_counter() - t0, "time/old_logprobs_s": old_logprobs_s})
         return out
 
     def sync_weights(self, verify: bool = False) -> dict[str, float]:

@@ -69,6 +69,7 @@ def test_a_gap_within_a_third_of_the_band_trains_and_is_logged():
     assert len(trainer.trained) == 2 and out["train/anchor_gap_samples"] == 2.0
     assert out["train/anchor_gap_seq_std"] == pytest.approx(0.9e-4, rel=1e-2)
     assert out["train/anchor_gap_outside_band"] == 0.0
+    assert out["time/old_logprobs_s"] == 0.0  # the engine's anchor: no old-policy forward
     # step 2 of the default schedule (1, 11, 21, ...) scores nothing
     coord.state.step = 1
     coord.train_on(_groups(version=coord.state.version))
@@ -106,6 +107,8 @@ def test_the_recomputed_anchor_is_not_checked():
                    "coordinator.mode=sync")
     out = coord.train_on(_groups(version=0))
     assert "train/anchor_gap_samples" not in out and [p for p, _ in trainer.asked] == ["old_logprobs"]
+    # the old-policy forward's seconds, part of the train phase's (benchmarks compare the two anchors by them)
+    assert 0.0 < out["time/old_logprobs_s"] <= out["time/train_s"]
 
 
 def test_the_cli_stops_with_the_one_line_and_exit_2(monkeypatch, capsys):
