@@ -30,6 +30,8 @@
              (autoscale.py, docs/autoscale.md; no Ray, seconds)
     preflight  the data preflight over 100k GSM8K-like rows: read and reference checks in worker processes, again
              with the run directory's verdicts (a --resume), against one process's parse (preflight_data.py)
+    anchor   the engine-trainer log-prob gap at step 0 (GSPO's anchor), fp32 / bf16 / bf16 with fp32 heads, on the
+             tiny MoE and SmolLM2; per-token and per-sequence, the share outside GSPO's band (anchor.py)
     all      tiny + smollm2
 """
 from __future__ import annotations
@@ -37,7 +39,7 @@ from __future__ import annotations
 from pathlib import Path
 
 SUITES = ("tiny", "smollm2", "profile", "moe", "moe-tiny", "moe-async", "regime", "rollout", "push", "lora",
-          "lora-vs-full", "probe", "learn", "recovery", "scale", "autoscale", "preflight", "all")
+          "lora-vs-full", "probe", "learn", "recovery", "scale", "autoscale", "preflight", "anchor", "all")
 
 
 # each multi-seed suite's seeds when --seeds is not given
@@ -120,6 +122,10 @@ def run(suite: str = "all", *, quick: bool = False, steps: int = 6, seeds: tuple
         from gspo_ray.bench.preflight_data import run_preflight_bench
 
         run_preflight_bench(quick=quick)
+    if suite == "anchor":
+        from gspo_ray.bench.anchor import run_anchor_bench
+
+        run_anchor_bench(quick=quick)
     if suite in ("tiny", "all"):
         from gspo_ray.bench.tiny import run_bench
 
