@@ -32,6 +32,9 @@
              with the run directory's verdicts (a --resume), against one process's parse (preflight_data.py)
     anchor   the engine-trainer log-prob gap at step 0 (GSPO's anchor), fp32 / bf16 / bf16 with fp32 heads, on the
              tiny MoE and SmolLM2; per-token and per-sequence, the share outside GSPO's band (anchor.py)
+    anchor-learn  the tiny MoE in bf16 over seeds: the engine's log-probs as the anchor (fp32 heads, eps auto)
+             against the recomputed anchor with mismatch correction, and fp32: steps to solve, held-out exact, the
+             train phase's seconds and the old-policy forward's (anchor_learning.py; --steps caps a run, default 450)
     all      tiny + smollm2
 """
 from __future__ import annotations
@@ -39,11 +42,13 @@ from __future__ import annotations
 from pathlib import Path
 
 SUITES = ("tiny", "smollm2", "profile", "moe", "moe-tiny", "moe-async", "regime", "rollout", "push", "lora",
-          "lora-vs-full", "probe", "learn", "recovery", "scale", "autoscale", "preflight", "anchor", "all")
+          "lora-vs-full", "probe", "learn", "recovery", "scale", "autoscale", "preflight", "anchor",
+          "anchor-learn", "all")
 
 
 # each multi-seed suite's seeds when --seeds is not given
-DEFAULT_SEEDS = {"moe": (0,), "moe-tiny": (0, 1, 2), "moe-async": (0, 1, 2), "learn": (0, 1, 2), "recovery": (0, 1)}
+DEFAULT_SEEDS = {"moe": (0,), "moe-tiny": (0, 1, 2), "moe-async": (0, 1, 2), "learn": (0, 1, 2), "recovery": (0, 1),
+                 "anchor-learn": (0, 1, 2)}
 
 
 def seeds_for(suite: str, seeds: tuple[int, ...] | None) -> tuple[int, ...]:
@@ -126,6 +131,12 @@ def run(suite: str = "all", *, quick: bool = False, steps: int = 6, seeds: tuple
         from gspo_ray.bench.anchor import run_anchor_bench
 
         run_anchor_bench(quick=quick)
+    if suite == "anchor-learn":
+        from gspo_ray.bench.anchor_learning import run_anchor_learning_bench
+
+        # --steps when given (the CLI's default 6 is the smollm2 / moe suites'), else 450: the recipe's early stop
+        # ends a run once it is solved
+        print(run_anchor_learning_bench(seeds=seeds, steps=4 if quick else (450 if steps == 6 else steps)))
     if suite in ("tiny", "all"):
         from gspo_ray.bench.tiny import run_bench
 

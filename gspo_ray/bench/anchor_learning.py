@@ -100,7 +100,7 @@ def anchor_learning_report(steps: int = 450, results: Path = RESULTS) -> str:
         mine = [r for r in runs if r["variant"] == label]
         solved = [r["solved_at"] for r in mine if r["solved_at"] is not None]
         over.append({"variant": label, "seeds": len(mine), "solved": f"{len(solved)}/{len(mine)}",
-                     "mean step solved (solved seeds)": statistics.mean(solved) if solved else None,
+                     "mean step solved (solved seeds)": float(statistics.mean(solved)) if solved else None,
                      "train s / step (mean)": statistics.mean(r["train_s_per_step"] for r in mine),
                      "old-policy forward s / step": statistics.mean(r["old_logprobs_s_per_step"] for r in mine)})
     png = plot_variants(runs, results.with_suffix(".png"), steps)

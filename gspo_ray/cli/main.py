@@ -245,7 +245,9 @@ def bench(quick: bool = typer.Option(False, help="fewer steps"),
                                     "task over seeds; --recipe, default make run's) | recovery (a trainer kill in a "
                                     "60-step run) | scale (our planning code at cluster shapes, no weights) | autoscale (the "
                                     "pool-size controller on a model of phase times, against fixed splits) | "
-                                    "preflight (the data preflight over 100k GSM8K-like rows) | all (tiny + smollm2)"),
+                                    "preflight (the data preflight over 100k GSM8K-like rows) | anchor (the engine-trainer "
+                                    "log-prob gap at step 0, fp32 / bf16 / fp32 heads) | anchor-learn (bf16 with "
+                                    "the engine's anchor against a recomputed one, over seeds) | all (tiny + smollm2)"),
           steps: int = typer.Option(6, help="steps per mode (smollm2) or per run (moe)"),
           seeds: Optional[str] = typer.Option(None, help="moe, moe-tiny, learn and recovery suites: "
                                               "comma-separated seeds (default: moe 0; moe-tiny and learn 0,1,2; "

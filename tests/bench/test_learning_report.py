@@ -71,3 +71,30 @@ def test_profile_op_classes():
     assert op_class("aten::copy_") == op_class("aten::index_select") == "copies/layout"
     assert op_class("aten::silu") == op_class("aten::mul") == "norms/elementwise"
     assert op_class("aten::something_new") == "other"
+
+
+def test_an_environments_task_is_scored_by_its_share_solved():
+    from gspo_ray.bench.learning import held_out_score
+
+    assert held_out_score({"eval/exact": 0.5, "eval/solved": 0.1}) == 0.5
+    assert held_out_score({"eval/solved": 0.3, "eval/reward": -0.2}) == 0.3
+    assert held_out_score({"eval/reward": -0.8}) == 0.0  # the key is absent while no episode is solved
+
+
+def test_the_anchor_bench_reports_each_variant_over_its_seeds(tmp_path):
+    from gspo_ray.bench.anchor_learning import anchor_learning_report
+
+    def run(variant, seed, solved, train_s, old_s, cap=450):
+        return {**_run(seed, [(0, 5.0, 0.0, 0.0), (25, 40.0, 1.0 if solved else 0.4, 1.9)]), "variant": variant,
+                "step_cap": cap, "train_s_per_step": train_s, "old_logprobs_s_per_step": old_s,
+                "forwards_per_step": {"train": 1.0, "old_logprobs": 1.0 if old_s else 0.0}, "clip_frac_seq": 0.1,
+                "anchor_gap": {} if old_s else {"seq_std": 7e-4, "token_mean": 1e-3}}
+    results = tmp_path / "anchor_learn.jsonl"
+    runs = [run("engine", 0, True, 1.0, 0.0), run("recomputed", 0, False, 1.5, 0.4), run("engine", 1, False, 1.2, 0.0),
+            run("engine", 2, True, 9.0, 0.0, cap=100)]  # another step cap: not in this report
+    results.write_text("".join(json.dumps(r) + "\n" for r in runs))
+    text = anchor_learning_report(450, results)
+    over = text.split("over seeds\n")[1].splitlines()
+    assert _cells(over[2]) == ["engine", "2", "1/2", "25.000", "1.100", "0.000"]
+    assert _cells(over[3]) == ["recomputed", "1", "0/1", "-", "1.500", "0.400"]
+    assert (tmp_path / "anchor_learn.png").stat().st_size > 10_000
