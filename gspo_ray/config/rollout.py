@@ -81,6 +81,34 @@ class MultiTurnConfig(Strict):
                            "the env calls running at once; more processes, fewer episodes lost with a killed one")
 
 
+class AgentConfig(Strict):
+    """A user's agent, written against the OpenAI API, run as is: each episode gets an `openai.AsyncOpenAI` pointed
+    at its own URL of an endpoint the rollout worker serves over its engine (docs/multi-turn-and-partial.md).
+
+    The agent is `async def solve(client, task) -> float | dict` (a dict carries "reward" and numeric extras).
+    """
+
+    fn: str = Field(description="the agent, `module:function`: an async callable of (client, task)")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="extra keyword arguments for the agent")
+    chat_template: str | None = Field(None, description="the chat template that renders the agent's messages: a "
+                                      "file path, an import path `module:NAME` of a string, or the Jinja text "
+                                      "itself; None = the tokenizer's own")
+    tool_parser: str | None = Field(None, description="what turns the model's text into tool calls: a name "
+                                    "registered in vLLM's ToolParserManager ('hermes', ...) or an import path "
+                                    "`module:Class` of a vLLM ToolParser; None = replies are text only")
+    max_turns: int = Field(8, ge=1, description="model calls per episode; the next call is refused and the "
+                           "episode ends with finish_reason 'length'")
+    max_total_tokens: int = Field(256, ge=1, description="completion tokens per episode, model + rendered "
+                                  "(tool, user, template) tokens; each call's max_tokens is clamped to what is left")
+    episode_timeout_s: float = Field(60.0, gt=0, description="wall clock of one episode; past it the episode "
+                                     "ends (finish_reason 'agent_error'); an agent that blocks its process past it "
+                                     "is killed with the process, ending the other episodes it hosts")
+    num_procs: int = Field(2, ge=1, description="agent processes per rollout worker; the episodes of a batch are "
+                           "spread over them and run concurrently (asyncio) inside each")
+    batch_window_s: float = Field(0.01, ge=0, description="how long the endpoint gathers concurrent calls into one "
+                                  "engine batch after the first arrives")
+
+
 class PartialRolloutConfig(Strict):
     """Partial rollouts: completions generated in budgeted segments, possibly under several policy versions.
 
@@ -199,6 +227,8 @@ class RolloutConfig(Strict):
                                  "never computed, so it has no route)")
     reward: RewardConfig = Field(default_factory=RewardConfig, description="reward function")
     multi_turn: MultiTurnConfig | None = Field(None, description="multi-turn episodes (None = single turn)")
+    agent: AgentConfig | None = Field(None, description="episodes run by a user's agent against an OpenAI-compatible "
+                                      "endpoint (None = none); excludes multi_turn")
     partial: PartialRolloutConfig | None = Field(None, description="partial rollouts across policy versions "
                                                   "(None = whole completions)")
     call_timeout_s: float = Field(1800, gt=0, description="a rollout worker that finishes none of its calls (a "
@@ -224,6 +254,8 @@ class RolloutConfig(Strict):
         if self.top_k > 0:
             raise ValueError(f"rollout.top_k ({self.top_k}) must be -1 (off): the trainer cannot score a "
                              "truncated sampling distribution; use rollout.temperature to sharpen it")
+        if self.agent is not None and self.multi_turn is not None:
+            raise ValueError("rollout.agent and rollout.multi_turn are both set: episodes come from one of them")
         tokens = self.max_num_batched_tokens
         if tokens is not None and tokens < self.max_model_len and self.enable_chunked_prefill is not True:
             raise ValueError(f"rollout.max_num_batched_tokens ({tokens}) is below rollout.max_model_len "

@@ -1,0 +1,227 @@
+"""The OpenAI-compatible endpoint a rollout worker serves to its agents: a FastAPI app in the worker's process.
+
+    endpoint = AgentEndpoint(renderer, parser_cls, tokenizer, eos_ids, max_model_len, temperature, top_p)
+    endpoint.start()                                     # uvicorn on 127.0.0.1, a free port, in a thread
+    endpoint.add(episode)                                # POST {endpoint.url}/ep/{episode.id}/v1/chat/completions
+    req = endpoint.requests.get()                        # GenerationRequest: ids + SamplingParams, to the engine
+    req.future.set_result((segment, version))            # the handler answers the agent
+
+One URL per episode (`/ep/<episode id>/v1`), the episode's own random key as the API key: a call with another
+episode's id, or to an episode that ended, is refused, so concurrent episodes never mix. The handler checks the
+request (`requests.check_chat_request`), plans the engine context token-exactly (`transcript`), and queues one
+generation; whoever owns the engine (`runner.AgentRunner`) gathers queued generations into one engine batch. A
+refused request ends its episode (finish_reason "agent_error", the refusal as the reason), except a limit
+(max_turns, max_total_tokens, the engine's max_model_len), which ends it with finish_reason "length".
+"""
+from __future__ import annotations
+
+import asyncio
+import queue
+import secrets
+import socket
+import threading
+import time
+import uuid
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request  # at module level: the handlers' annotations are resolved in these globals
+from fastapi.responses import JSONResponse
+
+from gspo_ray.rollout.agent.requests import SERVED_MODEL, RequestError, check_chat_request
+from gspo_ray.rollout.agent.tool_calls import reply_message
+from gspo_ray.rollout.agent.transcript import ChatRenderer, EpisodeTranscript
+
+FINISH_STOP, FINISH_LENGTH, FINISH_AGENT_ERROR, FINISH_INTERRUPTED = "stop", "length", "agent_error", "interrupted"
+
+
+@dataclass
+class AgentEpisode:
+    """One episode as the endpoint sees it: its id and key, limits, its recording, how it ended."""
+
+    id: str
+    transcript: EpisodeTranscript
+    seed_parts: tuple[int, ...] | None  # per-call seed = mix_seed(*seed_parts, call index); None: unseeded
+    max_turns: int
+    max_total_tokens: int
+    key: str = field(default_factory=lambda: secrets.token_hex(16))
+    busy: bool = False
+    finish: str | None = None
+    failed: str | None = None
+
+    def end(self, finish: str, failed: str | None = None) -> None:
+        if self.finish is None:
+            self.finish, self.failed = finish, failed
+
+
+@dataclass
+class GenerationRequest:
+    """One model call for the engine: the context ids and the call's limits; answered through `future` with
+    (Segment, policy version)."""
+
+    episode: AgentEpisode
+    context: list[int]
+    max_tokens: int
+    stop_token_ids: list[int]
+    seed: int | None
+    future: Future = field(default_factory=Future)
+
+
+class AgentEndpoint:
+    """The FastAPI app and its uvicorn thread; episodes are added and removed by the runner."""
+
+    def __init__(self, renderer: ChatRenderer, parser_cls: Any, eos_token_ids: frozenset[int], max_model_len: int,
+                 temperature: float, top_p: float):
+        self.renderer, self.parser_cls = renderer, parser_cls
+        self.eos_token_ids, self.max_model_len = eos_token_ids, max_model_len
+        self.temperature, self.top_p = temperature, top_p
+        self.episodes: dict[str, AgentEpisode] = {}
+        self.requests: queue.Queue = queue.Queue()  # GenerationRequests, and the runner's other events
+        self.refused = 0  # requests answered with an error, all time
+        self._server, self._thread, self.url = None, None, None
+
+    # ---- lifecycle -----------------------------------------------------------------------------------------
+    def start(self) -> str:
+        """Serve on 127.0.0.1 (the agents run on this node), a free port; returns the base URL."""
+        import uvicorn
+
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))
+        config = uvicorn.Config(self.build_app(), log_level="warning", lifespan="off", access_log=False)
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True,
+                                        name="agent-endpoint")
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the agent endpoint did not start")
+            time.sleep(0.01)
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        return self.url
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+            self._thread.join(timeout=10)
+            self._server = None
+
+    def episode_url(self, episode: AgentEpisode) -> str:
+        return f"{self.url}/ep/{episode.id}/v1"
+
+    # ---- the app -------------------------------------------------------------------------------------------
+    def build_app(self) -> FastAPI:
+        app = FastAPI(title="gspo-ray agent endpoint", docs_url=None, redoc_url=None, openapi_url=None)
+
+        @app.post("/ep/{episode_id}/v1/chat/completions")
+        async def chat_completions(episode_id: str, request: Request):
+            try:
+                episode = self._own_episode(episode_id, request.headers.get("authorization", ""))
+                try:
+                    body = await request.json()
+                except ValueError:
+                    raise RequestError("the request body is not JSON") from None
+                return JSONResponse(await self._chat(episode, body))
+            except RequestError as e:
+                self.refused += 1
+                return JSONResponse(e.body(), status_code=e.status)
+
+        @app.get("/ep/{episode_id}/v1/models")
+        async def models(episode_id: str, request: Request):
+            try:
+                self._own_episode(episode_id, request.headers.get("authorization", ""))
+            except RequestError as e:
+                return JSONResponse(e.body(), status_code=e.status)
+            return {"object": "list", "data": [{"id": SERVED_MODEL, "object": "model", "owned_by": "gspo-ray"}]}
+
+        return app
+
+    def _own_episode(self, episode_id: str, authorization: str) -> AgentEpisode:
+        episode = self.episodes.get(episode_id)
+        if episode is None:
+            raise RequestError(f"episode {episode_id!r} is not running here", "episode", 404, "episode_not_found")
+        if not secrets.compare_digest(authorization.removeprefix("Bearer ").strip(), episode.key):
+            raise RequestError(f"episode {episode_id!r} is not this client's episode (its URL and API key belong "
+                               "to different episodes)", "episode", 403, "wrong_episode", "permission_error")
+        if episode.finish is not None:
+            raise RequestError(f"episode {episode_id!r} has ended ({episode.finish}"
+                               f"{': ' + episode.failed if episode.failed else ''})", "episode", code="episode_ended")
+        if episode.busy:
+            raise RequestError(f"episode {episode_id!r} already has a call in flight; an episode's calls run one at "
+                               "a time", "episode", code="call_in_flight")
+        return episode
+
+    async def _chat(self, episode: AgentEpisode, body: Any) -> dict:
+        try:
+            call = check_chat_request(body, SERVED_MODEL, temperature=self.temperature, top_p=self.top_p)
+            stop_ids = self._stop_ids(call.stop)
+            rec = episode.transcript
+            if rec.calls >= episode.max_turns:
+                raise _Limit(f"the episode's max_turns ({episode.max_turns}) calls are used", "max_turns")
+            try:
+                plan = rec.plan(call.messages, call.tools)
+            except Exception as e:  # the template could not render these messages
+                raise RequestError(f"the chat template cannot render these messages: {type(e).__name__}: {e}",
+                                   "messages") from None
+            budget = episode.max_total_tokens - rec.completion_tokens - (0 if plan.new_sample else len(plan.rendered))
+            cap = min(budget, self.max_model_len - len(plan.context))
+            if cap <= 0:
+                raise _Limit(f"no room left for a reply: the context is {len(plan.context)} of max_model_len "
+                             f"{self.max_model_len} tokens, {max(budget, 0)} of the episode's max_total_tokens left",
+                             "messages", code="context_length_exceeded")
+        except _Limit as e:
+            episode.end(FINISH_LENGTH)
+            raise e.error from None
+        except RequestError as e:
+            episode.end(FINISH_AGENT_ERROR, f"refused request: {e.param or 'request'}: {e.message}")
+            raise
+        seed = None
+        if episode.seed_parts is not None:
+            from gspo_ray.rollout.engine import mix_seed
+
+            seed = mix_seed(*episode.seed_parts, rec.calls)
+        req = GenerationRequest(episode, plan.context, min(call.max_tokens or cap, cap), stop_ids, seed)
+        episode.busy = True
+        try:
+            self.requests.put(("generate", req))
+            seg, version = await asyncio.wrap_future(req.future)
+        finally:
+            episode.busy = False
+        if seg.finish_reason == "abort":
+            episode.end(FINISH_INTERRUPTED, "interrupted mid-episode by a pause (agent episodes are not resumed yet)")
+            raise RequestError("the rollout worker paused; the episode ends", None, 503, "paused", "server_error")
+        if episode.finish is not None:  # ended while generating (its wall clock): the reply is not recorded
+            raise RequestError(f"the episode ended ({episode.finish})", "episode", code="episode_ended")
+        ids = list(seg.token_ids)
+        cut = next((i for i, t in enumerate(ids) if t in self.eos_token_ids), None)
+        stopped = cut is not None or (seg.finish_reason == "stop" and bool(stop_ids))
+        text = self.renderer.decode(ids if cut is None else ids[:cut])
+        message = reply_message(self.parser_cls, self.renderer.tokenizer, text, stopped, call)
+        rec.commit(plan, ids, list(seg.logprobs), version, message)
+        finish = "tool_calls" if message.get("tool_calls") else ("stop" if stopped else "length")
+        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+                "model": SERVED_MODEL, "choices": [{"index": 0, "message": message, "finish_reason": finish,
+                                                    "logprobs": None}],
+                "usage": {"prompt_tokens": len(plan.context), "completion_tokens": len(ids),
+                          "total_tokens": len(plan.context) + len(ids)}}
+
+    def _stop_ids(self, stop: list[str]) -> list[int]:
+        """Each stop string as the one token it must be (the engine stops on ids; it runs without a tokenizer)."""
+        ids = []
+        for s in stop:
+            enc = self.renderer.encode(s)
+            if len(enc) != 1:
+                raise RequestError(f"stop {s!r} is {len(enc)} tokens; only single-token stop strings are served",
+                                   "stop")
+            ids.append(enc[0])
+        return ids
+
+
+class _Limit(Exception):
+    """An episode limit reached: the call is refused and the episode ends with finish_reason "length"."""
+
+    def __init__(self, message: str, param: str, code: str = "episode_limit"):
+        super().__init__(message)
+        self.error = RequestError(message, param, code=code)
