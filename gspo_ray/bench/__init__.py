@@ -13,6 +13,8 @@
     regime   routing drift after one update over a grid of upcycled SmolLM2 MoEs (experts, top-k, router std,
              expert noise, lr), no job: where routing really moves (moe_regime.py)
     rollout  one engine's generation tokens/s and the weight push per MB (rollout.py)
+    rollout-profile  the SmolLM2 rollout against its roofline (decode-shape matmul rate), where its seconds go
+             (vLLM's phases, ours), and the engine with vLLM block_size 32 beside it (rollout_profile.py)
     push     the SmolLM2 weight push, object store against shared memory, interleaved rounds; shared-memory pushes
              into a TP 1 and a TP 2 engine (push.py)
     lora     an adapter-only push into a LoRA engine vs the full-weight push; SmolLM2 rollouts with the adapter
@@ -41,7 +43,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-SUITES = ("tiny", "smollm2", "profile", "moe", "moe-tiny", "moe-async", "regime", "rollout", "push", "lora",
+SUITES = ("tiny", "smollm2", "profile", "moe", "moe-tiny", "moe-async", "regime", "rollout", "rollout-profile", "push", "lora",
           "lora-vs-full", "probe", "learn", "recovery", "scale", "autoscale", "preflight", "anchor",
           "anchor-learn", "all")
 
@@ -86,6 +88,10 @@ def run(suite: str = "all", *, quick: bool = False, steps: int = 6, seeds: tuple
         from gspo_ray.bench.rollout import main as run_rollout_bench
 
         run_rollout_bench(["--reps", "1"] if quick else [])
+    if suite == "rollout-profile":
+        from gspo_ray.bench.rollout_profile import run_rollout_profile
+
+        run_rollout_profile(rounds=1 if quick else 3)
     if suite == "push":
         from gspo_ray.bench.push import run_push_bench, run_tp_push_bench
 

@@ -241,7 +241,7 @@ def bench(quick: bool = typer.Option(False, help="fewer steps"),
                                     "GSPO-token on the upcycled SmolLM2 MoE) | moe-tiny (those and GSPO eps auto over 3 seeds on the tiny "
                                     "MoE, where routing moves) | regime (routing drift after one update over a "
                                     "grid of upcycled MoEs) | rollout (generation tokens/s, weight "
-                                    "push) | lora-vs-full (the sum recipe with LoRA against full fine-tuning) | probe (the base model's pass@k per task) | learn (a recipe learning its "
+                                    "push) | rollout-profile (the SmolLM2 rollout against its roofline, by phase) | lora-vs-full (the sum recipe with LoRA against full fine-tuning) | probe (the base model's pass@k per task) | learn (a recipe learning its "
                                     "task over seeds; --recipe, default make run's) | recovery (a trainer kill in a "
                                     "60-step run) | scale (our planning code at cluster shapes, no weights) | autoscale (the "
                                     "pool-size controller on a model of phase times, against fixed splits) | "
