@@ -30,7 +30,7 @@ from gspo_ray.preflight.data import check_data, parse_data
 from gspo_ray.preflight.job_model import check_tiny_config, checked_tokenizer, model_facts
 from gspo_ray.preflight.lora import check_lora
 from gspo_ray.preflight.model import PreflightError
-from gspo_ray.preflight.plugins import dry_env, dry_reward, import_env, import_reward
+from gspo_ray.preflight.plugins import dry_agent, dry_env, dry_reward, import_agent, import_env, import_reward
 from gspo_ray.preflight.push_bound import check_push_timeout
 from gspo_ray.preflight.report import IMPORT_TIMEOUT_S, PreflightReport
 from gspo_ray.preflight.verdicts import DataVerdicts
@@ -86,11 +86,16 @@ def run_preflight(cfg: JobConfig, *, import_timeout_s: float = IMPORT_TIMEOUT_S,
         check_lora(cfg, facts.hf_config if facts is not None else None, report)
     reward_fn = import_reward(cfg, import_timeout_s)
     env_cls = import_env(cfg, import_timeout_s)
+    agent_fn = import_agent(cfg, import_timeout_s)
     verdicts = DataVerdicts(remember_in) if remember_in is not None else None
     parse_data(cfg, reward_fn, verdicts)
     tokenizer, vocab_size = checked_tokenizer(cfg, facts, report)
     prompt = check_data(cfg, tokenizer, vocab_size, report)
-    if env_cls is None:
+    if agent_fn is not None:  # the agent's return value is the reward
+        report.add("reward", "skipped", f"{cfg.rollout.reward.fn}: imported and checked, not called "
+                                        "(agent episodes' rewards come from the agent)")
+        dry_agent(cfg, agent_fn, prompt, report)
+    elif env_cls is None:
         dry_reward(cfg, reward_fn, tokenizer, prompt, report)
     else:  # episodes are scored by the environment's step rewards; reward.fn is only imported and checked
         report.add("reward", "skipped", f"{cfg.rollout.reward.fn}: imported and checked, not called "

@@ -126,3 +126,45 @@ def dry_env(cfg: JobConfig, env_cls: type, tokenizer: Any, prompt: Prompt, repor
         raise PreflightError(f"{name}: {env_cls.__name__}.reset on a dry call: {one_line(e)}; valid: token ids "
                              "(list[int]) or text the tokenizer encodes and decodes back exactly") from None
     report.add("env", "ok", f"{mt.env}: reset gave a {len(ids)}-token observation")
+
+
+def import_agent(cfg: JobConfig, import_timeout_s: float) -> Callable | None:
+    """rollout.agent.fn imported and checked to be an async callable of (client, task, **kwargs); its chat template
+    resolved. None when the job runs no agent. (The tool parser is a vLLM class: loaded where the engine runs.)"""
+    agent = cfg.rollout.agent
+    if agent is None:
+        return None
+    from gspo_ray.rollout.agent.protocol import load_agent, resolve_chat_template
+
+    fn = call_with_timeout(lambda: load_agent(agent.fn, "rollout.agent.fn"), import_timeout_s,
+                           f"rollout.agent.fn: importing {agent.fn!r}")
+    try:
+        inspect.signature(fn).bind(None, {}, **agent.kwargs)
+    except TypeError as e:
+        raise PreflightError(f"rollout.agent.fn: {agent.fn!r}{inspect.signature(fn)} does not take (client, task, "
+                             f"**rollout.agent.kwargs): {e}; protocol: async def solve(client, task) -> float | "
+                             "dict") from None
+    except ValueError:  # no signature to inspect: the dry call tells
+        pass
+    call_with_timeout(lambda: resolve_chat_template(agent.chat_template), import_timeout_s,
+                      "rollout.agent.chat_template: resolving it")
+    return fn
+
+
+def dry_agent(cfg: JobConfig, fn: Callable, prompt: Prompt, report: PreflightReport) -> None:
+    """One episode of the agent on the first prompt against a stand-in endpoint (the real one needs the engine):
+    the `openai` client it gets answers each call with the reference as the model's reply, after the endpoint's
+    own request checks, so a refused parameter or a missing reward fails here, naming it."""
+    from gspo_ray.rollout.agent.dry_run import dry_episode
+
+    agent = cfg.rollout.agent
+    where = f"rollout.agent.fn: {agent.fn!r} on a dry episode (the reference {str(prompt.reference)[:40]!r} as "
+    where += "every reply)"
+    start = time.perf_counter()
+    try:
+        reward, calls = dry_episode(fn, prompt, dict(agent.kwargs), cfg.rollout.temperature, cfg.rollout.top_p,
+                                    agent.max_turns, agent.episode_timeout_s)
+    except Exception as e:
+        raise PreflightError(f"{where}: {one_line(e, 400)}") from None
+    report.add("agent", "ok", f"{agent.fn}: {reward:g} after {calls} call(s) on a dry episode "
+                              f"({time.perf_counter() - start:.2f} s)")

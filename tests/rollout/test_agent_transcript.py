@@ -10,7 +10,7 @@ import pytest
 
 from gspo_ray.models.tiny import build_tokenizer
 from gspo_ray.rollout.agent.requests import RequestError, check_chat_request
-from gspo_ray.rollout.agent.runner import agent_outcome
+from gspo_ray.rollout.agent.protocol import agent_outcome
 from gspo_ray.rollout.agent.transcript import ChatRenderer, EpisodeTranscript
 
 EOS = 1

@@ -90,19 +90,6 @@ class AgentProcs:
 
 
 # ---- the child side -------------------------------------------------------------------------------------------
-def load_agent(fn_path: str, field: str = "rollout.agent.fn"):
-    """The agent callable, checked to be async (`async def`, or an object whose __call__ is)."""
-    import inspect
-
-    from gspo_ray.envs.plugins import PluginError, resolve_callable
-
-    fn = resolve_callable(fn_path, field)
-    if not (inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))):
-        raise PluginError(f"{field}: {fn_path!r} is not an async callable; the protocol is "
-                          "`async def solve(client, task) -> float | dict`")
-    return fn
-
-
 def child_main(read_fd: int, write_fd: int, parent_pid: int) -> None:
     """Run episodes as they arrive, each an asyncio task, until the parent's pipe closes."""
     import asyncio
@@ -111,6 +98,8 @@ def child_main(read_fd: int, write_fd: int, parent_pid: int) -> None:
     fn_path, kwargs = recv.recv()
     try:
         import openai
+
+        from gspo_ray.rollout.agent.protocol import load_agent
 
         fn = load_agent(fn_path)
     except BaseException as e:  # reported once; the parent ends this child's episodes with it

@@ -17,8 +17,6 @@ refused request, or its process died) has `failed` set, finish_reason "agent_err
 from __future__ import annotations
 
 import itertools
-import math
-import numbers
 import queue
 import threading
 import time
@@ -27,6 +25,7 @@ from typing import Any
 
 from gspo_ray.data.records import Prompt, Sample
 from gspo_ray.rollout.agent.agent_procs import AgentProcs
+from gspo_ray.rollout.agent.protocol import agent_outcome, resolve_chat_template
 from gspo_ray.rollout.agent.requests import SERVED_MODEL
 from gspo_ray.rollout.agent.server import (FINISH_AGENT_ERROR, FINISH_INTERRUPTED, FINISH_LENGTH, FINISH_STOP,
                                            AgentEndpoint, AgentEpisode, GenerationRequest)
@@ -36,41 +35,6 @@ from gspo_ray.rollout.engine import RolloutEngine, SamplingSettings
 
 BLOCKED_GRACE_S = 2.0  # past an episode's wall clock, how long its process has to report before it is killed
 START_TIMEOUT_S = 120.0  # a fresh agent process importing openai and the agent; an episode's clock starts after
-
-
-def resolve_chat_template(spec: str | None) -> str | None:
-    """rollout.agent.chat_template: a file path, an import path `module:NAME` of a string, or the Jinja text."""
-    import os
-    import re
-
-    if spec is None:
-        return None
-    if os.path.isfile(spec):
-        with open(spec) as f:
-            return f.read()
-    if re.fullmatch(r"[\w.]+:[\w.]+", spec):
-        from gspo_ray.envs.plugins import resolve_import_path
-
-        value = resolve_import_path(spec, "rollout.agent.chat_template")
-        if not isinstance(value, str):
-            raise ValueError(f"rollout.agent.chat_template: {spec!r} is a {type(value).__name__}, not a string")
-        return value
-    return spec
-
-
-def agent_outcome(value: Any) -> tuple[float, dict[str, float]]:
-    """(reward, numeric extras) from an agent's return value; ValueError naming what is wrong."""
-    extras = {}
-    if isinstance(value, dict):
-        extras = {f"agent/{k}": float(v) for k, v in value.items() if k != "reward" and isinstance(v, numbers.Real)
-                  and not isinstance(v, bool) and math.isfinite(float(v))}
-        if "reward" not in value:
-            raise ValueError(f"the agent returned a dict without 'reward' (keys {sorted(value)[:8]})")
-        value = value["reward"]
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
-        shown = repr(value) if isinstance(value, numbers.Real) else type(value).__name__
-        raise ValueError(f"the agent returned reward {shown}; expected a finite float (or a dict with 'reward')")
-    return float(value), extras
 
 
 class AgentRunner:
