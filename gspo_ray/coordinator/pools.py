@@ -29,7 +29,7 @@ def trainer_algorithm(cfg: JobConfig):
     (rollout.max_new_tokens; multi_turn.max_total_tokens for episodes): a constant, never the batch's width."""
     algo = cfg.algorithm
     if algo.norm_len is None:
-        mt = cfg.rollout.multi_turn
+        mt = cfg.rollout.multi_turn or cfg.rollout.agent  # episodes: their completion-token limit
         algo = algo.model_copy(update={"norm_len": mt.max_total_tokens if mt else cfg.rollout.max_new_tokens})
     return algo
 
@@ -126,7 +126,8 @@ def build_rollout_pool(cfg: JobConfig, model_path: Path, run_dir: Path, factory=
         placement.hold(worker_id, handle)
         return handle
 
-    return RolloutPool(make, cfg.rollout.num_workers, multi_turn=cfg.rollout.multi_turn is not None,
+    episodes = cfg.rollout.multi_turn is not None or cfg.rollout.agent is not None  # one Sample per episode
+    return RolloutPool(make, cfg.rollout.num_workers, multi_turn=episodes,
                        call_timeout_s=cfg.rollout.call_timeout_s)
 
 

@@ -108,6 +108,7 @@ class RolloutWorker:
         self._lock = threading.Lock()  # one engine operation at a time
         self._paused = threading.Event()
         self._env_host, self._env_host_key = None, None  # multi-turn env processes, built on first use
+        self._agent_runner = None  # rollout.agent's endpoint and agent processes, built on first use
         # prompts of aborted samples, to score them when continued here without `prompts`; bounded, because a
         # pool may continue a group on another worker and this entry is then never claimed
         self._unfinished: OrderedDict[str, Prompt] = OrderedDict()
@@ -182,6 +183,8 @@ class RolloutWorker:
         from gspo_ray.data.prompts import load_tokenizer
         from gspo_ray.rollout.episodes import EpisodeRunner
 
+        if env_spec is None and self.cfg.agent is not None:
+            return self._run_agent_episodes(prompts, n or self.cfg.group_size, version, seed, temperature)
         spec = env_spec if env_spec is not None else self.cfg.multi_turn
         if spec is None:
             raise ValueError("rollout.multi_turn is not set: run_episodes needs an environment")
@@ -197,6 +200,29 @@ class RolloutWorker:
             version = self._version if version is None else version
             samples = runner.run(prompts, n or self.cfg.group_size, sampling, version=version, seed=seed,
                                  stop_event=self._paused)
+        self._metrics = dict(runner.metrics)
+        return samples
+
+    def _run_agent_episodes(self, prompts: list[Prompt], n: int, version: int | None, seed: int | None,
+                            temperature: float | None) -> list[Sample]:
+        """rollout.agent's episodes (gspo_ray.rollout.agent): the agent's endpoint and processes are built on first
+        use and kept; reward from the agent's return value; a pause interrupts them (not resumed)."""
+        from gspo_ray.data.prompts import load_tokenizer
+        from gspo_ray.rollout.agent.runner import AgentRunner
+
+        sampling = self.sampling if temperature is None else dataclasses.replace(self.sampling,
+                                                                                   temperature=temperature)
+        runner = self._agent_runner
+        if runner is None or runner.sampling != sampling:  # the endpoint accepts exactly the sampling it serves
+            if runner is not None:
+                runner.close()
+            runner = self._agent_runner = AgentRunner(self.engine, self.cfg.agent, load_tokenizer(self.model_path),
+                                                      sampling)
+        with self._lock:
+            self._check_usable()
+            self._wake(["weights", "kv_cache"])
+            version = self._version if version is None else version
+            samples = runner.run(prompts, n, version=version, seed=seed, stop_event=self._paused)
         self._metrics = dict(runner.metrics)
         return samples
 
@@ -391,4 +417,6 @@ class RolloutWorker:
                 self.reward_runner.close()
             if self._env_host is not None:
                 self._env_host.close()
+            if self._agent_runner is not None:
+                self._agent_runner.close()
             self.engine.shutdown()

@@ -13,7 +13,8 @@ import textwrap
 import httpx
 import pytest
 
-from gspo_ray.config.rollout import AgentConfig
+from gspo_ray.config.rollout import AgentConfig, RolloutConfig
+from gspo_ray.coordinator.rollout_pool import assemble_groups
 from gspo_ray.data.prompts import PromptSource, load_tokenizer
 from gspo_ray.data.records import Prompt
 from gspo_ray.envs.calculator import CalculatorEnv
@@ -21,8 +22,9 @@ from gspo_ray.models.tiny import make_tiny_model
 from gspo_ray.rollout.agent.runner import AgentRunner
 from gspo_ray.rollout.agent.server import AgentEpisode
 from gspo_ray.rollout.agent.transcript import EpisodeTranscript
-from gspo_ray.rollout.engine import RolloutEngine, SamplingSettings
+from gspo_ray.rollout.engine import SamplingSettings
 from gspo_ray.rollout.episodes import EpisodeRunner
+from gspo_ray.rollout.worker import RolloutWorker
 
 PROTOCOL = "gspo_ray.envs.agents.calculator_protocol"
 CALCULATOR = AgentConfig(fn="gspo_ray.envs.agents.calculator_agent:solve", chat_template=f"{PROTOCOL}:CHAT_TEMPLATE",
@@ -35,9 +37,30 @@ SAMPLING = SamplingSettings(temperature=1.0)
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("agents")
     model_dir = make_tiny_model("qwen3_moe", root / "model", seed=1)
-    engine = RolloutEngine(model_dir, run_dir=root / "run", max_model_len=128, seed=0, cpu_cores="0")
-    yield engine, load_tokenizer(model_dir), model_dir, root
-    engine.shutdown()
+    cfg = RolloutConfig(group_size=2, max_model_len=128, seed=0, agent=CALCULATOR)
+    worker = RolloutWorker(0, model_dir, cfg, run_dir=root / "run", cpu_cores="0")  # its engine serves every test
+    yield worker.engine, load_tokenizer(model_dir), model_dir, worker
+    worker.shutdown()
+
+
+def test_worker_runs_agent_episodes_as_groups(setup):
+    *_, model_dir, worker = setup
+    prompts = PromptSource.from_task("add", model_dir, num_train=50, seed=0).take(2)
+    samples = worker.run_episodes(prompts, seed=1)  # rollout.agent set: the agent's episodes, n = group_size
+    groups = assemble_groups(prompts, samples, 2)
+    assert [len(g.samples) for g in groups] == [2, 2]
+    for s in samples:  # ready for the buffer: rewarded, per-token rewards, the worker's version and id
+        assert s.failed is None and s.reward in (0.0, 1.0) and len(s.token_rewards) == s.num_tokens
+        assert s.versions == [worker.current_version()] * s.num_tokens and s.worker_id == 0
+    assert worker.last_metrics()["rollout/episodes"] == 4
+    pids = worker._agent_runner.procs.pids  # kept for the next batch
+    worker.pause()
+    try:
+        paused = worker.run_episodes(prompts, n=2)
+    finally:
+        worker.resume()
+    assert all(s.finish_reason == "interrupted" and s.failed.startswith("interrupted") for s in paused)
+    assert worker._agent_runner.procs.pids == pids
 
 
 def test_calculator_agent_equals_the_native_environment(setup):

@@ -8,8 +8,9 @@ This thread owns the engine: it starts each episode in an agent process, then lo
 endpoint's queue: model calls (gathered for `batch_window_s` after the first, then run as one engine batch),
 agents' results, dead agent processes; and enforcing each episode's wall clock. An episode's samples are
 `Sample`s like multi-turn episodes' (gspo_ray/rollout/episodes.py): model tokens loss-masked 1 with the engine's
-log-probs and the call's policy version, rendered tokens 0; a history split makes more than one sample of an
-episode (sample indices then run on within the group). The reward is the agent's return value (a float, or a dict
+log-probs and the call's policy version, rendered tokens 0. One Sample per episode (a group holds n): after a
+history split it is the part from the last split on; the parts before are not trained yet, and counted
+(`rollout/agent_history_splits`, `rollout/agent_split_tokens`). The reward is the agent's return value (a float, or a dict
 with "reward" whose other numeric entries land in reward_info as "agent/<key>"), on the last model token of
 each sample in `token_rewards`. An episode that failed (the agent raised, timed out, returned no reward, sent a
 refused request, or its process died) has `failed` set, finish_reason "agent_error", and no reward.
@@ -30,7 +31,7 @@ from gspo_ray.rollout.agent.requests import SERVED_MODEL
 from gspo_ray.rollout.agent.server import (FINISH_AGENT_ERROR, FINISH_INTERRUPTED, FINISH_LENGTH, FINISH_STOP,
                                            AgentEndpoint, AgentEpisode, GenerationRequest)
 from gspo_ray.rollout.agent.tool_calls import load_tool_parser
-from gspo_ray.rollout.agent.transcript import ChatRenderer, EpisodeTranscript
+from gspo_ray.rollout.agent.transcript import ChatRenderer, EpisodeTranscript, SampleRecord
 from gspo_ray.rollout.engine import RolloutEngine, SamplingSettings
 
 BLOCKED_GRACE_S = 2.0  # past an episode's wall clock, how long its process has to report before it is killed
@@ -209,27 +210,23 @@ class AgentRunner:
             failed = ep.failed
             if ep.failed is None and reward is None:
                 failed = f"the episode ended ({ep.finish}) without the agent's reward"
-            records = ep.transcript.samples or []
-            if not records:  # the agent made no call: an empty sample keeps the episode's outcome visible
-                from gspo_ray.rollout.agent.transcript import SampleRecord
-
-                records = [SampleRecord(list(p.prompt_ids))]
-            for part, r in enumerate(records):
-                info = {**extras, "turns": float(r.turns), "agent/episode": float(j), "agent/part": float(part),
-                        "env_tokens": float(len(r.ids) - sum(r.mask)),
-                        "agent_error": float(ep.finish == FINISH_AGENT_ERROR)}
-                token_rewards = None
-                if failed is None:
-                    token_rewards = [0.0] * len(r.ids)
-                    if r.ids:
-                        last_model = max((t for t, m in enumerate(r.mask) if m), default=len(r.ids) - 1)
-                        token_rewards[last_model] = reward
-                group.append(Sample(prompt_uid=p.uid, sample_index=len(group), prompt_ids=list(r.prompt_ids),
-                                    completion_ids=list(r.ids), logprobs=list(r.logprobs), loss_mask=list(r.mask),
-                                    versions=list(r.versions), finish_reason=ep.finish or FINISH_LENGTH,
-                                    reward=None if failed else reward, token_rewards=token_rewards, failed=failed,
-                                    reward_info=info, worker_id=self.engine.worker_id,
-                                    turn_starts=list(r.turn_starts)))
+            r = ep.transcript.samples[-1] if ep.transcript.samples else SampleRecord(list(p.prompt_ids))
+            # the part after the last history split is the episode's sample (a group holds n, one per episode);
+            # the parts before it are left out of training and counted (rollout/agent_split_tokens)
+            info = {**extras, "turns": float(r.turns), "env_tokens": float(len(r.ids) - sum(r.mask)),
+                    "agent_history_splits": float(ep.transcript.splits),  # summed by the pool: the step's splits
+                    "agent_error": float(ep.finish == FINISH_AGENT_ERROR)}
+            token_rewards = None
+            if failed is None:  # the reward on the last model token (sequence and reward-to-go paths both see it)
+                token_rewards = [0.0] * len(r.ids)
+                if r.ids:
+                    last_model = max((t for t, m in enumerate(r.mask) if m), default=len(r.ids) - 1)
+                    token_rewards[last_model] = reward
+            group.append(Sample(prompt_uid=p.uid, sample_index=j, prompt_ids=list(r.prompt_ids),
+                                completion_ids=list(r.ids), logprobs=list(r.logprobs), loss_mask=list(r.mask),
+                                versions=list(r.versions), finish_reason=ep.finish or FINISH_LENGTH,
+                                reward=None if failed else reward, token_rewards=token_rewards, failed=failed,
+                                reward_info=info, worker_id=self.engine.worker_id, turn_starts=list(r.turn_starts)))
         return [s for group in groups for s in group]
 
     def _metrics(self, samples, episodes, seconds, killed_before, refused_before) -> dict[str, float]:
@@ -242,6 +239,8 @@ class AgentRunner:
                 "rollout/turns_mean": sum(ep.transcript.calls for ep in eps) / max(len(eps), 1),
                 "rollout/agent_errors": float(sum(ep.finish == FINISH_AGENT_ERROR for ep in eps)),
                 "rollout/agent_history_splits": float(sum(ep.transcript.splits for ep in eps)),
+                "rollout/agent_split_tokens": float(sum(sum(len(r.ids) for r in ep.transcript.samples[:-1])
+                                                        for ep in eps)),
                 "rollout/agent_refused": float(self.endpoint.refused - refused_before),
                 "rollout/agent_procs_killed": float(self.procs.killed - killed_before),
                 "rollout/interrupted": float(sum(ep.finish == FINISH_INTERRUPTED for ep in eps)),
