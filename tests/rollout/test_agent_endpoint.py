@@ -105,6 +105,11 @@ async def solve(client, task):
         await asyncio.sleep(60)
     if mode == "block":
         time.sleep(60)
+    if mode == "text":  # the text-completions API: the second prompt extends the first prompt and reply
+        first = await client.completions.create(model=task["model"], prompt=task["prompt"], max_tokens=2)
+        prompt = task["prompt"] + first.choices[0].text + "1"
+        await client.completions.create(model=task["model"], prompt=prompt, max_tokens=2)
+        return 0.5
     if mode == "turns":
         for _ in range(3):  # max_turns 2: the third call is refused, the episode ends "length"
             try:
@@ -132,7 +137,7 @@ def test_failures_end_only_their_own_episode(setup, tmp_path, monkeypatch):
     runner = AgentRunner(engine, cfg, tok, SAMPLING)
     out = {}
     try:  # episodes alternate over the 2 processes: the second batch's process 1 hosts "block" and "ok_killed"
-        for modes in (["dict", "top_k", "raise", "hang", "turns", "model"], ["ok", "block", "temperature", "ok_killed"]):
+        for modes in (["dict", "top_k", "raise", "hang", "turns", "model", "text"], ["ok", "block", "temperature", "ok_killed"]):
             out.update({s.prompt_uid.split("-", 1)[1]: s for s in runner.run(_prompts(modes), 1, seed=0)})
             assert runner.metrics["rollout/agent_procs_killed"] == (1 if "block" in modes else 0)
     finally:
@@ -154,6 +159,9 @@ def test_failures_end_only_their_own_episode(setup, tmp_path, monkeypatch):
     assert turns.failed is None and turns.finish_reason == "length" and turns.reward == 0.25
     assert turns.reward_info["agent/refused_turn"] == 1.0 and turns.reward_info["turns"] == 2
     assert turns.loss_mask.count(0) > 0  # the second call's new user message, rendered and masked
+    text = out["text"]
+    assert text.failed is None and text.reward == 0.5 and text.reward_info["turns"] == 2
+    assert text.loss_mask.count(0) == 1 and text.reward_info["agent_history_splits"] == 0  # "1": rendered, masked
 
 
 def test_endpoint_refusals_are_openai_errors(setup):

@@ -104,3 +104,16 @@ def test_agent_outcome():
     for bad in (None, "1", float("nan"), True, {"score": 1}):
         with pytest.raises(ValueError, match="reward"):
             agent_outcome(bad)
+
+
+def test_text_completions_extend_by_text(tok):
+    rec = EpisodeTranscript(ChatRenderer(tok, TURNS), {EOS})
+    plan = rec.plan_text("1+2=")
+    rec.commit(plan, [tok.convert_tokens_to_ids("3"), EOS], [-0.1, -0.2], 0, {"text": "3"})
+    plan = rec.plan_text("1+2=3+4=")  # the reply's text without its stop token, then more
+    assert not plan.new_sample and tok.decode(plan.rendered) == "+4="
+    rec.commit(plan, [tok.convert_tokens_to_ids("7")], [-0.3], 1, {"text": "7"})
+    (s,) = rec.samples
+    assert tok.decode(s.prompt_ids + s.ids) == "1+2=3<eos>+4=7" and s.mask == [1, 1, 0, 0, 0, 1]
+    assert s.versions == [0, 0, 1, 1, 1, 1]
+    assert rec.plan_text("9=").new_sample  # not an extension: a new sample would start

@@ -78,8 +78,9 @@ def check_messages(messages: Any) -> list[dict]:
     return messages
 
 
-def check_chat_request(body: Any, model: str, *, temperature: float, top_p: float) -> ChatCall:
-    """The request as a ChatCall, or RequestError naming the first parameter the endpoint cannot honour."""
+def _check_sampling(body: Any, model: str, temperature: float, top_p: float, known: set[str]) -> tuple[int | None,
+                                                                                                  list[str]]:
+    """The checks both APIs share; returns (max_tokens, stop strings)."""
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
     for name in body:
@@ -95,19 +96,10 @@ def check_chat_request(body: Any, model: str, *, temperature: float, top_p: floa
         raise RequestError(f"top_p {body['top_p']!r} differs from the job's ({top_p:g})", "top_p")
     if body.get("n") not in (None, 1):
         raise RequestError("n must be 1: one completion per call (the job's group size makes the samples)", "n")
-    if body.get("tool_choice") not in (None, "auto", "none"):
-        raise RequestError("tool_choice may be 'auto' or 'none' (forcing a tool would constrain decoding)",
-                           "tool_choice")
-    known = {"model", "messages", "tools", "tool_choice", "temperature", "top_p", "n", "max_tokens",
-             "max_completion_tokens", "stop"} | IGNORED | set(REFUSED)
-    unknown = sorted(set(body) - known)
+    unknown = sorted(set(body) - known - {"model", "temperature", "top_p", "n", "max_tokens", "stop"} - IGNORED
+                     - set(REFUSED))
     if unknown:
         raise RequestError(f"unknown parameter {unknown[0]!r}", unknown[0])
-    tools = body.get("tools")
-    if tools is not None and (not isinstance(tools, list) or not all(
-            isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("function"), dict)
-            and isinstance(t["function"].get("name"), str) for t in tools)):
-        raise RequestError("tools must be a list of {'type': 'function', 'function': {'name': ...}}", "tools")
     limit_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     limit = body.get(limit_name)
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
@@ -116,4 +108,34 @@ def check_chat_request(body: Any, model: str, *, temperature: float, top_p: floa
     stop = [stop] if isinstance(stop, str) else list(stop or [])
     if not all(isinstance(s, str) and s for s in stop):
         raise RequestError("stop must be a string or a list of non-empty strings", "stop")
+    return limit, stop
+
+
+def check_chat_request(body: Any, model: str, *, temperature: float, top_p: float) -> ChatCall:
+    """The request as a ChatCall, or RequestError naming the first parameter the endpoint cannot honour."""
+    limit, stop = _check_sampling(body, model, temperature, top_p,
+                                  {"messages", "tools", "tool_choice", "max_completion_tokens"})
+    if body.get("tool_choice") not in (None, "auto", "none"):
+        raise RequestError("tool_choice may be 'auto' or 'none' (forcing a tool would constrain decoding)",
+                           "tool_choice")
+    tools = body.get("tools")
+    if tools is not None and (not isinstance(tools, list) or not all(
+            isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("function"), dict)
+            and isinstance(t["function"].get("name"), str) for t in tools)):
+        raise RequestError("tools must be a list of {'type': 'function', 'function': {'name': ...}}", "tools")
     return ChatCall(check_messages(body.get("messages")), tools or None, limit, stop)
+
+
+def check_completion_request(body: Any, model: str, *, temperature: float, top_p: float) -> tuple[str, int | None,
+                                                                                                  list[str]]:
+    """(prompt text, max_tokens, stop strings) of a text-completions request, or RequestError."""
+    limit, stop = _check_sampling(body, model, temperature, top_p, {"prompt", "echo", "suffix"})
+    for name in ("echo", "suffix"):
+        if body.get(name):
+            raise RequestError(f"{name} is not served", name)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str) or not prompt:
+        raise RequestError("prompt must be one non-empty string", "prompt")
+    return prompt, limit, stop

@@ -32,7 +32,7 @@ from gspo_ray.rollout.agent.server import (FINISH_AGENT_ERROR, FINISH_INTERRUPTE
                                            AgentEndpoint, AgentEpisode, GenerationRequest)
 from gspo_ray.rollout.agent.tool_calls import load_tool_parser
 from gspo_ray.rollout.agent.transcript import ChatRenderer, EpisodeTranscript, SampleRecord
-from gspo_ray.rollout.engine import RolloutEngine, SamplingSettings
+from gspo_ray.rollout.engine import RolloutEngine, SamplingSettings, Segment
 
 BLOCKED_GRACE_S = 2.0  # past an episode's wall clock, how long its process has to report before it is killed
 START_TIMEOUT_S = 120.0  # a fresh agent process importing openai and the agent; an episode's clock starts after
@@ -101,6 +101,7 @@ class AgentRunner:
         finally:
             for _, _, ep, _ in episodes:
                 self.endpoint.episodes.pop(ep.id, None)
+            self._drain(version)
         samples = self._samples(prompts, n, episodes, outcome)
         self.metrics = self._metrics(samples, episodes, time.perf_counter() - start, killed_before, refused_before)
         return samples
@@ -136,6 +137,16 @@ class AgentRunner:
                 self._generate(batch, version, stop_event)
             self._check_deadlines(by_id, deadline, pending)
 
+    def _drain(self, version: int) -> None:
+        """Answer calls still queued when the batch ended (a pause) as aborted; drop late agent reports."""
+        while True:
+            try:
+                event = self.endpoint.requests.get_nowait()
+            except queue.Empty:
+                return
+            if event[0] == "generate":
+                event[1].future.set_result((Segment(finish_reason="abort"), version))
+
     def _gather(self, first: tuple) -> list[tuple]:
         """`first` plus the events that arrive within the batch window (model calls of other episodes)."""
         out, end = [first], time.monotonic() + self.cfg.batch_window_s
@@ -150,6 +161,11 @@ class AgentRunner:
     def _generate(self, batch: list[GenerationRequest], version: int, stop_event) -> None:
         from vllm import SamplingParams
 
+        for r in [r for r in batch if r.episode.finish is not None]:  # ended while queued: nothing to generate
+            r.future.set_result((Segment(finish_reason="abort"), version))
+            batch.remove(r)
+        if not batch:
+            return
         s = self.sampling
         requests = {f"{r.episode.id}-c{r.episode.transcript.calls}": r for r in batch}
         engine_requests = {rid: (r.context, SamplingParams(n=1, logprobs=0, max_tokens=r.max_tokens,

@@ -29,7 +29,8 @@ from typing import Any
 from fastapi import FastAPI, Request  # at module level: the handlers' annotations are resolved in these globals
 from fastapi.responses import JSONResponse
 
-from gspo_ray.rollout.agent.requests import SERVED_MODEL, RequestError, check_chat_request
+from gspo_ray.rollout.agent.requests import (SERVED_MODEL, RequestError, check_chat_request,
+                                             check_completion_request)
 from gspo_ray.rollout.agent.tool_calls import reply_message
 from gspo_ray.rollout.agent.transcript import ChatRenderer, EpisodeTranscript
 
@@ -128,6 +129,19 @@ class AgentEndpoint:
                 self.refused += 1
                 return JSONResponse(e.body(), status_code=e.status)
 
+        @app.post("/ep/{episode_id}/v1/completions")
+        async def completions(episode_id: str, request: Request):
+            try:
+                episode = self._own_episode(episode_id, request.headers.get("authorization", ""))
+                try:
+                    body = await request.json()
+                except ValueError:
+                    raise RequestError("the request body is not JSON") from None
+                return JSONResponse(await self._text(episode, body))
+            except RequestError as e:
+                self.refused += 1
+                return JSONResponse(e.body(), status_code=e.status)
+
         @app.get("/ep/{episode_id}/v1/models")
         async def models(episode_id: str, request: Request):
             try:
@@ -154,17 +168,46 @@ class AgentEndpoint:
         return episode
 
     async def _chat(self, episode: AgentEpisode, body: Any) -> dict:
-        try:
+        def checked():
             call = check_chat_request(body, SERVED_MODEL, temperature=self.temperature, top_p=self.top_p)
-            stop_ids = self._stop_ids(call.stop)
-            rec = episode.transcript
-            if rec.calls >= episode.max_turns:
-                raise _Limit(f"the episode's max_turns ({episode.max_turns}) calls are used", "max_turns")
             try:
-                plan = rec.plan(call.messages, call.tools)
+                plan = episode.transcript.plan(call.messages, call.tools)
             except Exception as e:  # the template could not render these messages
                 raise RequestError(f"the chat template cannot render these messages: {type(e).__name__}: {e}",
                                    "messages") from None
+            return call, plan, call.max_tokens, call.stop
+
+        call, plan, ids, logprobs, stopped, text, version = await self._call(episode, checked)
+        message = reply_message(self.parser_cls, self.renderer.tokenizer, text, stopped, call)
+        episode.transcript.commit(plan, ids, logprobs, version, message)
+        finish = "tool_calls" if message.get("tool_calls") else ("stop" if stopped else "length")
+        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+                "model": SERVED_MODEL, "choices": [{"index": 0, "message": message, "finish_reason": finish,
+                                                    "logprobs": None}], "usage": _usage(plan.context, ids)}
+
+    async def _text(self, episode: AgentEpisode, body: Any) -> dict:
+        def checked():
+            prompt, max_tokens, stop = check_completion_request(body, SERVED_MODEL, temperature=self.temperature,
+                                                                top_p=self.top_p)
+            return prompt, episode.transcript.plan_text(prompt), max_tokens, stop
+
+        _, plan, ids, logprobs, stopped, text, version = await self._call(episode, checked)
+        episode.transcript.commit(plan, ids, logprobs, version, {"text": text})
+        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                "model": SERVED_MODEL, "choices": [{"index": 0, "text": text, "finish_reason":
+                                                    "stop" if stopped else "length", "logprobs": None}],
+                "usage": _usage(plan.context, ids)}
+
+    async def _call(self, episode: AgentEpisode, checked) -> tuple:
+        """Check and plan a call (`checked()` -> (request, plan, max_tokens, stop strings)), apply the episode's
+        limits, queue it for the engine, wait: (request, plan, ids, log-probs, stopped, text up to the stop, policy
+        version)."""
+        rec = episode.transcript
+        try:
+            if rec.calls >= episode.max_turns:
+                raise _Limit(f"the episode's max_turns ({episode.max_turns}) calls are used", "max_turns")
+            call, plan, max_tokens, stop = checked()
+            stop_ids = self._stop_ids(stop)
             budget = episode.max_total_tokens - rec.completion_tokens - (0 if plan.new_sample else len(plan.rendered))
             cap = min(budget, self.max_model_len - len(plan.context))
             if cap <= 0:
@@ -182,30 +225,23 @@ class AgentEndpoint:
             from gspo_ray.rollout.engine import mix_seed
 
             seed = mix_seed(*episode.seed_parts, rec.calls)
-        req = GenerationRequest(episode, plan.context, min(call.max_tokens or cap, cap), stop_ids, seed)
+        req = GenerationRequest(episode, plan.context, min(max_tokens or cap, cap), stop_ids, seed)
         episode.busy = True
         try:
             self.requests.put(("generate", req))
             seg, version = await asyncio.wrap_future(req.future)
         finally:
             episode.busy = False
+        if episode.finish is not None:  # ended while generating (its wall clock): the reply is not recorded
+            raise RequestError(f"the episode ended ({episode.finish})", "episode", code="episode_ended")
         if seg.finish_reason == "abort":
             episode.end(FINISH_INTERRUPTED, "interrupted mid-episode by a pause (agent episodes are not resumed yet)")
             raise RequestError("the rollout worker paused; the episode ends", None, 503, "paused", "server_error")
-        if episode.finish is not None:  # ended while generating (its wall clock): the reply is not recorded
-            raise RequestError(f"the episode ended ({episode.finish})", "episode", code="episode_ended")
         ids = list(seg.token_ids)
         cut = next((i for i, t in enumerate(ids) if t in self.eos_token_ids), None)
         stopped = cut is not None or (seg.finish_reason == "stop" and bool(stop_ids))
         text = self.renderer.decode(ids if cut is None else ids[:cut])
-        message = reply_message(self.parser_cls, self.renderer.tokenizer, text, stopped, call)
-        rec.commit(plan, ids, list(seg.logprobs), version, message)
-        finish = "tool_calls" if message.get("tool_calls") else ("stop" if stopped else "length")
-        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-                "model": SERVED_MODEL, "choices": [{"index": 0, "message": message, "finish_reason": finish,
-                                                    "logprobs": None}],
-                "usage": {"prompt_tokens": len(plan.context), "completion_tokens": len(ids),
-                          "total_tokens": len(plan.context) + len(ids)}}
+        return call, plan, ids, list(seg.logprobs), stopped, text, version
 
     def _stop_ids(self, stop: list[str]) -> list[int]:
         """Each stop string as the one token it must be (the engine stops on ids; it runs without a tokenizer)."""
@@ -217,6 +253,10 @@ class AgentEndpoint:
                                    "stop")
             ids.append(enc[0])
         return ids
+
+
+def _usage(context: list[int], ids: list[int]) -> dict:
+    return {"prompt_tokens": len(context), "completion_tokens": len(ids), "total_tokens": len(context) + len(ids)}
 
 
 class _Limit(Exception):

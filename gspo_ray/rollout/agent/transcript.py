@@ -14,7 +14,9 @@ render(previous + reply), which must be a prefix of it. Where the model ended it
 template writes too (`<|im_end|>`), the template's text after that token (a newline, say) belongs to the new
 tokens. Those ids are appended after the reply's ids, loss-masked 0. Anything else (an edited, dropped or
 summarised turn, other tools, a template that does not render the conversation as a prefix) starts a new
-training sample from the rendered request; the episode counts a history split.
+training sample from the rendered request; the episode counts a history split. Text completions
+(`plan_text`) follow the same rule on text: a prompt that is the previous prompt + the reply + more appends the
+encoded rest.
 """
 from __future__ import annotations
 
@@ -120,8 +122,9 @@ class Plan:
     new_sample: bool
     rendered: list[int]
     context: list[int]
-    messages: list[dict]
-    tools: list[dict] | None
+    messages: list[dict] | None  # None: a text-completions call (`prompt` instead)
+    tools: list[dict] | None = None
+    prompt: str | None = None
 
 
 class EpisodeTranscript:
@@ -135,6 +138,7 @@ class EpisodeTranscript:
         self.calls = 0  # model calls committed
         self.rendered_tokens = 0
         self._last: tuple[list[dict], list[dict] | None, dict, bool] | None = None  # messages, tools, reply, eos
+        self._last_text: tuple[str, list[str]] | None = None  # a text call's prompt; its reply with / without eos
 
     @property
     def completion_tokens(self) -> int:
@@ -149,6 +153,18 @@ class EpisodeTranscript:
             return Plan(False, appended, self.samples[-1].context + appended, messages, tools)
         prompt = self.renderer.encode(self.renderer.render(messages, tools, add_generation_prompt=True))
         return Plan(True, prompt, prompt, messages, tools)
+
+    def plan_text(self, prompt: str) -> Plan:
+        """The engine context for a text-completions call: when `prompt` is the previous call's prompt + its reply
+        (the reply's text with or without its stop token) + more, only the rest is encoded and appended."""
+        if self._last_text is not None and self.samples:
+            before, replies = self._last_text
+            for reply in replies:
+                if prompt.startswith(before + reply):
+                    rest = self.renderer.encode(prompt[len(before + reply):])
+                    return Plan(False, rest, self.samples[-1].context + rest, None, prompt=prompt)
+        ids = self.renderer.encode(prompt)
+        return Plan(True, ids, ids, None, prompt=prompt)
 
     def commit(self, plan: Plan, token_ids: list[int], logprobs: list[float], version: int, reply: dict) -> None:
         """Record a call: its rendered ids (mask 0), then the model's ids and engine log-probs (mask 1)."""
@@ -166,7 +182,11 @@ class EpisodeTranscript:
         s.turns += 1
         self.calls += 1
         stopped = bool(token_ids) and token_ids[-1] in self.eos_token_ids
-        self._last = (plan.messages, plan.tools, reply, stopped)
+        if plan.messages is None:  # a text call: the next one may extend it as text
+            full = self.renderer.decode(token_ids)
+            self._last, self._last_text = None, (plan.prompt, [full, reply.get("text", full)])
+        else:
+            self._last, self._last_text = (plan.messages, plan.tools, reply, stopped), None
 
     @staticmethod
     def _add(s: SampleRecord, ids: list[int], logprobs: list[float], mask: int, version: int) -> None:
