@@ -87,6 +87,9 @@ class JobConfig(Strict):
             if self.rollout.multi_turn is not None:
                 raise ValueError("rollout.partial cannot be combined with rollout.multi_turn: an episode waits on "
                                  "its environment and is not resumable from token ids")
+            if self.rollout.agent is not None:
+                raise ValueError("rollout.partial cannot be combined with rollout.agent yet: agent episodes are not "
+                                 "continued across weight updates")
             default_staleness = type(self.coordinator).model_fields["max_staleness"].default
             if self.coordinator.max_staleness != default_staleness:  # would be silently ignored
                 raise ValueError(f"coordinator.max_staleness ({self.coordinator.max_staleness}) is not used with "
@@ -185,6 +188,9 @@ class JobConfig(Strict):
                                  "'qwen3_moe')")
             if self.rollout.multi_turn is not None:
                 raise ValueError(f"{field} cannot be combined with rollout.multi_turn: episodes do not carry the "
+                                 "engine's routes")
+            if self.rollout.agent is not None:
+                raise ValueError(f"{field} cannot be combined with rollout.agent: agent episodes do not carry the "
                                  "engine's routes")
             if self.rollout.tensor_parallel_size > 1:
                 # the route capture hooks the in-process engine's runner; a multi-process engine's routers run in

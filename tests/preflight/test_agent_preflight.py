@@ -79,10 +79,15 @@ def test_a_good_agent_passes_after_a_dry_episode(job):
     assert "pf_agents:good: 1.5 after 1 call(s) on a dry episode" in result.output
 
 
-def test_agent_and_multi_turn_exclude_each_other(job, tmp_path):
-    path = job({"fn": "pf_agents:good"})
-    cfg = yaml.safe_load(open(path))
-    cfg["rollout"]["multi_turn"] = {"env": "gspo_ray.envs.guess:GuessNumberEnv"}
+@pytest.mark.parametrize("extra, expected", [
+    ({"rollout": {"multi_turn": {"env": "gspo_ray.envs.guess:GuessNumberEnv"}}},
+     "rollout.agent and rollout.multi_turn are both set"),
+    ({"rollout": {"partial": {"segment_tokens": 4}}}, "rollout.partial cannot be combined with rollout.agent yet"),
+    ({"trainer": {"routing_replay": "R3"}}, "trainer.routing_replay 'R3' cannot be combined with rollout.agent")])
+def test_what_agent_episodes_cannot_do_yet_is_refused(job, tmp_path, extra, expected):
+    cfg = yaml.safe_load(open(job({"fn": "pf_agents:good"})))
+    for section, values in extra.items():
+        cfg.setdefault(section, {}).update(values)
     (tmp_path / "both.yaml").write_text(yaml.safe_dump(cfg))
     result = _validate(str(tmp_path / "both.yaml"))
-    assert result.exit_code == 2 and "rollout.agent and rollout.multi_turn are both set" in result.stderr
+    assert result.exit_code == 2 and expected in result.stderr, result.stderr
