@@ -40,10 +40,12 @@ def calculate(expr: str) -> int | None:
     return total if abs(total) < _MAX_ABS else None
 
 
-async def solve(client, task: dict, max_calls: int = 2, max_tokens: int = 4, correct_reward: float = 1.0) -> dict:
-    """One episode: the reward and whether the answer was right."""
+async def solve(client, task: dict, max_calls: int = 2, max_tokens: int = 4, correct_reward: float = 1.0,
+                call_reward: float = 0.0) -> dict:
+    """One episode: the reward (`correct_reward` for the right answer, plus `call_reward` per well-formed call)
+    and whether the answer was right."""
     messages = [{"role": "user", "content": task["prompt"]}]
-    calls = 0
+    calls, shaping = 0, 0.0
     while True:
         response = await client.chat.completions.create(model=task["model"], messages=messages, tools=[CALCULATOR],
                                                         max_tokens=max_tokens)
@@ -54,14 +56,16 @@ async def solve(client, task: dict, max_calls: int = 2, max_tokens: int = 4, cor
             answer = reply.content or ""
             correct = (choice.finish_reason == "stop" and _ANSWER.fullmatch(answer) is not None
                        and answer == str(task["reference"]))
-            return {"reward": correct_reward if correct else 0.0, "correct": float(correct), "calls": calls}
+            return {"reward": shaping + (correct_reward if correct else 0.0), "correct": float(correct),
+                    "calls": calls}
         if calls >= max_calls:  # out of calls: the episode ends unanswered
-            return {"reward": 0.0, "correct": 0.0, "calls": calls}
+            return {"reward": shaping, "correct": 0.0, "calls": calls}
         calls += 1
         if cut_call:  # a call cut off by max_tokens is malformed: the protocol answers "*"
             messages += [{"role": "assistant", "content": reply.content}, {"role": "user", "content": "*"}]
             continue
         call = reply.tool_calls[0]
         value = calculate(json.loads(call.function.arguments).get("expression", ""))
+        shaping += 0.0 if value is None else call_reward
         messages += [reply.model_dump(exclude_none=True),
                      {"role": "tool", "tool_call_id": call.id, "content": "*" if value is None else f"={value}"}]
