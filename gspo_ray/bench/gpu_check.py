@@ -135,7 +135,7 @@ def save_weights(model, spec, model_dir: Path) -> None:
     """The built model's (random) weights as the HF directory's model.safetensors (the worker rows load them)."""
     from safetensors.torch import save_file
 
-    from gspo_ray.trainer.bridge import hf_state_dict_from_megatron
+    from gspo_ray.trainer.weights.bridge import hf_state_dict_from_megatron
 
     state = hf_state_dict_from_megatron(model, spec)
     save_file({k: v.detach().cpu().contiguous() for k, v in state.items()}, str(model_dir / "model.safetensors"))
@@ -144,7 +144,7 @@ def save_weights(model, spec, model_dir: Path) -> None:
 def check_kernel(device: str) -> dict:
     import torch
 
-    from gspo_ray.trainer.segment_attention import Segments, attend_rows
+    from gspo_ray.trainer.attention.segment_attention import Segments, attend_rows
 
     segs = Segments(prefix=(300, 1), completions=((200, 0, 150), (400,)))
     g = torch.Generator().manual_seed(0)
@@ -160,7 +160,7 @@ def check_sdpa_backends(device: str) -> dict[str, list[str]]:
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from gspo_ray.trainer.segment_attention import Segments, attend_rows
+    from gspo_ray.trainer.attention.segment_attention import Segments, attend_rows
 
     segs = Segments(prefix=(64,), completions=((32, 16),))
     accepted = {}
@@ -209,8 +209,8 @@ def check_te_attention(device: str) -> dict:
     import torch
 
     from gspo_ray.trainer.model_spec import te_missing
-    from gspo_ray.trainer.segment_attention import Segments, attend_rows
-    from gspo_ray.trainer.te_attention import TEThdKernel, thd_attend_rows
+    from gspo_ray.trainer.attention.segment_attention import Segments, attend_rows
+    from gspo_ray.trainer.attention.te_attention import TEThdKernel, thd_attend_rows
 
     name = "TE fused attention (THD) vs SDPA (bf16)"
     if te_missing():

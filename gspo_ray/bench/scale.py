@@ -10,8 +10,8 @@ What runs is the trainer's real code, imported, never restated:
     that knows the store's API);
   * the weight-sync bucket plan: rollout/weight_sync.iter_buckets over the HF tensors the trainer exports
     (bridge.param_map / split_to_hf) as shape-only (meta) tensors; per transport (nccl, ipc, object store, shm),
-    the sender's plan over each rank's Megatron shards (trainer/weight_buckets.plan_buckets; bench/scale_sync.py:
-    the `sync_*` keys);
+    the sender's plan over each rank's Megatron shards (trainer/weights/weight_buckets.plan_buckets;
+    bench/scale_sync.py: the `sync_*` keys);
   * the checkpoint shards: each rank saves its own TP / EP shard (bridge.shard_tp; experts split over EP), in the
     training dtype, plus the optimizer's fp32 main weights and two Adam moments.
 
@@ -48,7 +48,7 @@ from gspo_ray.bench.scale_sync import ENGINE_TP, engines_at, sync_plan, sync_tab
 from gspo_ray.rollout.weight_sync import iter_buckets
 from gspo_ray.trainer.batch_layout import attention_score_weight, padded_budget, plan_ranks
 from gspo_ray.trainer.group_rows import GroupRow
-from gspo_ray.trainer.bridge import param_map, shard_tp, split_to_hf
+from gspo_ray.trainer.weights.bridge import param_map, shard_tp, split_to_hf
 from gspo_ray.trainer.model_spec import ModelSpec
 
 PEAK_FLOPS = 989e12  # H100 SXM bf16 dense
@@ -116,8 +116,8 @@ def synthetic_batch(seed: int = 0) -> tuple[list[tuple[list[int], int]], list[in
 
 
 def attention_bytes(shape: Shape, pack: list[GroupRow], tp: int) -> tuple[int, int]:
-    """(transient, kept) bytes of attention by segment (trainer/segment_attention.py) for one micro-batch of group
-    rows `pack`, heads split over TP, bf16. No score matrix exists (the flash kernels work block by block).
+    """(transient, kept) bytes of attention by segment (trainer/attention/segment_attention.py) for one micro-batch of
+    group rows `pack`, heads split over TP, bf16. No score matrix exists (the flash kernels work block by block).
     transient: one call at a time, the largest completion call's gathered keys and values [prefix ; segment]
     (2 x 2 x kv_heads x head_dim bytes a key) and its lower-right causal mask (c (P + c) bools, CPU only); the
     backward recomputes that call and holds the same again. kept, all layers, from forward to backward: what a
@@ -218,11 +218,11 @@ def weight_sync_bytes(shape: Shape) -> tuple[int, int]:
 
 def checkpoint_bytes(shape: Shape, dp: int, tp: int, ep: int) -> tuple[int, int]:
     """(bytes the busiest rank writes, bytes the whole world writes) per checkpoint in bf16 training with the
-    distributed optimizer (the default above DP 1), as trainer/shards.py lays a checkpoint out: a model tensor once,
-    by the first DP rank of its TP shard (dense; bridge.shard_tp) or EP group (experts), 2 bytes a parameter; the
-    optimizer's fp32 main weights and two Adam moments (12 bytes a parameter) by the DP rank that updates them, dense
-    state split over the dp ranks of a TP shard, expert state over the dp * tp / ep ranks of an EP group. Rank 0
-    writes both kinds. The per-rank RNG states (~10 KB) are left out."""
+    distributed optimizer (the default above DP 1), as trainer/checkpoints/shards.py lays a checkpoint out: a model
+    tensor once, by the first DP rank of its TP shard (dense; bridge.shard_tp) or EP group (experts), 2 bytes a
+    parameter; the optimizer's fp32 main weights and two Adam moments (12 bytes a parameter) by the DP rank that updates
+    them, dense state split over the dp ranks of a TP shard, expert state over the dp * tp / ep ranks of an EP group.
+    Rank 0 writes both kinds. The per-rank RNG states (~10 KB) are left out."""
     spec = model_spec(shape, tp, ep)
     dense = experts = total = 0
     for name, full in megatron_params(shape):

@@ -2,11 +2,11 @@
 and each trainer rank sends per push, at every shape of bench/scale.py (docs/scale.md, "Weight sync per
 transport").
 
-What runs is the sender's real bucket plan (`trainer/weight_buckets.plan_buckets`, what `trainer/weight_send.
-MegatronWeightSource` gathers by) over each trainer rank's Megatron shards at that TP / EP, as meta tensors. The
-plan gives the model's HF bytes M (what every engine receives: vLLM's backends and ours all feed full tensors to
-the model's weight loaders, which keep a worker's shard), the buckets, the largest bucket (the sender's transient
-memory) and each rank's local bytes in the per-bucket gathers. Per push:
+What runs is the sender's real bucket plan (`trainer/weights/weight_buckets.plan_buckets`, what
+`trainer/weights/weight_send. MegatronWeightSource` gathers by) over each trainer rank's Megatron shards at that TP /
+EP, as meta tensors. The plan gives the model's HF bytes M (what every engine receives: vLLM's backends and ours all
+feed full tensors to the model's weight loaders, which keep a worker's shard), the buckets, the largest bucket (the
+sender's transient memory) and each rank's local bytes in the per-bucket gathers. Per push:
 
   gather     to rank 0 (nccl: only rank 0 sends): each other rank of rank 0's TP / EP groups sends its shards once,
              tp_local + ep_local bytes (Megatron puts rank 0's TP and EP groups on the same ranks at expert-TP 1);
@@ -29,9 +29,9 @@ from __future__ import annotations
 import torch
 
 from gspo_ray.rollout.weight_transfer import estimate_push_s
-from gspo_ray.trainer.bridge import param_map, shard_tp
+from gspo_ray.trainer.weights.bridge import param_map, shard_tp
 from gspo_ray.trainer.model_spec import ModelSpec
-from gspo_ray.trainer.weight_buckets import GATHER_EP, GATHER_TP, WeightBucket, plan_buckets
+from gspo_ray.trainer.weights.weight_buckets import GATHER_EP, GATHER_TP, WeightBucket, plan_buckets
 
 ENGINE_TP = {"SmolLM2-135M": 1, "Qwen3-4B-like": 1, "Qwen3-30B-A3B-like": 4, "Qwen3-235B-A22B-like": 8}
 TRANSPORTS = ("nccl", "ipc", "object_store", "shm")
@@ -55,7 +55,7 @@ def local_params(params: list[tuple[str, tuple[int, ...]]], spec: ModelSpec
 
 
 def sync_plan(params: list[tuple[str, tuple[int, ...]]], spec: ModelSpec, bucket_bytes: int) -> list[WeightBucket]:
-    """The sender's bucket plan at the spec's TP / EP (trainer/weight_buckets.plan_buckets)."""
+    """The sender's bucket plan at the spec's TP / EP (trainer/weights/weight_buckets.plan_buckets)."""
     return plan_buckets(local_params(params, spec), spec, bucket_bytes)
 
 

@@ -146,5 +146,5 @@ class TrainerConfig(Strict):
         for name, size in (("tp", self.tp), ("ep", self.ep)):
             if num_workers % size:
                 return f"trainer.{name} ({size}) must divide trainer.num_workers ({num_workers})"
-        # a distributed optimizer's state reshards on load like the model (trainer/shards.py): no refusal for it
+        # a distributed optimizer's state reshards on load like the model (trainer/checkpoints/shards.py): not refused
         return None

@@ -27,9 +27,9 @@ import uuid
 from pathlib import Path
 
 from gspo_ray.coordinator.loop import LoopState
-from gspo_ray.trainer.durable import (MANIFEST, build_manifest, check_manifest, fsync_dir, is_disk_full,
-                                      write_durable)
-from gspo_ray.trainer.safe_paths import META, UnsafeCheckpointError, check_inside
+from gspo_ray.trainer.checkpoints.durable import (MANIFEST, build_manifest, check_manifest, fsync_dir,
+                                                  is_disk_full, write_durable)
+from gspo_ray.trainer.checkpoints.safe_paths import META, UnsafeCheckpointError, check_inside
 
 log = logging.getLogger(__name__)
 

@@ -160,7 +160,7 @@ def model_to_serve(target: Path, opts: EvalOptions, stack: ExitStack) -> tuple[P
     step = _step_of(ref.trainer_dir.absolute())
     if ref.step_dir is not None and (ref.step_dir / HF_DIR / "config.json").is_file():
         return ref.step_dir / HF_DIR, step
-    from gspo_ray.trainer.hf_export import export_checkpoint
+    from gspo_ray.trainer.weights.hf_export import export_checkpoint
 
     tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="gspo-eval-")))
     return export_checkpoint(ref.trainer_dir, ref.model_dir, tmp / "model"), step

@@ -5,8 +5,8 @@
 
 Where things go during training: `export_hf: every_checkpoint` writes `checkpoints/step_N/hf/` next to each
 Megatron checkpoint (pruned with it); `final` (the default) and `every_checkpoint` write `run_dir/hf/` from the
-last checkpoint when the run ends. The conversion reads the checkpoint files (`trainer/hf_export.py`), so it runs
-in this process while the trainer keeps its memory, and it works the same on a checkpoint of any layout.
+last checkpoint when the run ends. The conversion reads the checkpoint files (`trainer/weights/hf_export.py`), so it
+runs in this process while the trainer keeps its memory, and it works the same on a checkpoint of any layout.
 """
 from __future__ import annotations
 
@@ -86,7 +86,7 @@ def export_hf(path: str | Path, out: str | Path, dtype: str | None = None,
     """`gspo-ray export`: the HF directory of a run's latest checkpoint or of one checkpoint, written to `out`.
     A LoRA run's checkpoint gives a PEFT adapter directory (over the run's base model), or with `merge` the
     merged HF model; `merge` changes nothing for a full fine-tuning checkpoint."""
-    from gspo_ray.trainer.hf_export import export_checkpoint
+    from gspo_ray.trainer.weights.hf_export import export_checkpoint
     from gspo_ray.trainer.lora.export import checkpoint_lora, export_adapter_dir
     from gspo_ray.trainer.model_spec import DTYPES
 
@@ -102,7 +102,7 @@ def export_after_save(logging_cfg, step_dir: Path, model_dir: Path) -> Path | No
     """`export_hf: every_checkpoint`: the checkpoint's HF directory, `step_dir/hf`."""
     if logging_cfg.export_hf != "every_checkpoint":
         return None
-    from gspo_ray.trainer.hf_export import export_checkpoint
+    from gspo_ray.trainer.weights.hf_export import export_checkpoint
 
     return export_checkpoint(step_dir / "trainer", model_dir, step_dir / HF_DIR, dtype=logging_cfg.export_dtype)
 
@@ -111,7 +111,7 @@ def export_final(logging_cfg, run_dir: Path, step_dir: Path | None, model_dir: P
     """At the end of a run (`final` or `every_checkpoint`): the last checkpoint's HF directory as `run_dir/hf`."""
     if logging_cfg.export_hf == "none" or step_dir is None:
         return None
-    from gspo_ray.trainer.hf_export import export_checkpoint
+    from gspo_ray.trainer.weights.hf_export import export_checkpoint
 
     out = export_checkpoint(step_dir / "trainer", model_dir, run_dir / HF_DIR, dtype=logging_cfg.export_dtype)
     log.info("HF model of %s written to %s", step_dir.name, out)

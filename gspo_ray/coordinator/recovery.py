@@ -15,8 +15,8 @@ at most `trainer.max_restarts` times. What a user loses is the compute of the st
 
 Scaling (`gspo-ray scale trainer N`): at a step boundary the job saves a checkpoint, rebuilds the pool with N ranks
 and loads it (model and optimizer state, the distributed optimizer's too, reshard to the new data-parallel size on
-load, trainer/shards.py). The coordinator keeps its state: nothing is rewound, the async batch in flight stays in
-flight. A layout tp/ep do not divide, or a size the cluster cannot place is refused before anything is saved or
+load, trainer/checkpoints/shards.py). The coordinator keeps its state: nothing is rewound, the async batch in flight
+stays in flight. A layout tp/ep do not divide, or a size the cluster cannot place is refused before anything is saved or
 stopped: `job/trainer_scale_refused` = 1 in the step's metrics, the reason in the log and in the job's control
 status (`trainer_scale_refused`), and the job goes on at its size.
 """

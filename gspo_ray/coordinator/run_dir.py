@@ -61,7 +61,7 @@ def check_resume_kind(cfg: JobConfig) -> None:
     except ValueError as e:
         raise RunDirError(str(e)) from None
     if saved.get("format") is None:  # the older layout (a full replica per rank): loaded only where it can be
-        from gspo_ray.trainer.checkpoint import legacy_problem, legacy_was_distributed
+        from gspo_ray.trainer.checkpoints.checkpoint import legacy_problem, legacy_was_distributed
 
         t = cfg.trainer
         problem = legacy_problem(saved, t.tp, t.ep, t.num_workers, t.distributed_optimizer,

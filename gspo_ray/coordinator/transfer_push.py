@@ -5,7 +5,7 @@
 
 One push:
 1. The trainer pool's `send_by_transfer` on every rank (a collective: the ranks gather Megatron's shards bucket by
-   bucket, trainer/weight_send.py). Rank 0 holds vLLM's trainer-side engine, which drives the engines itself
+   bucket, trainer/weights/weight_send.py). Rank 0 holds vLLM's trainer-side engine, which drives the engines itself
    through the `ActorPoolClient` it was given (rollout/weight_transfer.py): every phase goes to every rollout actor
    at once (`RolloutWorker.weight_transfer_call`), since NCCL's rendezvous and broadcast block until every worker
    of the group has joined. On the first push, and whenever the pool's engines changed (scaled, replaced), the

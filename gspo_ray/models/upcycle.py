@@ -11,7 +11,7 @@ top-k probabilities, so with noise 0 the layer computes `sum_k p_k * MLP(x) = ML
 whatever the router says. Attention, norms and embeddings are copied unchanged (tied embeddings stay tied).
 
 Why Mixtral: it is `LlamaForCausalLM` with the MLP swapped for a top-k MoE block, and transformers, vLLM and the
-trainer's converter (`gspo_ray.trainer.bridge`) all load it. top_k must be >= 2: with one expert per token the
+trainer's converter (`gspo_ray.trainer.weights.bridge`) all load it. top_k must be >= 2: with one expert per token the
 renormalised weight is always 1 and the router would get no gradient.
 """
 from __future__ import annotations

@@ -521,7 +521,7 @@ class RolloutEngine:
 
         if self.transfer_backend != SHM_BACKEND:
             raise WeightSyncError(f"this engine takes {self.transfer_backend} pushes from the trainer's sender "
-                                  "(trainer/weight_send.py), not tensors or shared-memory records")
+                                  "(trainer/weights/weight_send.py), not tensors or shared-memory records")
         try:
             self.llm.start_weight_update()
             self.llm.update_weights({"update_info": info})

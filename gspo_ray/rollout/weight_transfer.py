@@ -20,7 +20,7 @@ trainer: ipc where they share a GPU, nccl otherwise.
 
 The engine side of `nccl` / `ipc` is vLLM's: an engine started with `engine_transfer_kwargs` creates vLLM's
 backend in each worker; its rendezvous (`init_weight_transfer_engine`) waits for the trainer's
-(`trainer/weight_send.start_sender`), and every push is vLLM's `start_weight_update` / `update_weights` /
+(`trainer/weights/weight_send.start_sender`), and every push is vLLM's `start_weight_update` / `update_weights` /
 `finish_weight_update`, driven by the trainer-side engine through `EnginePoolClient`. Not run on a GPU here.
 """
 from __future__ import annotations
@@ -77,7 +77,7 @@ def resolve_weight_transfer(requested: str, *, rollout_gpus: float, trainer_gpus
 
     lora_serve: trainer.lora.serve when trainer.lora is set (None: full fine-tuning). "merged": the engines get full
     weights W + (alpha / rank) B A, pushed like full fine-tuning's (nccl / ipc read the trainer's merged view,
-    trainer/weight_send.py). "adapter": the engines load the adapter through vLLM's LoRA API, which only the
+    trainer/weights/weight_send.py). "adapter": the engines load the adapter through vLLM's LoRA API, which only the
     trainer's export carries (on CUDA engines, where nccl / ipc run, an MoE serves the adapter too), so `auto` stays
     "shm" and nccl / ipc are refused."""
     engine_on_gpu, trainer_on_gpu = rollout_gpus > 0, trainer_gpus > 0
@@ -208,7 +208,7 @@ class EnginePoolClient:
 
     # `fault`: the first engine fault of a phase, set as soon as it is seen. vLLM's nccl sender runs update_weights
     # on a side thread and never reads its error while its broadcast blocks; trainer rank 0's watchdog
-    # (trainer/weight_send.send_bounded) reads it here and aborts the broadcast.
+    # (trainer/weights/weight_send.send_bounded) reads it here and aborts the broadcast.
 
     def _all(self, method: str, requests: list[Any]) -> None:
         """`method` on every engine at once, request i to engine i; returns once all are done."""

@@ -44,7 +44,7 @@ import torch
 from torch import Tensor
 
 from gspo_ray.data.records import TrainBatch
-from gspo_ray.trainer.segment_attention import Segments, row_pairs
+from gspo_ray.trainer.attention.segment_attention import Segments, row_pairs
 
 log = logging.getLogger(__name__)
 

@@ -45,7 +45,7 @@ from torch import Tensor
 
 from gspo_ray.compat.torch_matmul_fold import foldable_grad
 from gspo_ray.trainer.logprob_head import linear_logprobs, upcasts_head
-from gspo_ray.trainer.segment_attention import Segments
+from gspo_ray.trainer.attention.segment_attention import Segments
 
 
 LOGSOFTMAX_CHUNK_ROWS = 1024  # rows of [rows, V / tp] fp32 temporaries at a time (V = 151,936, TP 8: 78 MB)

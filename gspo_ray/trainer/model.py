@@ -26,11 +26,11 @@ from torch import Tensor
 from gspo_ray.compat.megatron_import import megatron_core  # noqa: F401  (first: megatron without torch.compile)
 from megatron.core.transformer.module import MegatronModule  # noqa: E402  (after the guarded import)
 
-from gspo_ray.trainer.bridge import load_hf_weights
+from gspo_ray.trainer.weights.bridge import load_hf_weights
 from gspo_ray.trainer.model_spec import ModelSpec, read_hf_config, spec_from_hf_config, te_missing
-from gspo_ray.trainer.param_names import LayerKinds
-from gspo_ray.trainer.segment_attention import Segments, attend_rows, unsupported
-from gspo_ray.trainer.te_attention import thd_attend_rows
+from gspo_ray.trainer.weights.param_names import LayerKinds
+from gspo_ray.trainer.attention.segment_attention import Segments, attend_rows, unsupported
+from gspo_ray.trainer.attention.te_attention import thd_attend_rows
 
 
 def build_transformer_config(spec: ModelSpec, grouped_gemm: bool = False):
@@ -85,7 +85,7 @@ class SegmentAttention(MegatronModule):
         self.kernel = kernel
         self.te_kernel = None
         if kernel == "te_thd":
-            from gspo_ray.trainer.te_attention import TEThdKernel
+            from gspo_ray.trainer.attention.te_attention import TEThdKernel
 
             tp = config.tensor_model_parallel_size
             self.te_kernel = TEThdKernel(config.num_attention_heads // tp, config.num_query_groups // tp,

@@ -91,7 +91,7 @@ def _refuse_unsupported(cfg: dict, hf_dir) -> None:
         raise ValueError(f"{where}: sliding-window attention is not supported")
     if cfg.get("attention_bias") or cfg.get("mlp_bias"):  # (qwen2's q/k/v biases are implied, not configured)
         raise ValueError(f"{where}: attention_bias/mlp_bias are not supported")
-    # attention by segment (trainer/segment_attention.py) computes plain softmax attention over whole segments
+    # attention by segment (trainer/attention/segment_attention.py) computes plain softmax attention over whole segments
     for key, what in (("layer_types", "per-layer attention types (sliding / full)"),
                       ("sliding_window_pattern", "sliding-window attention"),
                       ("attention_sink_size", "attention sinks"), ("use_sink", "attention sinks"),

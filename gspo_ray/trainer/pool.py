@@ -36,7 +36,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from gspo_ray.data.records import TrainBatch
 
 if TYPE_CHECKING:  # the driver never needs Megatron itself: the actors import it
-    from gspo_ray.trainer.weight_export import WeightExport
+    from gspo_ray.trainer.weights.weight_export import WeightExport
 
 log = logging.getLogger(__name__)
 
@@ -219,11 +219,11 @@ class TrainerPool:
         return self._rank0("export_weights", bucket_mb, as_refs=as_refs, shared=shared)
 
     def send_by_transfer(self, key, init_infos: list, client, timeout_s: float | None = None) -> None:
-        """One push through vLLM's nccl / ipc backend, every rank (trainer/weight_send.send_on_rank in each rank's
+        """One push through vLLM's nccl / ipc backend, every rank (weights/weight_send.send_on_rank in each rank's
         actor; rank 0's vLLM sender drives the engines through `client`). timeout_s: rollout.push_timeout_s, the
         bound rank 0's watchdog keeps; the pool's own wait is a backstop PUSH_BACKSTOP_S behind it (ranks stuck
         past it are killed: a trainer recovery)."""
-        from gspo_ray.trainer.weight_send import send_on_rank
+        from gspo_ray.trainer.weights.weight_send import send_on_rank
 
         self.call_ranks(send_on_rank, key, init_infos, client, timeout_s,
                         timeout_s=None if timeout_s is None else timeout_s + PUSH_BACKSTOP_S)

@@ -1,4 +1,4 @@
-"""What keeps an nccl / ipc push bounded on the trainer side (`rollout.push_timeout_s`, trainer/weight_send.py).
+"""What keeps an nccl / ipc push bounded on the trainer side (`rollout.push_timeout_s`, trainer/weights/weight_send.py).
 
     send_bounded(sender.send_weights, lambda: client.fault, sender.shutdown, timeout_s)   # trainer rank 0
     gate = PushGate.create(rank, timeout_s); gate.begin(); ...; gate.pass_through(); ...; gate.end()   # every rank

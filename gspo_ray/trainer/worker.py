@@ -37,8 +37,8 @@ from megatron.core import parallel_state
 
 from gspo_ray.algo import compute_policy_loss
 from gspo_ray.data.records import TrainBatch
-from gspo_ray.trainer import checkpoint as ckpt
-from gspo_ray.trainer import shards
+from gspo_ray.trainer.checkpoints import checkpoint as ckpt
+from gspo_ray.trainer.checkpoints import shards
 from gspo_ray.trainer.optim import (
     build_ddp,
     build_optimizer,
@@ -63,7 +63,7 @@ from gspo_ray.trainer.metric_accumulator import MetricAccumulator, dp_token_metr
 from gspo_ray.trainer.pg_weights import build_pg_weight
 from gspo_ray.trainer.routing.churn import comm_device
 from gspo_ray.trainer.routing.worker import TrainerRouting
-from gspo_ray.trainer.weight_export import WeightExport, WeightExporter
+from gspo_ray.trainer.weights.weight_export import WeightExport, WeightExporter
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ class TrainerWorker:
         self.routing = TrainerRouting(self.gpt, trainer_cfg, lambda *a, **kw: self._logprobs(*a, **kw),
                                       self.dp_group, world_size)
         self.replay, self.drift, self.noise = self.routing.replay, self.routing.drift, self.routing.noise
-        self.exporter = WeightExporter(rank)  # export_weights (trainer/weight_export.py)
+        self.exporter = WeightExporter(rank)  # export_weights (weights/weight_export.py)
         self.forward_passes: dict[str, int] = {}  # model forwards since the last train_step returned, by kind
         self.forward_tokens: dict[str, int] = {}  # and the tokens they computed (padding included)
         self._version = 0
@@ -333,7 +333,7 @@ class TrainerWorker:
         straight from this process to the rollout workers (one bucket at a time), never through the caller.
         shared: rank 0 writes them into its shared-memory file and returns `shared` (a SharedWeights record that
         engines on its node map, rollout/weight_sync.py); with as_refs too, the refs ride along as its fallback."""
-        from gspo_ray.trainer.bridge import export_hf_weights
+        from gspo_ray.trainer.weights.bridge import export_hf_weights
 
         bucket_mb = bucket_mb if bucket_mb is not None else self.cfg.export_bucket_mb
         source = (self.lora.weights(self.gpt, self.spec, bucket_mb) if self.lora is not None
@@ -341,7 +341,7 @@ class TrainerWorker:
         return self.exporter.export(source, self._version, bucket_mb, as_refs=as_refs, shared=shared)
 
     def save(self, ckpt_dir: str | Path) -> str:
-        """This rank's share of model + optimizer (each byte written by one rank, trainer/shards.py), its scheduler
+        """This rank's share of model + optimizer (each byte written by one rank, checkpoints/shards.py), its scheduler
         position, version and RNG states (collective)."""
         layouts = [None] * self.world_size
         dist.all_gather_object(layouts, self.layout())
@@ -373,7 +373,7 @@ class TrainerWorker:
     def load(self, ckpt_dir: str | Path, load_optimizer: bool = True) -> int:
         """Restore a checkpoint written by `save` (collective). Returns the restored policy version.
 
-        Model and optimizer load from any DP / TP / EP layout (trainer/shards.py reshards them); the scheduler
+        Model and optimizer load from any DP / TP / EP layout (checkpoints/shards.py reshards them); the scheduler
         position and RNG states come from the saved rank with this rank's number when the layouts match, else from
         one with its TP/EP coordinates. A checkpoint of the older layout (every rank a full replica) loads where it
         can; `ckpt.legacy_problem` says why not otherwise. Everything is read before the

@@ -50,8 +50,8 @@ def test_bytes_follow_the_model_shapes():
 
 
 def test_weight_sync_per_transport_from_the_senders_plan():
-    """bench/scale_sync.py: the sender's bucket plan (trainer/weight_buckets.py) at a shape's TP / EP gives the same
-    model bytes as the export path's buckets, and the transports' bytes follow from it."""
+    """bench/scale_sync.py: the sender's bucket plan (trainer/weights/weight_buckets.py) at a shape's TP / EP gives the
+    same model bytes as the export path's buckets, and the transports' bytes follow from it."""
     smol, dense4b, _, _ = scale.MODELS
     limit = int(scale.BUCKET_MB * 2**20)
     for m, tp in ((smol, 1), (dense4b, 1), (dense4b, 8)):

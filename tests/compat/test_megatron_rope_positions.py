@@ -22,7 +22,7 @@ TOL = 1e-5
 def _scenario(rank, world_size, ports, models):
     from transformers import AutoModelForCausalLM
 
-    from gspo_ray.trainer.segment_attention import Segments
+    from gspo_ray.trainer.attention.segment_attention import Segments
     from gspo_ray.compat.megatron_rope_positions import check_version, rope_positions
     from gspo_ray.trainer.model import build_model
     from gspo_ray.trainer.parallel import destroy_distributed, init_distributed

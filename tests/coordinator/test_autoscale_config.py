@@ -52,6 +52,7 @@ def test_validate_exits_2_with_one_line_before_ray(tmp_path):
 
 
 def test_a_distributed_optimizer_is_no_reason_to_refuse_trainer_bounds():
-    """Its state reshards on load like the model (trainer/shards.py), so every DP size stays open to the controller."""
+    """Its state reshards on load like the model (trainer/checkpoints/shards.py), so every DP size stays open to the
+    controller."""
     cfg = load_config(RECIPE, [ON, "coordinator.autoscale.trainer.max=2", "trainer.use_distributed_optimizer=true"])
     assert cfg.coordinator.autoscale.trainer.max == 2 and cfg.trainer.resize_problem(2) is None

@@ -17,7 +17,7 @@ import torch
 
 from gspo_ray.coordinator.checkpoint import CheckpointDiskFull, CheckpointManager
 from gspo_ray.coordinator.loop import LoopState
-from gspo_ray.trainer.checkpoint import CorruptCheckpointError, load_rank_payload, save_checkpoint
+from gspo_ray.trainer.checkpoints.checkpoint import CorruptCheckpointError, load_rank_payload, save_checkpoint
 
 
 def _trainer_part(value: float, fail_after_rank_file: BaseException | None = None):
@@ -176,7 +176,7 @@ def test_a_save_fsyncs_every_file_and_every_directory_it_names(tmp_path, monkeyp
 def test_the_driver_never_reads_a_rank_file_back_to_hash_it(tmp_path, monkeypatch):
     import hashlib
 
-    from gspo_ray.trainer import durable
+    from gspo_ray.trainer.checkpoints import durable
 
     hashed = []
     real = durable.sha256_file

@@ -39,8 +39,8 @@ from gspo_ray.coordinator.job import build_prompt_sources, prepare_model, run_jo
 from gspo_ray.coordinator.pools import rollout_actor_options, rollout_config
 from gspo_ray.coordinator.tracking import read_metrics
 from gspo_ray.rollout.worker import RolloutWorker
-from gspo_ray.trainer import checkpoint as ckpt
-from gspo_ray.trainer.shards import full_state
+from gspo_ray.trainer.checkpoints import checkpoint as ckpt
+from gspo_ray.trainer.checkpoints.shards import full_state
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("local_ray")]  # 5 CPUs (conftest)
 STEPS, JOB = 8, "livescale"

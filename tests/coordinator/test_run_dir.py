@@ -77,7 +77,7 @@ def _legacy_checkpoint(cfg, world_size: int, distributed: bool):
 
     from gspo_ray.coordinator.checkpoint import CheckpointManager
     from gspo_ray.coordinator.loop import LoopState
-    from gspo_ray.trainer.checkpoint import save_checkpoint
+    from gspo_ray.trainer.checkpoints.checkpoint import save_checkpoint
 
     w = torch.ones(4, 3)
     main = w.reshape(-1)[:6].clone() if distributed else w.clone()  # a distributed optimizer's flat slice

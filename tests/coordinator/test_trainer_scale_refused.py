@@ -1,6 +1,6 @@
 """`gspo-ray scale trainer N` that the cluster cannot place is refused before anything is saved or stopped: the
 step's metrics say `job/trainer_scale_refused`, and the job's control status says why (the channel `gspo-ray scale`
-reads). A distributed optimizer is no reason to refuse: its state reshards on load (trainer/shards.py)."""
+reads). A distributed optimizer is no reason to refuse: its state reshards on load (trainer/checkpoints/shards.py)."""
 from __future__ import annotations
 
 import logging

@@ -173,7 +173,7 @@ def ranks(local_ray):
 
 
 def stand_in_send(rank, key, payload, client, timeout_s=None) -> None:
-    """trainer/weight_send.send_on_rank's part on one rank (in its actor, through `__ray_call__`): rank 0 drives
+    """trainer/weights/weight_send.send_on_rank's part on one rank (in its actor, through `__ray_call__`): rank 0 drives
     the client as vLLM's NCCL trainer engine does (`payload`: vLLM's worker init payload, built by the caller), the
     others only join the gathers (none here)."""
     if rank.rank != 0:
@@ -427,9 +427,9 @@ class AbortableBroadcast:
 
 
 def watched_send(rank, key, payload, client, timeout_s=None) -> None:
-    """trainer/weight_send.send_on_rank's part on one rank, through the real TransferSender and its watchdog, with
-    `AbortableBroadcast` as vLLM's sender on rank 0."""
-    from gspo_ray.trainer.weight_send import TransferSender
+    """trainer/weights/weight_send.send_on_rank's part on one rank, through the real TransferSender and its watchdog,
+    with `AbortableBroadcast` as vLLM's sender on rank 0."""
+    from gspo_ray.trainer.weights.weight_send import TransferSender
 
     if rank.rank != 0:
         return

@@ -1,5 +1,5 @@
-"""The trainer side of pushes through vLLM's CUDA backends, on CPU: the bucket plan (trainer/weight_buckets.py) and
-`MegatronWeightSource` (trainer/weight_send.py, vLLM's `WeightSource`).
+"""The trainer side of pushes through vLLM's CUDA backends, on CPU: the bucket plan (trainer/weights/weight_buckets.py)
+and `MegatronWeightSource` (trainer/weights/weight_send.py, vLLM's `WeightSource`).
 
 The gathers run for real between threads (one thread per trainer rank, a barrier-backed all-gather standing in
 for torch.distributed's over the TP and EP groups), on a tiny MoE sharded TP 2 x EP 2 by the bridge's own
@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from gspo_ray.bench.scale import MODELS, Shape, megatron_params, model_spec
-from gspo_ray.trainer.bridge import param_map, shard_tp, split_to_hf
-from gspo_ray.trainer.weight_buckets import GATHER_EP, GATHER_TP, plan_buckets
+from gspo_ray.trainer.weights.bridge import param_map, shard_tp, split_to_hf
+from gspo_ray.trainer.weights.weight_buckets import GATHER_EP, GATHER_TP, plan_buckets
 
 sys.path.append(str(Path(__file__).resolve().parents[1] / "trainer"))  # `_spawn`
 from _spawn import run_ranks  # noqa: E402
@@ -104,7 +104,7 @@ def _thread_collect(t, group, to_root):
 def test_every_rank_yields_the_unsharded_model_in_metadata_order(to_root):
     """All-gathered (ipc): every rank yields the whole model. Gathered to rank 0 (nccl): rank 0 does, the others
     yield None for every tensor they did not gather and the replicated ones as they are."""
-    from gspo_ray.trainer.weight_send import MegatronWeightSource
+    from gspo_ray.trainer.weights.weight_send import MegatronWeightSource
 
     # 4 ranks as Megatron lays them out with expert-TP 1: TP groups {0, 1}, {2, 3}; EP groups {0, 1}, {2, 3}
     tp, ep, dp = 2, 2, 2
@@ -172,12 +172,12 @@ def _merged_source_scenario(rank, world_size, ports, model_dir):
     import weakref
 
     from gspo_ray.config.lora import LoRAConfig
-    from gspo_ray.trainer.bridge import export_hf_weights
+    from gspo_ray.trainer.weights.bridge import export_hf_weights
     from gspo_ray.trainer.lora import peft_io
     from gspo_ray.trainer.lora.adapters import adapted_linears, apply_lora
     from gspo_ray.trainer.model import build_model
     from gspo_ray.trainer.parallel import destroy_distributed, init_distributed
-    from gspo_ray.trainer.weight_send import MegatronWeightSource, push_model
+    from gspo_ray.trainer.weights.weight_send import MegatronWeightSource, push_model
 
     init_distributed(0, 1, "127.0.0.1", ports[0])
     gpt, spec = build_model(model_dir, dtype=torch.bfloat16)
@@ -251,7 +251,7 @@ def test_merged_lora_source_is_the_merged_export_at_every_push(tmp_path):
 
 
 def test_adapter_pushes_are_refused_by_the_transfer_sender():
-    from gspo_ray.trainer.weight_send import push_model
+    from gspo_ray.trainer.weights.weight_send import push_model
 
     full = SimpleNamespace(lora=None, gpt=object())
     assert push_model(full) is full.gpt  # full fine-tuning: the model itself, as before

@@ -26,7 +26,7 @@ from gspo_ray.trainer.parallel import free_port
 
 
 # what every rank imports, in this order (the guarded megatron import first: megatron without torch.compile)
-PRELOAD = ["torch", "gspo_ray.compat.megatron_import", "gspo_ray.trainer.worker", "gspo_ray.trainer.bridge"]
+PRELOAD = ["torch", "gspo_ray.compat.megatron_import", "gspo_ray.trainer.worker", "gspo_ray.trainer.weights.bridge"]
 
 
 def _context():

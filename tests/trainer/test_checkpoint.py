@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from _spawn import algo_cfg, make_batch, run_ranks, trainer_cfg
-from gspo_ray.trainer import checkpoint as ckpt
+from gspo_ray.trainer.checkpoints import checkpoint as ckpt
 
 
 def _opt_tensors(worker) -> list[torch.Tensor]:

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from _spawn import algo_cfg, make_batch, run_ranks, trainer_cfg
-from gspo_ray.trainer import checkpoint as ckpt
-from gspo_ray.trainer.shards import full_state
+from gspo_ray.trainer.checkpoints import checkpoint as ckpt
+from gspo_ray.trainer.checkpoints.shards import full_state
 from tests.tolerance import assert_within_rounding
 
 pytestmark = pytest.mark.isa  # make test-isa: floats summed by the CPU's kernels
@@ -182,7 +182,7 @@ def test_a_dp2_save_writes_each_byte_once(runs, tiny_moe_dir):
 
 
 def test_a_resharded_checkpoint_exports_the_same_hf_tensors(runs, tiny_moe_dir, tmp_path):
-    from gspo_ray.trainer.hf_export import export_checkpoint
+    from gspo_ray.trainer.weights.hf_export import export_checkpoint
 
     root, *_ = runs
     for saved, as_one in (("tp2", "tp2_as1"), ("ep2", "ep2_as1")):  # TP 2 / DP 1, and DP 2 / EP 2, vs DP 1
@@ -207,8 +207,8 @@ def _read_sharded(hf_dir: Path) -> dict[str, torch.Tensor]:
 
 _EXPORT_RSS = """
 import json, sys
-from gspo_ray.trainer.hf_export import export_checkpoint
-from gspo_ray.trainer import checkpoint
+from gspo_ray.trainer.weights.hf_export import export_checkpoint
+from gspo_ray.trainer.checkpoints import checkpoint
 
 
 def status(key):  # kB -> bytes, from /proc/self/status
@@ -244,7 +244,7 @@ def test_the_hf_export_reads_neither_the_optimizer_nor_the_whole_model(runs, tin
     """A rank file with 256 MiB of optimizer state: the export's peak RSS grows by far less than that file."""
     import shutil
 
-    from gspo_ray.trainer.durable import sha256_file
+    from gspo_ray.trainer.checkpoints.durable import sha256_file
 
     root, *_ = runs
     d = shutil.copytree(root / "tp2", tmp_path / "big")

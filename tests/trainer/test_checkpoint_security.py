@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from gspo_ray.trainer import checkpoint as ckpt
-from gspo_ray.trainer.safe_paths import UnsafeCheckpointError
+from gspo_ray.trainer.checkpoints import checkpoint as ckpt
+from gspo_ray.trainer.checkpoints.safe_paths import UnsafeCheckpointError
 
 
 class _RunsCodeWhenUnpickled:

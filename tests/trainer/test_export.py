@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from _spawn import run_ranks
-from gspo_ray.trainer.bridge import (HFCheckpoint, ParamMap, merge_hf, param_map, shard_tp, split_to_hf,
-                                     unshard_tp)
+from gspo_ray.trainer.weights.bridge import (HFCheckpoint, ParamMap, merge_hf, param_map, shard_tp,
+                                             split_to_hf, unshard_tp)
 from gspo_ray.trainer.model_spec import ModelSpec, spec_from_hf_config
 
 
@@ -164,7 +164,7 @@ def test_spec_refuses_what_it_cannot_express(change, match):
 # ---- export round trips in real layouts -------------------------------------------------------------------------
 def _compare_with_safetensors(model, spec, hf_dir) -> dict:
     """Export in small buckets and compare with the original safetensors, name by name, bit for bit."""
-    from gspo_ray.trainer.bridge import export_hf_weights
+    from gspo_ray.trainer.weights.bridge import export_hf_weights
 
     original = load_file(str(Path(hf_dir) / "model.safetensors"))
     limit = 0.01 * 2**20  # 10 KiB buckets: many buckets, some single tensors larger than the limit
@@ -181,7 +181,7 @@ def _compare_with_safetensors(model, spec, hf_dir) -> dict:
 def _export_layouts(rank, world_size, init_method, models, layouts, out_dir, unknown_dir=None) -> dict:
     from megatron.core import parallel_state
 
-    from gspo_ray.trainer.bridge import save_hf_checkpoint
+    from gspo_ray.trainer.weights.bridge import save_hf_checkpoint
     from gspo_ray.trainer.model import build_model
     from gspo_ray.trainer.parallel import destroy_distributed, init_distributed
 

@@ -16,7 +16,7 @@ from gspo_ray.trainer.group_rows import (
     prefix_groups,
     shard_token_order,
 )
-from gspo_ray.trainer.segment_attention import Segments, attend_rows
+from gspo_ray.trainer.attention.segment_attention import Segments, attend_rows
 
 
 def group_batch(spec, seed=0, vocab=22, masked=()):

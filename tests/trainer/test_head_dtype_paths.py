@@ -19,7 +19,7 @@ def _scenario(rank, world_size, ports, model_dir):
     from gspo_ray.trainer import logprobs
     from gspo_ray.trainer.model import build_model
     from gspo_ray.trainer.parallel import destroy_distributed, init_distributed
-    from gspo_ray.trainer.segment_attention import Segments
+    from gspo_ray.trainer.attention.segment_attention import Segments
 
     init_distributed(0, 1, "127.0.0.1", ports[0])
     model, _ = build_model(model_dir, dtype=torch.bfloat16)

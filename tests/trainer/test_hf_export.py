@@ -1,4 +1,4 @@
-"""HF export of trainer checkpoints (gspo_ray/trainer/hf_export.py), offline and from any layout.
+"""HF export of trainer checkpoints (gspo_ray/trainer/weights/hf_export.py), offline and from any layout.
 
 One 2-rank scenario trains three tiny models in three layouts and saves checkpoints: Qwen3-MoE with EP=2 (dense
 params DP=2), Llama with tied embeddings and a chat template at DP=2, Qwen2 with an odd vocabulary at TP=2 (+SP).
@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from _spawn import algo_cfg, make_batch, run_ranks, trainer_cfg
-from gspo_ray.trainer.hf_export import export_checkpoint
+from gspo_ray.trainer.weights.hf_export import export_checkpoint
 
 CHAT_TEMPLATE = "{% for m in messages %}<bos>{{ m['content'] }}={% endfor %}"
 

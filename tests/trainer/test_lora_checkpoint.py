@@ -26,7 +26,7 @@ def _worker(port, model_dir, beta=0.0, **lora):
 
 def _scenario(rank, world_size, ports, model_dir, batch, root):
     from gspo_ray.trainer.lora.export import export_adapter_dir, merged_hf_state
-    from gspo_ray.trainer.bridge import write_hf_dir
+    from gspo_ray.trainer.weights.bridge import write_hf_dir
     from gspo_ray.trainer.model_spec import read_hf_config
 
     out = {}
@@ -180,7 +180,7 @@ def _merged_push(rank, world_size, ports, model_dir, serve):
 @pytest.mark.parametrize("model", ["moe", "dense_serve_merged"])
 def test_push_is_the_merged_model(tiny_moe_dir, tiny_qwen2_dir, tmp_path, model):
     """An MoE always, a dense model with trainer.lora.serve merged: the push is W + scale B A, not the adapter."""
-    from gspo_ray.trainer.bridge import write_hf_dir
+    from gspo_ray.trainer.weights.bridge import write_hf_dir
     from gspo_ray.trainer.model_spec import read_hf_config
 
     model_dir, serve = (tiny_moe_dir, "adapter") if model == "moe" else (tiny_qwen2_dir, "merged")

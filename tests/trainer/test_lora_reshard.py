@@ -1,5 +1,6 @@
-"""LoRA checkpoints across TP sizes (trainer/shards.py with lora.adapters.adapter_tp_split): a LoRA run saved at
-TP 1 resumes at TP 2, real megatron-core on gloo (two spawned ranks, the tiny qwen2 whose odd vocabulary TP 2 pads).
+"""LoRA checkpoints across TP sizes (trainer/checkpoints/shards.py with lora.adapters.adapter_tp_split): a LoRA run
+saved at TP 1 resumes at TP 2, real megatron-core on gloo (two spawned ranks, the tiny qwen2 whose odd vocabulary TP 2
+pads).
 
 The TP 1 run (DP 2) takes a step, saves, and takes a second step. The TP 2 run (DP 1) loads that checkpoint, saves
 it again at once, and takes the same second step. The adapters and their Adam moments saved at TP 2 must be the
@@ -41,8 +42,8 @@ def _scenario(rank, world_size, ports, model_dir, root, batch):
 
 
 def test_a_lora_checkpoint_of_tp1_resumes_at_tp2(tiny_qwen2_dir, tmp_path):
-    from gspo_ray.trainer import checkpoint as ckpt
-    from gspo_ray.trainer.shards import full_state
+    from gspo_ray.trainer.checkpoints import checkpoint as ckpt
+    from gspo_ray.trainer.checkpoints.shards import full_state
 
     ranks = run_ranks(_scenario, 2, (str(tiny_qwen2_dir), str(tmp_path), make_batch(8, seed=31)), n_ports=2)
     read = lambda d: full_state(tmp_path / d, tiny_qwen2_dir, lambda c, r: ckpt.load_rank_payload(c, r))  # noqa

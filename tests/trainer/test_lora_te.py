@@ -81,7 +81,7 @@ def _randomise_b(model):
 
 def _scenario(rank, world_size, ports, hf_dir):
     from gspo_ray.config.lora import LoRAConfig
-    from gspo_ray.trainer.bridge import is_lora_param
+    from gspo_ray.trainer.weights.bridge import is_lora_param
     from gspo_ray.trainer.lora.adapters import (GroupedExpertView, adapted_linears, apply_lora,
                                                  linear_kind, reference_adapters)
     from gspo_ray.trainer.lora.peft_io import MergedParameters

@@ -1,5 +1,5 @@
-"""HF <-> Megatron names per layer spec (trainer/param_names.py, bridge.param_map): local, Transformer Engine, and
-Transformer Engine with grouped-GEMM experts, on tiny dense qwen2 and qwen3_moe checkpoints (one with a dense layer
+"""HF <-> Megatron names per layer spec (trainer/weights/param_names.py, bridge.param_map): local, Transformer Engine,
+and Transformer Engine with grouped-GEMM experts, on tiny dense qwen2 and qwen3_moe checkpoints (one with a dense layer
 among MoE layers).
 
 Transformer Engine cannot be built here (no CUDA), so its names are checked as names and tensors: every HF tensor
@@ -15,9 +15,9 @@ import torch
 from safetensors.torch import load_file
 
 from _spawn import run_ranks
-from gspo_ray.trainer.bridge import merge_hf, param_map, split_to_hf
+from gspo_ray.trainer.weights.bridge import merge_hf, param_map, split_to_hf
 from gspo_ray.trainer.model_spec import read_hf_config, spec_from_hf_config
-from gspo_ray.trainer.param_names import LayerKinds, hf_names_by_param, megatron_param_names, params_by_hf_name
+from gspo_ray.trainer.weights.param_names import LayerKinds, hf_names_by_param, megatron_param_names, params_by_hf_name
 
 KINDS = {"local": LayerKinds(), "te": LayerKinds(te=True), "te_grouped": LayerKinds(te=True, grouped_gemm=True)}
 

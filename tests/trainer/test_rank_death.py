@@ -77,7 +77,7 @@ def test_an_error_in_one_rank_fails_the_call_at_once_with_that_error(pool):
 
 
 def test_a_rank_out_of_disk_space_is_still_a_full_disk():
-    from gspo_ray.trainer.durable import is_disk_full
+    from gspo_ray.trainer.checkpoints.durable import is_disk_full
 
     remote = ray.exceptions.RayTaskError("save", "Traceback ...", OSError(errno.ENOSPC, "No space left on device"))
     failed = TrainerRankFailed(1, "save", remote.as_instanceof_cause(), killed=True)

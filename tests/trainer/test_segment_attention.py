@@ -1,5 +1,5 @@
-"""Attention by segment (trainer/segment_attention.py) against a dense-mask reference: outputs and gradients of
-queries, keys and values in fp64, GQA, an empty segment, a one-token prefix, a group of one, packed rows (sequences,
+"""Attention by segment (trainer/attention/segment_attention.py) against a dense-mask reference: outputs and gradients
+of queries, keys and values in fp64, GQA, an empty segment, a one-token prefix, a group of one, packed rows (sequences,
 and group rows, one after another in one row: an empty sequence, a one-token one, a tail of padding), padding; the
 pair count the planner uses. Pure torch, no model."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gspo_ray.trainer.segment_attention import Segments, attend_rows, row_pairs
+from gspo_ray.trainer.attention.segment_attention import Segments, attend_rows, row_pairs
 
 
 def dense_reference(query, key, value, segs: Segments):

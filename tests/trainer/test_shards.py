@@ -1,5 +1,5 @@
-"""trainer/shards.py on hand-made checkpoints (no process group): who owns what, and how slices saved by one layout
-are read back in another (DP slices joined, TP shards joined and re-split, experts renamed across EP sizes), and
+"""trainer/checkpoints/shards.py on hand-made checkpoints (no process group): who owns what, and how slices saved by one
+layout are read back in another (DP slices joined, TP shards joined and re-split, experts renamed across EP sizes), and
 a missing slice named."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from gspo_ray.trainer.shards import MissingShardError, Owners, SavedShards
+from gspo_ray.trainer.checkpoints.shards import MissingShardError, Owners, SavedShards
 
 QKV = "decoder.layers.0.self_attention.linear_qkv.weight"
 EXPERT = "decoder.layers.0.mlp.experts.local_experts.{}.linear_fc2.weight"

@@ -1,8 +1,8 @@
 """trainer.shared_prefix and trainer.packed_rows: one train step on group rows [prompt | c_1 | ... | c_G], and one
 on packed rows [s_1 | s_2 | ... | tail], equals the step on padded rows.
 
-Every layout runs on attention by segment (trainer/segment_attention.py, the layer spec's core attention): a group
-row as a prefix segment and G completion segments, a padded row as one segment, a packed row as its sequences (or
+Every layout runs on attention by segment (trainer/attention/segment_attention.py, the layer spec's core attention): a
+group row as a prefix segment and G completion segments, a padded row as one segment, a packed row as its sequences (or
 group rows) one after another, each attending within itself, positions from 0 in each.
 
 For ragged groups (G in {1, 2, 8}, prompts of 1-9 tokens, completions of 0-7, some completions fully masked, an

@@ -1,5 +1,5 @@
-"""The THD layout of a Segments record (trainer/te_attention.py) and the gather / attend / scatter around a THD
-kernel, on CPU.
+"""The THD layout of a Segments record (trainer/attention/te_attention.py) and the gather / attend / scatter around a
+THD kernel, on CPU.
 
 Transformer Engine's DotProductAttention cannot run here (no CUDA), so the kernel is `thd_reference` below: the THD
 semantics TE documents for qkv_format="thd" with attn_mask_type="padding_causal_bottom_right" (sequence i: queries
@@ -21,8 +21,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gspo_ray.trainer.segment_attention import Segments, attend_rows
-from gspo_ray.trainer.te_attention import thd_attend_rows, thd_layout
+from gspo_ray.trainer.attention.segment_attention import Segments, attend_rows
+from gspo_ray.trainer.attention.te_attention import thd_attend_rows, thd_layout
 
 
 def thd_reference(q, k, v, layout, scale=None):
@@ -132,7 +132,7 @@ class FakeDotProductAttention:
 
 @pytest.mark.parametrize("segs,width", CASES[3:])
 def test_te_kernel_on_packed_rows_equals_attend_rows(monkeypatch, segs, width):
-    from gspo_ray.trainer.te_attention import TEThdKernel
+    from gspo_ray.trainer.attention.te_attention import TEThdKernel
 
     te = types.ModuleType("transformer_engine")
     te.pytorch = types.SimpleNamespace(DotProductAttention=FakeDotProductAttention)
@@ -154,7 +154,7 @@ def test_attend_rows_repeats_kv_heads_where_the_fused_kernel_takes_no_gqa(monkey
     """On CUDA only flash takes GQA and flash refuses fp32 (torch's dispatch, read): there attend_rows repeats K/V
     heads itself, so the memory-efficient kernel, not the math one, runs each call. Forced here on CPU: every SDPA
     call sees Hq key heads and no enable_gqa, and the result equals the GQA calls', values and gradients."""
-    from gspo_ray.trainer import segment_attention
+    from gspo_ray.trainer.attention import segment_attention
 
     segs, width = Segments(prefix=(4, 0, 3), completions=((2, 3), (5,), ()), packed=True), 18
     g = torch.Generator().manual_seed(2)

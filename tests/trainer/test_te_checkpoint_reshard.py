@@ -1,8 +1,8 @@
-"""Checkpoints written under Transformer Engine's layers, resharded on load (trainer/shards.py), on hand-made rank
-payloads (no process group).
+"""Checkpoints written under Transformer Engine's layers, resharded on load (trainer/checkpoints/shards.py), on
+hand-made rank payloads (no process group).
 
 Transformer Engine cannot be built here (no CUDA), so the payloads are what its spec's state dict holds, by name
-(trainer/param_names.py: `linear_qkv.layer_norm_weight`, grouped experts `mlp.experts.linear_fc1.weight{j}`) and
+(trainer/weights/param_names.py: `linear_qkv.layer_norm_weight`, grouped experts `mlp.experts.linear_fc1.weight{j}`) and
 TE's module extra state: a uint8 `_extra_state` tensor per TE module (TE's convention; here filled with bytes naming
 the rank, as a pickled FP8 scaling state would be, so keeping and dropping are told apart); the local layers' extra
 state is None (Megatron's ColumnParallelLinear / RowParallelLinear). Every rank payload's tensors are cut from the
@@ -18,11 +18,11 @@ import re
 import pytest
 import torch
 
-from gspo_ray.trainer import checkpoint as ckpt
-from gspo_ray.trainer.bridge import HFCheckpoint, merge_hf, param_map, shard_tp
+from gspo_ray.trainer.checkpoints import checkpoint as ckpt
+from gspo_ray.trainer.weights.bridge import HFCheckpoint, merge_hf, param_map, shard_tp
 from gspo_ray.trainer.model_spec import read_hf_config, spec_from_hf_config
-from gspo_ray.trainer.param_names import LayerKinds, hf_names_by_param, megatron_param_names
-from gspo_ray.trainer.shards import Owners, SavedShards, is_expert
+from gspo_ray.trainer.weights.param_names import LayerKinds, hf_names_by_param, megatron_param_names
+from gspo_ray.trainer.checkpoints.shards import Owners, SavedShards, is_expert
 
 EXTRA_STATE = "._extra_state"
 KINDS = {"local": LayerKinds(), "te": LayerKinds(te=True), "te_grouped": LayerKinds(te=True, grouped_gemm=True)}

@@ -17,7 +17,7 @@ import torch
 from _spawn import run_ranks
 from gspo_ray.trainer.pool import rendezvous_address
 from gspo_ray.trainer.push_guard import PushTimeout, send_bounded
-from gspo_ray.trainer.weight_send import TransferSender, send_on_rank
+from gspo_ray.trainer.weights.weight_send import TransferSender, send_on_rank
 
 
 class StandInSender:

@@ -56,7 +56,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gspo_ray.config.lora import LoRAConfig
-from gspo_ray.trainer.bridge import is_lora_param, param_map
+from gspo_ray.trainer.weights.bridge import is_lora_param, param_map
 from gspo_ray.trainer.model_spec import ModelSpec
 
 _LAYER = r"decoder\.layers\.(\d+)\."

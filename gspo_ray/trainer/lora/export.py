@@ -17,8 +17,8 @@ import torch
 from torch import Tensor
 
 from gspo_ray.config.lora import LORA_TARGETS
-from gspo_ray.trainer import checkpoint as ckpt
-from gspo_ray.trainer.bridge import HFCheckpoint, is_lora_param
+from gspo_ray.trainer.checkpoints import checkpoint as ckpt
+from gspo_ray.trainer.weights.bridge import HFCheckpoint, is_lora_param
 from gspo_ray.trainer.lora.adapters import adapter_hf_module, match_linear
 from gspo_ray.trainer.lora.peft_io import peft_names, write_peft_dir
 from gspo_ray.trainer.model_spec import ModelSpec, read_hf_config, spec_from_hf_config

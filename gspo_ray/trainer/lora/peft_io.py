@@ -119,7 +119,7 @@ class MergedView(Mapping[str, Tensor]):
     Nothing is merged until a value is read, and the view keeps no merged tensor: keys and `param_meta()` (name,
     shape, dtype, all the base parameter's) come from the parameters alone, and each `view[name]` merges again from
     the adapters as they are then. So a view built once serves every push (the nccl / ipc source reads it bucket by
-    bucket at each push, trainer/weight_send.py) and never goes stale after an optimizer step, and only what the
+    bucket at each push, trainer/weights/weight_send.py) and never goes stale after an optimizer step, and only what the
     reader still holds is alive (R4: never every adapted weight's merged copy at once). Adapters are matched to
     weights by the weight tensor itself, not its name: a grouped-GEMM expert's adapter sits on a view whose weight
     is the grouped linear's weight{j}."""

@@ -27,7 +27,7 @@ from typing import Iterator
 from torch import Tensor, nn
 
 from gspo_ray.config.lora import LoRAConfig, check_lora_kind, lora_meta, merged_push
-from gspo_ray.trainer.bridge import is_lora_param
+from gspo_ray.trainer.weights.bridge import is_lora_param
 from gspo_ray.trainer.lora.adapters import apply_lora, count_params, load_lora_state, lora_state, reference_adapters
 from gspo_ray.trainer.lora.peft_io import (
     MergedParameters,
@@ -66,7 +66,7 @@ class TrainerLoRA:
 
     def weights(self, gpt: nn.Module, spec: ModelSpec, bucket_mb: float) -> Iterator[list[tuple[str, Tensor]]]:
         """Buckets for the rollout push (collective: every rank iterates to the end)."""
-        from gspo_ray.trainer.bridge import export_hf_weights
+        from gspo_ray.trainer.weights.bridge import export_hf_weights
 
         if self.merged_push:
             yield from export_hf_weights(MergedParameters(gpt), spec, bucket_mb=bucket_mb)

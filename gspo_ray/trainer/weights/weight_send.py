@@ -17,7 +17,7 @@ from the record's `backend`:
   handles are all-gathered over the default process group and rank 0 sends them; each engine worker maps the
   copy on its own GPU. Trainer and engine must share GPUs.
 
-Iteration is collective (at most one TP and one EP collective per bucket, `trainer/weight_buckets.py`): every
+Iteration is collective (at most one TP and one EP collective per bucket, `trainer/weights/weight_buckets.py`): every
 trainer rank iterates in the same order, which both vLLM trainer engines do (non-senders replay the source). For
 `nccl` each bucket is gathered to rank 0 only (the others yield None for what they do not hold, vLLM's convention;
 its non-senders only iterate); for `ipc` to every rank.
@@ -43,7 +43,7 @@ from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactor
 from gspo_ray.trainer.lora.peft_io import MergedView
 from gspo_ray.trainer.push_guard import PushGate, send_bounded
 from gspo_ray.trainer.model_spec import ModelSpec
-from gspo_ray.trainer.weight_buckets import Collect, WeightBucket, gather_bucket, plan_buckets, torch_collect
+from gspo_ray.trainer.weights.weight_buckets import Collect, WeightBucket, gather_bucket, plan_buckets, torch_collect
 
 
 class MegatronWeightSource(WeightSource):

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gspo_ray.trainer.bridge import param_map
+from gspo_ray.trainer.weights.bridge import param_map
 from gspo_ray.trainer.model_spec import ModelSpec
 
 
@@ -100,7 +100,7 @@ def param_key(name: str, arch: str | None = None) -> tuple[tuple[str, ...], int 
     """What a parameter is, whichever layers named it: (its HF tensors, its local expert index). Two names with one
     key hold the same tensor, same shape and values (the module doc: TE's fused norm weight is the norm's weight,
     grouped expert j's `weight{j}` is SequentialMLP's expert j), so a checkpoint of one spec resumes under the other
-    by this key (trainer/shards.py). KeyError for a name bridge.param_map does not know."""
+    by this key (trainer/checkpoints/shards.py). KeyError for a name bridge.param_map does not know."""
     pm = param_map(name, arch)
     return pm.hf_names, pm.local_expert
 

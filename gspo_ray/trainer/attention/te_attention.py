@@ -37,7 +37,7 @@ from typing import Callable
 import torch
 from torch import Tensor, nn
 
-from gspo_ray.trainer.segment_attention import Segments
+from gspo_ray.trainer.attention.segment_attention import Segments
 
 
 @dataclass(frozen=True)

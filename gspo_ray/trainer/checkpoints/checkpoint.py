@@ -29,9 +29,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from gspo_ray.trainer.durable import HashingWriter, fsync_dir, sha256_file, write_durable
+from gspo_ray.trainer.checkpoints.durable import HashingWriter, fsync_dir, sha256_file, write_durable
 from gspo_ray.trainer.optim import sub_optimizers
-from gspo_ray.trainer.safe_paths import META, UnsafeCheckpointError, check_inside
+from gspo_ray.trainer.checkpoints.safe_paths import META, UnsafeCheckpointError, check_inside
 
 EXPERT_KEY = ".experts."  # Megatron names of expert-parallel params contain this
 
@@ -273,9 +273,9 @@ def check_layers(meta: dict, layers: dict, where: str) -> None:
     """Whether a checkpoint written by other layers than this trainer builds can resume here; ValueError naming
     both, before anything is read, where it cannot.
 
-    Maps (trainer/shards.py reads each tensor under the name the saved layers gave it): Transformer Engine's spec
-    and the local one, grouped GEMM experts (TEGroupedMLP) or SequentialMLP, either way. Every parameter of one is a
-    parameter of the other, the same tensor under another name (param_names.param_key: TE's fused norm weights are
+    Maps (trainer/checkpoints/shards.py reads each tensor under the name the saved layers gave it): Transformer Engine's
+    spec and the local one, grouped GEMM experts (TEGroupedMLP) or SequentialMLP, either way. Every parameter of one is
+    a parameter of the other, the same tensor under another name (param_names.param_key: TE's fused norm weights are
     the norms' weights, grouped expert j's `weight{j}` is SequentialMLP's expert j), and so is its optimizer state;
     LoRA adapters have the same names under both. Module extra state does not map (TE's FP8 scaling state has no
     counterpart in the local layers, which keep None): this trainer's own is kept.

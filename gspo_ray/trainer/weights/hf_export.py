@@ -4,13 +4,13 @@
     export_checkpoint(ckpt_dir, model_dir, out_dir, dtype="bfloat16")   # safetensors + config + tokenizer files
 
 A trainer checkpoint holds each model tensor once, in the file of the first rank with its TP rank (dense) or EP
-rank (experts; expert-TP is 1) (`trainer/shards.py`), so one saved rank per TP rank and one per EP rank hold the
-whole model, whatever the data-parallel size was. The export streams: one parameter at a time, model tensors only
+rank (experts; expert-TP is 1) (`trainer/checkpoints/shards.py`), so one saved rank per TP rank and one per EP rank hold
+the whole model, whatever the data-parallel size was. The export streams: one parameter at a time, model tensors only
 (rank files memory-mapped, the optimizer slices beside them never read), safetensors shards written as they fill.
 TP shards are joined with the converter's own rules (`bridge.unshard_tp`, `bridge.split_to_hf`): the tensors are
-the ones the live export (`export_hf_weights`, the weight sync) produces from the same weights. `model_dir` is the HF directory the run
-trained from: it gives the architecture (config.json) and the tokenizer, chat template and generation config
-that are copied next to the weights.
+the ones the live export (`export_hf_weights`, the weight sync) produces from the same weights. `model_dir` is the HF
+directory the run trained from: it gives the architecture (config.json) and the tokenizer, chat template and generation
+config that are copied next to the weights.
 """
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from gspo_ray.trainer import checkpoint as ckpt
-from gspo_ray.trainer.bridge import param_map, split_to_hf, unshard_tp, write_hf_side_files
+from gspo_ray.trainer.checkpoints import checkpoint as ckpt
+from gspo_ray.trainer.weights.bridge import param_map, split_to_hf, unshard_tp, write_hf_side_files
 from gspo_ray.trainer.model_spec import DTYPES, ModelSpec, read_hf_config, spec_from_hf_config
 
 

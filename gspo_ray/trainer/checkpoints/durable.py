@@ -8,7 +8,7 @@ caught by the manifest (size and sha256 of every file, written at save) before t
 Nobody reads a checkpoint back to hash it: a trainer rank hashes its file while writing it (`HashingWriter`), the
 job's manifest takes those digests (`recorded`) and hashes only the small files it wrote itself, and a check of a
 large file on the driver is by size (`hash_max_bytes`); its hash is checked by the rank that loads it
-(trainer/checkpoint.py).
+(trainer/checkpoints/checkpoint.py).
 
     fsync_file(path); fsync_dir(path.parent)
     manifest = build_manifest(ckpt_dir, recorded=digests)   # {"files": {"trainer/rank_0.pt": {"size", "sha256"}}}
@@ -104,7 +104,8 @@ def build_manifest(root: str | Path, sync: bool = True, recorded: dict[str, dict
                 fsync_file(p)
             rel, size = p.relative_to(root).as_posix(), p.stat().st_size
             known = recorded.get(rel)
-            files[rel] = dict(known) if known and known.get("size") == size else {"size": size, "sha256": sha256_file(p)}
+            files[rel] = dict(known) if known and known.get("size") == size else {"size": size, "sha256":
+            sha256_file(p)}
         if sync:
             fsync_dir(dirpath)
     return {"version": MANIFEST_VERSION, "files": files}

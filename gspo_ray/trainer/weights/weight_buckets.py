@@ -19,7 +19,7 @@ model's parameter order; a parameter's HF tensors in `bridge.split_to_hf` order;
 in rank order (local expert j of EP rank r is global expert r * num_local_experts + j, bridge.py's layout).
 
 Pure planning on shapes (meta tensors), so `bench/scale_sync.py` runs this same code at cluster shapes. No vLLM
-here: the vLLM side is `trainer/weight_send.py`.
+here: the vLLM side is `trainer/weights/weight_send.py`.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from typing import Callable, Iterable
 import torch
 from torch import Tensor
 
-from gspo_ray.trainer.bridge import is_lora_param, param_map, split_to_hf, unshard_tp
+from gspo_ray.trainer.weights.bridge import is_lora_param, param_map, split_to_hf, unshard_tp
 from gspo_ray.trainer.model_spec import ModelSpec
 
 GATHER_TP, GATHER_EP, GATHER_NONE = "tp", "ep", "none"

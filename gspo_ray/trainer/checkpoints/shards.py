@@ -23,8 +23,8 @@ another TP size -> the saved TP shards are joined (`bridge.unshard_tp`, vocabula
 e * local + j, read under its saved rank and name (SequentialMLP's `local_experts.{j}.` or TEGroupedMLP's
 `weight{j}`).
 
-Other layers (Transformer Engine's spec or the local one, grouped GEMM experts or not: trainer/param_names.py): a
-parameter this trainer names differently is read under the saved name of the same tensor, the one with its HF
+Other layers (Transformer Engine's spec or the local one, grouped GEMM experts or not: trainer/weights/param_names.py):
+a parameter this trainer names differently is read under the saved name of the same tensor, the one with its HF
 tensors and local expert index (`param_names.param_key`): TE's fused norm weight is the norm's weight, grouped
 expert j's `weight{j}` is SequentialMLP's expert j, same shape, same values. Module extra state (`_extra_state`:
 TE's, a uint8 tensor, empty or its pickled FP8 scaling state; Megatron's local linears', None) is no tensor to
@@ -158,7 +158,7 @@ def optimizer_pieces(optimizer, names: dict[int, str], owners: Owners, fp32: boo
 # ---- reading a saved checkpoint into another layout ----------------------------------------------------------------
 class SavedShards:
     """A format-2 checkpoint read by one rank of (possibly) another layout. `load_payload(ckpt_dir, rank)` reads a
-    verified, memory-mapped rank file (trainer/checkpoint.py)."""
+    verified, memory-mapped rank file (trainer/checkpoints/checkpoint.py)."""
 
     def __init__(self, ckpt_dir: str | Path, meta: dict, spec, load_payload):
         self.dir, self.meta, self.spec = Path(ckpt_dir), meta, spec
@@ -191,8 +191,8 @@ class SavedShards:
         """The name saved rank `owner` gave the tensor this trainer names `name`: the same name, or under other
         layers the one of the same tensor (param_names.param_key); `name` itself when none is found (then the
         caller's lookup names it missing)."""
-        from gspo_ray.trainer.bridge import is_lora_param
-        from gspo_ray.trainer.param_names import param_key
+        from gspo_ray.trainer.weights.bridge import is_lora_param
+        from gspo_ray.trainer.weights.param_names import param_key
 
         model = self.payload(owner)["model"]
         if name in model or is_lora_param(name) or name.endswith(EXTRA_STATE):
@@ -245,7 +245,7 @@ class SavedShards:
 
     def _target(self, fetch, name: str, layout: dict, shape) -> Tensor:
         """The tensor `fetch(saved_name, tp_rank, ep_rank) -> saved local tensor` gives, in this rank's layout."""
-        from gspo_ray.trainer.bridge import shard_tp, unshard_tp
+        from gspo_ray.trainer.weights.bridge import shard_tp, unshard_tp
 
         if is_expert(name):
             saved_name, ep_rank = self._expert_source(name, layout["ep_rank"])
@@ -359,7 +359,7 @@ class SavedShards:
 def tp_map(name: str, arch: str | None):
     """The bridge.ParamMap that says how TP splits a saved tensor: a base parameter's, or an adapter factor's
     (lora.adapters.adapter_tp_split; merged as a copy). KeyError for a name of neither."""
-    from gspo_ray.trainer.bridge import ParamMap, is_lora_param, param_map
+    from gspo_ray.trainer.weights.bridge import ParamMap, is_lora_param, param_map
     from gspo_ray.trainer.lora.adapters import adapter_tp_split
 
     if is_lora_param(name):
@@ -371,7 +371,7 @@ def full_state(ckpt_dir: str | Path, model_dir: str | Path, load_payload,
                keys: tuple[str, ...] = ("model", "exp_avg", "exp_avg_sq")) -> dict[str, dict[str, Tensor | None]]:
     """{Megatron name at TP 1 / EP 1: {key: tensor}} of a format-2 checkpoint: the whole model and optimizer state
     in one layout, whatever layout wrote it (to compare two checkpoints; small models only)."""
-    from gspo_ray.trainer.checkpoint import read_meta
+    from gspo_ray.trainer.checkpoints.checkpoint import read_meta
     from gspo_ray.trainer.model_spec import read_hf_config, spec_from_hf_config
 
     meta = read_meta(ckpt_dir)
