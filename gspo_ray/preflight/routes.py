@@ -8,6 +8,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from gspo_ray.config import JobConfig
 from gspo_ray.preflight.model import PreflightError
+from gspo_ray.trainer.families import family_of
 
 # vLLM versions whose CPU engines return routes through compat/vllm_cpu_routes.py (its HOOKED_MINOR_VERSIONS; kept
 # here as data so the preflight never imports torch or vLLM)
@@ -34,21 +35,18 @@ def routes_field(cfg: JobConfig) -> str | None:
 
 def engine_routes_shape(hf_config: dict) -> tuple[int, int, int] | None:
     """(MoE layers, top-k, experts) of the routes a vLLM engine returns for this config.json, read as vLLM 0.32's
-    model code reads it: through transformers' config class (its defaults for absent keys), Qwen3-MoE's MoE layers
-    by `mlp_only_layers` and `decoder_sparse_step`, every Mixtral layer; None for other architectures.
+    model code reads it: through transformers' config class (its defaults for absent keys), then as the family says
+    (`Family.engine_routes_shape`: Qwen3-MoE's MoE layers by `mlp_only_layers` and `decoder_sparse_step`, every
+    Mixtral layer); None for a dense family or a model_type no family takes.
     tests/rollout/test_engine_routes.py checks it against a real engine's route capture."""
     from transformers import CONFIG_MAPPING
 
     arch = hf_config.get("model_type")
-    if arch not in ("qwen3_moe", "mixtral"):
+    family = family_of(arch)
+    if family is None or not family.moe:
         return None
     c = CONFIG_MAPPING[arch](**{k: v for k, v in hf_config.items() if k != "model_type"})
-    if arch == "mixtral":
-        return c.num_hidden_layers, c.num_experts_per_tok, c.num_local_experts
-    dense = set(getattr(c, "mlp_only_layers", None) or [])
-    layers = sum(i not in dense and c.num_experts > 0 and (i + 1) % c.decoder_sparse_step == 0
-                 for i in range(c.num_hidden_layers))
-    return layers, c.num_experts_per_tok, c.num_experts
+    return family.engine_routes_shape(c)
 
 
 def trainer_routes_shape(hf_config: dict, where: str) -> tuple[int, int, int] | None:

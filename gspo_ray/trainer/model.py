@@ -11,21 +11,22 @@ the Transformer Engine spec on CUDA machines, with the same attention, and for a
 (TEGroupedMLP) where Transformer Engine has its grouped linear. Their parameter names are listed by
 param_names.py and mapped by bridge.py (checked as names and tensors on CPU); the TE layers themselves have not run
 here (no GPU, Transformer Engine not installable). Layers without experts in an MoE config (Qwen3-MoE's
-mlp_only_layers) get a dense MLP. MoE routing follows Qwen3-MoE:
-softmax over experts, top-k, top-k probs renormalised when `norm_topk_prob` (softmax over the top-k logits, which
-is the same thing); no Routing Replay, no aux loss. `ModelSpec` is a small picklable record of the architecture.
+mlp_only_layers) get a dense MLP. The maths of each architecture (norms, activation, biases, QK-norm, the MoE
+router: for the five families here softmax over experts, top-k, top-k probs renormalised when `norm_topk_prob`) is
+its family's (trainer/families/: `Family.transformer_options`); no aux loss. `ModelSpec` is a small picklable
+record of the architecture.
 """
 from __future__ import annotations
 
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from gspo_ray.compat.megatron_import import megatron_core  # noqa: F401  (first: megatron without torch.compile)
 from megatron.core.transformer.module import MegatronModule  # noqa: E402  (after the guarded import)
 
+from gspo_ray.trainer.families import family_of
 from gspo_ray.trainer.weights.bridge import load_hf_weights
 from gspo_ray.trainer.model_spec import ModelSpec, read_hf_config, spec_from_hf_config, te_missing
 from gspo_ray.trainer.weights.param_names import LayerKinds
@@ -34,26 +35,25 @@ from gspo_ray.trainer.attention.te_attention import thd_attend_rows
 
 
 def build_transformer_config(spec: ModelSpec, grouped_gemm: bool = False):
-    """ModelSpec -> Megatron TransformerConfig: Qwen/Llama maths, every fused kernel off (none exist on CPU);
-    grouped_gemm: MoE experts by grouped GEMM (TEGroupedMLP; CUDA and Transformer Engine only)."""
+    """ModelSpec -> Megatron TransformerConfig: the family's maths (`Family.transformer_options`: norms,
+    activation, biases, QK-norm, router), every fused kernel off (none exist on CPU); grouped_gemm: MoE experts by
+    grouped GEMM (TEGroupedMLP; CUDA and Transformer Engine only)."""
     from megatron.core.transformer import TransformerConfig
 
+    family = family_of(spec.arch)
+    if family is None:
+        raise ValueError(f"model_type {spec.arch!r} has no family (trainer/families/)")
     moe = {}
     if spec.is_moe:
         moe = dict(num_moe_experts=spec.num_experts, moe_router_topk=spec.top_k,
                    moe_ffn_hidden_size=spec.moe_ffn_hidden_size, moe_router_load_balancing_type="none",
-                   moe_aux_loss_coeff=0.0, moe_router_score_function="softmax",
-                   # pre_softmax=False: softmax over the k selected logits == renormalised top-k probs
-                   moe_router_pre_softmax=not spec.extra["norm_topk_prob"],
-                   moe_token_dispatcher_type=spec.moe_dispatcher, moe_grouped_gemm=grouped_gemm,
-                   moe_permute_fusion=False,
+                   moe_aux_loss_coeff=0.0, moe_token_dispatcher_type=spec.moe_dispatcher,
+                   moe_grouped_gemm=grouped_gemm, moe_permute_fusion=False,
                    moe_layer_freq=[int(i in spec.moe_layers) for i in range(spec.num_layers)])
     return TransformerConfig(
         num_layers=spec.num_layers, hidden_size=spec.hidden_size, num_attention_heads=spec.num_heads,
         num_query_groups=spec.num_kv_heads, kv_channels=spec.head_dim, ffn_hidden_size=spec.ffn_hidden_size,
-        normalization="RMSNorm", layernorm_epsilon=spec.extra["rms_norm_eps"], gated_linear_unit=True,
-        activation_func=F.silu, add_bias_linear=False, add_qkv_bias=spec.qkv_bias, qk_layernorm=spec.qk_norm,
-        hidden_dropout=0.0, attention_dropout=0.0,
+        **family.transformer_options(spec), hidden_dropout=0.0, attention_dropout=0.0,
         bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
         apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
         tensor_model_parallel_size=spec.tp, expert_model_parallel_size=spec.ep, expert_tensor_parallel_size=1,
@@ -115,13 +115,13 @@ def _layer_spec(spec: ModelSpec, grouped_gemm: bool, moe: bool, attention: str):
     from megatron.core.models.gpt import gpt_layer_specs as specs
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    num_experts = spec.num_experts if moe else None
+    num_experts, family = spec.num_experts if moe else None, family_of(spec.arch)
     if spec.use_te:
         layer = specs.get_gpt_layer_with_transformer_engine_spec(
             num_experts=num_experts, moe_grouped_gemm=grouped_gemm and moe, qk_layernorm=spec.qk_norm)
     else:
         layer = specs.get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False,
-                                               qk_layernorm=spec.qk_norm, normalization="RMSNorm")
+                                               qk_layernorm=spec.qk_norm, normalization=family.normalization)
     layer.submodules.self_attention.submodules.core_attention = ModuleSpec(module=SegmentAttention,
                                                                            params={"kernel": attention})
     return layer

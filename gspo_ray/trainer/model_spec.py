@@ -2,8 +2,10 @@
 
     spec = spec_from_hf_config(read_hf_config(hf_dir), hf_dir, tp=2, ep=1)
 
-Shared by the model builder (model.py), the weight bridge (bridge.py), HF export and the preflight, which checks a
-model directory before anything heavy is imported.
+Shared by the model builder (model.py), the weight bridge (weights/bridge.py), HF export and the preflight, which
+checks a model directory before anything heavy is imported. What differs between architectures (the config keys
+read and refused, biases, QK-norm, the router) is the family's (trainer/families/, the registry by model_type); the
+record and the checks of the parallel layout are here.
 """
 from __future__ import annotations
 
@@ -13,8 +15,10 @@ from pathlib import Path
 
 import torch
 
+from gspo_ray.trainer.families import FAMILIES, family_of
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # config names
-SUPPORTED_ARCHS = ("qwen2", "qwen3", "qwen3_moe", "llama", "mixtral")
+SUPPORTED_ARCHS = tuple(FAMILIES)  # the registry's model_types: ("qwen2", "qwen3", "qwen3_moe", "llama", "mixtral")
 MOE_DISPATCHERS = ("alltoall", "allgather")
 
 
@@ -64,61 +68,24 @@ def read_hf_config(hf_dir: str | Path) -> dict:
     return json.loads(path.read_text())
 
 
-def _rope_theta(cfg: dict) -> float:
-    """transformers 5 keeps it in rope_parameters; 4.x at the top level."""
-    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind not in ("default", None):
-        raise ValueError(f"config.json rope type {kind!r} is not supported (only default RoPE)")
-    return float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-
-
-def _moe_layers(cfg: dict, num_layers: int) -> tuple[int, ...]:
-    if not (cfg.get("num_experts") or cfg.get("num_local_experts")):
-        return ()
-    step, dense = cfg.get("decoder_sparse_step", 1), set(cfg.get("mlp_only_layers") or [])
-    return tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
-
-
-def _refuse_unsupported(cfg: dict, hf_dir) -> None:
-    """Features the Megatron config below cannot express would give silently wrong numbers: refuse them."""
-    where = f"{hf_dir}/config.json"
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"{where}: hidden_act {cfg['hidden_act']!r} not supported (only silu)")
-    if cfg.get("shared_expert_intermediate_size"):
-        raise ValueError(f"{where}: shared experts are not supported")
-    if cfg.get("use_sliding_window") or (cfg.get("model_type") == "mixtral" and cfg.get("sliding_window")):
-        raise ValueError(f"{where}: sliding-window attention is not supported")
-    if cfg.get("attention_bias") or cfg.get("mlp_bias"):  # (qwen2's q/k/v biases are implied, not configured)
-        raise ValueError(f"{where}: attention_bias/mlp_bias are not supported")
-    # attention by segment (trainer/attention/segment_attention.py) computes plain softmax attention over whole segments
-    for key, what in (("layer_types", "per-layer attention types (sliding / full)"),
-                      ("sliding_window_pattern", "sliding-window attention"),
-                      ("attention_sink_size", "attention sinks"), ("use_sink", "attention sinks"),
-                      ("kv_lora_rank", "multi-latent attention"), ("q_lora_rank", "multi-latent attention")):
-        value = cfg.get(key)
-        if value and not (key == "layer_types" and set(value) <= {"full_attention"}):
-            raise ValueError(f"{where}: {key} ({what}) is not supported: the trainer's attention covers full "
-                             "causal softmax attention only")
-
-
 def spec_from_hf_config(cfg: dict, hf_dir: str, *, tp: int = 1, ep: int = 1, sequence_parallel: bool | None = None,
                         moe_dispatcher: str = "alltoall", dtype: torch.dtype = torch.float32,
                         use_te: bool = False) -> ModelSpec:
     """HF config.json (as a dict) + layout -> ModelSpec; raises on anything the converter cannot represent."""
     arch = cfg.get("model_type")
-    if arch not in SUPPORTED_ARCHS:
+    family = family_of(arch)
+    if family is None:
         raise ValueError(f"{hf_dir}/config.json: model_type {arch!r} not supported; valid: {SUPPORTED_ARCHS}")
     if moe_dispatcher not in MOE_DISPATCHERS:
         raise ValueError(f"moe_dispatcher {moe_dispatcher!r}; valid: {MOE_DISPATCHERS}")
     heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
     if kv_heads % tp or heads % tp:
         raise ValueError(f"tp={tp} must divide num_attention_heads={heads} and num_key_value_heads={kv_heads}")
-    num_experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    num_experts = family.num_experts(cfg)
     ep = ep if num_experts else 1  # a dense model has nothing to split over the EP group
     if num_experts and num_experts % ep:
         raise ValueError(f"ep={ep} must divide num_experts={num_experts}")
-    _refuse_unsupported(cfg, hf_dir)
+    family.refuse_unsupported(cfg, hf_dir)
     if sequence_parallel is None:
         sequence_parallel = tp > 1
     if num_experts and tp > 1 and not sequence_parallel:
@@ -128,17 +95,12 @@ def spec_from_hf_config(cfg: dict, hf_dir: str, *, tp: int = 1, ep: int = 1, seq
         arch=arch, hf_config=cfg, hf_dir=str(hf_dir), vocab_size=vocab, padded_vocab_size=-(-vocab // tp) * tp,
         num_layers=layers, hidden_size=cfg["hidden_size"], num_heads=heads, num_kv_heads=kv_heads,
         head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads, ffn_hidden_size=cfg["intermediate_size"],
-        # Mixtral's experts have the dense width (intermediate_size); Qwen3-MoE names its own
-        num_experts=num_experts, moe_ffn_hidden_size=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
-        if num_experts else 0,
+        num_experts=num_experts, moe_ffn_hidden_size=family.moe_ffn_hidden_size(cfg) if num_experts else 0,
         top_k=int(cfg.get("num_experts_per_tok") or 0) if num_experts else 0,
-        moe_layers=_moe_layers(cfg, layers),
-        qkv_bias=arch == "qwen2", qk_norm=arch in ("qwen3", "qwen3_moe"),
+        moe_layers=family.moe_layers(cfg, layers), qkv_bias=family.qkv_bias, qk_norm=family.qk_norm,
         tied_embeddings=bool(cfg.get("tie_word_embeddings", False)), tp=tp, ep=ep,
         sequence_parallel=bool(sequence_parallel), moe_dispatcher=moe_dispatcher, dtype=dtype, use_te=use_te,
-        # Mixtral always renormalises its top-k probabilities (it has no norm_topk_prob field)
-        extra={"rope_theta": _rope_theta(cfg),
-               "norm_topk_prob": arch == "mixtral" or bool(cfg.get("norm_topk_prob", False)),
+        extra={"rope_theta": family.rope_theta(cfg), "norm_topk_prob": family.norm_topk_prob(cfg),
                "rms_norm_eps": float(cfg.get("rms_norm_eps", 1e-6)),
                "max_position_embeddings": int(cfg.get("max_position_embeddings", 4096))})
 

@@ -56,6 +56,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gspo_ray.config.lora import LoRAConfig
+from gspo_ray.trainer.families import family_of
+from gspo_ray.trainer.families.base import DENSE_LORA_TARGETS
 from gspo_ray.trainer.weights.bridge import is_lora_param, param_map
 from gspo_ray.trainer.model_spec import ModelSpec
 
@@ -372,8 +374,15 @@ def adapted_linears(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 def apply_lora(model: nn.Module, spec: ModelSpec, cfg: LoRAConfig, seed: int = 0) -> list[str]:
     """Freeze `model` and wrap the targeted linears (see the module doc). Returns the adapted module names.
-    Raises ValueError when no linear matches, or when a TP split does not divide (it cannot: sizes come from
-    the base linears, which TP already divides)."""
+    Raises ValueError when a target is not one the model's family offers (`Family.lora_targets`), when no linear
+    matches, or when a TP split does not divide (it cannot: sizes come from the base linears, which TP already
+    divides)."""
+    family = family_of(spec.arch)
+    offered = family.lora_targets if family is not None else DENSE_LORA_TARGETS
+    unknown = [t for t in cfg.target_modules if t not in offered]
+    if unknown:
+        raise ValueError(f"trainer.lora.target_modules: {unknown[0]!r} is not a linear of {spec.arch} models; "
+                         f"valid: {', '.join(offered)}")
     model.requires_grad_(False)
     done = []
     for name, module in list(model.named_modules()):

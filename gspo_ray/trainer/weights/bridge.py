@@ -19,8 +19,10 @@ Layouts (what `param_map` encodes per Megatron parameter):
 - `linear_proj` / `linear_fc2` split columns (row-parallel); embeddings and output layer split vocabulary rows,
   padded with zero rows up to a multiple of TP.
 - Experts (expert-TP 1): local expert j on EP rank r is global expert r * num_local_experts + j.
-- Mixtral stores the MoE block as `block_sparse_moe` with experts `w1` (gate), `w3` (up), `w2` (down): the rules
-  below use the Qwen names and `param_map(name, "mixtral")` renames them.
+- The rules are the family's (`Family.name_rules`, families/base.py: Megatron name -> HF names with the Qwen
+  names, how they merge, how TP shards them; local and Transformer Engine names alike); a family whose checkpoints
+  name tensors otherwise renames them (`Family.hf_name`: Mixtral's `block_sparse_moe` with experts `w1` (gate),
+  `w3` (up), `w2` (down)), so `param_map(name, "mixtral")` gives Mixtral's names.
 """
 from __future__ import annotations
 
@@ -35,44 +37,9 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
+from gspo_ray.trainer.families import family_of
+from gspo_ray.trainer.families.base import Family
 from gspo_ray.trainer.model_spec import ModelSpec
-
-_LAYER = r"decoder\.layers\.(\d+)\."
-# Megatron parameter name -> (HF names, how they merge, how TP shards the merged tensor). {i}: layer, {e}: expert.
-_RULES: list[tuple[str, tuple[str, ...], str, str]] = [
-    (r"embedding\.word_embeddings\.weight", ("model.embed_tokens.weight",), "copy", "vocab"),
-    (r"output_layer\.weight", ("lm_head.weight",), "copy", "vocab"),
-    (r"decoder\.final_layernorm\.weight", ("model.norm.weight",), "copy", "none"),
-    # TE specs fuse the input norm into linear_qkv (and the dense pre-MLP norm into linear_fc1)
-    (_LAYER + r"(?:input_layernorm\.weight|self_attention\.linear_qkv\.layer_norm_weight)",
-     ("model.layers.{i}.input_layernorm.weight",), "copy", "none"),
-    (_LAYER + r"self_attention\.linear_qkv\.weight", tuple(f"model.layers.{{i}}.self_attn.{p}_proj.weight"
-                                                          for p in "qkv"), "qkv", "col"),
-    (_LAYER + r"self_attention\.linear_qkv\.bias", tuple(f"model.layers.{{i}}.self_attn.{p}_proj.bias"
-                                                        for p in "qkv"), "qkv", "col"),
-    (_LAYER + r"self_attention\.q_layernorm\.weight", ("model.layers.{i}.self_attn.q_norm.weight",), "copy", "none"),
-    (_LAYER + r"self_attention\.k_layernorm\.weight", ("model.layers.{i}.self_attn.k_norm.weight",), "copy", "none"),
-    (_LAYER + r"self_attention\.linear_proj\.weight", ("model.layers.{i}.self_attn.o_proj.weight",), "copy", "row"),
-    (_LAYER + r"(?:pre_mlp_layernorm\.weight|mlp\.linear_fc1\.layer_norm_weight)",
-     ("model.layers.{i}.post_attention_layernorm.weight",), "copy", "none"),
-    (_LAYER + r"mlp\.linear_fc1\.weight", ("model.layers.{i}.mlp.gate_proj.weight",
-                                           "model.layers.{i}.mlp.up_proj.weight"), "gated", "col"),
-    (_LAYER + r"mlp\.linear_fc2\.weight", ("model.layers.{i}.mlp.down_proj.weight",), "copy", "row"),
-    (_LAYER + r"mlp\.router\.weight", ("model.layers.{i}.mlp.gate.weight",), "copy", "none"),
-    (_LAYER + r"mlp\.experts\.local_experts\.(\d+)\.linear_fc1\.weight",
-     ("model.layers.{i}.mlp.experts.{e}.gate_proj.weight", "model.layers.{i}.mlp.experts.{e}.up_proj.weight"),
-     "gated", "none"),
-    (_LAYER + r"mlp\.experts\.local_experts\.(\d+)\.linear_fc2\.weight",
-     ("model.layers.{i}.mlp.experts.{e}.down_proj.weight",), "copy", "none"),
-    # grouped GEMM (TEGroupedMLP): one TE GroupedLinear per projection holding local expert j as `weight{j}`, the
-    # same [out, in] tensor SequentialMLP's expert j holds (fc1 = [gate_j; up_j] [2F, H], fc2 = down_j [H, F])
-    (_LAYER + r"mlp\.experts\.linear_fc1\.weight(\d+)",
-     ("model.layers.{i}.mlp.experts.{e}.gate_proj.weight", "model.layers.{i}.mlp.experts.{e}.up_proj.weight"),
-     "gated", "none"),
-    (_LAYER + r"mlp\.experts\.linear_fc2\.weight(\d+)",
-     ("model.layers.{i}.mlp.experts.{e}.down_proj.weight",), "copy", "none"),
-]
-
 
 @dataclass(frozen=True)
 class ParamMap:
@@ -87,34 +54,26 @@ class ParamMap:
         return tuple(n.replace("{e}", str(global_expert)) for n in self.hf_names)
 
 
-# HF name renames per architecture (applied to the Qwen-style names of _RULES), in order.
-_ARCH_RENAMES: dict[str, tuple[tuple[str, str], ...]] = {
-    "mixtral": ((".mlp.gate.weight", ".block_sparse_moe.gate.weight"),
-                (".mlp.experts.", ".block_sparse_moe.experts."), (".gate_proj.weight", ".w1.weight"),
-                (".up_proj.weight", ".w3.weight"), (".down_proj.weight", ".w2.weight")),
-}
-
-
-def _rename(hf_name: str, arch: str | None) -> str:
-    renames = _ARCH_RENAMES.get(arch, ())
-    if renames and ".experts." not in hf_name and ".mlp.gate.weight" not in hf_name:
-        return hf_name  # dense names (attention, norms, embeddings) are the same in every architecture
-    for old, new in renames:
-        hf_name = hf_name.replace(old, new)
-    return hf_name
+def hf_name_of(qwen_style_name: str, arch: str | None) -> str:
+    """A rule's Qwen-style HF name -> the name `arch`'s family gives that tensor (unchanged for a model_type no family
+    takes, or None)."""
+    family = family_of(arch)
+    return family.hf_name(qwen_style_name) if family is not None else qwen_style_name
 
 
 @functools.lru_cache(maxsize=65536)  # pure and called per tensor at every export: a push names ~420 adapters
 def param_map(megatron_name: str, arch: str | None = None) -> ParamMap:
     """Megatron parameter name -> ParamMap (expert names keep an `{e}` placeholder for the global index).
-    `arch` (the HF model_type) picks that architecture's HF names (see _ARCH_RENAMES)."""
-    for pattern, names, merge, shard in _RULES:
+    `arch` (the HF model_type) picks that family's rules and HF names (`Family.name_rules`, `Family.hf_name`); a
+    model_type no family takes (or None) gets the base family's."""
+    family = family_of(arch)
+    for pattern, names, merge, shard in (family.name_rules if family is not None else Family.name_rules):
         m = re.fullmatch(pattern, megatron_name)
         if m:
             groups = m.groups()
             layer = groups[0] if groups else None
             expert = int(groups[1]) if len(groups) > 1 else None
-            names = tuple(_rename(n.replace("{i}", layer) if layer is not None else n, arch) for n in names)
+            names = tuple(hf_name_of(n.replace("{i}", layer) if layer is not None else n, arch) for n in names)
             return ParamMap(names, merge, shard, expert)
     raise KeyError(f"no HF mapping for Megatron parameter {megatron_name!r}")
 

@@ -1,0 +1,201 @@
+"""What an architecture family states, with the defaults of the Llama-like decoder every family here starts from:
+RMSNorm, a gated SiLU MLP, no linear biases, default RoPE, full causal softmax attention; an MoE family adds a
+router (softmax over the experts, plain top-k).
+
+    family = family_of(cfg["model_type"])                     # families/__init__.py: the registry
+    family.refuse_unsupported(cfg, hf_dir)                    # ValueError naming the config.json key
+    family.num_experts(cfg), family.moe_layers(cfg, layers), family.rope_theta(cfg), family.norm_topk_prob(cfg)
+    family.transformer_options(spec)                          # Megatron TransformerConfig keywords (+ its router's)
+    family.name_rules, family.hf_name(qwen_style_name)      # Megatron <-> HF names (weights/bridge.param_map)
+
+No torch, no Megatron at import (the preflight reads the registry before anything heavy is imported): what needs
+torch imports it inside the method that uses it. A family is a class whose instance the registry holds; a new
+family subclasses `Family` (or `MoEFamily`) in its own module and overrides only the facts that differ.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # model_spec imports this package, never the other way at import time
+    from gspo_ray.trainer.model_spec import ModelSpec
+
+# The HF linears a LoRA adapter can target in every family below, as PEFT and vLLM name them (config.lora's
+# LORA_TARGETS lists the same names; the trainer's LoRA maps them to the Megatron linears that hold them).
+DENSE_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+# Megatron parameter name -> (HF names, how they merge, how TP shards the merged tensor), for the Llama-like layers
+# (weights/bridge.py says what merge and shard mean). {i}: layer, {e}: expert. The HF names are Qwen's; a family
+# whose checkpoints name a tensor otherwise renames it (Family.hf_renames). Both layer specs' names are here: the
+# local spec's and Transformer Engine's (weights/param_names.py lists which names each spec builds).
+LAYER = r"decoder\.layers\.(\d+)\."
+LLAMA_NAME_RULES: tuple[tuple[str, tuple[str, ...], str, str], ...] = (
+    (r"embedding\.word_embeddings\.weight", ("model.embed_tokens.weight",), "copy", "vocab"),
+    (r"output_layer\.weight", ("lm_head.weight",), "copy", "vocab"),
+    (r"decoder\.final_layernorm\.weight", ("model.norm.weight",), "copy", "none"),
+    # TE specs fuse the input norm into linear_qkv (and the dense pre-MLP norm into linear_fc1)
+    (LAYER + r"(?:input_layernorm\.weight|self_attention\.linear_qkv\.layer_norm_weight)",
+     ("model.layers.{i}.input_layernorm.weight",), "copy", "none"),
+    (LAYER + r"self_attention\.linear_qkv\.weight", tuple(f"model.layers.{{i}}.self_attn.{p}_proj.weight"
+                                                         for p in "qkv"), "qkv", "col"),
+    (LAYER + r"self_attention\.linear_qkv\.bias", tuple(f"model.layers.{{i}}.self_attn.{p}_proj.bias"
+                                                       for p in "qkv"), "qkv", "col"),
+    (LAYER + r"self_attention\.q_layernorm\.weight", ("model.layers.{i}.self_attn.q_norm.weight",), "copy", "none"),
+    (LAYER + r"self_attention\.k_layernorm\.weight", ("model.layers.{i}.self_attn.k_norm.weight",), "copy", "none"),
+    (LAYER + r"self_attention\.linear_proj\.weight", ("model.layers.{i}.self_attn.o_proj.weight",), "copy", "row"),
+    (LAYER + r"(?:pre_mlp_layernorm\.weight|mlp\.linear_fc1\.layer_norm_weight)",
+     ("model.layers.{i}.post_attention_layernorm.weight",), "copy", "none"),
+    (LAYER + r"mlp\.linear_fc1\.weight", ("model.layers.{i}.mlp.gate_proj.weight",
+                                          "model.layers.{i}.mlp.up_proj.weight"), "gated", "col"),
+    (LAYER + r"mlp\.linear_fc2\.weight", ("model.layers.{i}.mlp.down_proj.weight",), "copy", "row"),
+    (LAYER + r"mlp\.router\.weight", ("model.layers.{i}.mlp.gate.weight",), "copy", "none"),
+    (LAYER + r"mlp\.experts\.local_experts\.(\d+)\.linear_fc1\.weight",
+     ("model.layers.{i}.mlp.experts.{e}.gate_proj.weight", "model.layers.{i}.mlp.experts.{e}.up_proj.weight"),
+     "gated", "none"),
+    (LAYER + r"mlp\.experts\.local_experts\.(\d+)\.linear_fc2\.weight",
+     ("model.layers.{i}.mlp.experts.{e}.down_proj.weight",), "copy", "none"),
+    # grouped GEMM (TEGroupedMLP): one TE GroupedLinear per projection holding local expert j as `weight{j}`, the
+    # same [out, in] tensor SequentialMLP's expert j holds (fc1 = [gate_j; up_j] [2F, H], fc2 = down_j [H, F])
+    (LAYER + r"mlp\.experts\.linear_fc1\.weight(\d+)",
+     ("model.layers.{i}.mlp.experts.{e}.gate_proj.weight", "model.layers.{i}.mlp.experts.{e}.up_proj.weight"),
+     "gated", "none"),
+    (LAYER + r"mlp\.experts\.linear_fc2\.weight(\d+)",
+     ("model.layers.{i}.mlp.experts.{e}.down_proj.weight",), "copy", "none"),
+)
+
+
+@dataclass(frozen=True)
+class Router:
+    """How an MoE family routes a token: what Routing Replay records and replays, and the routing metrics compare.
+
+    score_function: what turns the router logits into scores ("softmax" over all experts).
+    selection: how the top-k experts are chosen ("topk": the k largest logits; with softmax scores the same as the
+      k largest scores, which is why routing churn / drift / agreement compare top-k of the logits).
+    normalize_topk: the selected experts' weights are renormalised to sum to 1 (a softmax over the k selected
+      logits); otherwise each weight is that expert's softmax probability over all experts."""
+
+    score_function: str = "softmax"
+    selection: str = "topk"
+    normalize_topk: bool = False
+
+    def megatron_options(self) -> dict[str, Any]:
+        """Megatron TransformerConfig keywords of this router."""
+        # pre_softmax=False: softmax over the k selected logits == renormalised top-k probs
+        return dict(moe_router_score_function=self.score_function, moe_router_pre_softmax=not self.normalize_topk)
+
+
+class Family:
+    """A dense Llama-like decoder family. Subclasses set the class attributes that differ and override methods for
+    config keys read another way."""
+
+    model_type: str = ""                       # HF config.json `model_type`
+    aliases: tuple[str, ...] = ()              # other model_types whose checkpoints are this family
+    engine_class: str = ""                     # the class vLLM loads (config.json `architectures[0]`)
+    qkv_bias: bool = False                     # q/k/v projections have biases that no config key announces
+    qk_norm: bool = False                      # RMSNorm on each head's queries and keys (Megatron's qk_layernorm)
+    normalization: str = "RMSNorm"
+    moe: bool = False                          # has routed experts (MoE layers where moe_layers says)
+    lora_targets: tuple[str, ...] = DENSE_LORA_TARGETS
+    name_rules: tuple[tuple[str, tuple[str, ...], str, str], ...] = LLAMA_NAME_RULES   # Megatron <-> HF names
+    # HF tensor names that differ from the Qwen-style names of weights.bridge's rules, applied in order to expert
+    # and router names (dense names, attention, norms and embeddings, are the same in every family here)
+    hf_renames: tuple[tuple[str, str], ...] = ()
+
+    def __repr__(self) -> str:
+        return f"<family {self.model_type}>"
+
+    # ---- the HF config keys read --------------------------------------------------------------------------------
+    def num_experts(self, cfg: dict) -> int:
+        """Routed experts per MoE layer (0: dense)."""
+        return int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+
+    def moe_layers(self, cfg: dict, num_layers: int) -> tuple[int, ...]:
+        """Indices of the layers whose MLP is MoE (Qwen3-MoE's `mlp_only_layers` / `decoder_sparse_step`)."""
+        if not (cfg.get("num_experts") or cfg.get("num_local_experts")):
+            return ()
+        step, dense = cfg.get("decoder_sparse_step", 1), set(cfg.get("mlp_only_layers") or [])
+        return tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
+
+    def moe_ffn_hidden_size(self, cfg: dict) -> int:
+        """One expert's MLP width (Mixtral's experts have the dense width; Qwen3-MoE names its own)."""
+        return int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
+
+    def norm_topk_prob(self, cfg: dict) -> bool:
+        """Whether the selected experts' probabilities are renormalised (config.json `norm_topk_prob`)."""
+        return bool(cfg.get("norm_topk_prob", False))
+
+    def rope_theta(self, cfg: dict) -> float:
+        """RoPE base; only default RoPE (transformers 5 keeps it in rope_parameters, 4.x at the top level)."""
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind not in ("default", None):
+            raise ValueError(f"config.json rope type {kind!r} is not supported (only default RoPE)")
+        return float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+
+    def sliding_window(self, cfg: dict) -> bool:
+        """Whether the config turns sliding-window attention on (Qwen's configs carry `sliding_window` unused)."""
+        return bool(cfg.get("use_sliding_window"))
+
+    # ---- the HF config keys refused -----------------------------------------------------------------------------
+    def refuse_unsupported(self, cfg: dict, hf_dir) -> None:
+        """Features the Megatron config below cannot express would give silently wrong numbers: refuse them."""
+        where = f"{hf_dir}/config.json"
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"{where}: hidden_act {cfg['hidden_act']!r} not supported (only silu)")
+        if cfg.get("shared_expert_intermediate_size"):
+            raise ValueError(f"{where}: shared experts are not supported")
+        if self.sliding_window(cfg):
+            raise ValueError(f"{where}: sliding-window attention is not supported")
+        if cfg.get("attention_bias") or cfg.get("mlp_bias"):  # (qwen2's q/k/v biases are implied, not configured)
+            raise ValueError(f"{where}: attention_bias/mlp_bias are not supported")
+        # attention by segment (trainer/attention/segment_attention.py) computes plain softmax attention over whole
+        # segments
+        for key, what in (("layer_types", "per-layer attention types (sliding / full)"),
+                          ("sliding_window_pattern", "sliding-window attention"),
+                          ("attention_sink_size", "attention sinks"), ("use_sink", "attention sinks"),
+                          ("kv_lora_rank", "multi-latent attention"), ("q_lora_rank", "multi-latent attention")):
+            value = cfg.get(key)
+            if value and not (key == "layer_types" and set(value) <= {"full_attention"}):
+                raise ValueError(f"{where}: {key} ({what}) is not supported: the trainer's attention covers full "
+                                 "causal softmax attention only")
+
+    # ---- Megatron ---------------------------------------------------------------------------------------------
+    def router(self, spec: ModelSpec) -> Router | None:
+        """The family's router for this model (None: dense)."""
+        return None
+
+    def transformer_options(self, spec: ModelSpec) -> dict[str, Any]:
+        """The Megatron TransformerConfig keywords that state this family's maths (the parallel layout, dtypes and
+        kernel fusions are model.build_transformer_config's), its router's included for an MoE model."""
+        import torch.nn.functional as F
+
+        options = dict(normalization=self.normalization, layernorm_epsilon=spec.extra["rms_norm_eps"],
+                       gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+                       add_qkv_bias=spec.qkv_bias, qk_layernorm=spec.qk_norm)
+        router = self.router(spec) if spec.is_moe else None
+        return options | (router.megatron_options() if router is not None else {})
+
+    # ---- HF names -----------------------------------------------------------------------------------------------
+    def hf_name(self, name: str) -> str:
+        """A Qwen-style HF tensor name (weights.bridge's rules) -> this family's name for the same tensor."""
+        if not self.hf_renames or (".experts." not in name and ".mlp.gate.weight" not in name):
+            return name
+        for old, new in self.hf_renames:
+            name = name.replace(old, new)
+        return name
+
+    # ---- the engine -----------------------------------------------------------------------------------------------
+    def engine_routes_shape(self, config) -> tuple[int, int, int] | None:
+        """(MoE layers, top-k, experts) of the routes a vLLM engine returns, from transformers' config object of
+        this model as vLLM's model code reads it; None for a dense family."""
+        return None
+
+
+class MoEFamily(Family):
+    """A family with routed experts: softmax router, plain top-k, renormalised when `norm_topk_prob`."""
+
+    moe = True
+
+    def router(self, spec: ModelSpec) -> Router:
+        return Router(normalize_topk=spec.extra["norm_topk_prob"])
