@@ -282,7 +282,10 @@ def _score(model, inner, inputs: Tensor, position_ids: Tensor, segs: Segments, s
             hidden = model(inputs, position_ids, segs)[0]
         return linear_logprobs(hidden, weights[0], labels, vocab_size, temperature=temperature,
                                with_entropy=with_entropy, head_dtype=head_dtype)
-    upcast = upcasts_head(head_dtype, inner.output_layer.weight.dtype)
+    head_weight = inner.output_layer.weight
+    if head_weight is None:  # tied embeddings: GPTModel hands the layer the embedding's weight
+        head_weight = inner.shared_embedding_or_output_weight()
+    upcast = upcasts_head(head_dtype, head_weight.dtype)
     logits = _scored_logits(model, inner, inputs, position_ids, segs, seq_idx, batch_idx, upcast)
     return _logits_logprobs(logits, labels, vocab_size, with_entropy, temperature)
 
