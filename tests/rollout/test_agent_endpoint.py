@@ -113,6 +113,11 @@ async def solve(client, task):
         prompt = task["prompt"] + first.choices[0].text + "1"
         await client.completions.create(model=task["model"], prompt=prompt, max_tokens=2)
         return 0.5
+    if mode == "split":  # the second call rewrites the history: a new sample starts from its rendering
+        await client.chat.completions.create(**ask)
+        ask["messages"] = [{"role": "user", "content": "9+9="}]
+        await client.chat.completions.create(**ask)
+        return 0.75
     if mode == "turns":
         for _ in range(3):  # max_turns 2: the third call is refused, the episode ends "length"
             try:
@@ -140,10 +145,13 @@ def test_failures_end_only_their_own_episode(setup, tmp_path, monkeypatch):
     runner = AgentRunner(engine, cfg, tok, SAMPLING)
     out = {}
     try:  # episodes alternate over the 2 processes: the second batch's process 1 hosts "block" and "ok_killed"
-        for modes in (["dict", "top_k", "raise", "temperature", "turns", "model", "text"], ["ok", "block", "hang", "ok_killed"]):
+        for modes in (["dict", "top_k", "raise", "temperature", "turns", "model", "text", "split"], ["ok", "block", "hang", "ok_killed"]):
             out.update({s.prompt_uid.split("-", 1)[1]: s for s in runner.run(_prompts(modes), 1, seed=0)})
             assert runner.metrics["rollout/agent_procs_killed"] == (1 if "block" in modes else 0), \
                 {m: s.failed for m, s in out.items()}
+            if "split" in modes:
+                assert runner.metrics["rollout/agent_history_splits"] == 1
+                assert runner.metrics["rollout/agent_split_tokens"] >= 1  # the first part's reply, left out
     finally:
         runner.close()
     assert out["ok"].failed is None and out["ok"].reward == 1.0 and out["ok"].finish_reason == "stop"
@@ -163,6 +171,9 @@ def test_failures_end_only_their_own_episode(setup, tmp_path, monkeypatch):
     assert turns.failed is None and turns.finish_reason == "length" and turns.reward == 0.25
     assert turns.reward_info["agent/refused_turn"] == 1.0 and turns.reward_info["turns"] == 2
     assert turns.loss_mask.count(0) > 0  # the second call's new user message, rendered and masked
+    split = out["split"]  # the episode's sample is the part after the split: prompt "9+9=", one model turn
+    assert split.failed is None and split.reward == 0.75 and split.reward_info["agent_history_splits"] == 1
+    assert split.prompt_ids == tok.encode("9+9=", add_special_tokens=False) and split.loss_mask == [1] * split.num_tokens
     text = out["text"]
     assert text.failed is None and text.reward == 0.5 and text.reward_info["turns"] == 2
     assert text.loss_mask.count(0) == 1 and text.reward_info["agent_history_splits"] == 0  # "1": rendered, masked
