@@ -82,6 +82,10 @@ class JobConfig(Strict):
             p = getattr(self.data, name)
             if p is not None and not Path(p).exists():
                 raise ValueError(f"data.{name}: {missing_path_message(p)}")
+        if self.rollout.agent is not None and self.data.apply_chat_template:
+            raise ValueError("data.apply_chat_template with rollout.agent: the agent's messages are rendered by the "
+                             "endpoint's chat template; set data.apply_chat_template false (task['prompt'] is the "
+                             "row's prompt text)")
         partial = self.rollout.partial
         if partial is not None:
             if self.rollout.multi_turn is not None:

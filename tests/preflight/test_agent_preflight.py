@@ -83,7 +83,8 @@ def test_a_good_agent_passes_after_a_dry_episode(job):
     ({"rollout": {"multi_turn": {"env": "gspo_ray.envs.guess:GuessNumberEnv"}}},
      "rollout.agent and rollout.multi_turn are both set"),
     ({"rollout": {"partial": {"segment_tokens": 4}}}, "rollout.partial cannot be combined with rollout.agent yet"),
-    ({"trainer": {"routing_replay": "R3"}}, "trainer.routing_replay 'R3' cannot be combined with rollout.agent")])
+    ({"trainer": {"routing_replay": "R3"}}, "trainer.routing_replay 'R3' cannot be combined with rollout.agent"),
+    ({"data": {"apply_chat_template": True}}, "data.apply_chat_template with rollout.agent")])
 def test_what_agent_episodes_cannot_do_yet_is_refused(job, tmp_path, extra, expected):
     cfg = yaml.safe_load(open(job({"fn": "pf_agents:good"})))
     for section, values in extra.items():
