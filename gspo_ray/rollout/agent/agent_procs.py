@@ -1,10 +1,10 @@
 """Where agents run: killable child processes of the rollout worker, many episodes at once in each (asyncio).
 
     procs = AgentProcs("my_pkg.agents:solve", {"max_calls": 2}, num_procs=2, events=endpoint.requests)
-    procs.start_episode(child_index, episode_id, url, key, task, timeout_s)
+    procs.start_episode(child_index, episode_id, url, key, task, timeout_s)    # procs.serial(child_index): its id
     # events: ("agent_started" | "agent_done", episode_id[, value]) | ("agent_error", episode_id, reason)
-    #         | ("agent_proc_dead", child index, why)
-    procs.kill(child_index, why); procs.close()
+    #         | ("agent_proc_dead", child serial, why)
+    procs.kill(child_serial, why); procs.close()
 
 Each child (`child_procs.spawn_child`, niced, dies with its parent) imports the agent once and runs every episode
 it is given as an asyncio task: `await asyncio.wait_for(fn(client, task, **kwargs), timeout_s)` with
@@ -15,6 +15,7 @@ too (`agent_proc_dead`).
 """
 from __future__ import annotations
 
+import itertools
 import pickle
 import queue
 import threading
@@ -24,8 +25,10 @@ from gspo_ray.rollout.child_procs import child_env, end_children, enter_child, k
 
 
 class _Child:
+    _serials = itertools.count()  # a replaced child's late events are told apart from its successor's
+
     def __init__(self, index: int, init: tuple, events: queue.Queue):
-        self.index, self.events = index, events
+        self.index, self.events, self.serial = index, events, next(self._serials)
         self.popen, self.send, self.recv = spawn_child("gspo_ray.rollout.agent.agent_procs:child_main", child_env())
         self.send.send(init)
         self.dead: str | None = None
@@ -38,12 +41,12 @@ class _Child:
                 msg = self.recv.recv()
             except (EOFError, OSError):
                 self.dead = self.killed_why or f"agent process died (exit code {self.popen.poll()})"
-                self.events.put(("agent_proc_dead", self.index, self.dead))
+                self.events.put(("agent_proc_dead", self.serial, self.dead))
                 self.recv.close()
                 return
             if msg[0] == "init_error":
                 self.dead = msg[1]
-                self.events.put(("agent_proc_dead", self.index, msg[1]))
+                self.events.put(("agent_proc_dead", self.serial, msg[1]))
             elif msg[0] in ("agent_started", "agent_done", "agent_error"):
                 self.events.put(msg)
 
@@ -60,10 +63,14 @@ class AgentProcs:
     def replace_dead(self) -> None:
         """A fresh child in place of each dead one (call between batches: a dead child hosts no live episode)."""
         for i, c in enumerate(self.children):
-            if c.dead is not None:
+            if c.dead is not None or c.popen.poll() is not None:
                 if c.popen.poll() is None:
                     kill_child(c.popen, c.send)
                 self.children[i] = _Child(i, self._init, self.events)
+
+    def serial(self, index: int) -> int:
+        """The serial of the child now at `index` (what its `agent_proc_dead` event carries)."""
+        return self.children[index].serial
 
     def start_episode(self, index: int, episode_id: str, url: str, key: str, task: dict, timeout_s: float) -> None:
         child = self.children[index]
@@ -72,10 +79,10 @@ class AgentProcs:
         except (OSError, ValueError) as e:
             self.events.put(("agent_error", episode_id, f"agent process unreachable: {e}"))
 
-    def kill(self, index: int, why: str) -> None:
+    def kill(self, serial: int, why: str) -> None:
         """Kill a child whose episode blocked it; its reader then reports `agent_proc_dead` with `why`."""
-        c = self.children[index]
-        if c.dead is None and c.popen.poll() is None:
+        c = next((c for c in self.children if c.serial == serial), None)
+        if c is not None and c.dead is None and c.popen.poll() is None:
             c.killed_why = why
             self.killed += 1
             kill_child(c.popen, c.send)

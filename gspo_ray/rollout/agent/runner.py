@@ -79,24 +79,24 @@ class AgentRunner:
         self.procs.replace_dead()
         killed_before, refused_before = self.procs.killed, self.endpoint.refused
         run_id = next(self._run_ids)
-        episodes: list[tuple[Prompt, int, AgentEpisode, int]] = []  # prompt, index, episode, child
+        episodes: list[tuple[Prompt, int, AgentEpisode, int]] = []  # prompt, index, episode, its child's serial
         outcome: dict[str, tuple[float, dict]] = {}
         for k, (p, j) in enumerate((p, j) for p in prompts for j in range(n)):
             ep = AgentEpisode(f"r{run_id}-{k}", EpisodeTranscript(self.renderer, self.eos_token_ids),
                               None if seed is None else (seed, zlib.crc32(p.uid.encode()), j),
                               self.cfg.max_turns, self.cfg.max_total_tokens)
-            child = k % len(self.procs.children)
+            child = self.procs.serial(k % len(self.procs.children))
             episodes.append((p, j, ep, child))
             self.endpoint.episodes[ep.id] = ep
         deadline = {}
         try:
-            for p, j, ep, child in episodes:
+            for k, (p, j, ep, _) in enumerate(episodes):
                 task = {"uid": p.uid, "index": j, "prompt": p.text if p.text is not None else
                         self.renderer.decode(p.prompt_ids), "reference": p.reference, "meta": dict(p.meta),
                         "model": SERVED_MODEL}
                 deadline[ep.id] = time.monotonic() + START_TIMEOUT_S + self.cfg.episode_timeout_s
-                self.procs.start_episode(child, ep.id, self.endpoint.episode_url(ep), ep.key, task,
-                                         self.cfg.episode_timeout_s)
+                self.procs.start_episode(k % len(self.procs.children), ep.id, self.endpoint.episode_url(ep), ep.key,
+                                         task, self.cfg.episode_timeout_s)
             self._loop(episodes, outcome, deadline, version, stop_event)
         finally:
             for _, _, ep, _ in episodes:
@@ -184,9 +184,9 @@ class AgentRunner:
     def _on_agent_event(self, event: tuple, by_id: dict, outcome: dict, pending: set) -> None:
         kind = event[0]
         if kind == "agent_proc_dead":
-            index, why = event[1], event[2]
+            serial, why = event[1], event[2]
             for ep, child in by_id.values():
-                if child == index and ep.id in pending:
+                if child == serial and ep.id in pending:
                     ep.end(FINISH_AGENT_ERROR, why)
                     pending.discard(ep.id)
             return
