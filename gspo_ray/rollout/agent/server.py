@@ -118,29 +118,11 @@ class AgentEndpoint:
 
         @app.post("/ep/{episode_id}/v1/chat/completions")
         async def chat_completions(episode_id: str, request: Request):
-            try:
-                episode = self._own_episode(episode_id, request.headers.get("authorization", ""))
-                try:
-                    body = await request.json()
-                except ValueError:
-                    raise RequestError("the request body is not JSON") from None
-                return JSONResponse(await self._chat(episode, body))
-            except RequestError as e:
-                self.refused += 1
-                return JSONResponse(e.body(), status_code=e.status)
+            return await self._serve(episode_id, request, self._chat)
 
         @app.post("/ep/{episode_id}/v1/completions")
         async def completions(episode_id: str, request: Request):
-            try:
-                episode = self._own_episode(episode_id, request.headers.get("authorization", ""))
-                try:
-                    body = await request.json()
-                except ValueError:
-                    raise RequestError("the request body is not JSON") from None
-                return JSONResponse(await self._text(episode, body))
-            except RequestError as e:
-                self.refused += 1
-                return JSONResponse(e.body(), status_code=e.status)
+            return await self._serve(episode_id, request, self._text)
 
         @app.get("/ep/{episode_id}/v1/models")
         async def models(episode_id: str, request: Request):
@@ -151,6 +133,29 @@ class AgentEndpoint:
             return {"object": "list", "data": [{"id": SERVED_MODEL, "object": "model", "owned_by": "gspo-ray"}]}
 
         return app
+
+    async def _serve(self, episode_id: str, request: Request, handle) -> JSONResponse:
+        """Answer one call of an episode; a refused or failed call ends the episode (a limit reached ended it
+        first, with finish_reason "length"), a call with another episode's id or key leaves that episode alone."""
+        try:
+            episode = self._own_episode(episode_id, request.headers.get("authorization", ""))
+        except RequestError as e:
+            self.refused += 1
+            return JSONResponse(e.body(), status_code=e.status)
+        try:
+            try:
+                body = await request.json()
+            except ValueError:
+                raise RequestError("the request body is not JSON") from None
+            return JSONResponse(await handle(episode, body))
+        except RequestError as e:
+            self.refused += 1
+            episode.end(FINISH_AGENT_ERROR, f"refused request: {e.param or 'request'}: {e.message}")
+            return JSONResponse(e.body(), status_code=e.status)
+        except Exception as e:  # the endpoint's own failure on this call (a template, a tool parser): its episode
+            episode.end(FINISH_AGENT_ERROR, f"the endpoint failed on this call: {type(e).__name__}: {e}")
+            return JSONResponse(RequestError(f"{type(e).__name__}: {e}", None, 500, "internal_error",
+                                             "server_error").body(), status_code=500)
 
     def _own_episode(self, episode_id: str, authorization: str) -> AgentEpisode:
         episode = self.episodes.get(episode_id)
@@ -217,9 +222,6 @@ class AgentEndpoint:
         except _Limit as e:
             episode.end(FINISH_LENGTH)
             raise e.error from None
-        except RequestError as e:
-            episode.end(FINISH_AGENT_ERROR, f"refused request: {e.param or 'request'}: {e.message}")
-            raise
         seed = None
         if episode.seed_parts is not None:
             from gspo_ray.rollout.engine import mix_seed
