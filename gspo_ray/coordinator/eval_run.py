@@ -65,7 +65,7 @@ class LocalRollout:
         quiet_tokenizerless_engine()
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # as in training: the summary, not vLLM's start-up
         self.worker = RolloutWorker(0, str(model_dir), cfg, str(work_dir), reward_runner=cfg.reward)
-        self.multi_turn = cfg.multi_turn is not None
+        self.multi_turn = cfg.multi_turn is not None or cfg.agent is not None  # episodes: run_episodes
 
     def generate(self, prompts, n: int, temperature: float | None = None):
         from gspo_ray.coordinator.rollout_pool import assemble_groups

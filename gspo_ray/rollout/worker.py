@@ -108,7 +108,7 @@ class RolloutWorker:
         self._lock = threading.Lock()  # one engine operation at a time
         self._paused = threading.Event()
         self._env_host, self._env_host_key = None, None  # multi-turn env processes, built on first use
-        self._agent_runner = None  # rollout.agent's endpoint and agent processes, built on first use
+        self._agent_runners: dict = {}  # rollout.agent's endpoint and processes per sampling, built on first use
         # prompts of aborted samples, to score them when continued here without `prompts`; bounded, because a
         # pool may continue a group on another worker and this entry is then never claimed
         self._unfinished: OrderedDict[str, Prompt] = OrderedDict()
@@ -212,12 +212,11 @@ class RolloutWorker:
 
         sampling = self.sampling if temperature is None else dataclasses.replace(self.sampling,
                                                                                    temperature=temperature)
-        runner = self._agent_runner
-        if runner is None or runner.sampling != sampling:  # the endpoint accepts exactly the sampling it serves
-            if runner is not None:
-                runner.close()
-            runner = self._agent_runner = AgentRunner(self.engine, self.cfg.agent, load_tokenizer(self.model_path),
-                                                      sampling)
+        key = (sampling.temperature, sampling.top_p)  # an endpoint accepts exactly the sampling it serves
+        runner = self._agent_runners.get(key)
+        if runner is None:  # training's and evaluation's (greedy) sampling: one each, kept
+            runner = self._agent_runners[key] = AgentRunner(self.engine, self.cfg.agent,
+                                                            load_tokenizer(self.model_path), sampling)
         with self._lock:
             self._check_usable()
             self._wake(["weights", "kv_cache"])
@@ -417,6 +416,6 @@ class RolloutWorker:
                 self.reward_runner.close()
             if self._env_host is not None:
                 self._env_host.close()
-            if self._agent_runner is not None:
-                self._agent_runner.close()
+            for runner in self._agent_runners.values():
+                runner.close()
             self.engine.shutdown()

@@ -54,14 +54,16 @@ def test_worker_runs_agent_episodes_as_groups(setup):
         assert s.failed is None and s.reward >= 0.0 and len(s.token_rewards) == s.num_tokens
         assert s.versions == [worker.current_version()] * s.num_tokens and s.worker_id == 0
     assert worker.last_metrics()["rollout/episodes"] == 4
-    pids = worker._agent_runner.procs.pids  # kept for the next batch
+    pids = next(iter(worker._agent_runners.values())).procs.pids  # kept for the next batch
     worker.pause()
     try:
         paused = worker.run_episodes(prompts, n=2)
     finally:
         worker.resume()
     assert all(s.finish_reason == "interrupted" and s.failed.startswith("interrupted") for s in paused)
-    assert worker._agent_runner.procs.pids == pids
+    assert next(iter(worker._agent_runners.values())).procs.pids == pids
+    greedy = worker.run_episodes(prompts, n=1, temperature=0.0)  # evaluation's sampling: an endpoint of its own
+    assert all(s.failed is None for s in greedy) and len(worker._agent_runners) == 2
 
 
 def test_calculator_agent_equals_the_native_environment(setup):
