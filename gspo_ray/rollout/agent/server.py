@@ -90,7 +90,8 @@ class AgentEndpoint:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", 0))
-        config = uvicorn.Config(self.build_app(), log_level="warning", lifespan="off", access_log=False)
+        config = uvicorn.Config(self.build_app(), log_level="warning", lifespan="off", access_log=False,
+                                timeout_graceful_shutdown=1)  # an agent's open connection never holds up a stop
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True,
                                         name="agent-endpoint")
