@@ -54,7 +54,8 @@ def limit_rows(work: dict[str, tuple[float, float]], measured_s: dict[str, float
     return rows
 
 
-def _best_of(fn, reps: int) -> float:
+def best_of(fn, reps: int) -> float:
+    """Seconds of the fastest of `reps` calls of fn after one warm-up call (a shared host's waits excluded)."""
     fn()  # warm-up
     best = float("inf")
     for _ in range(reps):
@@ -79,14 +80,14 @@ def measure_peaks(threads: int = 2, n: int = 2048, copy_mib: int = 256, reps: in
             # per 2048^2 product here) its rate is reported from that size instead of the full probe
             small = min(n, 512)
             a, b = torch.randn(small, small, dtype=dtype), torch.randn(small, small, dtype=dtype)
-            rate = 2 * small ** 3 / _best_of(lambda: torch.mm(a, b), 1) / 1e9
+            rate = 2 * small ** 3 / best_of(lambda: torch.mm(a, b), 1) / 1e9
             if 2 * n ** 3 / (rate * 1e9) <= max_probe_s:
                 a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-                rate = 2 * n ** 3 / _best_of(lambda: torch.mm(a, b), reps) / 1e9
+                rate = 2 * n ** 3 / best_of(lambda: torch.mm(a, b), reps) / 1e9
             out[key] = rate
         src = torch.ones(copy_mib * 2 ** 20 // 4)
         dst = torch.empty_like(src)
-        out["copy_gbs"] = 2 * src.numel() * 4 / _best_of(lambda: dst.copy_(src), reps) / 1e9
+        out["copy_gbs"] = 2 * src.numel() * 4 / best_of(lambda: dst.copy_(src), reps) / 1e9
         return out
     finally:
         torch.set_num_threads(before)

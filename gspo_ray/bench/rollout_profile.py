@@ -28,7 +28,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from gspo_ray.bench.common import SMOLLM2_RECIPE, table_head
-from gspo_ray.bench.limits import measure_peaks, phase_work
+from gspo_ray.bench.limits import best_of, measure_peaks, phase_work
 
 MODEL_DIR = Path("runs/models/smollm2-135m-instruct")
 
@@ -79,13 +79,7 @@ def decode_matmul_rate(hf, batch: int, reps: int = 3) -> float:
         for w in weights:
             torch.nn.functional.linear(xs[w.shape[1]], w)
 
-    sweep()  # warm-up
-    best = float("inf")
-    for _ in range(reps):
-        start = time.perf_counter()
-        sweep()
-        best = min(best, time.perf_counter() - start)
-    return flops / best / 1e9
+    return flops / best_of(sweep, reps) / 1e9
 
 
 class PhaseTimers:
