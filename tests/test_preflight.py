@@ -210,7 +210,7 @@ def test_env_reset_return_type_is_checked(tmp_path, plugins):
 def test_multi_line_config_errors_are_one_line_each(tmp_path):
     job = write_job(tmp_path, {"trainer": {"lrr": 1e-3, "dtype": "fp16"}})
     result, _ = invoke("config", "validate", job)
-    err = assert_clean_user_error(result, "did you mean 'lr'?", "'float32' or 'bfloat16' (got 'fp16')")
+    err = assert_clean_user_error(result, "did you mean 'lr'?", "'float32', 'bfloat16' or 'auto' (got 'fp16')")
     assert [line.split(": ")[2] for line in err.strip().splitlines()] == ["trainer.dtype", "trainer.lrr"]
 
 
