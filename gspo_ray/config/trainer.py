@@ -64,6 +64,36 @@ class TrainerConfig(Strict):
         "(Megatron's distributed optimizer, ZeRO-1): each rank holds and checkpoints 1/DP of it. None = auto: on "
         "when DP = num_workers / tp > 1, off at DP 1 (where it shards nothing). Checkpoints load into any DP / TP / "
         "EP layout either way, and live `scale trainer N` and in-job recovery reshard it")
+    recompute: Literal["none", "selective", "full"] = Field(
+        "none", description="activation recomputation, trading compute for memory (docs/scale.md, 'Memory'): "
+        "none = every layer keeps its activations from forward to backward; selective = the modules of "
+        "trainer.recompute_modules keep their inputs only and run again in the backward (Megatron's selective "
+        "granularity; the core attention's by segment call is checkpointed by the trainer itself); full = the first "
+        "trainer.recompute_num_layers layers keep their input hidden states only and each runs its forward again "
+        "in its backward (~1 more forward a step; trainer/recompute.py: Megatron's full granularity cannot carry "
+        "attention by segment's record). Where the attention is recomputed whole, its completion calls are not "
+        "checkpointed again inside: one recompute, not two. The step is bit for bit the same. Not with "
+        "routing_replay or routing_noise at full, nor with trainer.lora at selective")
+    recompute_num_layers: int | None = Field(None, ge=1, description="trainer.recompute full: how many layers, "
+                                             "from the first, are recomputed (Megatron's recompute_method block); "
+                                             "None = all")
+    recompute_modules: list[Literal["core_attn", "layernorm", "mlp", "moe", "moe_act"]] | None = Field(
+        None, description="trainer.recompute selective: what is recomputed (Megatron's recompute_modules). None = "
+        "core_attn, layernorm, mlp: attention by segment's whole call, the two norms (with Transformer Engine "
+        "layers only: megatron-core 0.16.1 needs TE there), dense MLPs; an MoE layer's experts are kept unless "
+        "`moe` (the whole MoE layer, its all-to-alls included) or `moe_act` (the experts' activation, with grouped "
+        "GEMM only) is listed")
+    optimizer_cpu_offload: bool = Field(False, description="keep the optimizer state (fp32 main weights, Adam "
+                                        "moments) in host memory and step it on the CPU (Megatron's "
+                                        "optimizer_cpu_offload, with the distributed optimizer, which it turns "
+                                        "on): frees 12 bytes a parameter / DP of GPU memory. CUDA only (refused "
+                                        "on a CPU pool, where the state is in host memory already); not yet run "
+                                        "on a GPU")
+    device_memory_gb: float | None = Field(None, gt=0, description="memory of one trainer device, GiB, that the "
+                                           "memory plan must fit (gspo-ray plan; the preflight refuses a layout "
+                                           "that does not fit). None = detected: the GPU's total memory on CUDA; on "
+                                           "a CPU pool the host's memory shared by the trainer ranks on it (a "
+                                           "warning only there)")
     moe_dispatcher: Literal["alltoall", "allgather"] = Field("alltoall", description="MoE token dispatcher")
     use_te: Literal["auto"] | bool = Field("auto", description="Transformer Engine layers (its fused linears and "
                                            "norms; attention stays ours, by segment): auto = when CUDA is there and "
@@ -129,6 +159,19 @@ class TrainerConfig(Strict):
         if self.routing_noise and self.routing_replay != "none":
             raise ValueError("trainer.routing_noise measures what Routing Replay would remove; with routing_replay "
                              f"{self.routing_replay!r} the training forwards already hold routing: set one of them")
+        if self.recompute == "full":
+            for field, on in (("routing_replay", self.routing_replay != "none"), ("routing_noise", self.routing_noise)):
+                if on:  # the rerun of a layer would route afresh, not as the replay records say
+                    raise ValueError(f"trainer.recompute: full cannot run beside trainer.{field} (each layer's rerun "
+                                     "in the backward routes afresh, not as recorded); use recompute: selective or "
+                                     "none")
+        if self.recompute == "selective" and self.lora is not None:
+            raise ValueError("trainer.recompute: selective cannot run beside trainer.lora (Megatron's recomputed "
+                             "module whose input needs no gradient gives its adapters none); use recompute: full "
+                             "or none")
+        if self.recompute_modules is not None and self.recompute != "selective":
+            raise ValueError(f"trainer.recompute_modules is read with trainer.recompute: selective only, not "
+                             f"{self.recompute!r}")
         if self.num_workers % self.tp:
             raise ValueError(f"trainer.tp ({self.tp}) must divide trainer.num_workers ({self.num_workers})")
         if self.num_workers % self.ep:

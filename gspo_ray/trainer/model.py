@@ -32,12 +32,39 @@ from gspo_ray.trainer.model_spec import ModelSpec, read_hf_config, spec_from_hf_
 from gspo_ray.trainer.weights.param_names import LayerKinds
 from gspo_ray.trainer.attention.segment_attention import Segments, attend_rows, unsupported
 from gspo_ray.trainer.attention.te_attention import thd_attend_rows
+from gspo_ray.trainer.recompute import checkpoint_layers, recomputed
 
 
-def build_transformer_config(spec: ModelSpec, grouped_gemm: bool = False):
+RECOMPUTE_MODES = ("none", "selective", "full")
+SELECTIVE_MODULES = ("core_attn", "layernorm", "mlp")  # trainer.recompute_modules' default
+# modules Megatron recomputes only with Transformer Engine layers (its CheckpointWithoutOutput reads TE's FP8 state;
+# moe_act needs grouped GEMM experts): dropped from the list on the local spec
+TE_ONLY_MODULES = ("layernorm", "moe_act")
+
+
+def selective_modules(modules=None, te: bool = False, grouped_gemm: bool = False) -> list[str]:
+    """trainer.recompute_modules (None: SELECTIVE_MODULES) less what cannot run on these layers (TE_ONLY_MODULES
+    without TE, moe_act without grouped GEMM)."""
+    return [m for m in (modules if modules is not None else SELECTIVE_MODULES)
+            if m not in TE_ONLY_MODULES or (te and (m != "moe_act" or grouped_gemm))]
+
+
+def recompute_options(recompute: str = "none", modules=None, te: bool = False, grouped_gemm: bool = False) -> dict:
+    """trainer.recompute -> Megatron TransformerConfig keywords: selective -> Megatron's selective granularity over
+    selective_modules() less core_attn, which SegmentAttention recomputes itself (trainer/recompute.py says why);
+    full (checkpoint_layers, trainer/recompute.py) and none -> {}."""
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"trainer.recompute {recompute!r}; valid: {', '.join(RECOMPUTE_MODES)}")
+    megatron_modules = [m for m in selective_modules(modules, te, grouped_gemm) if m != "core_attn"]
+    if recompute == "selective" and megatron_modules:
+        return dict(recompute_granularity="selective", recompute_modules=megatron_modules)
+    return {}
+
+
+def build_transformer_config(spec: ModelSpec, grouped_gemm: bool = False, recompute: dict | None = None):
     """ModelSpec -> Megatron TransformerConfig: the family's maths (`Family.transformer_options`: norms,
     activation, biases, QK-norm, router), every fused kernel off (none exist on CPU); grouped_gemm: MoE experts by
-    grouped GEMM (TEGroupedMLP; CUDA and Transformer Engine only)."""
+    grouped GEMM (TEGroupedMLP; CUDA and Transformer Engine only); recompute: recompute_options()' keywords."""
     from megatron.core.transformer import TransformerConfig
 
     family = family_of(spec.arch)
@@ -59,7 +86,7 @@ def build_transformer_config(spec: ModelSpec, grouped_gemm: bool = False):
         tensor_model_parallel_size=spec.tp, expert_model_parallel_size=spec.ep, expert_tensor_parallel_size=1,
         sequence_parallel=spec.sequence_parallel, use_cpu_initialization=not torch.cuda.is_available(),
         params_dtype=spec.dtype, bf16=spec.dtype == torch.bfloat16, fp16=spec.dtype == torch.float16,
-        pipeline_dtype=spec.dtype, **moe)
+        pipeline_dtype=spec.dtype, **moe, **(recompute or {}))
 
 
 ATTENTION_KERNELS = ("sdpa", "te_thd")
@@ -74,8 +101,13 @@ class SegmentAttention(MegatronModule):
 
     def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
                  attention_dropout: float | None = None, softmax_scale: float | None = None,
-                 cp_comm_type: str | None = None, pg_collection=None, kernel: str = "sdpa"):
+                 cp_comm_type: str | None = None, pg_collection=None, kernel: str = "sdpa",
+                 recompute: str = "none"):
         super().__init__(config=config)
+        # recompute "call": the whole call checkpointed here (trainer.recompute selective with core_attn); "layer":
+        # the layer around it is (full). Either way the completion calls are not checkpointed again inside.
+        self.recompute = recompute
+        self._attend = recomputed(attend_rows) if recompute == "call" else attend_rows
         why = unsupported(config) or ("attention dropout" if attention_dropout else None)
         if why is not None:
             raise NotImplementedError(f"SegmentAttention does not cover {why}")
@@ -103,11 +135,12 @@ class SegmentAttention(MegatronModule):
             raise TypeError(f"SegmentAttention needs a Segments record as attention_mask, not {type(segs).__name__}")
         if self.te_kernel is not None:
             return thd_attend_rows(query, key, value, segs, self.te_kernel)
-        out = attend_rows(query, key, value, segs, self.softmax_scale)
+        out = self._attend(query, key, value, segs, self.softmax_scale,
+                           checkpoint_completions=self.recompute == "none")
         return out.reshape(out.shape[0], out.shape[1], -1)
 
 
-def _layer_spec(spec: ModelSpec, grouped_gemm: bool, moe: bool, attention: str):
+def _layer_spec(spec: ModelSpec, grouped_gemm: bool, moe: bool, attention: str, recompute: str = "none"):
     """One layer's spec: Megatron's local spec, or with use_te its Transformer Engine spec (fused linears and norms,
     named `linear_qkv.layer_norm_weight` / `linear_fc1.layer_norm_weight`: param_names.py), with our
     SegmentAttention as core attention either way. MoE experts: SequentialMLP, or with grouped_gemm TEGroupedMLP
@@ -123,18 +156,19 @@ def _layer_spec(spec: ModelSpec, grouped_gemm: bool, moe: bool, attention: str):
         layer = specs.get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False,
                                                qk_layernorm=spec.qk_norm, normalization=family.normalization)
     layer.submodules.self_attention.submodules.core_attention = ModuleSpec(module=SegmentAttention,
-                                                                           params={"kernel": attention})
+                                                                           params={"kernel": attention,
+                                                                                   "recompute": recompute})
     return layer
 
 
-def _block_spec(spec: ModelSpec, grouped_gemm: bool, attention: str):
+def _block_spec(spec: ModelSpec, grouped_gemm: bool, attention: str, recompute: str = "none"):
     """Per-layer specs: an MoE layer where the HF config has one (spec.moe_layers), a dense MLP elsewhere (Qwen3-MoE's
     mlp_only_layers / decoder_sparse_step; one spec for every layer would make them all MoE). The final norm is the
     one Megatron's block picks for a single layer spec (transformer_block.LayerNormImpl)."""
     from megatron.core.transformer.transformer_block import LayerNormImpl, TransformerBlockSubmodules
 
     is_moe = [i in spec.moe_layers for i in range(spec.num_layers)]
-    layers = {moe: _layer_spec(spec, grouped_gemm, moe, attention) for moe in set(is_moe)}
+    layers = {moe: _layer_spec(spec, grouped_gemm, moe, attention, recompute) for moe in set(is_moe)}
     return TransformerBlockSubmodules(layer_specs=[layers[moe] for moe in is_moe], layer_norm=LayerNormImpl)
 
 
@@ -171,7 +205,8 @@ def resolve_use_te(use_te) -> bool:
 
 def build_model(hf_dir: str, *, dtype: torch.dtype = torch.float32, sequence_parallel: bool | None = None,
                 moe_dispatcher: str = "alltoall", load_weights: bool = True, use_te: bool = False,
-                routing_replay: bool = False, grouped_gemm: bool | None = None, attention: str = "sdpa"):
+                routing_replay: bool = False, grouped_gemm: bool | None = None, attention: str = "sdpa",
+                recompute: str = "none", recompute_num_layers: int | None = None, recompute_modules=None):
     """HF dir -> (GPTModel on this rank's device, ModelSpec). Needs init_distributed() first.
 
     With load_weights the HF safetensors are loaded into this rank's TP/EP shards (and random init is skipped);
@@ -179,6 +214,10 @@ def build_model(hf_dir: str, *, dtype: torch.dtype = torch.float32, sequence_par
     (see routing/replay.py). grouped_gemm (MoE experts as TEGroupedMLP): None = with use_te when Transformer
     Engine has its grouped linear; True without use_te is refused. attention: the kernel of SegmentAttention,
     "sdpa" (torch, any device) or "te_thd" (Transformer Engine's fused attention in THD layout, with use_te only).
+    recompute / recompute_num_layers / recompute_modules: trainer.recompute and its fields: full checkpoints the
+    first recompute_num_layers layers (None: all; trainer/recompute.checkpoint_layers), selective runs Megatron's
+    selective modules (recompute_options) and checkpoints the core attention's whole call where core_attn is
+    chosen.
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -199,11 +238,15 @@ def build_model(hf_dir: str, *, dtype: torch.dtype = torch.float32, sequence_par
     if attention not in ATTENTION_KERNELS or attention == "te_thd" and not use_te:
         raise ValueError(f"attention kernel {attention!r}: valid {ATTENTION_KERNELS}, te_thd with use_te only")
     grouped = spec.is_moe and use_te and (te_grouped_gemm_available() if grouped_gemm is None else grouped_gemm)
-    config = build_transformer_config(spec, grouped_gemm=grouped)
+    config = build_transformer_config(spec, grouped_gemm=grouped, recompute=recompute_options(
+        recompute, recompute_modules, use_te, grouped))
+    attention_recompute = {"full": "layer", "selective": "call" if "core_attn" in selective_modules(
+        recompute_modules, use_te, grouped) else "none"}.get(recompute, "none")
     config.perform_initialization = not load_weights  # every parameter is overwritten by the loader
     config.moe_enable_routing_replay = routing_replay and spec.is_moe  # each router gets a RouterReplay
     model = GPTModel(
-        config=config, transformer_layer_spec=_block_spec(spec, grouped, attention), vocab_size=spec.padded_vocab_size,
+        config=config, transformer_layer_spec=_block_spec(spec, grouped, attention, attention_recompute),
+        vocab_size=spec.padded_vocab_size,
         max_sequence_length=spec.extra["max_position_embeddings"], pre_process=True, post_process=True,
         parallel_output=True, share_embeddings_and_output_weights=spec.tied_embeddings,
         position_embedding_type="rope", rotary_percent=1.0, rotary_base=spec.extra["rope_theta"])
@@ -214,4 +257,6 @@ def build_model(hf_dir: str, *, dtype: torch.dtype = torch.float32, sequence_par
     model.hf_vocab_size = spec.vocab_size  # forward_logprobs normalises over the real vocabulary only
     if load_weights:
         load_hf_weights(model, spec, hf_dir)
+    if recompute == "full":
+        checkpoint_layers(model, recompute_num_layers)
     return model, spec

@@ -113,9 +113,11 @@ def row_pairs(prefix: int, completions) -> int:
     return prefix * (prefix + 1) // 2 + sum(c * prefix + c * (c + 1) // 2 for c in completions)
 
 
-def attend_rows(query: Tensor, key: Tensor, value: Tensor, segs: Segments, scale: float | None = None) -> Tensor:
+def attend_rows(query: Tensor, key: Tensor, value: Tensor, segs: Segments, scale: float | None = None, *,
+                checkpoint_completions: bool = True) -> Tensor:
     """query [S, B, Hq, D], key / value [S, B, Hkv, D] (Megatron's layout) -> context [S, B, Hq, D] of `segs`
-    (see the module docstring); Hq a multiple of Hkv (GQA).
+    (see the module docstring); Hq a multiple of Hkv (GQA). checkpoint_completions False: completion calls are not
+    checkpointed here, for a caller whose attention is recomputed whole already (trainer.recompute).
 
     Rows and segments are taken with unbind / split, whose backward concatenates the pieces' gradients once (a
     slice's backward would fill a zero tensor of the whole input per slice)."""
@@ -135,7 +137,8 @@ def attend_rows(query: Tensor, key: Tensor, value: Tensor, segs: Segments, scale
         pieces, first = [], 0
         for u in units:
             n = 1 + len(segs.completions[u])
-            pieces += _attend_unit(qs[first:first + n], ks[first:first + n], vs[first:first + n], scale, gqa)
+            pieces += _attend_unit(qs[first:first + n], ks[first:first + n], vs[first:first + n], scale, gqa,
+                                   checkpoint_completions)
             first += n
         if pad:
             pieces.append(query.new_zeros(1, heads, pad, dim))
@@ -143,7 +146,7 @@ def attend_rows(query: Tensor, key: Tensor, value: Tensor, segs: Segments, scale
     return torch.stack(rows, dim=1)
 
 
-def _attend_unit(qs, ks, vs, scale: float | None, gqa: bool) -> list[Tensor]:
+def _attend_unit(qs, ks, vs, scale: float | None, gqa: bool, checkpoint_completions: bool = True) -> list[Tensor]:
     """One unit's pieces ([1, H, n, D] each: the prefix, then its completions) -> their outputs (empty pieces
     dropped): the prefix causal, each completion against [prefix ; completion] (see the module docstring)."""
     p = qs[0].shape[2]
@@ -155,7 +158,7 @@ def _attend_unit(qs, ks, vs, scale: float | None, gqa: bool) -> list[Tensor]:
         if qs[j].shape[2] == 0:
             continue
         args = (qs[j], ks[0], ks[j], vs[0], vs[j], scale, gqa)
-        if p and torch.is_grad_enabled():  # keep no gathered K/V for the backward: recompute it there
+        if p and checkpoint_completions and torch.is_grad_enabled():  # keep no gathered K/V: recompute it
             out.append(checkpoint(_segment, *args, use_reentrant=False))
         else:
             out.append(_segment(*args))

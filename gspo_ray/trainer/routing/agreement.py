@@ -22,6 +22,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+from gspo_ray.trainer.recompute import in_recompute
 from gspo_ray.trainer.routing.churn import comm_device, find_routers
 from gspo_ray.trainer.routing.drift import rows_of_group_layout
 from gspo_ray.trainer.routing.replay import gather_sequence, sp_offset
@@ -92,7 +93,7 @@ class RoutingAgreement:
 
     def _hook(self, i: int):
         def hook(module, args):
-            if self._routes is None:
+            if self._routes is None or in_recompute():
                 return
             x = args[0].detach()  # [S_local, B, H]
             s_local, k = int(x.shape[0]), module.topk

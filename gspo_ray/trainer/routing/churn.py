@@ -28,6 +28,8 @@ from gspo_ray.compat.megatron_import import megatron_core  # noqa: F401  (first:
 from megatron.core import parallel_state
 from megatron.core.transformer.moe.router import TopKRouter
 
+from gspo_ray.trainer.recompute import in_recompute
+
 _LAYER_RE = re.compile(r"layers\.(\d+)\.")
 
 
@@ -62,7 +64,7 @@ class RouterRecorder:
 
     def _hook(self, layer: int):
         def hook(module, args, output):
-            if self._phase is None:
+            if self._phase is None or in_recompute():
                 return
             hidden = args[0]  # [S_local, B, H]
             s_local, batch = int(hidden.shape[0]), int(hidden.shape[1])

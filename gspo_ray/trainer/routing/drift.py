@@ -35,6 +35,7 @@ import torch.distributed as dist
 from gspo_ray.compat.megatron_import import megatron_core  # noqa: F401  (first: megatron without torch.compile)
 from megatron.core import parallel_state
 
+from gspo_ray.trainer.recompute import in_recompute
 from gspo_ray.trainer.routing.churn import comm_device, find_routers
 from gspo_ray.trainer.routing.records import RecordStore
 from gspo_ray.trainer.routing.replay import gather_sequence, sp_offset
@@ -67,7 +68,7 @@ class RoutingDrift:
 
     def _hook(self, i: int):
         def hook(module, args):
-            if self._uids is None:
+            if self._uids is None or in_recompute():
                 return
             x = args[0].detach()  # [S_local, B, H]
             s_local, batch, k = int(x.shape[0]), int(x.shape[1]), module.topk
