@@ -132,6 +132,8 @@ class TrainerConfig(Strict):
     @property
     def distributed_optimizer(self) -> bool:
         """`use_distributed_optimizer` resolved: None means on exactly when DP > 1."""
+        if self.optimizer_cpu_offload:  # Megatron offloads the distributed optimizer's state only
+            return True
         if self.use_distributed_optimizer is not None:
             return self.use_distributed_optimizer
         return self.num_workers // self.tp > 1
@@ -169,6 +171,12 @@ class TrainerConfig(Strict):
             raise ValueError("trainer.recompute: selective cannot run beside trainer.lora (Megatron's recomputed "
                              "module whose input needs no gradient gives its adapters none); use recompute: full "
                              "or none")
+        if self.optimizer_cpu_offload and self.num_gpus_per_worker == 0:
+            raise ValueError("trainer.optimizer_cpu_offload needs GPU trainer ranks (trainer.num_gpus_per_worker > "
+                             "0): on a CPU pool the optimizer state is in host memory already")
+        if self.optimizer_cpu_offload and self.use_distributed_optimizer is False:
+            raise ValueError("trainer.optimizer_cpu_offload cannot run beside trainer.use_distributed_optimizer: "
+                             "false (Megatron offloads the distributed optimizer's state); leave it unset or true")
         if self.recompute_modules is not None and self.recompute != "selective":
             raise ValueError(f"trainer.recompute_modules is read with trainer.recompute: selective only, not "
                              f"{self.recompute!r}")

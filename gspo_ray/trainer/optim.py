@@ -102,7 +102,21 @@ def build_optimizer_config(cfg) -> OptimizerConfig:
         params_dtype=dtype,
         use_distributed_optimizer=cfg.distributed_optimizer,
         decoupled_weight_decay=True,
+        **offload_options(cfg),
     )
+
+
+def offload_options(cfg) -> dict:
+    """trainer.optimizer_cpu_offload -> OptimizerConfig keywords: Megatron's HybridDeviceOptimizer with every state
+    tensor on the CPU (offload fraction 1; its default 0 offloads nothing) and the step computed there (CPU Adam),
+    under the distributed optimizer (the config turns it on). CUDA only: the config refuses it on a CPU pool, and
+    this refuses it on a machine without CUDA. Not yet run on a GPU."""
+    if not getattr(cfg, "optimizer_cpu_offload", False):
+        return {}
+    if not torch.cuda.is_available():
+        raise ValueError("trainer.optimizer_cpu_offload needs CUDA: on a CPU the optimizer state is in host memory "
+                         "already")
+    return dict(optimizer_cpu_offload=True, optimizer_offload_fraction=1.0)
 
 
 def build_optimizer(ddp_model, cfg):

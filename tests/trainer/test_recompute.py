@@ -118,3 +118,18 @@ def test_full_recompute_refused_beside_routing_replay():
     with pytest.raises(ValidationError, match="recompute_modules is read with trainer.recompute: selective only"):
         TrainerConfig(recompute="full", recompute_modules=["mlp"])
     assert TrainerConfig(recompute="full", routing_replay="none").recompute == "full"
+
+
+def test_optimizer_offload_is_refused_on_cpu():
+    from pydantic import ValidationError
+
+    from gspo_ray.config import TrainerConfig
+    from gspo_ray.trainer.optim import build_optimizer_config
+
+    with pytest.raises(ValidationError, match="trainer.optimizer_cpu_offload needs GPU trainer ranks"):
+        TrainerConfig(optimizer_cpu_offload=True)
+    gpu = TrainerConfig(optimizer_cpu_offload=True, num_gpus_per_worker=1)
+    assert gpu.distributed_optimizer  # at DP 1 too: Megatron offloads the distributed optimizer's state
+    assert not build_optimizer_config(TrainerConfig()).optimizer_cpu_offload
+    with pytest.raises(ValueError, match="trainer.optimizer_cpu_offload needs CUDA"):  # this machine has none
+        build_optimizer_config(gpu)
