@@ -332,7 +332,7 @@ def _break_model(kind: str, d: Path, ws: Workspace, draw) -> list[str]:
     return ["rollout.max_model_len", "max_position_embeddings (256)"]
 
 
-MODEL_BREAKAGES = ["no_weights", "bin_weights_only", "truncated_weights", "missing_shard", "no_config",
+MODEL_BREAKAGES = ["bin_weights_only", "truncated_weights", "missing_shard", "no_config",
                    "config_not_json", "model_type", "architectures", "vocab_size", "tokenizer_missing",
                    "tokenizer_mismatch", "no_eos", "rope", "hidden_act", "head_size", "tensor_parallel",
                    "tokenizer_max_length", "max_model_len", "gpt2"]

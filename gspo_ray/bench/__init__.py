@@ -59,7 +59,8 @@ def seeds_for(suite: str, seeds: tuple[int, ...] | None) -> tuple[int, ...]:
 
 
 def run(suite: str = "all", *, quick: bool = False, steps: int = 6, seeds: tuple[int, ...] | None = None,
-        recipe=None, completion_tokens: int | None = None, groups: int | None = None) -> None:
+        recipe=None, completion_tokens: int | None = None, groups: int | None = None,
+        recompute: str | None = None) -> None:
     """Run one suite and print its tables. `steps` is per mode (smollm2) or per run (moe); `seeds` None gives each
     suite its default (an explicit `(0,)` runs seed 0 alone); `recipe` is the learn suite's recipe (default make
     run's)."""
@@ -106,7 +107,8 @@ def run(suite: str = "all", *, quick: bool = False, steps: int = 6, seeds: tuple
     if suite == "profile":
         from gspo_ray.bench.train_profile import run_train_profile
 
-        run_train_profile(steps=1 if quick else 2, completion_tokens=completion_tokens, groups=groups)
+        run_train_profile(steps=1 if quick else 2, completion_tokens=completion_tokens, groups=groups,
+                          recompute=recompute)
     if suite == "probe":
         from gspo_ray.bench.task_probe import run_probe
 

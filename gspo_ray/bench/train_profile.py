@@ -156,7 +156,8 @@ def profile_layout(model_dir: Path, shared: bool, steps: int, port: int, lora: b
             "other s": by_class.get("other", 0.0), "outside aten ops s": max(traced_s - total_ops, 0.0)}
 
 
-def profile_long(model_dir: Path, completion_tokens: int, groups: int, port: int) -> dict:
+def profile_long(model_dir: Path, completion_tokens: int, groups: int, port: int, recompute: str | None = None
+                 ) -> dict:
     """One train step with group rows on `groups` prompts x 8 completions of `completion_tokens` tokens: seconds,
     tokens forwarded, distinct tokens, peak RSS (see the module docstring)."""
     from gspo_ray.trainer.worker import TrainerWorker
@@ -165,7 +166,8 @@ def profile_long(model_dir: Path, completion_tokens: int, groups: int, port: int
     # micro_batch_tokens: 8 padded rows of the longest, so one prompt group fits a micro-batch (the recipe's 640
     # is below one such row, which its config validation would refuse)
     tcfg = cfg.trainer.model_copy(update={"shared_prefix": True, "router_churn_every": 0, "lr": 1e-7,
-                                          "micro_batch_tokens": 8 * int(batch.lengths.max())})
+                                          "micro_batch_tokens": 8 * int(batch.lengths.max()),
+                                          "recompute": recompute or cfg.trainer.recompute})
     worker = TrainerWorker(0, 1, "127.0.0.1", port, str(model_dir), tcfg, cfg.algorithm)
     try:
         reset_peak_rss()
@@ -177,14 +179,16 @@ def profile_long(model_dir: Path, completion_tokens: int, groups: int, port: int
     finally:
         worker.shutdown()
     prompts = {uid.rsplit("/", 1)[0]: int(n) - completion_tokens for uid, n in zip(batch.uids, batch.lengths)}
-    return {"layout": "group rows", "groups x completions": f"{groups} x 8", "completion tokens": completion_tokens,
+    return {"layout": "group rows", "recompute": tcfg.recompute, "groups x completions": f"{groups} x 8",
+            "completion tokens": completion_tokens,
             "step s": step_s, "tokens forwarded": metrics["train/forward_tokens"],
             "distinct tokens": sum(prompts.values()) + completion_tokens * batch.num_sequences,
             "peak RSS GiB": peak_gib}
 
 
 def run_train_profile(steps: int = 2, model_dir: Path = Path("runs/models/smollm2-135m-instruct"),
-                      completion_tokens: int | None = None, groups: int | None = None) -> str:
+                      completion_tokens: int | None = None, groups: int | None = None,
+                      recompute: str | None = None) -> str:
     """The profile table (the recipe's batch), or with completion_tokens / groups set the long-completion row."""
     import torch
 
@@ -194,7 +198,7 @@ def run_train_profile(steps: int = 2, model_dir: Path = Path("runs/models/smollm
     ensure_imported(model_dir)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
     if completion_tokens is not None or groups is not None:
-        row = profile_long(model_dir, completion_tokens or 23, groups or 8, free_port())
+        row = profile_long(model_dir, completion_tokens or 23, groups or 8, free_port(), recompute)
         text = (f"SmolLM2 train step at real lengths, fp32, {torch.get_num_threads()} threads, one step after the "
                 f"old-log-prob forward\n{markdown_table([row])}")
         print(text, flush=True)

@@ -50,14 +50,14 @@ def user_errors(exit_code: int = USER_ERROR_EXIT) -> Iterator[None]:
         raise typer.Exit(exit_code) from None
 
 
-def preflight_or_exit(cfg, verbose: bool = False, remember: bool = False):
+def preflight_or_exit(cfg, verbose: bool = False, remember: bool = False, require_weights: bool = True):
     """Run the preflight (gspo_ray/preflight/) before Ray or any engine starts: on a bad input, its line and
     exit 2; else the report's lines (verbose) and its summary on stdout (stderr is for errors). `remember`: the
     data files that pass are recorded in the run directory, and unchanged ones recorded before are not re-read."""
     from gspo_ray.preflight import run_preflight
 
     with user_errors():
-        report = run_preflight(cfg, remember_in=cfg.run_dir if remember else None)
+        report = run_preflight(cfg, remember_in=cfg.run_dir if remember else None, require_weights=require_weights)
     for line in report.lines() if verbose else []:
         typer.echo(line)
     typer.echo(report.summary())

@@ -10,6 +10,7 @@
     gspo-ray eval MODEL_DIR|RUN_DIR|CHECKPOINT --data FILE.jsonl [--reward module:fn] [--n 8]
     gspo-ray submit FILE --address http://HEAD:8265     gspo-ray status|logs|stop JOB_ID
     gspo-ray scale rollout|trainer N --job NAME [--no-wait] [--timeout-s S]
+    gspo-ray plan FILE [--gpus N] [--gpu-memory GIB]   (trainer memory per rank, layouts that fit)
     gspo-ray bench
 """
 from __future__ import annotations
@@ -30,10 +31,12 @@ def _register_job_commands() -> None:
     from gspo_ray.cli.export_eval import model_app  # export, eval (HF model out, held-out scoring)
     from gspo_ray.cli.jobs import jobs_app  # submit, status, logs, stop (Ray Job Submission API)
     from gspo_ray.cli.models import models_app  # make-tiny, import-gguf, upcycle
+    from gspo_ray.cli.plan import plan_app  # plan (the trainer's memory per rank, layouts that fit)
 
     app.add_typer(models_app, name="models")
     app.add_typer(data_app, name="data")
-    app.registered_commands += jobs_app.registered_commands + model_app.registered_commands
+    app.registered_commands += (jobs_app.registered_commands + model_app.registered_commands
+                                + plan_app.registered_commands)
 
 
 _register_job_commands()
@@ -56,13 +59,13 @@ def _load(path: Optional[Path], overrides: list[str]):
         return load_config(path, overrides)
 
 
-def _preflight(cfg, verbose: bool = False, remember: bool = False):
+def _preflight(cfg, verbose: bool = False, remember: bool = False, require_weights: bool = True):
     """Model dir, data, plug-ins and their dry calls: one line and exit 2 on a bad input, before Ray starts. They
     see `dtype: auto` resolved as the job will resolve it (its lines are the job's, said at its start)."""
     from gspo_ray.cli.errors import preflight_or_exit
     from gspo_ray.models.native_bf16 import resolve_job_dtypes
 
-    return preflight_or_exit(resolve_job_dtypes(cfg, slowdown=lambda: 0.0)[0], verbose, remember)
+    return preflight_or_exit(resolve_job_dtypes(cfg, slowdown=lambda: 0.0)[0], verbose, remember, require_weights)
 
 
 @config_app.command("validate")
@@ -70,7 +73,7 @@ def config_validate(file: Path, overrides: list[str] = typer.Argument(None, help
     """Check a job file and everything it points at (the preflight that `train` runs first); exit 2 with the
     field, file and line named when something is invalid."""
     cfg = _load(file, overrides or [])
-    _preflight(cfg, verbose=True)
+    _preflight(cfg, verbose=True, require_weights=False)  # a weights-free directory validates (said in a line)
     typer.echo(f"{file}: ok ({cfg.algorithm.importance_sampling_level}, clip {cfg.algorithm.clip_range()}, "
                f"{cfg.coordinator.steps} steps, run dir {cfg.run_dir})")
 
@@ -257,7 +260,10 @@ def bench(quick: bool = typer.Option(False, help="fewer steps"),
           completion_tokens: Optional[int] = typer.Option(None, help="profile suite: completions of exactly this "
                                                           "many tokens (group rows only, one step, peak RSS)"),
           groups: Optional[int] = typer.Option(None, help="profile suite: prompt groups of 8 completions (default: "
-                                               "the recipe's batch, 8)")):
+                                               "the recipe's batch, 8)"),
+          recompute: Optional[str] = typer.Option(None, help="profile suite with --completion-tokens: "
+                                                  "trainer.recompute (none | selective | full; default the "
+                                                  "recipe's)")):
     """Benchmarks (gspo_ray/bench/): per-phase time of training steps and what each suite measures, as tables."""
     from gspo_ray.bench import SUITES, run
 
@@ -276,8 +282,11 @@ def bench(quick: bool = typer.Option(False, help="fewer steps"),
         if value is not None and (suite != "profile" or value < 1):
             typer.echo(f"error: {name} {value}: a positive count, for --suite profile only", err=True)
             raise typer.Exit(2)
+    if recompute is not None and (suite != "profile" or recompute not in ("none", "selective", "full")):
+        typer.echo(f"error: --recompute {recompute!r}: none, selective or full, for --suite profile only", err=True)
+        raise typer.Exit(2)
     run(suite, quick=quick, steps=steps, seeds=seed_list, recipe=recipe, completion_tokens=completion_tokens,
-        groups=groups)
+        groups=groups, recompute=recompute)
 
 
 def main() -> None:

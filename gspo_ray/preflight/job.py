@@ -29,6 +29,7 @@ from gspo_ray.config import JobConfig
 from gspo_ray.preflight.data import check_data, parse_data
 from gspo_ray.preflight.job_model import check_tiny_config, checked_tokenizer, model_facts
 from gspo_ray.preflight.lora import check_lora
+from gspo_ray.preflight.memory import check_memory
 from gspo_ray.preflight.model import PreflightError
 from gspo_ray.preflight.plugins import dry_agent, dry_env, dry_reward, import_agent, import_env, import_reward
 from gspo_ray.preflight.push_bound import check_push_timeout
@@ -71,17 +72,20 @@ def anchor_line(recompute: bool, gap_every: int) -> str:
 
 
 def run_preflight(cfg: JobConfig, *, import_timeout_s: float = IMPORT_TIMEOUT_S,
-                  remember_in: Path | None = None) -> PreflightReport:
+                  remember_in: Path | None = None, require_weights: bool = True) -> PreflightReport:
     """Check everything about `cfg`'s input that can be checked without Ray or an engine. Raises PreflightError
     (one line naming the field, file and line, and what would be valid) on the first problem. `remember_in`: a
-    run directory whose record of data files that passed is read and added to."""
+    run directory whose record of data files that passed is read and added to. `require_weights` False (`config
+    validate`, `plan`): a model directory with config.json and a tokenizer but no *.safetensors passes, its
+    weights said to be unchecked."""
     start = time.perf_counter()
     report = PreflightReport()
     check_use_te(cfg.trainer.use_te, cfg.trainer.attention_kernel)
     check_transfer_devices(cfg)
-    facts = model_facts(cfg, report)
+    facts = model_facts(cfg, report, require_weights)
     check_push_timeout(cfg, facts.path if facts is not None else None)
     check_routes(cfg, facts.hf_config if facts is not None else None, f"model.path ({cfg.model.path})")
+    check_memory(cfg, facts.hf_config if facts is not None else None, report)
     if facts is not None or cfg.model.tiny is None:  # a tiny model's adapters are checked with its config below
         check_lora(cfg, facts.hf_config if facts is not None else None, report)
     reward_fn = import_reward(cfg, import_timeout_s)

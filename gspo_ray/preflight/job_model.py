@@ -21,7 +21,7 @@ def _packaged_dir(cfg: JobConfig) -> Path | None:
     return out if is_imported(out) else None
 
 
-def model_facts(cfg: JobConfig, report: PreflightReport):
+def model_facts(cfg: JobConfig, report: PreflightReport, require_weights: bool = True):
     """File checks of the model directory (no torch, no tokenizer yet); None while it does not exist yet
     (model.tiny is built, model.packaged imported, when training starts)."""
     r, path = cfg.rollout, cfg.model.path
@@ -37,11 +37,15 @@ def model_facts(cfg: JobConfig, report: PreflightReport):
         report.add("model", "skipped", f"model.tiny ({cfg.model.tiny.arch}) is built into {cfg.run_dir / 'model'} "
                                        "when training starts: directory checks skipped, its config checked")
         return None
-    facts = check_model_dir(path, max_model_len=r.max_model_len, engine_on_cpu=r.num_gpus_per_worker == 0)
+    facts = check_model_dir(path, max_model_len=r.max_model_len, engine_on_cpu=r.num_gpus_per_worker == 0,
+                            require_weights=require_weights)
     check_rollout_parallel(cfg, facts.path, facts.hf_config)
     arch = facts.hf_config.get("model_type")
     report.add("model", "ok", f"{facts.path}: {arch}, vocab {facts.vocab_size}, "
                               f"{facts.num_weight_files} safetensors file(s)")
+    if not facts.num_weight_files:
+        report.add("weights", "warning", f"{facts.path}: no *.safetensors: weights not checked (config.json and "
+                                         "the tokenizer are enough to validate and plan; training needs them)")
     return facts
 
 

@@ -206,9 +206,11 @@ def check_weights(path: Path, vocab_size: int) -> int:
     return len(files)
 
 
-def check_model_dir(path: Path, *, max_model_len: int, engine_on_cpu: bool) -> ModelFacts:
+def check_model_dir(path: Path, *, max_model_len: int, engine_on_cpu: bool, require_weights: bool = True
+                    ) -> ModelFacts:
     """config.json, architecture, engine limits and weights of `model.path`: file reads only (no torch, no
-    transformers; the converter's layout check and the tokenizer come later)."""
+    transformers; the converter's layout check and the tokenizer come later). require_weights False: a directory
+    without any weight file passes with num_weight_files 0 (a *.bin or a broken shard index is still refused)."""
     path = Path(path)
     cfg = read_config_json(path)
     check_architecture(path, cfg)
@@ -216,6 +218,9 @@ def check_model_dir(path: Path, *, max_model_len: int, engine_on_cpu: bool) -> M
     vocab = cfg.get("vocab_size")
     if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 1:
         raise _fail(path, f"config.json vocab_size is {vocab!r}; expected a positive integer")
+    if not require_weights and not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")) \
+            and not (path / "model.safetensors.index.json").exists():
+        return ModelFacts(path, cfg, vocab, 0)
     return ModelFacts(path, cfg, vocab, check_weights(path, vocab))
 
 
