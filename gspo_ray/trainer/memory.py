@@ -26,7 +26,7 @@ spec's layers here with attention by segment (saved-tensor hooks on a built mode
 token counts: docs/scale.md, "Memory"): attention 3h (the residual input, the normed output, its copy into the QKV
 projection) + (q + 2 kv) d (the QKV output) + (q + kv) d (RoPE'd queries and keys) + 2 q d (the attention output,
 its copy into the output projection) + 4 d (RoPE's cos / sin), QK-norm adding 2 q d + kv d; a dense MLP 3h + 5f
-(fc1's 2f, the gated activation's 3f); an MoE layer's MLP 4h + 2E (router) + top_k x (2h + 4F) (each token's
+(fc1's 2f, the gated activation's 3f); an MoE layer's MLP 3h + 2E (router) + top_k x (2h + 4F) (each token's
 copies dispatched, through the expert MLP, weighted) + 5 x the shared experts' width. Recompute selective
 (core_attn, mlp) keeps q d less of the attention and 3h of a dense MLP; full keeps h a layer (its input) for the
 recomputed layers. The CUDA kernels save other things (Transformer Engine's fused norms, flash attention's
@@ -121,7 +121,7 @@ class MemoryShape:
 
     def moe_act(self) -> int:
         h = self.hidden
-        return 4 * h + 2 * self.experts + self.top_k * (2 * h + 4 * self.moe_ffn) + 5 * self.shared_ffn
+        return 3 * h + 2 * self.experts + self.top_k * (2 * h + 4 * self.moe_ffn) + 5 * self.shared_ffn
 
     def layer_act(self, moe: bool, recompute: str) -> int:
         mlp = self.moe_act() if moe else self.dense_mlp_act(recompute)
