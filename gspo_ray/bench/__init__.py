@@ -5,6 +5,8 @@
     smollm2  the real SmolLM2-135M job: sync, async, and sync with unshared prompt rows (smollm2.py); the peer
              beside it: `make bench-trl` (peer_trl.py, TRL in its own venv)
     profile  the SmolLM2 train step by op class (torch profiler), group rows and one row per sample (train_profile.py)
+    memory   the trainer's memory model against measured peak RSS: SmolLM2 at four shapes (micro-batch tokens and
+             trainer.recompute varied) and the tiny MoE, each point a fresh process (memory.py, docs/scale.md)
     moe      GRPO / GRPO+R2 / GSPO / GSPO-token on the upcycled SmolLM2 MoE (moe.py; long)
     moe-tiny the same four and GSPO with eps auto, 3 seeds x 320 updates, on make run's tiny MoE widened to 16
              experts, where routing moves by several per cent per update (moe_tiny.py)
@@ -43,7 +45,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-SUITES = ("tiny", "smollm2", "profile", "moe", "moe-tiny", "moe-async", "regime", "rollout", "rollout-profile", "push", "lora",
+SUITES = ("tiny", "smollm2", "profile", "memory", "moe", "moe-tiny", "moe-async", "regime", "rollout", "rollout-profile", "push", "lora",
           "lora-vs-full", "probe", "learn", "recovery", "scale", "autoscale", "preflight", "anchor",
           "anchor-learn", "all")
 
@@ -109,6 +111,10 @@ def run(suite: str = "all", *, quick: bool = False, steps: int = 6, seeds: tuple
 
         run_train_profile(steps=1 if quick else 2, completion_tokens=completion_tokens, groups=groups,
                           recompute=recompute)
+    if suite == "memory":
+        from gspo_ray.bench.memory import run_memory_bench
+
+        run_memory_bench()
     if suite == "probe":
         from gspo_ray.bench.task_probe import run_probe
 
@@ -125,8 +131,10 @@ def run(suite: str = "all", *, quick: bool = False, steps: int = 6, seeds: tuple
                            seeds=seeds)
     if suite == "scale":
         from gspo_ray.bench.scale import run_scale_bench
+        from gspo_ray.bench.scale_memory import run_memory_rows
 
         run_scale_bench()
+        run_memory_rows()
     if suite == "autoscale":
         from gspo_ray.bench.autoscale import run_autoscale_bench
 

@@ -240,7 +240,7 @@ def _wait_for_answer(control, request: int, timeout_s: float) -> dict | None:
 @app.command()
 def bench(quick: bool = typer.Option(False, help="fewer steps"),
           suite: str = typer.Option("all", help="tiny (the tiny-MoE tables) | smollm2 (the real-model table) | "
-                                    "profile (the SmolLM2 train step by op class) | moe (GRPO / GRPO+R2 / GSPO / "
+                                    "profile (the SmolLM2 train step by op class) | memory (the trainer's memory model against measured RSS) | moe (GRPO / GRPO+R2 / GSPO / "
                                     "GSPO-token on the upcycled SmolLM2 MoE) | moe-tiny (those and GSPO eps auto over 3 seeds on the tiny "
                                     "MoE, where routing moves) | regime (routing drift after one update over a "
                                     "grid of upcycled MoEs) | rollout (generation tokens/s, weight "

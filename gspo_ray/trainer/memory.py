@@ -19,7 +19,10 @@ Terms (bytes on one rank's device; `Layout` says the parallel layout and the tra
                (below), experts' top-k copies for MoE layers, fewer with recompute; plus the largest layer's
                activations alive again while its backward runs (recompute) and the backward's working set
   logits       the output layer's fp32 [tokens scored, vocab / tp] buffer kept for the backward (logprob_head)
-  engine       what a colocated engine keeps on the same device (Layout.engine_bytes; 0 when engines have their own)
+  engine       a colocated engine's share of the device (Layout.engine_bytes: rollout.gpu_memory_utilization of
+               it) beyond the step's activations and logits: the engines sleep while the trainer trains (weights
+               to host memory, KV cache freed) and generate while the trainer holds its state only, so the peak
+               is the state plus the larger of the two (0 when engines have GPUs of their own)
 
 What a layer keeps, per token (elements of the training dtype), counted from what autograd saves in the local
 spec's layers here with attention by segment (saved-tensor hooks on a built model, storages counted once, at two
@@ -239,9 +242,11 @@ def rank_memory(shape: MemoryShape, layout: Layout) -> MemoryTerms:
     host = 0
     if layout.offload:
         host, main, optim = main + optim, 0, 0
+    act, logits = activation_bytes(shape, layout), logits_bytes(shape, layout)
+    # a colocated engine sleeps while the trainer trains and generates while the trainer holds its state only:
+    # the device's peak is state + max(step, engine)
     terms = {"weights": b * held, "main_params": main, "grads": 4 * held, "optimizer": optim,
-             "activations": activation_bytes(shape, layout), "logits": logits_bytes(shape, layout),
-             "engine": layout.engine_bytes}
+             "activations": act, "logits": logits, "engine": max(0, layout.engine_bytes - act - logits)}
     return MemoryTerms(terms=terms, host=host)
 
 

@@ -1,0 +1,26 @@
+"""The scale model's memory rows (bench/scale_memory.py): every shape of the issue planned on 80 GiB H100s."""
+from __future__ import annotations
+
+from gspo_ray.bench.scale_memory import DEVICE_GIB, JOBS, QWEN3_30B, plan_job
+from gspo_ray.trainer.memory import GIB, Layout, rank_memory
+
+
+def test_each_shape_gets_a_layout_that_fits_or_says_none_does():
+    rows = [plan_job(job) for job in JOBS]
+    assert [r["model"] for r in rows][:3] == ["Qwen3-30B-A3B"] * 3
+    for r in rows:
+        assert r["total GiB"] == sum(r["terms"].values())
+        if r["layout"] is not None:
+            assert r["total GiB"] <= DEVICE_GIB and r["step s"] > 0, r
+        else:  # not even the leanest layout fits: the row says what it reaches
+            assert r["total GiB"] > DEVICE_GIB and r["step s"] is None, r
+    # longer completions never get a cheaper step on the same GPUs
+    steps = [r["step s"] for r in rows[:3] if r["step s"] is not None]
+    assert steps == sorted(steps)
+
+
+def test_the_review_layout_does_not_fit_and_the_planned_one_does():
+    review = rank_memory(QWEN3_30B, Layout(world=8, tp=2, ep=4, micro_batch_tokens=32768, dtype="bfloat16"))
+    assert review.total > DEVICE_GIB * GIB
+    row = plan_job(JOBS[1])  # 16k-token completions on 8 GPUs
+    assert row["layout"] is not None and row["total GiB"] <= DEVICE_GIB
