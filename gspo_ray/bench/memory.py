@@ -7,6 +7,13 @@ step on one prompt group (a 100-token prompt, 8 completions of N random tokens),
 step's peak RSS minus the RSS before it; predicted: the model's activations and logits for that micro-batch
 (`activation_bytes` + `logits_bytes`, its tokens the group row's, its scored share the completions'). Weights,
 gradients and optimizer state are resident before the step and are in neither number.
+
+Each point runs with glibc's mmap threshold fixed at 128 KiB (MALLOC_MMAP_THRESHOLD_, MMAP_THRESHOLD below): by
+default glibc raises the threshold to the size of each large block freed (up to 32 MiB), after which blocks of
+that size come from its heap and, freed, stay resident; a step that frees activations during its forward
+(recompute) then shows freed memory as RSS (measured: docs/scale.md, "The memory model"). With the threshold
+fixed every tensor block is its own mapping and RSS follows the live tensors, which is what the model predicts.
+`--default-malloc` measures with glibc's defaults instead.
 """
 from __future__ import annotations
 
@@ -25,6 +32,7 @@ SMOLLM2 = Path("runs/models/smollm2-135m-instruct")
 POINTS = (("smollm2", 250, "none"), ("smollm2", 500, "none"), ("smollm2", 500, "selective"),
           ("smollm2", 1000, "full"), ("tiny-moe", 4000, "none"))
 OUT = Path("runs/bench/memory.json")
+MMAP_THRESHOLD = 131072  # glibc's default threshold, fixed (see the module docstring)
 PROMPT_TOKENS = 100
 
 
@@ -114,15 +122,19 @@ def measure_point(model: str, completion_tokens: int, recompute: str) -> dict:
             "RSS before step GiB": base / 2 ** 20}
 
 
-def run_memory_bench(points=POINTS) -> list[dict]:
+def run_memory_bench(points=POINTS, default_malloc: bool = False) -> list[dict]:
     """Every point in its own process, one after another; prints the table and writes runs/bench/memory.json."""
     rows = []
+    env = os.environ.copy()
+    if not default_malloc:
+        env["MALLOC_MMAP_THRESHOLD_"] = str(MMAP_THRESHOLD)
     for model, tokens, recompute in points:
         proc = subprocess.run([sys.executable, "-m", "gspo_ray.bench.memory", "--point", model, str(tokens),
-                               recompute], capture_output=True, text=True, env=os.environ.copy())
+                               recompute], capture_output=True, text=True, env=env)
         if proc.returncode != 0:
             raise RuntimeError(f"memory point {model} {tokens} {recompute} failed:\n{proc.stderr[-3000:]}")
-        rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+        rows.append(json.loads(proc.stdout.strip().splitlines()[-1]) | {"malloc": "default" if default_malloc
+                                                                          else f"mmap threshold {MMAP_THRESHOLD}"})
         print(markdown_table([rows[-1]]), flush=True)
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps(rows, indent=1))
@@ -136,4 +148,4 @@ if __name__ == "__main__":
     if len(sys.argv) == 5 and sys.argv[1] == "--point":
         print(json.dumps(measure_point(sys.argv[2], int(sys.argv[3]), sys.argv[4])), flush=True)
     else:
-        run_memory_bench()
+        run_memory_bench(default_malloc="--default-malloc" in sys.argv)

@@ -133,8 +133,9 @@ class SegmentAttention(MegatronModule):
             segs = Segments.plain([query.shape[0]] * query.shape[1])
         if not isinstance(segs, Segments):
             raise TypeError(f"SegmentAttention needs a Segments record as attention_mask, not {type(segs).__name__}")
-        if self.te_kernel is not None:
-            return thd_attend_rows(query, key, value, segs, self.te_kernel)
+        if self.te_kernel is not None:  # recompute "call": the fused call checkpointed whole as well (not run here)
+            attend = recomputed(thd_attend_rows) if self.recompute == "call" else thd_attend_rows
+            return attend(query, key, value, segs, self.te_kernel)
         out = self._attend(query, key, value, segs, self.softmax_scale,
                            checkpoint_completions=self.recompute == "none")
         return out.reshape(out.shape[0], out.shape[1], -1)

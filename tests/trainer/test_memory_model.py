@@ -16,7 +16,7 @@ import torch
 from _spawn import run_ranks
 from gspo_ray.trainer.memory import GIB, Layout, MemoryShape, activation_bytes, rank_memory
 
-TOKENS = (256, 512)
+TOKENS = (128, 256)
 
 
 def _hf_config(moe: bool):
@@ -49,34 +49,37 @@ def model_dirs(tmp_path_factory):
     return out
 
 
-def _saved_elements(rank, world_size, ports, model_dir):
-    """{mode: {tokens: elements the forward saves for the backward, storages counted once}} (fp32: bytes / 4)."""
+def _saved_elements(rank, world_size, ports, model_dirs):
+    """{model_dir: {mode: {tokens: elements the forward saves for the backward, storages counted once}}} (fp32:
+    bytes / 4)."""
     from gspo_ray.trainer.logprobs import forward_logprobs
     from gspo_ray.trainer.model import build_model
     from gspo_ray.trainer.parallel import init_distributed
 
     init_distributed(0, 1, "127.0.0.1", ports[0], tp=1, ep=1, seed=0)
     out = {}
-    for mode in ("none", "selective"):
-        gpt, _ = build_model(model_dir, recompute=mode)
-        gpt.train()
-        out[mode] = {}
-        for tokens in TOKENS:
-            seen = {}
+    for model_dir in model_dirs:
+        for mode in ("none", "selective"):
+            gpt, _ = build_model(model_dir, recompute=mode)
+            gpt.train()
+            for tokens in TOKENS:
+                seen = {}
 
-            def pack(t):
-                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-                return t
+                def pack(t):
+                    seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+                    return t
 
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                forward_logprobs(gpt, torch.randint(3, 20, (1, tokens)))
-            out[mode][tokens] = sum(seen.values()) / 4
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    forward_logprobs(gpt, torch.randint(3, 20, (1, tokens)))
+                out.setdefault(model_dir, {}).setdefault(mode, {})[tokens] = sum(seen.values()) / 4
     return out
 
 
 @pytest.fixture(scope="module")
 def saved(model_dirs):
-    return {moe: run_ranks(_saved_elements, 1, (model_dirs[moe][0],))[0] for moe in (False, True)}
+    dirs = [model_dirs[moe][0] for moe in (False, True)]
+    out = run_ranks(_saved_elements, 1, (dirs,))[0]
+    return {moe: out[model_dirs[moe][0]] for moe in (False, True)}
 
 
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
