@@ -44,7 +44,7 @@ class Job:
 
 
 JOBS = (Job(QWEN3_30B, 8, 8192), Job(QWEN3_30B, 8, 16384), Job(QWEN3_30B, 8, 32768), Job(QWEN3_235B, 64, 16384),
-        Job(DEEPSEEK_V3, 256, 16384), Job(QWEN35_35B, 8, 16384))
+        Job(QWEN3_235B, 64, 65536), Job(DEEPSEEK_V3, 256, 16384), Job(QWEN35_35B, 8, 16384))
 
 
 def plan_job(job: Job, prompts_per_step: int = 32) -> dict:
