@@ -5,7 +5,8 @@ Ray), fp32, on SmolLM2-135M-Instruct (or make run's tiny MoE, the sanity row), a
 (Adam's moments are made at the first step), the heap trimmed (trainer/heap.py), then VmHWM reset and one train
 step on one prompt group (a 100-token prompt, 8 completions of N random tokens), forwarded as one group row (one micro-batch). Measured: the
 step's peak RSS minus the RSS before it; predicted: the model's activations and logits for that micro-batch
-(`activation_bytes` + `logits_bytes`, its tokens the group row's, its scored share the completions'). Weights,
+(`activation_bytes` + `logits_bytes` + `backward_bytes`, its tokens the group row's, its scored share the
+completions'). Weights,
 gradients and optimizer state are resident before the step and are in neither number.
 
 Each point runs with glibc's mmap threshold fixed at 128 KiB (MALLOC_MMAP_THRESHOLD_, MMAP_THRESHOLD below): by
@@ -82,7 +83,7 @@ def measure_point(model: str, completion_tokens: int, recompute: str) -> dict:
     from gspo_ray.bench.train_profile import reset_peak_rss
     from gspo_ray.config import load_config
     from gspo_ray.trainer.heap import release_free_heap
-    from gspo_ray.trainer.memory import GIB, Layout, MemoryShape, activation_bytes, logits_bytes
+    from gspo_ray.trainer.memory import Layout, MemoryShape
     from gspo_ray.trainer.model_spec import read_hf_config
     from gspo_ray.trainer.parallel import free_port
     from gspo_ray.trainer.worker import TrainerWorker
@@ -113,13 +114,20 @@ def measure_point(model: str, completion_tokens: int, recompute: str) -> dict:
     shape = MemoryShape.from_hf_config(read_hf_config(path), name=model)
     layout = Layout(world=1, micro_batch_tokens=tokens, recompute=recompute, dtype="float32",
                     scored_share=scored / tokens)
-    act, logits = activation_bytes(shape, layout), logits_bytes(shape, layout)
     measured = (peak - base) * 1024
     return {"model": model, "recompute": recompute, "completion tokens": completion_tokens,
-            "micro-batch tokens": tokens, "predicted activations GiB": act / GIB, "predicted logits GiB": logits / GIB,
-            "predicted GiB": (act + logits) / GIB, "measured GiB": measured / GIB,
-            "predicted / measured": (act + logits) / measured, "step s": step_s,
-            "RSS before step GiB": base / 2 ** 20}
+            "micro-batch tokens": tokens, "scored share": scored / tokens, "measured GiB": measured / GIB,
+            "step s": step_s, "RSS before step GiB": base / 2 ** 20} | predict(shape, layout, measured)
+
+
+def predict(shape, layout, measured: float) -> dict:
+    """The memory model's columns for one point (trainer/memory.py: activations, logits, backward)."""
+    from gspo_ray.trainer.memory import GIB, activation_bytes, backward_bytes, logits_bytes
+
+    act, logits, back = (f(shape, layout) for f in (activation_bytes, logits_bytes, backward_bytes))
+    total = act + logits + back
+    return {"predicted activations GiB": act / GIB, "predicted logits GiB": logits / GIB,
+            "predicted backward GiB": back / GIB, "predicted GiB": total / GIB, "predicted / measured": total / measured}
 
 
 def run_memory_bench(points=POINTS, default_malloc: bool = False) -> list[dict]:
@@ -144,8 +152,27 @@ def run_memory_bench(points=POINTS, default_malloc: bool = False) -> list[dict]:
     return rows
 
 
+def repredict(path: Path) -> list[dict]:
+    """The model's columns recomputed for the measured points stored in `path` (a memory.json): the measurements
+    as they were, the predictions of the memory model as it is now."""
+    from gspo_ray.trainer.memory import GIB, Layout, MemoryShape
+    from gspo_ray.trainer.model_spec import read_hf_config
+
+    rows = []
+    for r in json.loads(Path(path).read_text()):
+        shape = MemoryShape.from_hf_config(read_hf_config(model_dir(r["model"])), name=r["model"])
+        tokens = r["micro-batch tokens"]
+        layout = Layout(world=1, micro_batch_tokens=tokens, recompute=r["recompute"], dtype="float32",
+                        scored_share=8 * r["completion tokens"] / tokens)
+        rows.append(r | predict(shape, layout, r["measured GiB"] * GIB))
+    print(markdown_table(rows))
+    return rows
+
+
 if __name__ == "__main__":
     if len(sys.argv) == 5 and sys.argv[1] == "--point":
         print(json.dumps(measure_point(sys.argv[2], int(sys.argv[3]), sys.argv[4])), flush=True)
+    elif len(sys.argv) == 3 and sys.argv[1] == "--repredict":
+        repredict(Path(sys.argv[2]))
     else:
         run_memory_bench(default_malloc="--default-malloc" in sys.argv)

@@ -44,7 +44,8 @@ class Job:
 
 
 JOBS = (Job(QWEN3_30B, 8, 8192), Job(QWEN3_30B, 8, 16384), Job(QWEN3_30B, 8, 32768), Job(QWEN3_235B, 64, 16384),
-        Job(QWEN3_235B, 64, 65536), Job(DEEPSEEK_V3, 256, 16384), Job(QWEN35_35B, 8, 16384))
+        Job(QWEN3_235B, 64, 131072), Job(QWEN3_235B, 16, 16384), Job(DEEPSEEK_V3, 256, 16384),
+        Job(QWEN35_35B, 8, 16384))
 
 
 def plan_job(job: Job, prompts_per_step: int = 32) -> dict:
@@ -69,7 +70,7 @@ def plan_job(job: Job, prompts_per_step: int = 32) -> dict:
 
 def memory_table(rows: list[dict]) -> str:
     head = ("| model | params B | trainer GPUs | completion | planned layout (80 GiB H100s) | weights | main | grads | "
-            "optimizer | activations | logits | GiB a rank | step s |")
+            "optimizer | activations | logits | backward | GiB a rank | step s |")
     lines = [head, "|---" * (head.count("|") - 1) + "|"]
     for r in rows:
         t = r["terms"]
@@ -78,7 +79,8 @@ def memory_table(rows: list[dict]) -> str:
         name = r["model"] + (" (params by hand)" if r["by hand"] else "")
         lines.append(f"| {name} | {r['params B']:.0f} | {r['gpus']} | {r['completion']} | {layout} | "
                      f"{t['weights']:.1f} | {t['main_params']:.1f} | {t['grads']:.1f} | {t['optimizer']:.1f} | "
-                     f"{t['activations']:.1f} | {t['logits']:.1f} | {r['total GiB']:.1f} | {step} |")
+                     f"{t['activations']:.1f} | {t['logits']:.1f} | {t['backward']:.1f} | {r['total GiB']:.1f} | "
+                     f"{step} |")
     return "\n".join(lines)
 
 

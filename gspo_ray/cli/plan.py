@@ -66,7 +66,7 @@ def plan(file: Path, overrides: list[str] = typer.Argument(None, help="key.path=
         typer.echo(f"no layout of {p.layout.world} ranks fits (TP, EP, recompute, micro_batch_tokens, offload): "
                    "more ranks, or context / pipeline parallelism (not built yet)")
         return
-    typer.echo(f"cheapest layouts that fit {p.device_bytes / GIB:.1f} GiB on {p.layout.world} ranks:")
+    typer.echo(f"cheapest layouts that fit 90% of {p.device_bytes / GIB:.1f} GiB on {p.layout.world} ranks:")
     typer.echo("| TP | EP | recompute | micro_batch_tokens | offload | GiB a rank | largest term | step s |")
     typer.echo("|---|---|---|---|---|---|---|---|")
     for layout, terms in fits:

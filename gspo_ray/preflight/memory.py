@@ -8,7 +8,8 @@ model_spec.spec_from_hf_config and the family registry, as the trainer builds it
 tp, ep, recompute, dtype, the distributed optimizer, optimizer offload; micro_batch_tokens, else micro_batch_size
 rows of rollout.max_model_len; every token counted as scored, an upper bound on the logits). The device:
 `trainer.device_memory_gb`, else the GPU's memory on CUDA (a GPU pool), else, on a CPU pool, this host's memory
-shared by the trainer ranks (a warning only: the CPU pool may span other hosts, and the OS pages). A colocated
+shared by the trainer ranks (a warning only: the CPU pool may span other hosts, and the OS pages); a job fits in
+USABLE_SHARE (90%) of it (the CUDA context, NCCL buffers and allocator fragmentation are not terms). A colocated
 engine (both pools on fractions of a GPU) keeps rollout.gpu_memory_utilization of the device.
 
 The refusal: one line with the per-rank GiB, the largest term and the cheapest layout that fits on as many
@@ -23,8 +24,8 @@ from dataclasses import dataclass
 from gspo_ray.config import JobConfig
 from gspo_ray.config.rollout import gpu_colocated, resolve_gpu_memory_utilization
 from gspo_ray.preflight.model import PreflightError
-from gspo_ray.trainer.memory import (GIB, Layout, MemoryShape, MemoryTerms, fitting_layouts, rank_memory,
-                                     step_seconds)
+from gspo_ray.trainer.memory import (GIB, USABLE_SHARE, Layout, MemoryShape, MemoryTerms, fitting_layouts,
+                                     rank_memory, step_seconds)
 
 
 @dataclass
@@ -49,7 +50,7 @@ class MemoryPlan:
 
     @property
     def fits(self) -> bool:
-        return self.device_bytes is None or self.terms.total <= self.device_bytes
+        return self.device_bytes is None or self.terms.total <= USABLE_SHARE * self.device_bytes
 
 
 def job_dtype(cfg: JobConfig) -> str:
@@ -112,7 +113,8 @@ def refusal_line(plan: MemoryPlan) -> str:
     """One line: per-rank GiB, the largest term, the cheapest layout that fits (or that none does)."""
     name, size = plan.terms.largest()
     head = (f"trainer memory: {plan.terms.total / GIB:.1f} GiB a rank ({plan.layout.describe()}) does not fit "
-            f"{plan.device_bytes / GIB:.1f} GiB ({plan.device_source}); largest term {name} {size / GIB:.1f} GiB")
+            f"{USABLE_SHARE:.0%} of {plan.device_bytes / GIB:.1f} GiB ({plan.device_source}); largest term {name} "
+            f"{size / GIB:.1f} GiB")
     fits = plan.fitting(1)
     if fits:
         layout, terms = fits[0]

@@ -15,10 +15,11 @@ Terms (bytes on one rank's device; `Layout` says the parallel layout and the tra
                (the distributed optimizer reduce-scatters into it; the buffer is whole)
   optimizer    Adam's two fp32 moments, split and offloaded as main_params
   activations  one micro-batch of `micro_batch_tokens` tokens kept from forward to backward, all layers, split over
-               TP (sequence parallelism): ACT_* elements a token and layer from what the local layers save
-               (below), experts' top-k copies for MoE layers, fewer with recompute; plus the largest layer's
-               activations alive again while its backward runs (recompute) and the backward's working set
+               TP (sequence parallelism): the elements a token and layer that the local layers save (below),
+               experts' top-k copies for MoE layers, fewer with recompute
   logits       the output layer's fp32 [tokens scored, vocab / tp] buffer kept for the backward (logprob_head)
+  backward     the layers' backward's working set (a quarter of a layer's activations; with full recompute that
+               layer's activations made again besides) beyond the logits, which the head's backward has freed
   engine       a colocated engine's share of the device (Layout.engine_bytes: rollout.gpu_memory_utilization of
                it) beyond the step's activations and logits: the engines sleep while the trainer trains (weights
                to host memory, KV cache freed) and generate while the trainer holds its state only, so the peak
@@ -42,9 +43,11 @@ from dataclasses import dataclass, field, replace
 GIB = 2 ** 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 RECOMPUTE = ("none", "selective", "full")
-# The backward's working set beyond the kept activations: the gradients of one layer's intermediates and the
-# temporaries of their kernels, in layers' worth of that layer's activations (measured: docs/scale.md, "Memory")
-BACKWARD_LAYERS = 1.0
+# The layers' backward's working set beyond the kept activations (the gradients of one layer's intermediates and
+# their kernels' temporaries, less what that layer's backward frees as it goes), in layers' worth of activations:
+# 0.25 from the tiny-MoE row of the memory bench, the one row where the fused head's logits do not hide it
+# (docs/scale.md, "The memory model")
+BACKWARD_LAYERS = 0.25
 
 
 @dataclass(frozen=True)
@@ -201,20 +204,35 @@ def rank_params(shape: MemoryShape, layout: Layout) -> tuple[int, int]:
 
 
 def activation_bytes(shape: MemoryShape, layout: Layout) -> int:
-    """One micro-batch's activations kept for the backward (all layers) plus what its backward holds at once
-    (see the module docstring), on one rank: tokens split over TP (sequence parallelism)."""
+    """One micro-batch's activations kept from its forward to its backward, all layers and the final norm (see the
+    module docstring), on one rank: tokens split over TP (sequence parallelism)."""
     b = DTYPE_BYTES[layout.dtype]
     tokens = -(-layout.micro_batch_tokens // layout.tp)
-    moe = [i >= shape.layers - shape.moe_layers for i in range(shape.layers)]  # which: only their count matters
-    recomputed = (shape.layers if layout.recompute_layers is None else min(layout.recompute_layers, shape.layers)) \
-        if layout.recompute == "full" else 0
-    per_token = 0
-    for i, is_moe in enumerate(moe):
-        per_token += shape.hidden if i < recomputed else shape.layer_act(is_moe, layout.recompute)
-    live = max(shape.layer_act(m, "none") for m in set(moe))  # a layer's activations while its backward runs
-    extra = BACKWARD_LAYERS * live + (live if recomputed else 0)
-    final = 2 * shape.hidden  # the final norm
-    return int(b * tokens * (per_token + extra + final))
+    per_token = sum(shape.hidden if i < recomputed_layers(shape, layout) else shape.layer_act(moe, layout.recompute)
+                    for i, moe in enumerate(moe_layer_flags(shape)))
+    return int(b * tokens * (per_token + 2 * shape.hidden))
+
+
+def moe_layer_flags(shape: MemoryShape) -> list[bool]:
+    """Which layers have experts (only their count matters to the model)."""
+    return [i >= shape.layers - shape.moe_layers for i in range(shape.layers)]
+
+
+def recomputed_layers(shape: MemoryShape, layout: Layout) -> int:
+    if layout.recompute != "full":
+        return 0
+    return shape.layers if layout.recompute_layers is None else min(layout.recompute_layers, shape.layers)
+
+
+def backward_bytes(shape: MemoryShape, layout: Layout) -> int:
+    """What the layers' backward holds beyond the kept activations: the working set of one layer's backward
+    (BACKWARD_LAYERS of its activations) and, under full recompute, that layer's activations made again. The
+    head's backward runs first and frees the logits, so only what exceeds them raises the peak."""
+    b = DTYPE_BYTES[layout.dtype]
+    tokens = -(-layout.micro_batch_tokens // layout.tp)
+    live = max(shape.layer_act(m, "none") for m in set(moe_layer_flags(shape)))
+    layers = BACKWARD_LAYERS + (1 if recomputed_layers(shape, layout) else 0)
+    return max(0, int(b * tokens * live * layers) - logits_bytes(shape, layout))
 
 
 def logits_bytes(shape: MemoryShape, layout: Layout) -> int:
@@ -246,11 +264,15 @@ def rank_memory(shape: MemoryShape, layout: Layout) -> MemoryTerms:
     # a colocated engine sleeps while the trainer trains and generates while the trainer holds its state only:
     # the device's peak is state + max(step, engine)
     terms = {"weights": b * held, "main_params": main, "grads": 4 * held, "optimizer": optim,
-             "activations": act, "logits": logits, "engine": max(0, layout.engine_bytes - act - logits)}
+             "activations": act, "logits": logits, "backward": backward_bytes(shape, layout)}
+    terms["engine"] = max(0, layout.engine_bytes - act - logits - terms["backward"])
     return MemoryTerms(terms=terms, host=host)
 
 
 # ---- the plan: the cheapest layouts that fit -----------------------------------------------------------------------
+# The share of a device the terms may fill: the CUDA context, NCCL's buffers and the caching allocator's
+# fragmentation are not among them
+USABLE_SHARE = 0.9
 PEAK_FLOPS = 989e12  # H100 SXM bf16 dense, the scale model's (bench/scale.py)
 MFU = 0.4
 
@@ -313,11 +335,12 @@ def layout_cost(shape: MemoryShape, layout: Layout, batch_tokens: int, attention
 def fitting_layouts(shape: MemoryShape, base: Layout, world: int, device_bytes: int, batch_tokens: int,
                     limit: int = 5, min_tokens: int = 1, attention_pairs: float = 0.0
                     ) -> list[tuple[Layout, MemoryTerms]]:
-    """The cheapest `limit` layouts over `world` ranks whose rank memory fits `device_bytes` (layout_cost)."""
+    """The cheapest `limit` layouts over `world` ranks whose rank memory fits USABLE_SHARE of `device_bytes`
+    (layout_cost)."""
     fits = []
     for layout in candidate_layouts(shape, base, world, min_tokens):
         terms = rank_memory(shape, layout)
-        if terms.total <= device_bytes:
+        if terms.total <= USABLE_SHARE * device_bytes:
             fits.append((layout, terms))
     fits.sort(key=lambda lt: layout_cost(shape, lt[0], batch_tokens, attention_pairs))
     return fits[:limit]
