@@ -83,7 +83,7 @@ def measure_point(model: str, completion_tokens: int, recompute: str) -> dict:
     from gspo_ray.bench.train_profile import reset_peak_rss
     from gspo_ray.config import load_config
     from gspo_ray.trainer.heap import release_free_heap
-    from gspo_ray.trainer.memory import Layout, MemoryShape
+    from gspo_ray.trainer.memory import GIB, Layout, MemoryShape
     from gspo_ray.trainer.model_spec import read_hf_config
     from gspo_ray.trainer.parallel import free_port
     from gspo_ray.trainer.worker import TrainerWorker
