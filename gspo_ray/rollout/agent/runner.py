@@ -73,6 +73,7 @@ class LiveEpisode:
     idle_runs: int = 0  # runs since a round last asked for it
     deadline: float = math.inf  # monotonic time its wall clock runs out, during a round
     cancelled: bool = False  # its agent was told to stop (wall clock)
+    restarted: bool = False  # started again from a carried record this runner did not hold
 
 
 class AgentRunner:
@@ -96,6 +97,7 @@ class AgentRunner:
         self._by_id: dict[str, LiveEpisode] = {}  # endpoint episode id -> the same
         self._episode_ids = itertools.count()
         self._spread = itertools.count()
+        self.engine_batches = self.engine_calls = 0  # engine batches run and the model calls in them, all time
         self.metrics: dict[str, float] = {}
 
     @classmethod
@@ -105,6 +107,10 @@ class AgentRunner:
 
     def close(self) -> None:
         """Stop the endpoint and the agent processes (resident episodes end with them)."""
+        for le in self._by_id.values():  # held calls answered first: their handlers end before the server stops
+            if le.held is not None:
+                le.held.future.set_result((Segment(finish_reason="abort"), [], None))
+                le.held = None
         if self.procs is not None:
             self.procs.close()
             self.procs = None
@@ -132,6 +138,7 @@ class AgentRunner:
         self._drain(version)  # reports and calls that came while no round ran
         self.procs.replace_dead()
         killed_before, refused_before = self.procs.killed, self.endpoint.refused
+        batches_before, calls_before = self.engine_batches, self.engine_calls
         carried = list(carried or [])
         carried_uids = {s.prompt_uid for s in carried}
         by_uid = {p.uid: p for p in prompts}
@@ -159,7 +166,7 @@ class AgentRunner:
                                      "prompt was not given")
                 le = self._new_episode(by_uid[s.prompt_uid], s.sample_index, seed)
                 le.episode.replay = ReplayRecord.from_sample(s) if s.completion_ids else None
-                le.segments = s.segments
+                le.segments, le.restarted = s.segments, True
                 new.append(le)
                 restarted += 1
             order.append(le)
@@ -184,6 +191,9 @@ class AgentRunner:
         self._evict_idle(episodes)
         self.metrics = self._metrics(samples, episodes, time.perf_counter() - start, killed_before, refused_before,
                                      restarted)
+        # how the calls were gathered: engine batches this run, and the model calls they served
+        self.metrics["rollout/agent_engine_batches"] = float(self.engine_batches - batches_before)
+        self.metrics["rollout/agent_engine_calls"] = float(self.engine_calls - calls_before)
         return samples
 
     def _new_episode(self, p: Prompt, j: int, seed: int | None) -> LiveEpisode:
@@ -346,6 +356,8 @@ class AgentRunner:
             calls[rid] = (r, le)
         if not requests:
             return
+        self.engine_batches += 1
+        self.engine_calls += len(requests)
         try:
             segments = self.engine.run(requests, None, stop_event)
         except BaseException as e:
@@ -426,6 +438,9 @@ class AgentRunner:
         info = {"turns": float(r.turns), "env_tokens": float(len(r.ids) - sum(r.mask)),
                 "agent_history_splits": float(ep.transcript.splits),  # summed by the pool: the step's splits
                 "agent_error": float(ep.finish == FINISH_AGENT_ERROR)}
+        if le.restarted:  # started again from a record (a resumed job, a dead worker): what the record answered
+            info.update({"agent_restarted": 1.0, "agent_replayed_calls": float(ep.replayed_calls),
+                         "agent_replay_diverged": float(ep.replay_diverged)})
         if not final:
             prompt_ids, ids, logprobs = list(r.prompt_ids), list(r.ids), list(r.logprobs)
             mask, versions, starts = list(r.mask), list(r.versions), list(r.turn_starts)
@@ -442,7 +457,7 @@ class AgentRunner:
                 mask, versions = mask + [1] * len(h.done_ids), versions + h.done_versions
             return Sample(prompt_uid=p.uid, sample_index=le.index, prompt_ids=prompt_ids, completion_ids=ids,
                           logprobs=logprobs, loss_mask=mask, versions=versions, finish_reason=FINISH_ABORTED,
-                          reward_info=info, worker_id=self.engine.worker_id, turn_starts=starts,
+                          reward_info={}, worker_id=self.engine.worker_id, turn_starts=starts,
                           segments=max(le.segments, 1))
         reward, extras = le.outcome or (None, {})
         failed = ep.failed
