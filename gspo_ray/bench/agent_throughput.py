@@ -9,7 +9,8 @@ sample the same tokens (the suite's equality test shows it): the calculator as a
 (`gspo_ray/envs/agents/calculator_agent.py`, 2 agent processes, every call through the HTTP endpoint, rendered with
 its chat template, parsed by its tool parser). Rows: model tokens/s (median over rounds), seconds per round, and
 for the agent the engine batches the endpoint gathered its calls into (calls per batch: 64 concurrent episodes
-make one batch per turn when they arrive within `batch_window_s`). What the endpoint costs is the difference.
+make one batch per turn when they arrive within `batch_window_s`; the default 0.01 s and 0.1 s). What the endpoint
+costs is the difference.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import time
 from pathlib import Path
 
 EPISODES_PROMPTS, EPISODES_PER_PROMPT = 8, 8  # 64 episodes at once on one worker
+WINDOWS_S = (0.01, 0.1)  # rollout.agent.batch_window_s: the default, and one that waits for slower agents
 
 
 def run_agent_throughput_bench(reps: int = 3) -> list[dict]:
@@ -44,13 +46,19 @@ def run_agent_throughput_bench(reps: int = 3) -> list[dict]:
         prompts = PromptSource.from_task("add", model_dir, num_train=64, seed=0).take(EPISODES_PROMPTS)
         native = EpisodeRunner(engine, CalculatorEnv, tok, env_kwargs={"call_reward": 0.1}, max_turns=3,
                                max_tokens_per_turn=4, max_total_tokens=60, isolation="thread")
-        runner = AgentRunner(engine, agent, tok, sampling)
+        runners = [AgentRunner(engine, agent.model_copy(update={"batch_window_s": w}), tok, sampling)
+                   for w in WINDOWS_S]
+
+        def agent_side(runner):
+            return lambda seed: (runner.run(prompts, EPISODES_PER_PROMPT, seed=seed), dict(runner.metrics))
+
+        sides = [("native CalculatorEnv", lambda seed: (native.run(prompts, EPISODES_PER_PROMPT, sampling,
+                                                                   seed=seed), None))]
+        sides += [(f"agent (OpenAI API, endpoint), batch_window_s {w:g}", agent_side(r))
+                  for w, r in zip(WINDOWS_S, runners)]
         rows = []
         try:
-            for name, play in (("native CalculatorEnv", lambda seed: (native.run(prompts, EPISODES_PER_PROMPT,
-                                                                                 sampling, seed=seed), None)),
-                               ("agent (OpenAI API, endpoint)", lambda seed: (
-                                   runner.run(prompts, EPISODES_PER_PROMPT, seed=seed), dict(runner.metrics)))):
+            for name, play in sides:
                 play(0)  # warm-up: the agent processes import openai; the engine's first batches compile
                 rates, secs, batches, calls = [], [], [], []
                 for r in range(reps):
@@ -67,7 +75,8 @@ def run_agent_throughput_bench(reps: int = 3) -> list[dict]:
                              "calls per batch": (statistics.median(c / b for c, b in zip(calls, batches))
                                                  if batches else None)})
         finally:
-            runner.close()
+            for runner in runners:
+                runner.close()
             engine.shutdown()
     print("\n## Agent episodes against native ones (64 calculator episodes on one engine; AMD EPYC, shared machine "
           "under load)\n")
