@@ -185,6 +185,27 @@ def test_failures_end_only_their_own_episode(setup, tmp_path, monkeypatch):
     assert text.loss_mask.count(0) == 1 and text.reward_info["agent_history_splits"] == 0  # "1": rendered, masked
 
 
+def test_a_resident_episode_is_held_across_rounds_and_one_past_its_wall_clock_cancelled(setup, tmp_path,
+                                                                                          monkeypatch):
+    """Partial rollouts run agents without a wall clock in their process (a held call waits across rounds): the
+    runner cancels an agent at its deadline, while another episode's call, cut by the round's budget, is held and
+    finished in the next round under the next version."""
+    engine, tok, _, _ = setup
+    (tmp_path / "bad_agents.py").write_text(textwrap.dedent(BAD_AGENTS))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = CALCULATOR.model_copy(update={"fn": "bad_agents:solve", "kwargs": {}, "tool_parser": None,
+                                        "episode_timeout_s": 3.0, "num_procs": 1})
+    runner = AgentRunner(engine, cfg, tok, SAMPLING, resident=True)
+    try:
+        ok, hang = runner.run(_prompts(["ok", "hang"]), 1, version=0, seed=0, budget=1)
+        assert ok.finish_reason == "aborted" and ok.completion_ids and ok.versions == [0]  # its call, cut and held
+        assert hang.failed == "agent timed out after 3s" and hang.finish_reason == "agent_error"
+        (done,) = runner.run(_prompts(["ok"]), 1, version=1, seed=0, carried=[ok])
+    finally:
+        runner.close()
+    assert done.failed is None and done.reward == 1.0 and done.versions == [0, 1] and done.segments == 2
+
+
 def test_endpoint_refusals_are_openai_errors(setup):
     engine, tok, _, _ = setup
     runner = AgentRunner(engine, CALCULATOR, tok, SAMPLING)

@@ -24,8 +24,9 @@ rendered ids and tokens included) and stay alive in this worker: `run(carried=sa
 call's reply can span several policy versions as a single-turn partial completion does. A carried episode this
 runner does not hold (its worker died; the job resumed from a checkpoint) is started again and answered from its
 record until the agent diverges (`replay.py`); one it holds whose record differs from the carried one (the
-coordinator went back to a checkpoint) is ended and replayed the same way. An episode's wall clock counts only
-the rounds it runs in.
+coordinator went back to a checkpoint) is ended and replayed the same way. An episode's wall clock runs only
+while a round works on it: it stops while its call is held (the agent's process has no clock of its own then;
+the runner cancels the agent at its deadline).
 """
 from __future__ import annotations
 
@@ -290,7 +291,7 @@ class AgentRunner:
         finally:
             now = time.monotonic()
             for le in episodes:
-                if le.started:
+                if le.started and le.deadline != math.inf:  # a held episode's clock stopped when it was held
                     le.clock_left = max(le.deadline - now, 0.0)
                 le.deadline = math.inf
 
@@ -313,9 +314,13 @@ class AgentRunner:
                 req.future.set_result((Segment(finish_reason="abort"), [], None))
 
     def _hold(self, le: LiveEpisode, req: GenerationRequest, version: int) -> None:
+        """Keep a call for the next round. The episode's wall clock stops: it waits on the others, not on its
+        agent."""
         if req.rendered_version is None:
             req.rendered_version = version
         le.held = req
+        if le.started and le.deadline != math.inf:
+            le.clock_left, le.deadline = max(le.deadline - time.monotonic(), 0.0), math.inf
 
     def _gather(self, first: tuple) -> list[tuple]:
         """`first` plus the events that arrive within the batch window (model calls of other episodes)."""
@@ -346,7 +351,7 @@ class AgentRunner:
             if budget is not None:
                 cap = min(cap, budget - le.round_tokens)
             if cap <= 0:  # this episode's budget of the round is spent: the call waits for the next round
-                le.held = r
+                self._hold(le, r, version)
                 continue
             seed = r.seed if r.seed is None or not r.done_ids else mix_seed(r.seed, len(r.done_ids))
             rid = f"{r.episode.id}-c{r.episode.transcript.calls}-t{len(r.done_ids)}"
@@ -377,7 +382,7 @@ class AgentRunner:
                 r.future.set_result((Segment(list(r.done_ids), list(r.done_logprobs), seg.finish_reason),
                                      list(r.done_versions), r.rendered_version))
             else:  # cut by the round's budget (or a pause): continued in a later round
-                le.held = r
+                self._hold(le, r, version)
 
     def _on_agent_event(self, event: tuple) -> None:
         kind = event[0]
@@ -394,6 +399,8 @@ class AgentRunner:
                 le.started = True
                 if le.deadline != math.inf:  # its wall clock starts now, not while its process loaded
                     le.deadline = time.monotonic() + le.clock_left
+                else:  # held before this report came: what it kept included the start-up allowance
+                    le.clock_left = min(le.clock_left, self.cfg.episode_timeout_s)
             return
         le = self._by_id.get(event[1])
         if le is None or le.reported:  # an episode of an earlier batch, reporting late
