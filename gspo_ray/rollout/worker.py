@@ -230,10 +230,11 @@ class RolloutWorker:
         key = (sampling.temperature, sampling.top_p)  # an endpoint accepts exactly the sampling it serves
         runner = self._agent_runners.get(key)
         if runner is None:  # training's and evaluation's (greedy) sampling: one each, kept
-            resident = self.cfg.partial is not None and temperature is None  # training's sampling, not eval's
+            # resident under partial rollouts, whichever sampling: an evaluation at the training temperature
+            # shares training's runner (a resident runner without a budget runs each episode to its end)
             runner = self._agent_runners[key] = AgentRunner(self.engine, self.cfg.agent,
                                                             load_tokenizer(self.model_path), sampling,
-                                                            resident=resident)
+                                                            resident=self.cfg.partial is not None)
         with self._lock:
             self._check_usable()
             self._wake(["weights", "kv_cache"])
