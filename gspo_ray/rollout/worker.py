@@ -228,14 +228,15 @@ class RolloutWorker:
         sampling = self.sampling if temperature is None else dataclasses.replace(self.sampling,
                                                                                    temperature=temperature)
         key = (sampling.temperature, sampling.top_p)  # an endpoint accepts exactly the sampling it serves
-        runner = self._agent_runners.get(key)
-        if runner is None:  # training's and evaluation's (greedy) sampling: one each, kept
-            # resident under partial rollouts, whichever sampling: an evaluation at the training temperature
-            # shares training's runner (a resident runner without a budget runs each episode to its end)
-            runner = self._agent_runners[key] = AgentRunner(self.engine, self.cfg.agent,
-                                                            load_tokenizer(self.model_path), sampling,
-                                                            resident=self.cfg.partial is not None)
-        with self._lock:
+        with self._lock:  # built under the lock: two calls arriving together (a round's fresh prompts and its
+            # carried episodes, max_concurrency 2) must find the same runner, which holds the live episodes
+            runner = self._agent_runners.get(key)
+            if runner is None:  # training's and evaluation's (greedy) sampling: one each, kept
+                # resident under partial rollouts, whichever sampling: an evaluation at the training temperature
+                # shares training's runner (a resident runner without a budget runs each episode to its end)
+                runner = self._agent_runners[key] = AgentRunner(self.engine, self.cfg.agent,
+                                                                load_tokenizer(self.model_path), sampling,
+                                                                resident=self.cfg.partial is not None)
             self._check_usable()
             self._wake(["weights", "kv_cache"])
             version = self._version if version is None else version

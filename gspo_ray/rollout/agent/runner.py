@@ -31,6 +31,7 @@ the runner cancels the agent at its deadline).
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import queue
 import threading
@@ -50,6 +51,7 @@ from gspo_ray.rollout.agent.tool_calls import load_tool_parser
 from gspo_ray.rollout.agent.transcript import ChatRenderer, EpisodeTranscript, SampleRecord
 from gspo_ray.rollout.engine import RolloutEngine, SamplingSettings, Segment, mix_seed
 
+log = logging.getLogger(__name__)
 BLOCKED_GRACE_S = 2.0  # past an episode's wall clock, how long its process has to report before it is killed
 START_TIMEOUT_S = 120.0  # a fresh agent process importing openai and the agent; an episode's clock starts after
 MAX_IDLE_RUNS = 32  # a resident episode no round asked for in this many runs is ended (its group was dropped)
@@ -75,6 +77,7 @@ class LiveEpisode:
     deadline: float = math.inf  # monotonic time its wall clock runs out, during a round
     cancelled: bool = False  # its agent was told to stop (wall clock)
     restarted: bool = False  # started again from a carried record this runner did not hold
+    rewound: bool = False  # ... because the episode it held had another record
 
 
 class AgentRunner:
@@ -157,7 +160,11 @@ class AgentRunner:
                 order.append(s)  # a finished member of a carried group: back as it is
                 continue
             le = self.live.get((s.prompt_uid, s.sample_index))
-            if le is not None and not self._holds(le, s):  # ahead of the carried record (a rewound job)
+            rewound = le is not None and not self._holds(le, s)
+            if rewound:  # its record is not the carried one (a rewound job, or its agent process died)
+                log.warning("agent episode %s/%d: the live record (%s) is not the carried one (%s); started again",
+                            s.prompt_uid, s.sample_index, self._record_shape(le), (len(s.prompt_ids),
+                                                                                len(s.completion_ids)))
                 self._end(le, FINISH_INTERRUPTED, "rewound to an earlier record", cancel=True)
                 self._forget(le)
                 le = None
@@ -167,7 +174,7 @@ class AgentRunner:
                                      "prompt was not given")
                 le = self._new_episode(by_uid[s.prompt_uid], s.sample_index, seed)
                 le.episode.replay = ReplayRecord.from_sample(s) if s.completion_ids else None
-                le.segments, le.restarted = s.segments, True
+                le.segments, le.restarted, le.rewound = s.segments, True, rewound
                 new.append(le)
                 restarted += 1
             order.append(le)
@@ -233,6 +240,10 @@ class AgentRunner:
             if le.idle_runs > MAX_IDLE_RUNS:
                 self._end(le, FINISH_INTERRUPTED, "no round continued it", cancel=True)
                 self._forget(le)
+
+    def _record_shape(self, le: LiveEpisode) -> tuple:
+        mine = self._episode_sample(le, final=False)
+        return len(mine.prompt_ids), len(mine.completion_ids), le.reported, le.episode.finish, le.held is not None
 
     def _holds(self, le: LiveEpisode, s: Sample) -> bool:
         """Whether a live episode's record is the carried sample's (same prompt and tokens)."""
@@ -447,7 +458,7 @@ class AgentRunner:
                 "agent_error": float(ep.finish == FINISH_AGENT_ERROR)}
         if le.restarted:  # started again from a record (a resumed job, a dead worker): what the record answered
             info.update({"agent_restarted": 1.0, "agent_replayed_calls": float(ep.replayed_calls),
-                         "agent_replay_diverged": float(ep.replay_diverged)})
+                         "agent_replay_diverged": float(ep.replay_diverged), "agent_rewound": float(le.rewound)})
         if not final:
             prompt_ids, ids, logprobs = list(r.prompt_ids), list(r.ids), list(r.logprobs)
             mask, versions, starts = list(r.mask), list(r.versions), list(r.turn_starts)
