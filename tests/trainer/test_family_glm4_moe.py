@@ -136,8 +136,12 @@ def _single(rdzv, glm_dir, tokens, lengths):
     from gspo_ray.trainer.parallel import destroy_distributed, init_distributed
 
     init_distributed(0, 1, "", 0, init_method=f"file://{rdzv}/single")
+    from gspo_ray.trainer.weights.param_names import LayerKinds, carried_buffer_names, megatron_param_names
+
     model, spec = build_model(glm_dir)
     out = {"logp": _logprobs(model, tokens, lengths), "selection": _selection_check(model, tokens, lengths),
+           "names_listed": [n for n, _ in model.named_parameters()] == megatron_param_names(spec, LayerKinds()),
+           "buffers_listed": carried_buffer_names(spec),
            "buffers": sorted(n for n, _ in model.named_buffers() if n.endswith("expert_bias")),
            "bias_dtype": str(model.decoder.layers[1].mlp.router.expert_bias.dtype)}
     destroy_distributed()
@@ -240,6 +244,24 @@ def test_one_process_logprobs_equal_transformers(runs):
     assert mean_entropy < 0.6 * torch.log(torch.tensor(float(VOCAB))), mean_entropy
     assert single["buffers"] == ["decoder.layers.1.mlp.router.expert_bias", "decoder.layers.2.mlp.router.expert_bias"]
     assert single["bias_dtype"] == "torch.float32"
+    # param_names lists what the local spec built (shared experts after the experts) and the carried buffers
+    assert single["names_listed"] and single["buffers_listed"] == single["buffers"]
+
+
+@pytest.mark.parametrize("kinds", ["local", "te_grouped"])
+def test_every_checkpoint_tensor_has_one_megatron_home_under_both_specs(glm_dir, kinds):
+    """The Transformer Engine spec's names (fused norms, grouped GEMM experts, shared experts) map to exactly the
+    checkpoint's tensors, the correction bias included, at EP 2 (pure: names only)."""
+    from gspo_ray.trainer.model_spec import read_hf_config
+    from gspo_ray.trainer.weights.param_names import LayerKinds, params_by_hf_name
+
+    spec = spec_from_hf_config(read_hf_config(glm_dir), glm_dir, tp=2, ep=2)
+    layer_kinds = LayerKinds(te=True, grouped_gemm=True) if kinds == "te_grouped" else LayerKinds()
+    homes = params_by_hf_name(spec, layer_kinds)
+    assert set(homes) == set(_input_tensors(glm_dir))
+    assert homes["model.layers.2.mlp.gate.e_score_correction_bias"] == (0, "decoder.layers.2.mlp.router.expert_bias", 0)
+    assert homes["model.layers.1.mlp.shared_experts.up_proj.weight"][1:] == (
+        "decoder.layers.1.mlp.shared_experts.linear_fc1.weight", 1)
 
 
 def test_tp2_sp_and_ep2_logprobs_equal_transformers(runs):
