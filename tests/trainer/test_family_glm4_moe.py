@@ -294,6 +294,19 @@ def test_group_rows_and_packed_rows_equal_padded_rows(runs, run):
             rel = _maxdiff(on["grads"][name], g) / float(g.abs().max().clamp(min=1e-12))
             assert rel <= TOL, (rank, name, rel)
         assert any("shared_experts" in n for n in off["grads"]) and any("linear_qkv.bias" in n for n in off["grads"])
+        # expert load of the step's forwards (with router churn): the same tokens routed the same way
+        for key in ("moe/expert_load_max_over_mean_l1", "moe/expert_load_max_over_mean_l2",
+                    "moe/expert_load_max_over_mean"):
+            assert 1.0 <= off["metrics"][key] <= 4.0 and on["metrics"][key] == pytest.approx(off["metrics"][key]), key
+
+
+def test_expert_load_is_the_busiest_expert_over_the_mean():
+    from gspo_ray.trainer.routing.churn import compute_expert_load
+
+    load = torch.tensor([[6.0, 2.0, 2.0, 2.0], [3.0, 3.0, 3.0, 3.0], [0.0, 0.0, 0.0, 0.0]], dtype=torch.float64)
+    assert compute_expert_load([1, 2, 3], load) == {"moe/expert_load_max_over_mean_l1": 2.0,
+                                                    "moe/expert_load_max_over_mean_l2": 1.0,
+                                                    "moe/expert_load_max_over_mean": 1.5}
 
 
 def _input_tensors(glm_dir):
