@@ -131,7 +131,35 @@ def _selection_check(model, tokens, lengths):
     return seen
 
 
-def _single(rdzv, glm_dir, tokens, lengths):
+def _replays(glm_dir, tokens, lengths, hf_routes):
+    """R2 and R3 on a model whose correction biases moved after the routing was made (so its own selection differs):
+    log-probs without replay, with R2's records of the first forward (made before the move), and with R3 loading
+    transformers' routes of the unmoved model (the engine's stand-in). Replay replays the selection; the weights are
+    the router's unbiased scores, which the bias never enters."""
+    from gspo_ray.trainer.model import build_model
+    from gspo_ray.trainer.routing.churn import find_routers
+    from gspo_ray.trainer.routing.replay import build_routing_replay
+
+    out, keys = {}, [f"row{b}" for b in range(len(tokens))]
+    for mode in ("R2", "R3"):
+        model, _ = build_model(glm_dir, routing_replay=True)
+        replay = build_routing_replay(model, mode)
+        if mode == "R2":
+            with replay.forward(keys, lengths) as action:  # first sight: records
+                out["R2_recorded"], out["R2_first_action"] = _logprobs(model, tokens, lengths), action.name
+        else:
+            replay.load(keys, hf_routes, lengths)
+        g = torch.Generator().manual_seed(4)
+        for _, r in find_routers(model):
+            r.expert_bias += torch.randn(r.expert_bias.shape, generator=g)
+        out[f"{mode}_free"] = _logprobs(model, tokens, lengths)
+        with replay.forward(keys, lengths) as action:
+            out[mode], out[f"{mode}_action"] = _logprobs(model, tokens, lengths), action.name
+        replay.remove()
+    return out
+
+
+def _single(rdzv, glm_dir, tokens, lengths, hf_routes):
     from gspo_ray.trainer.model import build_model
     from gspo_ray.trainer.parallel import destroy_distributed, init_distributed
 
@@ -144,6 +172,7 @@ def _single(rdzv, glm_dir, tokens, lengths):
            "buffers_listed": carried_buffer_names(spec),
            "buffers": sorted(n for n, _ in model.named_buffers() if n.endswith("expert_bias")),
            "bias_dtype": str(model.decoder.layers[1].mlp.router.expert_bias.dtype)}
+    out |= _replays(glm_dir, tokens, lengths, hf_routes)
     destroy_distributed()
     return out
 
@@ -162,7 +191,7 @@ def _step(rank, world, port, glm_dir, batch, tcfg):
     return {"logp": logp, "metrics": metrics, "grads": grads}
 
 
-def _scenario(rank, world, ports, glm_dir, tokens, lengths, batch, ckpt, rdzv):
+def _scenario(rank, world, ports, glm_dir, tokens, lengths, hf_routes, batch, ckpt, rdzv):
     from megatron.core import parallel_state
 
     from gspo_ray.trainer.model import build_model
@@ -170,7 +199,7 @@ def _scenario(rank, world, ports, glm_dir, tokens, lengths, batch, ckpt, rdzv):
     from gspo_ray.trainer.weights.bridge import hf_state_dict_from_megatron
     from gspo_ray.trainer.worker import TrainerWorker
 
-    out = {"single": _single(rdzv, glm_dir, tokens, lengths) if rank == 0 else None}
+    out = {"single": _single(rdzv, glm_dir, tokens, lengths, hf_routes) if rank == 0 else None}
     for layout, tp, ep in (("tp2_sp", 2, 1), ("ep2", 1, 2)):
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
@@ -220,13 +249,32 @@ def prompt_groups(seed: int = 3):
     return collate(samples, advs)
 
 
+def hf_selection(glm_dir, tokens, lengths) -> torch.Tensor:
+    """transformers' routing of `tokens`: int16 [B, L, MoE layers, k], -1 past each length (the engine's format)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(glm_dir, dtype=torch.float32)
+    picked = []
+    hooks = [layer.mlp.gate.register_forward_hook(lambda m, a, o: picked.append(o[2].detach()))
+             for layer in model.model.layers if hasattr(layer.mlp, "gate")]
+    with torch.no_grad():
+        model(tokens)
+    for h in hooks:
+        h.remove()
+    routes = torch.stack([p.reshape(*tokens.shape, -1) for p in picked], 2).to(torch.int16)
+    routes[torch.arange(tokens.shape[1])[None] >= lengths[:, None]] = -1
+    return routes
+
+
 @pytest.fixture(scope="module")
 def runs(glm_dir, tmp_path_factory):
     tokens, lengths = random_batch(VOCAB, seed=5)
     ref, entropy = hf_logprobs(glm_dir, tokens, lengths)
     batch = prompt_groups()
     root = tmp_path_factory.mktemp("glm_runs")
-    ranks = run_ranks(_scenario, 2, (glm_dir, tokens, lengths, batch, str(root / "ckpt"), str(root)), n_ports=5)
+    hf_routes = hf_selection(glm_dir, tokens, lengths)
+    ranks = run_ranks(_scenario, 2, (glm_dir, tokens, lengths, hf_routes, batch, str(root / "ckpt"), str(root)),
+                      n_ports=5)
     return {"ref": ref, "entropy": entropy, "tokens": tokens, "lengths": lengths, "ranks": ranks, "batch": batch,
             "ckpt": str(root / "ckpt"), "root": root}
 
@@ -277,6 +325,18 @@ def test_the_router_selects_on_biased_scores_and_routing_selection_agrees(runs):
     seen = runs["ranks"][0]["single"]["selection"]
     assert len(seen) == 2 and all(ours == 0 for ours, _, _ in seen), seen
     assert sum(unbiased for _, unbiased, _ in seen) > 0, seen
+
+
+def test_r2_and_r3_replay_the_selection_and_weigh_by_unbiased_scores(runs):
+    """After the correction biases move, the router's own selection moves (log-probs change); R2 (the first
+    forward's records) and R3 (transformers' routes of the unmoved model) give back the unmoved model's log-probs:
+    the selection is replayed and the weights, unbiased scores, never depended on the bias."""
+    single = runs["ranks"][0]["single"]
+    assert single["R2_first_action"] == "RECORD" and single["R2_action"] == single["R3_action"] == "REPLAY_FORWARD"
+    assert _maxdiff(single["R2_recorded"], runs["ref"]) <= TOL
+    for mode in ("R2", "R3"):
+        assert _maxdiff(single[f"{mode}_free"], runs["ref"]) > 1e-2, mode  # the moved bias moved the routing
+        assert _maxdiff(single[mode], runs["ref"]) <= TOL, mode
 
 
 @pytest.mark.parametrize("run", ["on", "packed"])
