@@ -84,13 +84,14 @@ def build_config(arch: str, vocab_size: int, hidden: int = 64, layers: int = 2, 
     raise ValueError(f"unknown arch {arch!r}; valid: {', '.join(ARCHS)}")
 
 
-def perturb_zero_and_unit_tensors(model) -> None:
-    """Random values where HF initialises constants: the router correction bias (zeros; a trained one is not), the
-    q/k/v biases (zeros) and the norm weights (ones), so that a swapped or dropped one changes the model."""
+def perturb_zero_and_unit_tensors(model, std: float) -> None:
+    """Random values where HF initialises constants: the router correction bias (zeros; a trained one is not; of
+    the weights' std, so that neither the router weights nor the bias decide the routing alone), the q/k/v biases
+    (zeros) and the norm weights (ones), so that a swapped or dropped one changes the model."""
     with torch.no_grad():
         for name, t in list(model.named_parameters()) + list(model.named_buffers()):
             if name.endswith("e_score_correction_bias"):
-                t.normal_(0.0, 0.5)
+                t.normal_(0.0, std)
             elif name.endswith(".bias"):
                 t.normal_(0.0, 0.2)
             elif "norm" in name and name.endswith(".weight"):
@@ -113,7 +114,7 @@ def make_tiny_model(arch: str, out: str | Path, seed: int = 0, alphabet: str = D
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if arch == "glm4_moe":
-        perturb_zero_and_unit_tensors(model)
+        perturb_zero_and_unit_tensors(model, init_std)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
