@@ -159,7 +159,21 @@ def _replays(glm_dir, tokens, lengths, hf_routes):
     return out
 
 
-def _single(rdzv, glm_dir, tokens, lengths, hf_routes):
+def _checkpoint_extras(glm_dir, mtp_dir, stray_dir):
+    """A checkpoint with a multi-token-prediction layer after the decoder loads (skipped); one with a tensor of no
+    place inside the decoder is refused."""
+    from gspo_ray.trainer.model import build_model
+
+    model, _ = build_model(mtp_dir)
+    try:
+        build_model(stray_dir)
+        stray = None
+    except ValueError as e:
+        stray = str(e)
+    return {"mtp_loaded": model is not None, "stray_error": stray}
+
+
+def _single(rdzv, glm_dir, tokens, lengths, hf_routes, extras):
     from gspo_ray.trainer.model import build_model
     from gspo_ray.trainer.parallel import destroy_distributed, init_distributed
 
@@ -173,6 +187,7 @@ def _single(rdzv, glm_dir, tokens, lengths, hf_routes):
            "buffers": sorted(n for n, _ in model.named_buffers() if n.endswith("expert_bias")),
            "bias_dtype": str(model.decoder.layers[1].mlp.router.expert_bias.dtype)}
     out |= _replays(glm_dir, tokens, lengths, hf_routes)
+    out |= _checkpoint_extras(glm_dir, *extras)
     destroy_distributed()
     return out
 
@@ -191,7 +206,7 @@ def _step(rank, world, port, glm_dir, batch, tcfg):
     return {"logp": logp, "metrics": metrics, "grads": grads}
 
 
-def _scenario(rank, world, ports, glm_dir, tokens, lengths, hf_routes, batch, ckpt, rdzv):
+def _scenario(rank, world, ports, glm_dir, tokens, lengths, hf_routes, extras, batch, ckpt, rdzv):
     from megatron.core import parallel_state
 
     from gspo_ray.trainer.model import build_model
@@ -199,7 +214,7 @@ def _scenario(rank, world, ports, glm_dir, tokens, lengths, hf_routes, batch, ck
     from gspo_ray.trainer.weights.bridge import hf_state_dict_from_megatron
     from gspo_ray.trainer.worker import TrainerWorker
 
-    out = {"single": _single(rdzv, glm_dir, tokens, lengths, hf_routes) if rank == 0 else None}
+    out = {"single": _single(rdzv, glm_dir, tokens, lengths, hf_routes, extras) if rank == 0 else None}
     for layout, tp, ep in (("tp2_sp", 2, 1), ("ep2", 1, 2)):
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
@@ -249,6 +264,17 @@ def prompt_groups(seed: int = 3):
     return collate(samples, advs)
 
 
+def with_extra_tensor(glm_dir, out, name: str) -> str:
+    """A copy of the tiny GLM whose checkpoint holds one more tensor `name` (in a second safetensors file)."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    shutil.copytree(glm_dir, out)
+    save_file({name: torch.zeros(4, 4)}, str(out / "model-extra.safetensors"))
+    return str(out)
+
+
 def hf_selection(glm_dir, tokens, lengths) -> torch.Tensor:
     """transformers' routing of `tokens`: int16 [B, L, MoE layers, k], -1 past each length (the engine's format)."""
     from transformers import AutoModelForCausalLM
@@ -273,8 +299,10 @@ def runs(glm_dir, tmp_path_factory):
     batch = prompt_groups()
     root = tmp_path_factory.mktemp("glm_runs")
     hf_routes = hf_selection(glm_dir, tokens, lengths)
-    ranks = run_ranks(_scenario, 2, (glm_dir, tokens, lengths, hf_routes, batch, str(root / "ckpt"), str(root)),
-                      n_ports=5)
+    extras = with_extra_tensor(glm_dir, root / "mtp", "model.layers.3.eh_proj.weight"), \
+        with_extra_tensor(glm_dir, root / "stray", "model.layers.1.mlp.gate.bias")
+    ranks = run_ranks(_scenario, 2, (glm_dir, tokens, lengths, hf_routes, extras, batch, str(root / "ckpt"),
+                                     str(root)), n_ports=5)
     return {"ref": ref, "entropy": entropy, "tokens": tokens, "lengths": lengths, "ranks": ranks, "batch": batch,
             "ckpt": str(root / "ckpt"), "root": root}
 
@@ -310,6 +338,13 @@ def test_every_checkpoint_tensor_has_one_megatron_home_under_both_specs(glm_dir,
     assert homes["model.layers.2.mlp.gate.e_score_correction_bias"] == (0, "decoder.layers.2.mlp.router.expert_bias", 0)
     assert homes["model.layers.1.mlp.shared_experts.up_proj.weight"][1:] == (
         "decoder.layers.1.mlp.shared_experts.linear_fc1.weight", 1)
+
+
+def test_multi_token_prediction_layers_are_skipped_and_other_strays_refused(runs):
+    single = runs["ranks"][0]["single"]
+    assert single["mtp_loaded"]
+    assert "1 tensors have no place in the Megatron model" in single["stray_error"], single["stray_error"]
+    assert "model.layers.1.mlp.gate.bias" in single["stray_error"]
 
 
 def test_tp2_sp_and_ep2_logprobs_equal_transformers(runs):

@@ -5,6 +5,8 @@ router (softmax over the experts, plain top-k).
     family = family_of(cfg["model_type"])                     # families/__init__.py: the registry
     family.refuse_unsupported(cfg, hf_dir)                    # ValueError naming the config.json key
     family.num_experts(cfg), family.moe_layers(cfg, layers), family.rope_theta(cfg), family.norm_topk_prob(cfg)
+    family.uses_qkv_bias(cfg), family.uses_qk_norm(cfg), family.rotary_percent(cfg)   # attention read from config
+    family.shared_expert_ffn_hidden_size(cfg), family.ignored_hf_tensor(cfg, name)   # (GLM-4.5: deepseek_moe.py)
     family.transformer_options(spec)                          # Megatron TransformerConfig keywords (+ its router's)
     family.name_rules, family.hf_name(qwen_style_name)      # Megatron <-> HF names (weights/bridge.param_map)
 
@@ -77,6 +79,7 @@ SHARED_EXPERT_NAME_RULES: tuple[tuple[str, tuple[str, ...], str, str], ...] = (
      "copy", "row"),
     (LAYER + r"mlp\.router\.expert_bias", ("model.layers.{i}.mlp.gate.e_score_correction_bias",), "copy", "none"),
 )
+
 
 @dataclass(frozen=True)
 class Router:
