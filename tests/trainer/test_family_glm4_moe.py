@@ -233,6 +233,11 @@ def _scenario(rank, world, ports, glm_dir, tokens, lengths, hf_routes, extras, b
                       algo_cfg())
     out["ep2_step"] = w.train_step(batch)
     out["pushed"] = hf_state_dict_from_megatron(w.gpt, w.spec)  # what a push sends (collective)
+    from gspo_ray.trainer.weights.weight_send import MegatronWeightSource
+
+    source = MegatronWeightSource(w.gpt, w.spec, bucket_bytes=2**16)  # vLLM's nccl / ipc sources (small buckets)
+    out["source_meta"] = sorted(m.name for m in source.metadata())
+    out["sent"] = {n: t.clone() for n, t in source}  # collective: every rank gathers (ipc's convention)
     out["ep2_logp"] = w.compute_logprobs(batch)
     w.save(ckpt)
     w.shutdown()
@@ -421,6 +426,7 @@ def test_a_zero_lr_push_and_checkpoint_hold_the_input_weights_and_export_loads_i
         assert all(torch.equal(pushed[n], want[n]) for n in want), [n for n in want if not torch.equal(pushed[n],
                                                                                                         want[n])]
         assert pushed["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.float32
+        assert r["source_meta"] == sorted(want) and all(torch.equal(r["sent"][n], want[n]) for n in want)
         assert r["ep2_step"]["train/loss"] != 0.0
     out = runs["root"] / "export"
     export_checkpoint(runs["ckpt"], glm_dir, out)
