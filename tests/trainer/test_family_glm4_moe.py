@@ -186,6 +186,10 @@ def _single(rdzv, glm_dir, tokens, lengths, hf_routes, extras):
            "buffers_listed": carried_buffer_names(spec),
            "buffers": sorted(n for n, _ in model.named_buffers() if n.endswith("expert_bias")),
            "bias_dtype": str(model.decoder.layers[1].mlp.router.expert_bias.dtype)}
+    bf16, _ = build_model(glm_dir, dtype=torch.bfloat16)
+    out["bf16"] = _logprobs(bf16, tokens, lengths)
+    out["bf16_dtypes"] = sorted({str(p.dtype) for p in bf16.parameters()})
+    out["bf16_bias_dtype"] = str(bf16.decoder.layers[1].mlp.router.expert_bias.dtype)
     out |= _replays(glm_dir, tokens, lengths, hf_routes)
     out |= _checkpoint_extras(glm_dir, *extras)
     destroy_distributed()
@@ -343,6 +347,15 @@ def test_every_checkpoint_tensor_has_one_megatron_home_under_both_specs(glm_dir,
     assert homes["model.layers.2.mlp.gate.e_score_correction_bias"] == (0, "decoder.layers.2.mlp.router.expert_bias", 0)
     assert homes["model.layers.1.mlp.shared_experts.up_proj.weight"][1:] == (
         "decoder.layers.1.mlp.shared_experts.linear_fc1.weight", 1)
+
+
+def test_a_bf16_model_keeps_its_router_bias_fp32_and_stays_close(runs):
+    """bf16 weights, the correction bias (a buffer) and the router's logits in fp32 (moe_router_dtype): log-probs
+    near the fp32 reference (a routing flip on a near tie moves a token's log-prob more than bf16 rounding does)."""
+    single = runs["ranks"][0]["single"]
+    assert single["bf16_dtypes"] == ["torch.bfloat16"] and single["bf16_bias_dtype"] == "torch.float32"
+    diff = (single["bf16"] - runs["ref"]).abs()
+    assert float(diff.median()) < 0.05 and float(diff.max()) < 1.0, (float(diff.median()), float(diff.max()))
 
 
 def test_multi_token_prediction_layers_are_skipped_and_other_strays_refused(runs):
