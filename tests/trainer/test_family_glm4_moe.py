@@ -245,6 +245,12 @@ def _scenario(rank, world, ports, glm_dir, tokens, lengths, hf_routes, extras, b
     out["ep2_logp"] = w.compute_logprobs(batch)
     w.save(ckpt)
     w.shutdown()
+    # Megatron's bias update, asked for: after one step each bias moved by -rate, 0 or +rate, the same on every rank
+    w = TrainerWorker(rank, world, "127.0.0.1", ports[5], glm_dir,
+                      trainer_cfg(world, ep=2, lr=0.0, grad_clip=0.0, router_bias_update_rate=0.01), algo_cfg())
+    w.train_step(batch)
+    out["bias_updated"] = {n: b.detach().clone() for n, b in w.gpt.named_buffers() if n.endswith("expert_bias")}
+    w.shutdown()
     if rank == 0:  # the EP 2 checkpoint resumed at EP 1
         w = TrainerWorker(0, 1, "127.0.0.1", ports[4], glm_dir, trainer_cfg(1, lr=0.0), algo_cfg())
         w.load(ckpt)
@@ -311,7 +317,7 @@ def runs(glm_dir, tmp_path_factory):
     extras = with_extra_tensor(glm_dir, root / "mtp", "model.layers.3.eh_proj.weight"), \
         with_extra_tensor(glm_dir, root / "stray", "model.layers.1.mlp.gate.bias")
     ranks = run_ranks(_scenario, 2, (glm_dir, tokens, lengths, hf_routes, extras, batch, str(root / "ckpt"),
-                                     str(root)), n_ports=5)
+                                     str(root)), n_ports=6)
     return {"ref": ref, "entropy": entropy, "tokens": tokens, "lengths": lengths, "ranks": ranks, "batch": batch,
             "ckpt": str(root / "ckpt"), "root": root}
 
@@ -347,6 +353,20 @@ def test_every_checkpoint_tensor_has_one_megatron_home_under_both_specs(glm_dir,
     assert homes["model.layers.2.mlp.gate.e_score_correction_bias"] == (0, "decoder.layers.2.mlp.router.expert_bias", 0)
     assert homes["model.layers.1.mlp.shared_experts.up_proj.weight"][1:] == (
         "decoder.layers.1.mlp.shared_experts.linear_fc1.weight", 1)
+
+
+def test_the_bias_is_frozen_unless_an_update_rate_is_set(runs, glm_dir):
+    """rate 0 (the default): the 0-lr step's pushed bias is the input's, bit for bit (the other test); rate 0.01:
+    Megatron's rule moved every layer's bias by +-0.01 per expert (0 only where an expert got exactly the mean
+    load), identically on both ranks (the loads are all-reduced)."""
+    want = _input_tensors(glm_dir)
+    moved = [r["bias_updated"] for r in runs["ranks"]]
+    assert moved[0].keys() == {"decoder.layers.1.mlp.router.expert_bias", "decoder.layers.2.mlp.router.expert_bias"}
+    for name, bias in moved[0].items():
+        assert torch.equal(bias, moved[1][name])
+        step = bias - want[f"model.layers.{name.split('.')[2]}.mlp.gate.e_score_correction_bias"]
+        assert bool((((step.abs() - 0.01).abs() < 1e-6) | (step == 0)).all()), step
+        assert float(step.abs().max()) == pytest.approx(0.01, abs=1e-6), step
 
 
 def test_a_bf16_model_keeps_its_router_bias_fp32_and_stays_close(runs):
