@@ -4,10 +4,12 @@ half-rotary RoPE, routed_scaling_factor 1.5, a non-zero router correction bias, 
 log-probs: a near-uniform model would agree with a wrong converter to 1e-3).
 
 One pair of spawned ranks: rank 0 first runs the 1-process checks in a world of its own (log-probs, the router's
-selection), then both ranks build the model at TP 2 + SP and at EP 2 (log-probs), train one step on padded rows,
-group rows and packed rows at TP 2 + SP, and train a 0-lr step at EP 2 that is pushed (the HF tensors a weight push
-sends) and saved; rank 0 then resumes that checkpoint at EP 1. Here, in the test process, the checkpoint is exported
-to a HF directory that transformers loads. fp32; tolerance 1e-5.
+selection, the parameter names, bf16, R2 and R3 after the biases moved, checkpoints with a multi-token-prediction
+layer or a stray tensor), then both ranks build the model at TP 2 + SP and at EP 2 (log-probs), train one step on
+padded rows, group rows and packed rows at TP 2 + SP, train a 0-lr step at EP 2 whose weights go out as pushes do
+(the bucketed export and vLLM's nccl / ipc source) and into a checkpoint, and one step with Megatron's bias update
+on; rank 0 then resumes the checkpoint at EP 1. Here, in the test process, the checkpoint is exported to a HF
+directory that transformers loads. fp32; tolerance 1e-5.
 """
 from __future__ import annotations
 
