@@ -71,7 +71,7 @@ class JobConfig(Strict):
     @model_validator(mode="after")
     def _cross(self) -> "JobConfig":
         tiny = self.model.tiny
-        if tiny is not None and tiny.arch == "qwen3_moe":
+        if tiny is not None and tiny.is_moe:
             if tiny.top_k > tiny.experts:
                 raise ValueError(f"model.tiny.top_k ({tiny.top_k}) > model.tiny.experts ({tiny.experts})")
             if tiny.experts % self.trainer.ep:
@@ -91,9 +91,6 @@ class JobConfig(Strict):
             if self.rollout.multi_turn is not None:
                 raise ValueError("rollout.partial cannot be combined with rollout.multi_turn: an episode waits on "
                                  "its environment and is not resumable from token ids")
-            if self.rollout.agent is not None:
-                raise ValueError("rollout.partial cannot be combined with rollout.agent yet: agent episodes are not "
-                                 "continued across weight updates")
             default_staleness = type(self.coordinator).model_fields["max_staleness"].default
             if self.coordinator.max_staleness != default_staleness:  # would be silently ignored
                 raise ValueError(f"coordinator.max_staleness ({self.coordinator.max_staleness}) is not used with "
@@ -103,7 +100,12 @@ class JobConfig(Strict):
                                  f"leave coordinator.max_staleness at {default_staleness}")
             if partial.stale_policy == "keep":
                 self._check_partial_keep(partial)
-            if partial.segment_tokens >= self.rollout.max_new_tokens:
+            agent = self.rollout.agent
+            if agent is not None and partial.segment_tokens >= agent.max_total_tokens:
+                raise ValueError(f"rollout.partial.segment_tokens ({partial.segment_tokens}) must be below "
+                                 f"rollout.agent.max_total_tokens ({agent.max_total_tokens}), else no agent episode "
+                                 "is ever continued across rounds")
+            if agent is None and partial.segment_tokens >= self.rollout.max_new_tokens:
                 raise ValueError(f"rollout.partial.segment_tokens ({partial.segment_tokens}) must be below "
                                  f"rollout.max_new_tokens ({self.rollout.max_new_tokens}), else no completion is "
                                  "ever cut")
@@ -187,9 +189,9 @@ class JobConfig(Strict):
         for field in (["trainer.routing_replay 'R3'"] if t.routing_replay == "R3" else []) + (
                 ["trainer.routing_agreement"] if t.routing_agreement else []):
             tiny = self.model.tiny
-            if tiny is not None and tiny.arch != "qwen3_moe":
+            if tiny is not None and not tiny.is_moe:
                 raise ValueError(f"{field} needs an MoE model: model.tiny.arch {tiny.arch!r} has no routers (use "
-                                 "'qwen3_moe')")
+                                 "'qwen3_moe' or 'glm4_moe')")
             if self.rollout.multi_turn is not None:
                 raise ValueError(f"{field} cannot be combined with rollout.multi_turn: episodes do not carry the "
                                  "engine's routes")

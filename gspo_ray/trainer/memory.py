@@ -80,7 +80,7 @@ class MemoryShape:
                    heads=spec.num_heads, kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
                    ffn=spec.ffn_hidden_size, experts=spec.num_experts, top_k=spec.top_k,
                    moe_ffn=spec.moe_ffn_hidden_size, moe_layers=len(spec.moe_layers), tied=spec.tied_embeddings,
-                   qk_norm=spec.qk_norm)
+                   qk_norm=spec.qk_norm, shared_ffn=getattr(spec, "shared_expert_ffn_hidden_size", 0))
 
     @classmethod
     def from_hf_config(cls, cfg: dict, name: str = "") -> "MemoryShape":

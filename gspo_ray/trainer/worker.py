@@ -91,7 +91,9 @@ class TrainerWorker:
         self.gpt, self.spec = build_model(self.model_path, dtype=dtype, moe_dispatcher=trainer_cfg.moe_dispatcher,
                                           routing_replay=trainer_cfg.routing_replay != "none"
                                           or trainer_cfg.routing_noise, use_te=resolve_use_te(trainer_cfg.use_te),
-                                          attention=trainer_cfg.attention_kernel, recompute=trainer_cfg.recompute,
+                                          attention=trainer_cfg.attention_kernel,
+                                          router_bias_update_rate=trainer_cfg.router_bias_update_rate,
+                                          recompute=trainer_cfg.recompute,
                                           recompute_num_layers=trainer_cfg.recompute_num_layers,
                                           recompute_modules=trainer_cfg.recompute_modules)
         self.lora = None  # trainer.lora: the base frozen, adapters trained and pushed (trainer/lora/worker.py)
