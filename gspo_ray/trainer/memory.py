@@ -70,6 +70,7 @@ class MemoryShape:
     shared_ffn: int = 0          # shared experts' total width in an MoE layer (by hand: DeepSeek-like)
     tied: bool = False
     qk_norm: bool = False
+    qkv_bias: bool = False
     attn_params: int | None = None       # one layer's attention parameters when not GQA q/k/v/o (by hand)
     params_by_hand: bool = False
 
@@ -80,7 +81,8 @@ class MemoryShape:
                    heads=spec.num_heads, kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
                    ffn=spec.ffn_hidden_size, experts=spec.num_experts, top_k=spec.top_k,
                    moe_ffn=spec.moe_ffn_hidden_size, moe_layers=len(spec.moe_layers), tied=spec.tied_embeddings,
-                   qk_norm=spec.qk_norm, shared_ffn=getattr(spec, "shared_expert_ffn_hidden_size", 0))
+                   qk_norm=spec.qk_norm, qkv_bias=spec.qkv_bias,
+                   shared_ffn=getattr(spec, "shared_expert_ffn_hidden_size", 0))
 
     @classmethod
     def from_hf_config(cls, cfg: dict, name: str = "") -> "MemoryShape":
@@ -96,6 +98,7 @@ class MemoryShape:
         """One layer's parameters outside the experts: attention, norms, the dense MLP or router + shared experts."""
         h, d = self.hidden, self.head_dim
         attn = self.attn_params if self.attn_params is not None else h * (2 * self.heads + 2 * self.kv_heads) * d
+        attn += (self.heads + 2 * self.kv_heads) * d if self.qkv_bias else 0
         return attn + 2 * h + (2 * d if self.qk_norm else 0)
 
     @property

@@ -128,3 +128,16 @@ def test_terms_follow_the_layout():
     assert full < none / 10
     assert activation_bytes(QWEN3_30B, Layout(**{**lay.__dict__, "tp": 1})) == pytest.approx(2 * none, rel=1e-3)
     assert rank_memory(QWEN3_30B, lay).total / GIB > 80  # the review's layout: no H100 holds it
+
+
+def test_parameter_counts_of_a_family_with_shared_experts_and_qkv_bias(tmp_path):
+    """glm4_moe (trainer/families/): a dense first layer, shared experts, q/k/v biases."""
+    from transformers import AutoModelForCausalLM
+
+    from gspo_ray.models.tiny import ensure_tiny_model
+    from gspo_ray.trainer.model_spec import read_hf_config
+
+    path = ensure_tiny_model("glm4_moe", tmp_path / "glm4_moe", seed=0)
+    shape = MemoryShape.from_hf_config(read_hf_config(path))
+    assert shape.shared_ffn > 0 and shape.qkv_bias and shape.moe_layers < shape.layers
+    assert shape.total_params == sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(path).parameters())
