@@ -47,6 +47,7 @@ from gspo_ray.data.records import FINISH_ABORTED, FINISH_LENGTH, FINISH_STOP, Pr
 from gspo_ray.config.rollout import resolve_enforce_eager, resolve_gpu_memory_utilization
 from gspo_ray.compat.vllm_cpu_binding import engine_cores
 from gspo_ray.compat.vllm_cpu_lora import apply_lora_fix
+from gspo_ray.compat.vllm_cpu_mla_rope import apply_mla_rope_fix
 from gspo_ray.compat.vllm_cpu_seeded_prefill import apply_seeded_prefill_fix
 from gspo_ray.compat.vllm_cpu_startup import apply_startup_fix
 from gspo_ray.rollout.engine_env import (IN_PROCESS, MULTI_PROCESS, bind_cores, build_engine_env, engine_mode,
@@ -213,6 +214,7 @@ class RolloutEngine:
         set_num_threads = torch.set_num_threads
         apply_startup_fix()  # no token-rank compile at the first generation, no full-heap collections at load
         apply_seeded_prefill_fix()  # a seeded request may have its prefill split (multi-process: shm_transfer)
+        apply_mla_rope_fix()  # DeepSeek MLA's rotary on the CPU kernel (multi-process: shm_transfer)
         with scoped_env(env):
             self.llm = LLM(model=str(model_path), dtype=dtype, max_model_len=max_model_len, seed=seed,
                            enforce_eager=resolve_enforce_eager(enforce_eager, on_cuda), skip_tokenizer_init=True,
