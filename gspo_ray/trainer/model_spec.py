@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from gspo_ray.trainer.attention.mla import check_mla_layout, mla_options
 from gspo_ray.trainer.families import FAMILIES, family_of
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # config names
@@ -86,8 +87,10 @@ def spec_from_hf_config(cfg: dict, hf_dir: str, *, tp: int = 1, ep: int = 1, seq
     if num_experts and num_experts % ep:
         raise ValueError(f"ep={ep} must divide num_experts={num_experts}")
     family.refuse_unsupported(cfg, hf_dir)
+    mla = mla_options(cfg, f"{hf_dir}/config.json")  # {} unless the family takes multi-latent attention
     if sequence_parallel is None:
         sequence_parallel = tp > 1
+    check_mla_layout(mla, tp, bool(sequence_parallel), f"{hf_dir}/config.json")
     if num_experts and tp > 1 and not sequence_parallel:
         raise ValueError("Megatron MoE with tp > 1 requires sequence_parallel=True")
     vocab, layers = int(cfg["vocab_size"]), int(cfg["num_hidden_layers"])
@@ -102,7 +105,7 @@ def spec_from_hf_config(cfg: dict, hf_dir: str, *, tp: int = 1, ep: int = 1, seq
         sequence_parallel=bool(sequence_parallel), moe_dispatcher=moe_dispatcher, dtype=dtype, use_te=use_te,
         extra={"rope_theta": family.rope_theta(cfg), "norm_topk_prob": family.norm_topk_prob(cfg),
                "rms_norm_eps": float(cfg.get("rms_norm_eps", 1e-6)),
-               "max_position_embeddings": int(cfg.get("max_position_embeddings", 4096))})
+               "max_position_embeddings": int(cfg.get("max_position_embeddings", 4096)), "mla": mla})
 
 
 def te_missing() -> str | None:

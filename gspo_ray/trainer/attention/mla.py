@@ -96,7 +96,7 @@ def _yarn_options(rope: dict, where: str) -> dict:
     if abs(hf - megatron) > 1e-12:
         raise ValueError(f"{where}: rope_parameters.mscale {mscale!r} with mscale_all_dim {mscale_all_dim!r}: "
                          "transformers and vLLM / Megatron compute different YaRN attention factors; set both")
-    if rope.get("attention_factor") is not None and abs(float(rope["attention_factor"]) - hf) > 1e-12:
+    if rope.get("attention_factor") is not None:  # vLLM reads attention_factor 1.0 as another scaling altogether
         raise ValueError(f"{where}: rope_parameters.attention_factor {rope['attention_factor']!r} is not supported "
                          "(DeepSeek's YaRN derives it from mscale / mscale_all_dim)")
     return dict(rope_type="yarn", rotary_scaling_factor=factor,
@@ -133,7 +133,7 @@ def mla_options(cfg: dict, where: str) -> dict:
         raise ValueError(f"{where}: rms_norm_eps {eps!r} with multi-latent attention is not supported (transformers "
                          f"fixes the latent norms' eps at {LATENT_NORM_EPS}, vLLM uses rms_norm_eps)")
     rope = rope_parameters(cfg)
-    kind = rope.get("rope_type", rope.get("type", "default"))
+    kind = rope.get("rope_type") or rope.get("type") or "default"
     if kind not in ROPE_TYPES:
         raise ValueError(f"{where}: rope_parameters.rope_type {kind!r} is not supported with multi-latent attention "
                          f"(valid: {', '.join(ROPE_TYPES)})")
