@@ -24,7 +24,9 @@ own PyTorch code (`forward_native`, which reshapes per token and returns new ten
 tensors), every 2-d call to the kernel as before, so the models whose rotary calls are 2-d (all the others here)
 run exactly as they did.
 
-It must be applied in every process that hosts a vLLM worker: `RolloutEngine` applies it before it builds an
+vLLM binds each rotary layer's forward method when it builds the model (`CustomOp.dispatch_forward`), so the fix
+must be in place before an engine loads its model, and it must be applied in every process that hosts a vLLM
+worker: `RolloutEngine` applies it before it builds an
 in-process engine, rollout/shm_transfer.py (imported by every worker process) in the workers of a multi-process
 engine.
 
@@ -41,6 +43,7 @@ from gspo_ray.compat.vllm_version import vllm_minor
 
 AFFECTED_MINOR_VERSIONS = ((0, 32),)
 _originals: dict[str, object] = {}
+_held_off = {"depth": 0}  # > 0 inside mla_rope_fix_undone: apply_mla_rope_fix leaves vLLM's own forward_cpu
 
 
 def needs_mla_rope_fix() -> bool:
@@ -70,7 +73,7 @@ def _rotary_class():
 
 def apply_mla_rope_fix() -> bool:
     """Wrap the CPU rotary embedding in this process (idempotent); False where not needed."""
-    if not needs_mla_rope_fix():
+    if not needs_mla_rope_fix() or _held_off["depth"]:
         return False
     rotary = _rotary_class()
     if rotary.forward_cpu is not forward_cpu:
@@ -81,13 +84,16 @@ def apply_mla_rope_fix() -> bool:
 
 @contextlib.contextmanager
 def mla_rope_fix_undone() -> Iterator[None]:
-    """vLLM's own forward_cpu inside the block (the test's 'still needed' check), the fix again after it."""
+    """vLLM's own forward_cpu inside the block, also for an engine built in it (apply_mla_rope_fix does nothing
+    there): the test's and the bench's 'as released'. The fix again after it, where it was applied before."""
     rotary = _rotary_class()
     applied = rotary.forward_cpu is forward_cpu
     if applied:
         rotary.forward_cpu = _originals["forward_cpu"]
+    _held_off["depth"] += 1
     try:
         yield
     finally:
+        _held_off["depth"] -= 1
         if applied:
             rotary.forward_cpu = forward_cpu
