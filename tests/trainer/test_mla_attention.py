@@ -162,6 +162,7 @@ def _scenario(rank, world_size, ports, cases, rdzv):
         init_distributed(0, 1, "", 0, init_method=f"file://{rdzv}/single")
         for name, (cfg, state, x, w) in cases.items():
             module, _ = build_mla(cfg, state, 1, 0)
+            out[(name, "names")] = [n for n, _ in module.named_parameters()]
             out[(name, 1)] = {k: run_layout(module, lay, x, w, 1, 0) for k, lay in layouts().items()}
         destroy_distributed()
     if parallel_state.model_parallel_is_initialized():
@@ -278,3 +279,12 @@ def test_column_parallel_kv_down_still_loses_rope_gradients(results):
     assert rel_diff(merged[:lora], want[:lora]) < TOL
     assert rel_diff(merged[lora:], want[lora:]) > 1e-2, \
         "Megatron's column-parallel MLA kv_down now back-propagates the rope key right: drop the workaround"
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_parameter_names_are_param_names_mla_list(results, name):
+    """weights/param_names.py lists an MLA layer's parameters (attention/mla.py's mla_param_names) as built."""
+    from gspo_ray.trainer.attention.mla import mla_options, mla_param_names
+
+    got, _ = results
+    assert got[0][(name, "names")] == mla_param_names(mla_options(hf_config(name).to_dict(), "config.json"))

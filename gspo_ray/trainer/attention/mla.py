@@ -52,6 +52,17 @@ MLA_NAME_RULES: tuple[tuple[str, tuple[str, ...], str, str], ...] = (
     (_ATTN + r"linear_kv_up_proj\.weight", (_HF + "kv_b_proj.weight",), "copy", "col"),
     (_ATTN + r"linear_proj\.weight", (_HF + "o_proj.weight",), "copy", "row"),
 )
+
+
+def mla_param_names(options: dict) -> list[str]:
+    """The parameters of one MLASelfAttention (local spec), in module order, relative to `self_attention.`:
+    MultiLatentAttention registers linear_proj, then MLASelfAttention its projections and the latent norms."""
+    q = ["linear_q_proj.weight"] if options["q_lora_rank"] is None else ["linear_q_down_proj.weight",
+                                                                          "linear_q_up_proj.weight"]
+    norms = (["q_layernorm.weight"] if options["q_lora_rank"] is not None else []) + ["kv_layernorm.weight"]
+    return ["linear_proj.weight", *q, "linear_kv_down_proj.weight", "linear_kv_up_proj.weight", *norms]
+
+
 # The HF linears of multi-latent attention a LoRA adapter can name (PEFT / vLLM names)
 MLA_LORA_TARGETS = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
 
