@@ -7,7 +7,8 @@ takes only a 576-wide latent), and `topk_method: noaux_tc` / `scoring_func: sigm
 (transformers 5 hard-codes both and does not write them; vLLM creates `e_score_correction_bias` only for noaux_tc).
 Two layers, the first dense (`first_k_dense_replace` 1), 8 routed experts in 2 groups, top-2 of 1 group, one
 shared expert, q_lora_rank 32, fp32. `init_std` is transformers' `initializer_range`: 0.3 gives peaked logits,
-under which a convention bug shows (at 0.02 the model is near-uniform and agrees with anything to ~1e-3).
+under which a convention bug shows (at 0.02 the model is near-uniform and agrees with anything to ~1e-3); the
+correction biases and norm weights are drawn too (`perturb_constants`).
 `rope`: None for default RoPE, else a rope_parameters dict (YaRN).
 """
 from __future__ import annotations
@@ -37,6 +38,18 @@ def deepseek_v3_config(vocab_size: int, init_std: float = 0.3, rope: dict | None
     return DeepseekV3Config(**(fields | overrides))
 
 
+def perturb_constants(model, std: float) -> None:
+    """Random values where transformers initialises constants, so a converter that drops or swaps them shows: the
+    router correction biases (zeros; of the weights' std, so neither they nor the router weights decide the routing
+    alone) and the RMSNorm weights (ones; 1 + N(0, 0.1): the latent norms q_a_layernorm / kv_a_layernorm too)."""
+    with torch.no_grad():
+        for name, tensor in model.state_dict(keep_vars=True).items():
+            if name.endswith("e_score_correction_bias"):
+                tensor.copy_(torch.randn_like(tensor) * std)
+            elif name.endswith("norm.weight"):
+                tensor.copy_(1.0 + torch.randn_like(tensor) * 0.1)
+
+
 def make_tiny_deepseek_v3(out: str | Path, seed: int = 0, init_std: float = 0.3, rope: dict | None = None,
                           **overrides) -> Path:
     """Build the tokenizer and a random DeepseekV3ForCausalLM, save both to `out` with ENGINE_KEYS in config.json."""
@@ -47,6 +60,7 @@ def make_tiny_deepseek_v3(out: str | Path, seed: int = 0, init_std: float = 0.3,
     config = deepseek_v3_config(len(tokenizer), init_std=init_std, rope=rope, **overrides)
     torch.manual_seed(seed)
     model = DeepseekV3ForCausalLM(config).float()
+    perturb_constants(model, init_std)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
