@@ -15,16 +15,19 @@ models_app = typer.Typer(no_args_is_help=True, help="build local models")
 
 
 @models_app.command("make-tiny")
-def models_make_tiny(arch: str = typer.Option("qwen3_moe", help="qwen3_moe | qwen2"),
+def models_make_tiny(arch: str = typer.Option("qwen3_moe", help="qwen3_moe | qwen2 | glm4_moe"),
                      out: Path = typer.Option(..., help="output directory"),
-                     seed: int = 0, hidden: int = 64, layers: int = 2, experts: int = 4, top_k: int = 2):
+                     seed: int = 0, hidden: int = 64, layers: int = 2, experts: int = 4, top_k: int = 2,
+                     init_std: float = typer.Option(0.02, help="std of the random weights (0.3 gives peaked "
+                                                    "log-probs: a near-uniform model agrees with anything)")):
     """Build a tiny random HF model + char-level tokenizer locally (safetensors, untied embeddings)."""
     from gspo_ray.models.tiny import ARCHS, make_tiny_model
 
     if arch not in ARCHS:
         typer.echo(f"error: --arch {arch!r} unknown; valid: {', '.join(ARCHS)}", err=True)
         raise typer.Exit(2)
-    path = make_tiny_model(arch, out, seed=seed, hidden=hidden, layers=layers, experts=experts, top_k=top_k)
+    path = make_tiny_model(arch, out, seed=seed, hidden=hidden, layers=layers, experts=experts, top_k=top_k,
+                           init_std=init_std)
     typer.echo(f"wrote {arch} model to {path}")
 
 

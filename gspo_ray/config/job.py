@@ -71,7 +71,7 @@ class JobConfig(Strict):
     @model_validator(mode="after")
     def _cross(self) -> "JobConfig":
         tiny = self.model.tiny
-        if tiny is not None and tiny.arch == "qwen3_moe":
+        if tiny is not None and tiny.is_moe:
             if tiny.top_k > tiny.experts:
                 raise ValueError(f"model.tiny.top_k ({tiny.top_k}) > model.tiny.experts ({tiny.experts})")
             if tiny.experts % self.trainer.ep:
@@ -187,9 +187,9 @@ class JobConfig(Strict):
         for field in (["trainer.routing_replay 'R3'"] if t.routing_replay == "R3" else []) + (
                 ["trainer.routing_agreement"] if t.routing_agreement else []):
             tiny = self.model.tiny
-            if tiny is not None and tiny.arch != "qwen3_moe":
+            if tiny is not None and not tiny.is_moe:
                 raise ValueError(f"{field} needs an MoE model: model.tiny.arch {tiny.arch!r} has no routers (use "
-                                 "'qwen3_moe')")
+                                 "'qwen3_moe' or 'glm4_moe')")
             if self.rollout.multi_turn is not None:
                 raise ValueError(f"{field} cannot be combined with rollout.multi_turn: episodes do not carry the "
                                  "engine's routes")

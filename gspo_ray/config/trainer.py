@@ -74,6 +74,12 @@ class TrainerConfig(Strict):
         "attention per segment (any device; flash / memory-efficient kernels on CUDA); te_thd = Transformer "
         "Engine's fused attention in THD layout (padding_causal_bottom_right, the prefix K/V gathered once per "
         "completion segment), CUDA with transformer_engine only and not yet run on a GPU (docs/scale.md)")
+    router_bias_update_rate: float = Field(
+        0.0, ge=0.0, description="MoE routers with a load-balancing correction bias (GLM-4.5, DeepSeek-V3: HF "
+        "e_score_correction_bias, used to select experts, never to weight them): 0 keeps it frozen as pre-trained "
+        "(a load statistic of pre-training, not a weight RL should move); > 0 applies Megatron's update after each "
+        "optimizer step, bias += rate * sign(mean load - expert load), counted over the step's training forwards "
+        "(docs/moe.md). Pushes, checkpoints and exports carry the bias either way")
     router_churn_every: int = Field(10, ge=0, description="measure router churn every N steps (0 = never): it "
                                     "re-runs the step's forwards, ~25% of a train step on the tiny MoE")
     routing_drift: bool = Field(True, description="MoE: log moe/drift_churn (per layer and mean), the share of "

@@ -81,7 +81,7 @@ def prepare_model(cfg: JobConfig) -> Path:
 
     t = cfg.model.tiny
     return ensure_tiny_model(t.arch, cfg.run_dir / "model", seed=t.seed, hidden=t.hidden, layers=t.layers,
-                             experts=t.experts, top_k=t.top_k)
+                             experts=t.experts, top_k=t.top_k, init_std=t.init_std)
 
 
 def build_prompt_sources(cfg: JobConfig, model_path: Path):

@@ -1,9 +1,13 @@
 """Tiny, locally built HF models for the default recipe and the tests (nothing is downloaded, ever).
 
     gspo-ray models make-tiny --arch qwen3_moe --out runs/models/tiny-moe
+    gspo-ray models make-tiny --arch glm4_moe --out runs/models/tiny-glm --init-std 0.3
 
 A character-level tokenizer is trained with `tokenizers` on the alphabet, wrapped in `PreTrainedTokenizerFast`,
-and a randomly initialised `Qwen3MoeForCausalLM` / `Qwen2ForCausalLM` is saved next to it as safetensors.
+and a randomly initialised `Qwen3MoeForCausalLM` / `Qwen2ForCausalLM` / `Glm4MoeForCausalLM` is saved next to it as
+safetensors. The GLM-4.5 model has every part of its family switched on: a dense first layer, a shared expert,
+q/k/v biases, QK-norm, half-rotary RoPE, `routed_scaling_factor` 1.5 and a random (non-zero) router correction
+bias, so that a converter that ignored any of them would disagree with transformers.
 Embeddings are untied on purpose: vLLM's CPU backend keeps a stale packed lm_head after a weight reload when they
 are tied. Same arguments + seed -> byte-identical weights.
 """
@@ -15,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-ARCHS = ("qwen3_moe", "qwen2")
+ARCHS = ("qwen3_moe", "qwen2", "glm4_moe")
 # Enough for the built-in tasks ("copy:4821=" -> "4821", "12+34=" -> "46"); a small vocabulary is what lets a
 # randomly initialised model stumble on right answers often enough for RL to start from scratch.
 DEFAULT_ALPHABET = "0123456789copy:=+-*"
@@ -68,7 +72,30 @@ def build_config(arch: str, vocab_size: int, hidden: int = 64, layers: int = 2, 
         from transformers import Qwen2Config
 
         return Qwen2Config(**common, intermediate_size=2 * hidden)
+    if arch == "glm4_moe":
+        from transformers import Glm4MoeConfig
+
+        common["rope_parameters"] = common["rope_parameters"] | {"partial_rotary_factor": 0.5}
+        return Glm4MoeConfig(**common, head_dim=hidden // heads, intermediate_size=2 * hidden,
+                             moe_intermediate_size=hidden, n_routed_experts=experts, num_experts_per_tok=top_k,
+                             n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
+                             norm_topk_prob=True, routed_scaling_factor=1.5, attention_bias=True, use_qk_norm=True,
+                             num_nextn_predict_layers=0, output_router_logits=False)
     raise ValueError(f"unknown arch {arch!r}; valid: {', '.join(ARCHS)}")
+
+
+def perturb_zero_and_unit_tensors(model, std: float) -> None:
+    """Random values where HF initialises constants: the router correction bias (zeros; a trained one is not; of
+    the weights' std, so that neither the router weights nor the bias decide the routing alone), the q/k/v biases
+    (zeros) and the norm weights (ones), so that a swapped or dropped one changes the model."""
+    with torch.no_grad():
+        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+            if name.endswith("e_score_correction_bias"):
+                t.normal_(0.0, std)
+            elif name.endswith(".bias"):
+                t.normal_(0.0, 0.2)
+            elif "norm" in name and name.endswith(".weight"):
+                t.copy_(1.0 + 0.2 * torch.randn_like(t))
 
 
 def make_tiny_model(arch: str, out: str | Path, seed: int = 0, alphabet: str = DEFAULT_ALPHABET, hidden: int = 64,
@@ -86,12 +113,15 @@ def make_tiny_model(arch: str, out: str | Path, seed: int = 0, alphabet: str = D
     config.initializer_range = init_std
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if arch == "glm4_moe":
+        perturb_zero_and_unit_tensors(model, init_std)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     (out / "tiny_model.json").write_text(json.dumps(
         {"arch": arch, "seed": seed, "alphabet": alphabet, "hidden": hidden, "layers": layers, "experts": experts,
-         "top_k": top_k, "heads": heads, "params": sum(p.numel() for p in model.parameters())}, indent=1))
+         "top_k": top_k, "heads": heads, "init_std": init_std,
+         "params": sum(p.numel() for p in model.parameters())}, indent=1))
     return out
 
 

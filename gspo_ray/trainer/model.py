@@ -190,7 +190,8 @@ def resolve_use_te(use_te) -> bool:
 
 def build_model(hf_dir: str, *, dtype: torch.dtype = torch.float32, sequence_parallel: bool | None = None,
                 moe_dispatcher: str = "alltoall", load_weights: bool = True, use_te: bool = False,
-                routing_replay: bool = False, grouped_gemm: bool | None = None, attention: str = "sdpa"):
+                routing_replay: bool = False, grouped_gemm: bool | None = None, attention: str = "sdpa",
+                router_bias_update_rate: float = 0.0):
     """HF dir -> (GPTModel on this rank's device, ModelSpec). Needs init_distributed() first.
 
     With load_weights the HF safetensors are loaded into this rank's TP/EP shards (and random init is skipped);
@@ -198,6 +199,8 @@ def build_model(hf_dir: str, *, dtype: torch.dtype = torch.float32, sequence_par
     (see routing/replay.py). grouped_gemm (MoE experts as TEGroupedMLP): None = with use_te when Transformer
     Engine has its grouped linear; True without use_te is refused. attention: the kernel of SegmentAttention,
     "sdpa" (torch, any device) or "te_thd" (Transformer Engine's fused attention in THD layout, with use_te only).
+    router_bias_update_rate: for a router with an expert bias (DeepSeekMoE), Megatron's update of the bias after
+    each optimizer step (finalize_model_grads); 0, the default, keeps it frozen as trained (docs/moe.md).
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -215,6 +218,7 @@ def build_model(hf_dir: str, *, dtype: torch.dtype = torch.float32, sequence_par
         read_hf_config(hf_dir), hf_dir, tp=parallel_state.get_tensor_model_parallel_world_size(),
         ep=parallel_state.get_expert_model_parallel_world_size(), sequence_parallel=sequence_parallel,
         moe_dispatcher=moe_dispatcher, dtype=dtype, use_te=use_te)
+    spec.extra["router_bias_update_rate"] = float(router_bias_update_rate)  # read by the family's Router
     if grouped_gemm and not use_te:
         raise ValueError("grouped GEMM experts need the Transformer Engine spec (use_te)")
     if attention not in ATTENTION_KERNELS or attention == "te_thd" and not use_te:
@@ -227,7 +231,7 @@ def build_model(hf_dir: str, *, dtype: torch.dtype = torch.float32, sequence_par
         config=config, transformer_layer_spec=_block_spec(spec, grouped, attention), vocab_size=spec.padded_vocab_size,
         max_sequence_length=spec.extra["max_position_embeddings"], pre_process=True, post_process=True,
         parallel_output=True, share_embeddings_and_output_weights=spec.tied_embeddings,
-        position_embedding_type="rope", rotary_percent=1.0, rotary_base=spec.extra["rope_theta"])
+        position_embedding_type="rope", rotary_percent=spec.rotary_percent, rotary_base=spec.extra["rope_theta"])
     if torch.cuda.is_available():
         model = model.cuda()
     for p in model.parameters():  # the torch norm wrappers ignore params_dtype; HF keeps norms in the model dtype

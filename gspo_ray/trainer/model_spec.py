@@ -19,7 +19,7 @@ from gspo_ray.trainer.attention.mla import check_mla_layout, mla_options
 from gspo_ray.trainer.families import FAMILIES, family_of
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # config names
-SUPPORTED_ARCHS = tuple(FAMILIES)  # the registry's model_types: ("qwen2", "qwen3", "qwen3_moe", "llama", "mixtral")
+SUPPORTED_ARCHS = tuple(FAMILIES)  # the registry's model_types: qwen2, qwen3, qwen3_moe, llama, mixtral, glm4_moe
 MOE_DISPATCHERS = ("alltoall", "allgather")
 
 
@@ -42,6 +42,9 @@ class ModelSpec:
     moe_ffn_hidden_size: int = 0
     top_k: int = 0
     moe_layers: tuple[int, ...] = ()  # indices of layers whose MLP is MoE
+    shared_expert_ffn_hidden_size: int = 0  # an MoE layer's shared experts as one MLP (0: none)
+    expert_bias: bool = False        # the router selects on score + a per-expert bias buffer (router.expert_bias)
+    rotary_percent: float = 1.0      # share of each head's dimensions RoPE rotates (the first ones)
     qkv_bias: bool = False
     qk_norm: bool = False
     tied_embeddings: bool = False
@@ -100,7 +103,10 @@ def spec_from_hf_config(cfg: dict, hf_dir: str, *, tp: int = 1, ep: int = 1, seq
         head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads, ffn_hidden_size=cfg["intermediate_size"],
         num_experts=num_experts, moe_ffn_hidden_size=family.moe_ffn_hidden_size(cfg) if num_experts else 0,
         top_k=int(cfg.get("num_experts_per_tok") or 0) if num_experts else 0,
-        moe_layers=family.moe_layers(cfg, layers), qkv_bias=family.qkv_bias, qk_norm=family.qk_norm,
+        moe_layers=family.moe_layers(cfg, layers), qkv_bias=family.uses_qkv_bias(cfg),
+        qk_norm=family.uses_qk_norm(cfg), rotary_percent=family.rotary_percent(cfg),
+        shared_expert_ffn_hidden_size=family.shared_expert_ffn_hidden_size(cfg) if num_experts else 0,
+        expert_bias=bool(num_experts) and family.router_has_expert_bias,
         tied_embeddings=bool(cfg.get("tie_word_embeddings", False)), tp=tp, ep=ep,
         sequence_parallel=bool(sequence_parallel), moe_dispatcher=moe_dispatcher, dtype=dtype, use_te=use_te,
         extra={"rope_theta": family.rope_theta(cfg), "norm_topk_prob": family.norm_topk_prob(cfg),

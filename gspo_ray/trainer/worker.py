@@ -91,7 +91,8 @@ class TrainerWorker:
         self.gpt, self.spec = build_model(self.model_path, dtype=dtype, moe_dispatcher=trainer_cfg.moe_dispatcher,
                                           routing_replay=trainer_cfg.routing_replay != "none"
                                           or trainer_cfg.routing_noise, use_te=resolve_use_te(trainer_cfg.use_te),
-                                          attention=trainer_cfg.attention_kernel)
+                                          attention=trainer_cfg.attention_kernel,
+                                          router_bias_update_rate=trainer_cfg.router_bias_update_rate)
         self.lora = None  # trainer.lora: the base frozen, adapters trained and pushed (trainer/lora/worker.py)
         if trainer_cfg.lora is not None:
             self.lora = TrainerLoRA.attach(self.gpt, self.spec, trainer_cfg.lora, trainer_cfg.seed)

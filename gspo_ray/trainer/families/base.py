@@ -5,6 +5,8 @@ router (softmax over the experts, plain top-k).
     family = family_of(cfg["model_type"])                     # families/__init__.py: the registry
     family.refuse_unsupported(cfg, hf_dir)                    # ValueError naming the config.json key
     family.num_experts(cfg), family.moe_layers(cfg, layers), family.rope_theta(cfg), family.norm_topk_prob(cfg)
+    family.uses_qkv_bias(cfg), family.uses_qk_norm(cfg), family.rotary_percent(cfg)   # attention read from config
+    family.shared_expert_ffn_hidden_size(cfg), family.ignored_hf_tensor(cfg, name)   # (GLM-4.5: deepseek_moe.py)
     family.transformer_options(spec)                          # Megatron TransformerConfig keywords (+ its router's)
     family.name_rules, family.hf_name(qwen_style_name)      # Megatron <-> HF names (weights/bridge.param_map)
 
@@ -65,24 +67,65 @@ LLAMA_NAME_RULES: tuple[tuple[str, tuple[str, ...], str, str], ...] = (
 )
 
 
+# DeepSeekMoE's additions (families/deepseek_moe.py): the shared experts (Megatron's SharedExpertMLP, a TP-sharded
+# dense MLP beside the routed experts; the same names under both specs, its pre-MLP norm being the MoE layer's own)
+# and the router's expert bias (a buffer, not a parameter: weights/bridge.named_weights carries it with the
+# parameters through loads, pushes and exports; checkpoints hold it in the model state dict).
+SHARED_EXPERT_NAME_RULES: tuple[tuple[str, tuple[str, ...], str, str], ...] = (
+    (LAYER + r"mlp\.shared_experts\.linear_fc1\.weight", ("model.layers.{i}.mlp.shared_experts.gate_proj.weight",
+                                                         "model.layers.{i}.mlp.shared_experts.up_proj.weight"),
+     "gated", "col"),
+    (LAYER + r"mlp\.shared_experts\.linear_fc2\.weight", ("model.layers.{i}.mlp.shared_experts.down_proj.weight",),
+     "copy", "row"),
+    (LAYER + r"mlp\.router\.expert_bias", ("model.layers.{i}.mlp.gate.e_score_correction_bias",), "copy", "none"),
+)
+
+
 @dataclass(frozen=True)
 class Router:
     """How an MoE family routes a token: what Routing Replay records and replays, and the routing metrics compare.
 
-    score_function: what turns the router logits into scores ("softmax" over all experts).
-    selection: how the top-k experts are chosen ("topk": the k largest logits; with softmax scores the same as the
-      k largest scores, which is why routing churn / drift / agreement compare top-k of the logits).
-    normalize_topk: the selected experts' weights are renormalised to sum to 1 (a softmax over the k selected
-      logits); otherwise each weight is that expert's softmax probability over all experts."""
+    score_function: what turns the router logits into scores ("softmax" over all experts; "sigmoid" per expert).
+    selection: how the top-k experts are chosen ("topk": the k largest scores; with softmax scores the same as the
+      k largest logits).
+    normalize_topk: the selected experts' weights are renormalised to sum to 1 (softmax: a softmax over the k
+      selected logits); otherwise each weight is that expert's score.
+    expert_bias: the selection ranks `score + bias[e]`, a per-expert load-balancing correction (HF
+      `e_score_correction_bias`, Megatron's `router.expert_bias` buffer) that the weights never see: they are the
+      unbiased scores of the selected experts (DeepSeek-V3's and GLM-4.5's `noaux_tc`).
+    bias_update_rate: Megatron's update of that bias after each step (`bias += rate * sign(mean load - load)`);
+      0 keeps it frozen, as trained (docs/moe.md).
+    scaling_factor: the weights are multiplied by it after normalisation (HF `routed_scaling_factor`).
+    num_groups / group_topk: group-limited selection (HF `n_group` / `topk_group`): the experts fall into
+      num_groups equal groups, a token's top-k come from its group_topk best groups; a group is ranked by the sum
+      of its two best (biased) scores, as transformers and vLLM do (families refuse a top-k that Megatron, which
+      ranks a group by its best top_k / group_topk, would rank otherwise). 1 / 1: no groups."""
 
     score_function: str = "softmax"
     selection: str = "topk"
     normalize_topk: bool = False
+    expert_bias: bool = False
+    bias_update_rate: float = 0.0
+    scaling_factor: float = 1.0
+    num_groups: int = 1
+    group_topk: int = 1
 
     def megatron_options(self) -> dict[str, Any]:
         """Megatron TransformerConfig keywords of this router."""
-        # pre_softmax=False: softmax over the k selected logits == renormalised top-k probs
-        return dict(moe_router_score_function=self.score_function, moe_router_pre_softmax=not self.normalize_topk)
+        if self.score_function == "softmax":
+            # pre_softmax=False: softmax over the k selected logits == renormalised top-k probs
+            return dict(moe_router_score_function=self.score_function, moe_router_pre_softmax=not self.normalize_topk)
+        # Megatron's sigmoid router always renormalises k > 1 weights (moe_utils.topk_routing_with_score_function):
+        # the family refuses norm_topk_prob values it cannot express
+        options = dict(moe_router_score_function=self.score_function, moe_router_dtype="fp32",
+                       moe_router_enable_expert_bias=self.expert_bias)
+        if self.expert_bias:  # Megatron's default rate is 1e-3: the bias moves unless told otherwise
+            options["moe_router_bias_update_rate"] = self.bias_update_rate
+        if self.scaling_factor != 1.0:
+            options["moe_router_topk_scaling_factor"] = self.scaling_factor
+        if self.num_groups > 1:
+            options |= dict(moe_router_num_groups=self.num_groups, moe_router_group_topk=self.group_topk)
+        return options
 
 
 class Family:
@@ -94,8 +137,11 @@ class Family:
     engine_class: str = ""                     # the class vLLM loads (config.json `architectures[0]`)
     qkv_bias: bool = False                     # q/k/v projections have biases that no config key announces
     qk_norm: bool = False                      # RMSNorm on each head's queries and keys (Megatron's qk_layernorm)
+    reads_attention_bias: bool = False         # config.json `attention_bias` turns the q/k/v biases on (GLM)
+    reads_partial_rotary: bool = False         # config.json `partial_rotary_factor` rotates that share of each head
     normalization: str = "RMSNorm"
     moe: bool = False                          # has routed experts (MoE layers where moe_layers says)
+    router_has_expert_bias: bool = False       # its router selects on score + a per-expert bias (a buffer)
     lora_targets: tuple[str, ...] = DENSE_LORA_TARGETS
     name_rules: tuple[tuple[str, tuple[str, ...], str, str], ...] = LLAMA_NAME_RULES   # Megatron <-> HF names
     # HF tensor names that differ from the Qwen-style names of weights.bridge's rules, applied in order to expert
@@ -125,6 +171,27 @@ class Family:
         """Whether the selected experts' probabilities are renormalised (config.json `norm_topk_prob`)."""
         return bool(cfg.get("norm_topk_prob", False))
 
+    def uses_qkv_bias(self, cfg: dict) -> bool:
+        """Whether the q/k/v projections have biases (Qwen2: always; a family that reads `attention_bias`: as set)."""
+        return self.qkv_bias or (self.reads_attention_bias and bool(cfg.get("attention_bias")))
+
+    def uses_qk_norm(self, cfg: dict) -> bool:
+        """Whether queries and keys are RMS-normed per head."""
+        return self.qk_norm
+
+    def shared_expert_ffn_hidden_size(self, cfg: dict) -> int:
+        """The MLP width of an MoE layer's shared experts, all of them as one MLP (0: none)."""
+        return 0
+
+    def rotary_percent(self, cfg: dict) -> float:
+        """The share of each head's dimensions RoPE rotates (its first ones, rotate-half pairing; Megatron's
+        `rotary_percent`)."""
+        return 1.0
+
+    def ignored_hf_tensor(self, cfg: dict, name: str) -> bool:
+        """A checkpoint tensor the trainer's model has no place for by design (not a feature it lacks)."""
+        return False
+
     def rope_theta(self, cfg: dict) -> float:
         """RoPE base; only default RoPE (transformers 5 keeps it in rope_parameters, 4.x at the top level)."""
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
@@ -147,8 +214,14 @@ class Family:
             raise ValueError(f"{where}: shared experts are not supported")
         if self.sliding_window(cfg):
             raise ValueError(f"{where}: sliding-window attention is not supported")
-        if cfg.get("attention_bias") or cfg.get("mlp_bias"):  # (qwen2's q/k/v biases are implied, not configured)
+        if (cfg.get("attention_bias") and not self.reads_attention_bias) or cfg.get("mlp_bias"):
+            # (qwen2's q/k/v biases are implied, not configured)
             raise ValueError(f"{where}: attention_bias/mlp_bias are not supported")
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+        if partial not in (1, 1.0, None) and not self.reads_partial_rotary:
+            raise ValueError(f"{where}: partial_rotary_factor {partial!r} is not supported by {self.model_type} "
+                             "(only 1.0: RoPE over the whole head)")
         # attention by segment (trainer/attention/segment_attention.py) computes plain softmax attention over whole
         # segments
         for key, what in (("layer_types", "per-layer attention types (sliding / full)"),
@@ -173,6 +246,9 @@ class Family:
         options = dict(normalization=self.normalization, layernorm_epsilon=spec.extra["rms_norm_eps"],
                        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
                        add_qkv_bias=spec.qkv_bias, qk_layernorm=spec.qk_norm)
+        if spec.is_moe and spec.shared_expert_ffn_hidden_size:  # no sigmoid gate on the shared experts' output
+            options |= dict(moe_shared_expert_intermediate_size=spec.shared_expert_ffn_hidden_size,
+                            moe_shared_expert_gate=False)
         router = self.router(spec) if spec.is_moe else None
         return options | (router.megatron_options() if router is not None else {})
 

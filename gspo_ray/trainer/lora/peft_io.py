@@ -40,6 +40,7 @@ from gspo_ray.trainer.lora.adapters import (
     shard_pair,
 )
 from gspo_ray.trainer.model_spec import ModelSpec
+from gspo_ray.trainer.weights.bridge import named_weights
 
 
 def _gather(t: Tensor, group, dim: int) -> Tensor:
@@ -126,7 +127,7 @@ class MergedView(Mapping[str, Tensor]):
 
     def __init__(self, model: nn.Module):
         by_weight = {id(linear.weight): linear for _, linear in adapted_linears(model)}
-        self._params: dict[str, Tensor] = dict(model.named_parameters())
+        self._params: dict[str, Tensor] = dict(named_weights(model))  # carried buffers too (the expert bias)
         self._linears = {n: by_weight[id(p)] for n, p in self._params.items() if id(p) in by_weight}
 
     @property

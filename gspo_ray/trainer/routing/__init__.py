@@ -6,5 +6,6 @@
     records.py       the per-row record store (current rollout batch only; each record on the DP rank using it)
     noise_probe.py   trainer.routing_noise: the routing-induced log-ratio (a held-routing forward beside each one)
     agreement.py     trainer top-k vs the engine's per trained token, by version lag
+    selection.py     router_topk: the experts a router selects (softmax: top-k logits; sigmoid: + expert bias, groups)
     worker.py        TrainerRouting: what a TrainerWorker runs around its forwards with all of the above
 """

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from gspo_ray.trainer.routing.churn import comm_device, find_routers
 from gspo_ray.trainer.routing.drift import rows_of_group_layout
 from gspo_ray.trainer.routing.replay import gather_sequence, sp_offset
+from gspo_ray.trainer.routing.selection import router_topk
 
 LAG_BUCKETS = ("lag0", "lag1", "lag2p")  # 0, 1, 2 or more versions between a segment's policy and the trainer
 
@@ -96,8 +97,7 @@ class RoutingAgreement:
                 return
             x = args[0].detach()  # [S_local, B, H]
             s_local, k = int(x.shape[0]), module.topk
-            with torch.no_grad():
-                idx = torch.topk(torch.nn.functional.linear(x.float(), module.weight.float()), k, dim=-1).indices
+            idx = router_topk(module, x)  # the router's selection (softmax: top-k logits; sigmoid: + expert bias)
             idx = gather_sequence(idx, module)
             if sp_offset(module, s_local) > 0:
                 return  # under sequence parallelism the first TP rank counts the gathered sequence

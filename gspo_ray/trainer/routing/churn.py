@@ -6,11 +6,16 @@
     ...  optimizer step  ...
     with torch.no_grad(), recorder.capture(lengths, phase="after"):
         forward_logprobs(model, tokens, lengths)     # same tokens, new weights
-    metrics = recorder.churn_metrics(group)          # {"moe/router_churn_l0": ..., "moe/router_churn": ...}
+    metrics = recorder.churn_metrics(group)          # {"moe/router_churn_l0": ..., "moe/router_churn": ...,
+                                                     #  "moe/expert_load_max_over_mean[_l0]": ...}
 
 For each real token (position < its row's length) and layer, with E_before / E_after its top-k expert sets:
 `churn = sum_tokens |E_before \\ E_after| / (k * #tokens)`. 0 = identical routing, 1 = all choices moved. Counts are
 summed over all ranks (each sees different rows under DP, a different token shard under sequence parallelism).
+
+Expert load, from the same capture (the forwards before the step): per layer, the tokens the busiest expert got
+over the mean expert's (`moe/expert_load_max_over_mean_l{i}`, and its mean over layers): how far from balanced
+the routing is, which a frozen load-balancing bias (GLM-4.5, DeepSeek-V3: docs/moe.md) no longer corrects.
 
 The routing map that TopKRouter returns (`output[1]`, bool [tokens, experts]) is laid out sequence-major
 (`row = s * B + b`) over this rank's sequence shard; the shard offset under sequence parallelism is
@@ -100,13 +105,25 @@ class RouterRecorder:
                 out[i, 1] += mb.sum().item()  # = k * tokens (each row has exactly k experts set)
         return out
 
+    def expert_load(self) -> torch.Tensor:
+        """float64 [n_layers, experts]: tokens routed to each expert in the forwards captured before the step."""
+        experts = self.routers[0][1].config.num_moe_experts if self.routers else 0
+        out = torch.zeros(len(self.routers), experts, dtype=torch.float64)
+        for i, (layer, _) in enumerate(self.routers):
+            for routing_map in self.maps.get("before", {}).get(layer, []):
+                out[i] += routing_map.sum(0).double()
+        return out
+
     def churn_metrics(self, group=None) -> dict[str, float]:
-        """Churn per layer and the mean over layers, counts summed over `group` (default: all ranks)."""
-        counts = self.counts()
+        """Churn per layer and the mean over layers, and the expert load of the step's forwards, counts summed over
+        `group` (default: all ranks)."""
+        counts, load = self.counts(), self.expert_load()
         if dist.is_available() and dist.is_initialized():
-            counts = counts.to(comm_device(group))
-            dist.all_reduce(counts, group=group)
-        return compute_router_churn([layer for layer, _ in self.routers], counts.cpu())
+            both = torch.cat([counts, load], dim=1).to(comm_device(group))
+            dist.all_reduce(both, group=group)
+            counts, load = both[:, :2].cpu(), both[:, 2:].cpu()
+        layers = [layer for layer, _ in self.routers]
+        return compute_router_churn(layers, counts) | compute_expert_load(layers, load)
 
     def remove(self) -> None:
         for h in self._handles:
@@ -119,6 +136,20 @@ def comm_device(group=None) -> torch.device:
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def compute_expert_load(layers: list[int], load: torch.Tensor) -> dict[str, float]:
+    """load [n_layers, experts] (tokens per expert) -> {"moe/expert_load_max_over_mean_l{i}": the busiest expert's
+    tokens over the mean expert's (1 = balanced, E = one expert takes all), "moe/expert_load_max_over_mean": the
+    mean over layers}. A layer that routed no token is left out."""
+    out = {}
+    for layer, row in zip(layers, load):
+        if row.sum() > 0:
+            out[f"moe/expert_load_max_over_mean_l{layer}"] = float(row.max() / row.mean())
+    values = list(out.values())
+    if values:
+        out["moe/expert_load_max_over_mean"] = sum(values) / len(values)
+    return out
 
 
 def compute_router_churn(layers: list[int], counts: torch.Tensor) -> dict[str, float]:

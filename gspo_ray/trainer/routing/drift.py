@@ -10,10 +10,10 @@ MoE layer.
 
 This is seed 000's "~10% of the experts a rollout activates change after one gradient update", measured the way
 it matters for reuse: mini-batch j of pass p trains on routing that moved for (p-1) x num_minibatches + j
-optimizer steps. The routing compared is the router's own choice, top-k of `x W_router^T`, computed from the
-router's input even when Routing Replay overrides what the layer uses (so under R2 this still shows how far the
-unreplayed routing has moved, while the layer runs on the recorded one). Top-k of the logits equals top-k of the
-softmax scores (monotone); routers with an expert bias or group-limited top-k are refused.
+optimizer steps. The routing compared is the router's own selection (`routing.selection.router_topk`: top-k of
+the logits for a softmax router, of sigmoid scores + expert bias for a DeepSeekMoE one), computed from the router's
+input even when Routing Replay overrides what the layer uses (so under R2 this still shows how far the unreplayed
+routing has moved, while the layer runs on the recorded one).
 
 Shared-prefix group rows (trainer.shared_prefix): `watch(..., layout=...)` reads each original row's tokens out of
 its group row (`layout.row_of`, `layout.col_of`), so a shared prompt token counts once per completion that uses it,
@@ -38,6 +38,7 @@ from megatron.core import parallel_state
 from gspo_ray.trainer.routing.churn import comm_device, find_routers
 from gspo_ray.trainer.routing.records import RecordStore
 from gspo_ray.trainer.routing.replay import gather_sequence, sp_offset
+from gspo_ray.trainer.routing.selection import router_topk
 
 
 def rows_of_group_layout(idx: torch.Tensor, layout) -> torch.Tensor:
@@ -54,10 +55,6 @@ class RoutingDrift:
 
     def __init__(self, model: torch.nn.Module):
         self.routers = find_routers(model)
-        for layer, r in self.routers:
-            cfg = r.config
-            if getattr(cfg, "moe_router_enable_expert_bias", False) or getattr(cfg, "moe_router_group_topk", None):
-                raise ValueError(f"layer {layer}: routing drift assumes plain top-k of the router logits")
         self.store = RecordStore(len(self.routers))  # the current rollout batch's first sights
         self.counts = torch.zeros(len(self.routers), 2, dtype=torch.float64)  # (changed choices, k * tokens)
         self._uids: list[str | None] | None = None
@@ -71,9 +68,7 @@ class RoutingDrift:
                 return
             x = args[0].detach()  # [S_local, B, H]
             s_local, batch, k = int(x.shape[0]), int(x.shape[1]), module.topk
-            with torch.no_grad():
-                logits = torch.nn.functional.linear(x.float(), module.weight.float())
-                idx = torch.topk(logits, k, dim=-1).indices  # [S_local, B, k]
+            idx = router_topk(module, x)  # [S_local, B, k]
             idx = gather_sequence(idx, module)
             if sp_offset(module, s_local) > 0:
                 return  # under sequence parallelism the first TP rank counts the gathered sequence

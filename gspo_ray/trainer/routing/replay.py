@@ -40,6 +40,7 @@ from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
 from gspo_ray.trainer.routing.churn import find_routers
 from gspo_ray.trainer.routing.records import RecordStore
+from gspo_ray.trainer.routing.selection import router_topk
 
 MODES = ("none", "R2", "R3")
 
@@ -95,10 +96,8 @@ class RoutingReplay:
                 return
             s_local, batch = int(args[0].shape[0]), int(args[0].shape[1])
             offset, k = sp_offset(module, s_local), module.topk
-            if self.free_fill:  # the router's own choice where nothing is recorded
-                with torch.no_grad():
-                    logits = torch.nn.functional.linear(args[0].detach().float(), module.weight.float())
-                    target = torch.topk(logits, k, dim=-1).indices.cpu()
+            if self.free_fill:  # the router's own selection where nothing is recorded (selection.router_topk)
+                target = router_topk(module, args[0]).cpu()
             else:
                 target = torch.arange(k).repeat(s_local, batch, 1)  # padding positions: any k distinct experts
             if self._layout is not None:

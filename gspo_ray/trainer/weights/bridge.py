@@ -78,6 +78,21 @@ def param_map(megatron_name: str, arch: str | None = None) -> ParamMap:
     raise KeyError(f"no HF mapping for Megatron parameter {megatron_name!r}")
 
 
+# Buffers that are model weights in the HF checkpoint: loaded, pushed, exported and checkpointed with the parameters
+# (a DeepSeekMoE router's expert bias, HF `mlp.gate.e_score_correction_bias`); no optimizer updates them.
+CARRIED_BUFFERS = (".router.expert_bias",)
+
+
+def named_weights(model) -> Iterator[tuple[str, Tensor]]:
+    """Every tensor the HF checkpoint holds, as this rank has it: the parameters, then the carried buffers (in
+    module order). `model` may be anything with `named_parameters()` (lora.peft_io.MergedParameters)."""
+    yield from model.named_parameters()
+    if hasattr(model, "named_buffers"):
+        for name, buf in model.named_buffers():
+            if name.endswith(CARRIED_BUFFERS):
+                yield name, buf
+
+
 def is_lora_param(name: str) -> bool:
     """A LoRA adapter parameter (trainer/lora/adapters.py names them `<linear>.lora.pairs.<target>.A|B`), not a
     base tensor."""
@@ -184,7 +199,7 @@ def _ranks(spec: ModelSpec) -> tuple[int, int]:
 def _hf_names_of_model(model, spec: ModelSpec) -> set[str]:
     """Every HF tensor name the whole model (all TP/EP ranks) reads."""
     names = set()
-    for name, _ in model.named_parameters():
+    for name, _ in named_weights(model):
         if is_lora_param(name):  # adapters are not base-checkpoint tensors (trainer/lora/peft_io.py exports them)
             continue
         pm = param_map(name, spec.arch)
@@ -198,22 +213,23 @@ def _hf_names_of_model(model, spec: ModelSpec) -> set[str]:
 
 def _check_all_used(ckpt: HFCheckpoint, model, spec: ModelSpec) -> None:
     """A checkpoint tensor nobody reads means a feature the converter does not know (a bias, a shared expert)."""
-    used = _hf_names_of_model(model, spec)
+    used, family = _hf_names_of_model(model, spec), family_of(spec.arch)
     fused_experts = re.compile(r"model\.layers\.\d+\.mlp\.experts\.(gate_up_proj|down_proj)")
     unused = sorted(n for n in ckpt.keys() - used if not fused_experts.fullmatch(n)
-                    and not (spec.tied_embeddings and n == "lm_head.weight"))
+                    and not (spec.tied_embeddings and n == "lm_head.weight")
+                    and not (family is not None and family.ignored_hf_tensor(spec.hf_config, n)))
     if unused:
         raise ValueError(f"{ckpt.dir}: {len(unused)} tensors have no place in the Megatron model, e.g. {unused[:5]}")
 
 
 def load_hf_weights(model, spec: ModelSpec, hf_dir: str | Path) -> None:
-    """Copy HF safetensors into this rank's TP/EP shards of `model`; every parameter must be covered and every
-    checkpoint tensor used (ValueError otherwise)."""
+    """Copy HF safetensors into this rank's TP/EP shards of `model` (its parameters and carried buffers); every
+    parameter must be covered and every checkpoint tensor used (ValueError otherwise)."""
     ckpt = HFCheckpoint(hf_dir)
     _check_all_used(ckpt, model, spec)
     tp_rank, ep_rank = _ranks(spec)
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        for name, param in named_weights(model):
             if is_lora_param(name):
                 continue
             pm = param_map(name, spec.arch)
@@ -260,7 +276,7 @@ def export_hf_weights(model, spec: ModelSpec, bucket_mb: float = 64) -> Iterator
     every rank must iterate it to the end; every rank yields the same tensors. Order: the model's parameter order,
     experts of one layer grouped by local index."""
     limit, bucket, size = bucket_mb * 2**20, [], 0
-    for name, param in model.named_parameters():
+    for name, param in named_weights(model):
         if is_lora_param(name):  # the base weights only (MergedParameters in trainer/lora/peft_io.py folds adapters in)
             continue
         for hf_name, tensor in _full_hf_tensors(name, param, spec):

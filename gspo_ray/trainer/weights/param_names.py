@@ -16,6 +16,9 @@ What each spec names (megatron-core 0.16.1, models/gpt/gpt_layer_specs.py and ex
   fc1 likewise (`mlp.linear_fc1.layer_norm_weight`, no `pre_mlp_layernorm`); an MoE layer keeps a separate
   `pre_mlp_layernorm.weight` (TENorm: the router and the experts both read the normed input). QK-norms are TENorm
   (`weight`). RMSNorm has no bias, and TE registers no bias parameter for a linear built without one.
+- Shared experts (DeepSeekMoE: GLM-4.5, DeepSeek-V3): `mlp.shared_experts.linear_fc{1,2}.weight` after the
+  experts, either spec (SharedExpertMLP; no gate weight: moe_shared_expert_gate is off). A biased router's
+  `mlp.router.expert_bias` is a buffer (`carried_buffer_names`), HF `mlp.gate.e_score_correction_bias`.
 - Experts without grouped GEMM (SequentialMLP, either spec): `mlp.experts.local_experts.{j}.linear_fc{1,2}.weight`.
   With grouped GEMM (TEGroupedMLP: one TE GroupedLinear per projection): `mlp.experts.linear_fc1.weight{j}`
   ([gate_j; up_j], [2F, H]) and `mlp.experts.linear_fc2.weight{j}` (down_j, [H, F]), j the local expert. The
@@ -69,8 +72,18 @@ def _layer_names(spec: ModelSpec, kinds: LayerKinds, i: int) -> list[str]:
     names += [p + "pre_mlp_layernorm.weight", p + "mlp.router.weight"]
     experts = range(spec.num_local_experts)
     if kinds.grouped_gemm:
-        return names + [f"{p}mlp.experts.linear_fc{k}.weight{j}" for k in (1, 2) for j in experts]
-    return names + [f"{p}mlp.experts.local_experts.{j}.linear_fc{k}.weight" for j in experts for k in (1, 2)]
+        names += [f"{p}mlp.experts.linear_fc{k}.weight{j}" for k in (1, 2) for j in experts]
+    else:
+        names += [f"{p}mlp.experts.local_experts.{j}.linear_fc{k}.weight" for j in experts for k in (1, 2)]
+    if spec.shared_expert_ffn_hidden_size:  # MoELayer builds them after the experts
+        names += [f"{p}mlp.shared_experts.linear_fc{k}.weight" for k in (1, 2)]
+    return names
+
+
+def carried_buffer_names(spec: ModelSpec) -> list[str]:
+    """The buffers that are HF checkpoint tensors (bridge.CARRIED_BUFFERS): a biased router's expert bias per MoE
+    layer, in module order (the same on every TP / EP rank: it is replicated)."""
+    return [f"decoder.layers.{i}.mlp.router.expert_bias" for i in spec.moe_layers] if spec.expert_bias else []
 
 
 def megatron_param_names(spec: ModelSpec, kinds: LayerKinds) -> list[str]:
@@ -87,10 +100,11 @@ def megatron_param_names(spec: ModelSpec, kinds: LayerKinds) -> list[str]:
 
 
 def hf_names_by_param(spec: ModelSpec, kinds: LayerKinds) -> dict[tuple[int, str], tuple[str, ...]]:
-    """{(EP rank, Megatron name): its HF tensors in merge order} over every EP rank. A dense parameter is the
+    """{(EP rank, Megatron name): its HF tensors in merge order} over every EP rank, the carried buffers (the
+    expert bias) included. A dense parameter is the
     same tensor on every EP rank and is listed once, under rank 0; an expert parameter once per EP rank."""
     out = {}
-    for name in megatron_param_names(spec, kinds):
+    for name in megatron_param_names(spec, kinds) + carried_buffer_names(spec):
         pm = param_map(name, spec.arch)
         if pm.local_expert is None:
             out[(0, name)] = pm.hf_names

@@ -43,6 +43,7 @@ from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactor
 from gspo_ray.trainer.lora.peft_io import MergedView
 from gspo_ray.trainer.push_guard import PushGate, send_bounded
 from gspo_ray.trainer.model_spec import ModelSpec
+from gspo_ray.trainer.weights.bridge import named_weights
 from gspo_ray.trainer.weights.weight_buckets import Collect, WeightBucket, gather_bucket, plan_buckets, torch_collect
 
 
@@ -64,7 +65,7 @@ class MegatronWeightSource(WeightSource):
         if hasattr(model, "param_meta"):  # values computed when read (MergedView): planned without reading them
             self._params, meta = model, list(model.param_meta())
         else:
-            self._params = dict(model.named_parameters() if hasattr(model, "named_parameters") else model.items())
+            self._params = dict(named_weights(model) if hasattr(model, "named_parameters") else model.items())
             meta = [(n, tuple(t.shape), t.dtype) for n, t in self._params.items()]
         self.spec = spec
         self.plan: list[WeightBucket] = plan_buckets(meta, spec, bucket_bytes)
