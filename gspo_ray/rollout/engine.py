@@ -137,6 +137,18 @@ def head_dtype_kwargs(dtype: str, head_dtype: str = "float32") -> dict:
     return {"hf_overrides": {"head_dtype": "float32"}}
 
 
+def mla_backend_kwargs(model_path, dtype: str, on_cuda: bool) -> dict:
+    """vLLM engine keywords for a multi-latent attention model (config.json `kv_lora_rank`) on CPU: vLLM 0.32 picks
+    its AMX MLA backend wherever the CPU has AMX tiles, and that backend takes bf16 only, so an fp32 (fp16) engine
+    asks for the plain CPU backend (`CPU_MLA`, which vLLM picks by itself on CPUs without AMX, this AMD host's
+    case; AMX hosts never ran here). vLLM's CPU platform turns prefix caching and chunked prefill off for MLA."""
+    config = Path(model_path) / "config.json"
+    mla = config.exists() and json.loads(config.read_text()).get("kv_lora_rank") is not None
+    if on_cuda or not mla or dtype in ("bfloat16", torch.bfloat16):
+        return {}
+    return {"attention_backend": "CPU_MLA"}
+
+
 def merge_engine_kwargs(kwargs: dict, extra: dict) -> dict:
     """`kwargs | extra`, with `hf_overrides` (a dict of config overrides) merged key by key, not replaced."""
     merged = kwargs | extra
@@ -211,6 +223,7 @@ class RolloutEngine:
         self.transfer_backend = engine_backend(weight_transfer)  # shm / object_store: gspo_shm; else vLLM's own
         kwargs |= engine_transfer_kwargs(weight_transfer)
         kwargs = merge_engine_kwargs(kwargs, head_dtype_kwargs(dtype, head_dtype))  # fp32 logits in a bf16 engine
+        kwargs |= mla_backend_kwargs(model_path, dtype, on_cuda)  # AMX hosts: the fp32 MLA backend
         set_num_threads = torch.set_num_threads
         apply_startup_fix()  # no token-rank compile at the first generation, no full-heap collections at load
         apply_seeded_prefill_fix()  # a seeded request may have its prefill split (multi-process: shm_transfer)

@@ -45,3 +45,18 @@ def test_sampled_logprobs_equal_transformers(samples):
             n += len(ref)
     assert n > 40 and worst <= TOL, f"engine vs transformers per-token log-prob max diff {worst:.2e} over {n}"
     assert min(min(s.logprobs) for s in out) < -4  # peaked: not all near-uniform draws
+
+
+def test_an_mla_model_on_cpu_asks_for_the_fp32_mla_backend(tmp_path):
+    """AMX hosts would get vLLM's bf16-only AMX MLA backend: an fp32 CPU engine of an MLA model names CPU_MLA; a bf16
+    one, a CUDA one, or a model without kv_lora_rank, nothing."""
+    import json
+
+    from gspo_ray.rollout.engine import mla_backend_kwargs
+
+    (tmp_path / "config.json").write_text(json.dumps({"kv_lora_rank": 512}))
+    assert mla_backend_kwargs(tmp_path, "float32", on_cuda=False) == {"attention_backend": "CPU_MLA"}
+    assert mla_backend_kwargs(tmp_path, "bfloat16", on_cuda=False) == {}
+    assert mla_backend_kwargs(tmp_path, "float32", on_cuda=True) == {}
+    (tmp_path / "config.json").write_text(json.dumps({"num_attention_heads": 4}))
+    assert mla_backend_kwargs(tmp_path, "float32", on_cuda=False) == {}

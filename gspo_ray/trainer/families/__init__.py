@@ -15,10 +15,10 @@ here, its line in FAMILY_MODULES below, and its tests (docs/real-models.md). No 
 """
 from __future__ import annotations
 
-from gspo_ray.trainer.families import glm4_moe, llama, mixtral, qwen2, qwen3, qwen3_moe
+from gspo_ray.trainer.families import deepseek_v3, glm4_moe, llama, mixtral, qwen2, qwen3, qwen3_moe
 from gspo_ray.trainer.families.base import Family
 
-FAMILY_MODULES = (qwen2, qwen3, qwen3_moe, llama, mixtral, glm4_moe)
+FAMILY_MODULES = (qwen2, qwen3, qwen3_moe, llama, mixtral, glm4_moe, deepseek_v3)
 FAMILIES: dict[str, Family] = {m.FAMILY.model_type: m.FAMILY for m in FAMILY_MODULES}
 ALIASES: dict[str, str] = {alias: f.model_type for f in FAMILIES.values() for alias in f.aliases}
 if set(ALIASES) & set(FAMILIES) or len(ALIASES) != sum(len(f.aliases) for f in FAMILIES.values()):
