@@ -138,10 +138,9 @@ def head_dtype_kwargs(dtype: str, head_dtype: str = "float32") -> dict:
 
 
 def mla_backend_kwargs(model_path, dtype: str, on_cuda: bool) -> dict:
-    """vLLM engine keywords for a multi-latent attention model (config.json `kv_lora_rank`) on CPU: vLLM 0.32 picks
-    its AMX MLA backend wherever the CPU has AMX tiles, and that backend takes bf16 only, so an fp32 (fp16) engine
-    asks for the plain CPU backend (`CPU_MLA`, which vLLM picks by itself on CPUs without AMX, this AMD host's
-    case; AMX hosts never ran here). vLLM's CPU platform turns prefix caching and chunked prefill off for MLA."""
+    """vLLM keywords for an MLA model (config.json `kv_lora_rank`) on CPU: vLLM 0.32 picks its bf16-only AMX MLA
+    backend where the CPU has AMX, so an fp32 engine asks for `CPU_MLA` (picked anyway without AMX, as on this AMD
+    host; AMX hosts never ran here). vLLM's CPU platform turns prefix caching and chunked prefill off for MLA."""
     config = Path(model_path) / "config.json"
     mla = config.exists() and json.loads(config.read_text()).get("kv_lora_rank") is not None
     if on_cuda or not mla or dtype in ("bfloat16", torch.bfloat16):
