@@ -19,7 +19,7 @@ from gspo_ray.trainer.attention.mla import check_mla_layout, mla_options
 from gspo_ray.trainer.families import FAMILIES, family_of
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # config names
-SUPPORTED_ARCHS = tuple(FAMILIES)  # the registry's model_types: qwen2, qwen3, qwen3_moe, llama, mixtral, glm4_moe
+SUPPORTED_ARCHS = tuple(FAMILIES)  # the registry's model_types: qwen2, .., glm4_moe, deepseek_v3
 MOE_DISPATCHERS = ("alltoall", "allgather")
 
 

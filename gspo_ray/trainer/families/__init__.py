@@ -4,7 +4,7 @@
     FAMILIES                               # {model_type: Family}, canonical names, in the order errors list them
 
     base.py        Family / MoEFamily: the Llama-like defaults every family starts from, and what a family states
-    llama.py  qwen2.py  qwen3.py  qwen3_moe.py  mixtral.py  glm4_moe.py
+    llama.py  qwen2.py  qwen3.py  qwen3_moe.py  mixtral.py  glm4_moe.py  deepseek_v3.py (alias kimi_k2)
     deepseek_moe.py  DeepSeekMoEFamily: shared experts, the biased sigmoid router, dense first layers (no family of
                      its own: GLM-4.5's, and DeepSeek-V3's, MoE block)
 
