@@ -4,8 +4,10 @@ tiny_deepseek.py, shrunk: kv_lora_rank 32, q/k 16 + 16, v 24, q_lora_rank 32; a 
 groups, a shared expert, routed_scaling_factor 2.5, drawn correction biases and norm weights, weights of std 0.3).
 
 One pair of spawned ranks: rank 0 first runs the 1-process checks in a world of its own (log-probs against
-transformers, the parameter names), then both ranks compute log-probs at TP 2 + SP and at EP 2, and train one step
-on padded rows, group rows and packed rows at TP 2 + SP. fp32; tolerance 1e-5.
+transformers, the parameter names), then both ranks compute log-probs at TP 2 + SP and at EP 2 and gather the HF
+state dict back (equal to the checkpoint), and train one step on padded rows, group rows and packed rows at TP 2 +
+SP. Also: the spec and refusals, every checkpoint tensor's Megatron home, the preflight (kimi_k2, the CPU MLA
+latent), `models make-tiny --arch deepseek_v3`. fp32; tolerance 1e-5.
 """
 from __future__ import annotations
 
@@ -90,6 +92,7 @@ def _scenario(rank, world, ports, ds_dir, tokens, lengths, batch, rdzv):
 
     from gspo_ray.trainer.model import build_model
     from gspo_ray.trainer.parallel import destroy_distributed, init_distributed
+    from gspo_ray.trainer.weights.bridge import hf_state_dict_from_megatron
     from gspo_ray.trainer.weights.param_names import LayerKinds, megatron_param_names
 
     out = {}
@@ -104,9 +107,10 @@ def _scenario(rank, world, ports, ds_dir, tokens, lengths, batch, rdzv):
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
         init_distributed(rank, world, "", 0, tp=tp, ep=ep, init_method=f"file://{rdzv}/pair")
-        model, _ = build_model(ds_dir)
+        model, spec = build_model(ds_dir)
         rows = slice(None) if tp > 1 else slice(rank, None, world)
         out[layout] = _logprobs(model, tokens[rows], lengths[rows])
+        out[f"{layout}_export"] = hf_state_dict_from_megatron(model, spec)  # what a push sends (collective)
     destroy_distributed()
     for i, (run, shared, packed) in enumerate((("off", False, False), ("on", True, True), ("packed", False, True))):
         tcfg = trainer_cfg(world, tp=2, micro_batch_size=6, grad_clip=0.0, lr=1e-3, shared_prefix=shared,
@@ -186,3 +190,18 @@ def test_make_tiny_builds_the_engine_shaped_model_and_refuses_options_it_does_no
     refused = runner.invoke(models_app, ["make-tiny", "--arch", "deepseek_v3", "--out", str(tmp_path / "x"),
                                          "--experts", "8"])
     assert refused.exit_code == 2 and "--experts 8 is not taken for deepseek_v3" in refused.output
+
+
+def test_the_exported_weights_at_tp2_sp_and_ep2_are_the_checkpoint(runs, ds_dir):
+    """HF <-> Megatron both ways: the HF state dict gathered from the TP 2 + SP and EP 2 models (what a push sends
+    and an export writes) is the checkpoint, tensor for tensor (MLA's column-parallel q projections, replicated
+    kv_down, row-parallel o_proj; experts, shared experts, the correction bias)."""
+    from safetensors.torch import load_file
+
+    want = load_file(f"{ds_dir}/model.safetensors")
+    for r in runs["ranks"]:
+        for layout in ("tp2_sp", "ep2"):
+            got = r[f"{layout}_export"]
+            assert set(got) == set(want), sorted(set(got) ^ set(want))
+            bad = [n for n in want if not torch.equal(got[n], want[n])]
+            assert not bad, (layout, bad)
