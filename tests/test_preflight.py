@@ -99,6 +99,8 @@ def gpt2_dir(tmp_path_factory, qwen2_dir):
 
 
 MADE_DATA = {"smollm2_wordproblems": "wordproblems"}  # recipes that read what `gspo-ray data make TASK` writes
+# recipes that read a model `gspo-ray models make-tiny ARGS` builds
+MADE_MODEL = {"tiny_deepseek": ("--arch", "deepseek_v3", "--init-std", "0.02")}
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
@@ -108,6 +110,10 @@ def test_recipes_pass_preflight(recipe, tmp_path):
         made, _ = invoke("data", "make", MADE_DATA[recipe.stem], "--out", tmp_path / "data", "--num-train", 200)
         assert made.exit_code == 0, made.output
         overrides = [f"data.path={tmp_path}/data/train.parquet", f"data.eval_path={tmp_path}/data/test.parquet"]
+    if recipe.stem in MADE_MODEL:  # likewise a model the recipe's header says to build first
+        made, _ = invoke("models", "make-tiny", *MADE_MODEL[recipe.stem], "--out", tmp_path / "model")
+        assert made.exit_code == 0, made.output
+        overrides.append(f"model.path={tmp_path}/model")
     result, _ = invoke("config", "validate", recipe, *overrides)
     assert result.exit_code == 0, result.output
     assert "preflight ok" in result.stdout and "reward     " in result.stdout
