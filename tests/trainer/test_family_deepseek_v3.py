@@ -6,8 +6,8 @@ groups, a shared expert, routed_scaling_factor 2.5, drawn correction biases and 
 One pair of spawned ranks: rank 0 first runs the 1-process checks in a world of its own (log-probs against
 transformers, the parameter names), then both ranks compute log-probs at TP 2 + SP and at EP 2 and gather the HF
 state dict back (equal to the checkpoint), and train one step on padded rows, group rows and packed rows at TP 2 +
-SP. Also: the spec and refusals, every checkpoint tensor's Megatron home, the preflight (kimi_k2, the CPU MLA
-latent), `models make-tiny --arch deepseek_v3`. fp32; tolerance 1e-5.
+SP, and one at EP 2 that rank 0 resumes at EP 1. Also: the spec and refusals, every checkpoint tensor's Megatron
+home, the preflight (kimi_k2, the CPU MLA latent), `models make-tiny --arch deepseek_v3`. fp32; tolerance 1e-5.
 """
 from __future__ import annotations
 
@@ -64,7 +64,8 @@ def test_every_checkpoint_tensor_has_one_megatron_home(ds_dir):
     spec = spec_from_hf_config(read_hf_config(ds_dir), ds_dir, tp=2, ep=2)
     homes = params_by_hf_name(spec, LayerKinds())
     assert set(homes) == set(load_file(f"{ds_dir}/model.safetensors"))
-    assert homes["model.layers.0.self_attn.kv_a_layernorm.weight"][1] == "decoder.layers.0.self_attention.kv_layernorm.weight"
+    kv_norm = homes["model.layers.0.self_attn.kv_a_layernorm.weight"][1]
+    assert kv_norm == "decoder.layers.0.self_attention.kv_layernorm.weight"
 
 
 def _logprobs(model, tokens, lengths):
@@ -87,7 +88,7 @@ def _step(rank, world, port, ds_dir, batch, tcfg):
     return {"logp": logp, "metrics": metrics, "grads": grads}
 
 
-def _scenario(rank, world, ports, ds_dir, tokens, lengths, batch, rdzv):
+def _scenario(rank, world, ports, ds_dir, tokens, lengths, batch, ckpt, rdzv):
     from megatron.core import parallel_state
 
     from gspo_ray.trainer.model import build_model
@@ -116,6 +117,20 @@ def _scenario(rank, world, ports, ds_dir, tokens, lengths, batch, rdzv):
         tcfg = trainer_cfg(world, tp=2, micro_batch_size=6, grad_clip=0.0, lr=1e-3, shared_prefix=shared,
                            packed_rows=packed, use_distributed_optimizer=False)
         out[run] = _step(rank, world, ports[i], ds_dir, batch, tcfg)
+    # a 1e-3 step at EP 2, saved; rank 0 resumes it at EP 1 (the shards of MLA, experts and shared experts reshard)
+    from gspo_ray.trainer.worker import TrainerWorker
+
+    w = TrainerWorker(rank, world, "127.0.0.1", ports[3], ds_dir, trainer_cfg(world, ep=2, lr=1e-3, grad_clip=0.0),
+                      algo_cfg())
+    w.train_step(batch)
+    out["ep2_logp"] = w.compute_logprobs(batch)
+    w.save(ckpt)
+    w.shutdown()
+    if rank == 0:
+        w = TrainerWorker(0, 1, "127.0.0.1", ports[4], ds_dir, trainer_cfg(1, lr=0.0), algo_cfg())
+        w.load(ckpt)
+        out["ep1_resumed"] = w.compute_logprobs(batch)
+        w.shutdown()
     return out
 
 
@@ -127,7 +142,8 @@ def runs(ds_dir, tmp_path_factory):
     ref, entropy = hf_logprobs(ds_dir, tokens, lengths)
     batch = prompt_groups()
     root = tmp_path_factory.mktemp("ds_runs")
-    ranks = run_ranks(_scenario, 2, (ds_dir, tokens, lengths, batch, str(root)), n_ports=3)
+    ranks = run_ranks(_scenario, 2, (ds_dir, tokens, lengths, batch, str(root / "ckpt"), str(root)),
+                      n_ports=5)
     return {"ref": ref, "entropy": entropy, "ranks": ranks}
 
 
@@ -205,3 +221,10 @@ def test_the_exported_weights_at_tp2_sp_and_ep2_are_the_checkpoint(runs, ds_dir)
             assert set(got) == set(want), sorted(set(got) ^ set(want))
             bad = [n for n in want if not torch.equal(got[n], want[n])]
             assert not bad, (layout, bad)
+
+
+def test_an_ep2_checkpoint_resumes_at_ep1(runs):
+    """After a real step at EP 2 the checkpoint resumes at EP 1 with the same log-probs (the step moved them)."""
+    r0 = runs["ranks"][0]
+    assert _maxdiff(r0["ep1_resumed"], r0["ep2_logp"]) <= TOL
+    assert _maxdiff(r0["ep2_logp"], r0["off"]["logp"]) > 1e-4  # the step changed the model
