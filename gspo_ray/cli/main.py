@@ -247,7 +247,9 @@ def bench(quick: bool = typer.Option(False, help="fewer steps"),
                                     "pool-size controller on a model of phase times, against fixed splits) | "
                                     "preflight (the data preflight over 100k GSM8K-like rows) | anchor (the engine-trainer "
                                     "log-prob gap at step 0, fp32 / bf16 / fp32 heads) | anchor-learn (bf16 with "
-                                    "the engine's anchor against a recomputed one, over seeds) | all (tiny + smollm2)"),
+                                    "the engine's anchor against a recomputed one, over seeds) | agent-throughput "
+                                    "(64 calculator agent episodes on one engine beside 64 native ones) | all (tiny + "
+                                    "smollm2)"),
           steps: int = typer.Option(6, help="steps per mode (smollm2) or per run (moe)"),
           seeds: Optional[str] = typer.Option(None, help="moe, moe-tiny, learn and recovery suites: "
                                               "comma-separated seeds (default: moe 0; moe-tiny and learn 0,1,2; "

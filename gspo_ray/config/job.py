@@ -91,9 +91,6 @@ class JobConfig(Strict):
             if self.rollout.multi_turn is not None:
                 raise ValueError("rollout.partial cannot be combined with rollout.multi_turn: an episode waits on "
                                  "its environment and is not resumable from token ids")
-            if self.rollout.agent is not None:
-                raise ValueError("rollout.partial cannot be combined with rollout.agent yet: agent episodes are not "
-                                 "continued across weight updates")
             default_staleness = type(self.coordinator).model_fields["max_staleness"].default
             if self.coordinator.max_staleness != default_staleness:  # would be silently ignored
                 raise ValueError(f"coordinator.max_staleness ({self.coordinator.max_staleness}) is not used with "
@@ -103,7 +100,12 @@ class JobConfig(Strict):
                                  f"leave coordinator.max_staleness at {default_staleness}")
             if partial.stale_policy == "keep":
                 self._check_partial_keep(partial)
-            if partial.segment_tokens >= self.rollout.max_new_tokens:
+            agent = self.rollout.agent
+            if agent is not None and partial.segment_tokens >= agent.max_total_tokens:
+                raise ValueError(f"rollout.partial.segment_tokens ({partial.segment_tokens}) must be below "
+                                 f"rollout.agent.max_total_tokens ({agent.max_total_tokens}), else no agent episode "
+                                 "is ever continued across rounds")
+            if agent is None and partial.segment_tokens >= self.rollout.max_new_tokens:
                 raise ValueError(f"rollout.partial.segment_tokens ({partial.segment_tokens}) must be below "
                                  f"rollout.max_new_tokens ({self.rollout.max_new_tokens}), else no completion is "
                                  "ever cut")

@@ -105,7 +105,8 @@ class RolloutPool:
         pending.expected = {p.uid: n for p in prompts}
         pending.expected.update({p.uid: len(samples) for p, samples, _ in carried})
         pending.fresh, pending.carried = list(prompts), list(carried)
-        pending.tokens_before = sum(s.num_tokens for _, samples, _ in carried for s in samples)
+        pending.tokens_before = sum(sum(s.loss_mask) if self.multi_turn else s.num_tokens  # as rollout/tokens counts
+                                    for _, samples, _ in carried for s in samples)
         chunks = [RolloutChunk(prompts=list(prompts), budget=budget)] if prompts else []
         by_budget: dict[int | None, list[tuple[Prompt, list[Sample]]]] = {}
         for p, samples, b in carried:
@@ -115,12 +116,32 @@ class RolloutPool:
                                        budget=b))
         ids = sorted(self.workers)
         for chunk in chunks:
+            owners = self._owners(chunk)
+            for wid, part in owners.items():
+                self._send(pending, wid, part)
+            rest = chunk if not owners else _without(chunk, {p.uid for part in owners.values() for p in part.prompts})
             for i, wid in enumerate(ids):
-                part = _split(chunk, i, len(ids))
+                part = _split(rest, i, len(ids))
                 if part.prompts:
                     self._send(pending, wid, part)
         self._open.append(pending)
         return pending
+
+    def _owners(self, chunk: RolloutChunk) -> dict[int, RolloutChunk]:
+        """Episodes (agent episodes under partial rollouts) live in the worker that ran them: a carried group goes
+        back to the worker its samples name while it serves; a group whose worker is gone goes to any worker, which
+        starts its episodes again from their records. Empty for single-turn chunks (any worker continues them)."""
+        if not self.multi_turn or chunk.carried is None:
+            return {}
+        owner = {s.prompt_uid: s.worker_id for s in chunk.carried}
+        parts: dict[int, RolloutChunk] = {}
+        for p in chunk.prompts:
+            wid = owner.get(p.uid)
+            if wid in self.workers:
+                part = parts.setdefault(wid, RolloutChunk(prompts=[], carried=[], budget=chunk.budget))
+                part.prompts.append(p)
+                part.carried += [s for s in chunk.carried if s.prompt_uid == p.uid]
+        return parts
 
     def wait(self, pending: PendingRollout) -> tuple[list[Group], dict[str, float]]:
         """Block until every prompt of the batch has its n samples; re-dispatch chunks of dead workers."""
@@ -346,7 +367,8 @@ class RolloutPool:
         if chunk.carried is not None:
             ref = worker.continue_samples.remote(chunk.carried, budget=chunk.budget, prompts=chunk.prompts)
         elif self.multi_turn:
-            ref = worker.run_episodes.remote(chunk.prompts, pending.n, **pending.sampling)
+            budget = {} if chunk.budget is None else {"budget": chunk.budget}  # agent episodes, partial rollouts
+            ref = worker.run_episodes.remote(chunk.prompts, pending.n, **budget, **pending.sampling)
         else:
             ref = worker.generate.remote(chunk.prompts, pending.n, budget=chunk.budget, **pending.sampling)
         pending.inflight[ref] = (wid, chunk)
@@ -392,6 +414,14 @@ def rollout_metrics(samples: list[Sample], seconds: float, multi_turn: bool = Fa
     for key in sorted({k for s in samples for k in s.reward_info if not k.startswith("env/") and k != "turns"}):
         out[f"rollout/info/{key}"] = sum(float(s.reward_info.get(key, 0.0)) for s in samples)
     return out
+
+
+def _without(chunk: RolloutChunk, uids: set[str]) -> RolloutChunk:
+    """The chunk without the prompts (and their carried samples) in `uids`."""
+    return RolloutChunk(prompts=[p for p in chunk.prompts if p.uid not in uids],
+                        carried=None if chunk.carried is None else [s for s in chunk.carried
+                                                                    if s.prompt_uid not in uids],
+                        budget=chunk.budget)
 
 
 def _split(chunk: RolloutChunk, i: int, k: int) -> RolloutChunk:

@@ -87,8 +87,9 @@ def prepare_run_dir(cfg: JobConfig, resume: bool, fresh: bool) -> Path:
 def redacted_config(cfg: JobConfig) -> str:
     """The effective config as YAML for the run directory (shared storage), secrets replaced by `<redacted>`.
 
-    Redacted: values under `cluster.runtime_env` (env_vars and the rest), `rollout.reward.kwargs` and
-    `rollout.multi_turn.kwargs` whose key looks like a secret (config/secrets.py), at any depth; and the user:password
+    Redacted: values under `cluster.runtime_env` (env_vars and the rest), `rollout.reward.kwargs`,
+    `rollout.multi_turn.kwargs` and `rollout.agent.kwargs` whose key looks like a secret (config/secrets.py), at any
+    depth; and the user:password
     part of any URL anywhere in the config. Everything else is kept, so the copy still documents the run."""
     header = f"# effective config of this run; values of secret-looking keys are replaced by {REDACTED}\n"
     return header + yaml.safe_dump(redacted_config_dict(cfg), sort_keys=False)
@@ -101,8 +102,9 @@ def redacted_config_dict(cfg: JobConfig) -> dict:
     raw["cluster"]["runtime_env"] = _redact_keys(raw["cluster"]["runtime_env"])
     rollout = raw["rollout"]
     rollout["reward"]["kwargs"] = _redact_keys(rollout["reward"]["kwargs"])
-    if rollout.get("multi_turn"):
-        rollout["multi_turn"]["kwargs"] = _redact_keys(rollout["multi_turn"]["kwargs"])
+    for plugin in ("multi_turn", "agent"):  # an agent's kwargs often carry its own API keys
+        if rollout.get(plugin):
+            rollout[plugin]["kwargs"] = _redact_keys(rollout[plugin]["kwargs"])
     return _redact_urls(raw)
 
 

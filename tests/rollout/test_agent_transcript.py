@@ -117,3 +117,26 @@ def test_text_completions_extend_by_text(tok):
     assert tok.decode(s.prompt_ids + s.ids) == "1+2=3<eos>+4=7" and s.mask == [1, 1, 0, 0, 0, 1]
     assert s.versions == [0, 0, 1, 1, 1, 1]
     assert rec.plan_text("9=").new_sample  # not an extension: a new sample would start
+
+
+def test_a_record_answers_the_calls_it_holds_until_the_agent_diverges():
+    """ReplayRecord (a resumed episode): prompt [5, 6], reply [7, 8, 1], rendered [9], then a reply cut by a
+    round after [3]. Calls whose context ends where a recorded reply starts get it (whole, or the cut one's part);
+    a context that differs, or ends inside rendered ids, is not answered from the record."""
+    from gspo_ray.data.records import Sample
+    from gspo_ray.rollout.agent.replay import ReplayRecord
+
+    record = ReplayRecord.from_sample(Sample(
+        prompt_uid="p", sample_index=0, prompt_ids=[5, 6], completion_ids=[7, 8, 1, 9, 3],
+        logprobs=[-0.1, -0.2, -0.3, 0.0, -0.4], loss_mask=[1, 1, 1, 0, 1], versions=[0, 0, 1, 1, 2],
+        finish_reason="aborted", turn_starts=[0, 4]))
+    first = record.match([5, 6])
+    assert first.complete and first.ids == [7, 8, 1] and first.versions == [0, 0, 1]
+    assert first.logprobs == [-0.1, -0.2, -0.3] and first.rendered_version is None
+    cut = record.match([5, 6, 7, 8, 1, 9])
+    assert not cut.complete and cut.ids == [3] and cut.versions == [2] and cut.rendered_version == 1
+    assert record.match([5, 6, 7, 8, 1, 9, 3]).ids == []  # the record's end: nothing more to answer
+    assert record.match([5, 4]) is None  # another first call: the agent diverged
+    assert record.match([5, 6, 7, 8, 1, 2]) is None  # other tool output after the same reply
+    assert record.match([5, 6, 7]) is None  # a context that ends inside the recorded reply
+    assert record.match([5]) is None  # shorter than the record's prompt

@@ -88,6 +88,12 @@ def test_what_glm_cannot_be_is_refused_by_key_and_value(over, message):
     assert "config.json" in str(err.value) and "\n" not in str(err.value)
 
 
+def test_a_tp_that_does_not_split_the_shared_experts_is_refused():
+    with pytest.raises(ValueError, match=r"^tp=2 must divide the shared experts' width 63 \(n_shared_experts x "):
+        spec_from_hf_config(glm_config(moe_intermediate_size=63), "m", tp=2)
+    assert spec_from_hf_config(glm_config(n_shared_experts=0), "m", tp=2).shared_expert_ffn_hidden_size == 0
+
+
 def test_other_families_refuse_what_only_glm_reads():
     base = dict(model_type="qwen3", hidden_size=64, intermediate_size=128, num_attention_heads=2,
                 num_key_value_heads=2, num_hidden_layers=2, vocab_size=VOCAB)

@@ -4,11 +4,13 @@
     procs.start_episode(child_index, episode_id, url, key, task, timeout_s)    # procs.serial(child_index): its id
     # events: ("agent_started" | "agent_done", episode_id[, value]) | ("agent_error", episode_id, reason)
     #         | ("agent_proc_dead", child serial, why)
+    procs.cancel(child_serial, episode_id, why)     # one episode's task cancelled: it reports agent_error(why)
     procs.kill(child_serial, why); procs.close()
 
 Each child (`child_procs.spawn_child`, niced, dies with its parent) imports the agent once and runs every episode
 it is given as an asyncio task: `await asyncio.wait_for(fn(client, task, **kwargs), timeout_s)` with
-`client = openai.AsyncOpenAI(base_url=url, api_key=key, max_retries=0)`. An exception or a timeout ends only that
+`client = openai.AsyncOpenAI(base_url=url, api_key=key, max_retries=0)` (timeout_s None: no wall clock here, the
+parent ends the episode with `cancel`: partial rollouts hold a call across rounds). An exception or a timeout ends only that
 episode (reported with the exception's type, message and raising frame). An agent that blocks its event loop
 cannot be timed out from inside: the parent kills the process past the deadline, which ends its other episodes
 too (`agent_proc_dead`).
@@ -72,12 +74,23 @@ class AgentProcs:
         """The serial of the child now at `index` (what its `agent_proc_dead` event carries)."""
         return self.children[index].serial
 
-    def start_episode(self, index: int, episode_id: str, url: str, key: str, task: dict, timeout_s: float) -> None:
+    def start_episode(self, index: int, episode_id: str, url: str, key: str, task: dict,
+                      timeout_s: float | None) -> None:
+        """timeout_s: the episode's wall clock inside its process (None: none; the caller ends it, `cancel`)."""
         child = self.children[index]
         try:
             child.send.send(("run", episode_id, url, key, task, timeout_s))
         except (OSError, ValueError) as e:
             self.events.put(("agent_error", episode_id, f"agent process unreachable: {e}"))
+
+    def cancel(self, serial: int, episode_id: str, why: str) -> None:
+        """Stop one episode's agent (its asyncio task is cancelled); it reports `agent_error` with `why`."""
+        c = next((c for c in self.children if c.serial == serial), None)
+        if c is not None and c.dead is None:
+            try:
+                c.send.send(("cancel", episode_id, why))
+            except (OSError, ValueError):
+                pass  # a dead process: its reader reports it
 
     def kill(self, serial: int, why: str) -> None:
         """Kill a child whose episode blocked it; its reader then reports `agent_proc_dead` with `why`."""
@@ -123,7 +136,7 @@ def child_main(read_fd: int, write_fd: int, parent_pid: int) -> None:
         with lock:
             send.send_bytes(data)
 
-    async def episode(episode_id: str, url: str, key: str, task: dict, timeout_s: float) -> None:
+    async def episode(episode_id: str, url: str, key: str, task: dict, timeout_s: float | None) -> None:
         from gspo_ray.envs.plugins import raise_site
 
         reply(("agent_started", episode_id))  # the episode's wall clock starts now (not while the child loads)
@@ -132,6 +145,8 @@ def child_main(read_fd: int, write_fd: int, parent_pid: int) -> None:
             value = await asyncio.wait_for(fn(client, task, **kwargs), timeout_s)
         except asyncio.TimeoutError:
             reply(("agent_error", episode_id, f"agent timed out after {timeout_s:g}s"))
+        except asyncio.CancelledError:  # the parent's `cancel`
+            reply(("agent_error", episode_id, cancelled.pop(episode_id, "agent cancelled")))
         except BaseException as e:  # the agent may raise anything; it ends only its episode
             site = raise_site(e)
             reply(("agent_error", episode_id, f"agent raised {type(e).__name__}"
@@ -144,12 +159,19 @@ def child_main(read_fd: int, write_fd: int, parent_pid: int) -> None:
             except Exception:
                 pass
 
-    tasks: set = set()  # asyncio keeps only weak references to running tasks
+    tasks: dict = {}  # episode id -> its task (asyncio keeps only weak references to running tasks)
+    cancelled: dict = {}  # episode id -> why the parent cancelled it
 
     def launch(msg: tuple) -> None:
+        if msg[0] == "cancel":
+            task = tasks.get(msg[1])
+            if task is not None:
+                cancelled[msg[1]] = msg[2]
+                task.cancel()
+            return
         task = loop.create_task(episode(*msg[1:]))
-        tasks.add(task)
-        task.add_done_callback(tasks.discard)
+        tasks[msg[1]] = task
+        task.add_done_callback(lambda _, eid=msg[1]: tasks.pop(eid, None))
 
     def read() -> None:
         while True:

@@ -31,8 +31,10 @@ from fastapi.responses import JSONResponse
 
 from gspo_ray.rollout.agent.requests import (SERVED_MODEL, RequestError, check_chat_request,
                                              check_completion_request)
+from gspo_ray.rollout.agent.replay import ReplayRecord
 from gspo_ray.rollout.agent.tool_calls import reply_message
 from gspo_ray.rollout.agent.transcript import ChatRenderer, EpisodeTranscript
+from gspo_ray.rollout.engine import Segment
 
 FINISH_STOP, FINISH_LENGTH, FINISH_AGENT_ERROR, FINISH_INTERRUPTED = "stop", "length", "agent_error", "interrupted"
 
@@ -50,6 +52,9 @@ class AgentEpisode:
     busy: bool = False
     finish: str | None = None
     failed: str | None = None
+    replay: ReplayRecord | None = None  # a resumed episode's record, answered from until the agent diverges
+    replayed_calls: int = 0  # calls answered (wholly or in part) from `replay`
+    replay_diverged: bool = False  # a call did not match the record: the rest was sampled anew
 
     def end(self, finish: str, failed: str | None = None) -> None:
         if self.finish is None:
@@ -59,13 +64,20 @@ class AgentEpisode:
 @dataclass
 class GenerationRequest:
     """One model call for the engine: the context ids and the call's limits; answered through `future` with
-    (Segment, policy version)."""
+    (Segment of the whole reply, one policy version per reply token, the rendered ids' version). A call cut by a
+    partial-rollout budget keeps what it produced in `done_*` and is continued from there in a later round."""
 
     episode: AgentEpisode
     context: list[int]
     max_tokens: int
     stop_token_ids: list[int]
     seed: int | None
+    new_sample: bool = False  # the call starts a new sample (`context` is its prompt)
+    rendered: list[int] = field(default_factory=list)  # the ids this call appends before the reply (mask 0)
+    done_ids: list[int] = field(default_factory=list)
+    done_logprobs: list[float] = field(default_factory=list)
+    done_versions: list[int] = field(default_factory=list)
+    rendered_version: int | None = None  # stamped when the call is first seen by the runner (or from a record)
     future: Future = field(default_factory=Future)
 
 
@@ -183,9 +195,9 @@ class AgentEndpoint:
                                    "messages") from None
             return call, plan, call.max_tokens, call.stop
 
-        call, plan, ids, logprobs, stopped, text, version = await self._call(episode, checked)
+        call, plan, ids, logprobs, stopped, text, versions, rendered_version = await self._call(episode, checked)
         message = reply_message(self.parser_cls, self.renderer.tokenizer, text, stopped, call)
-        episode.transcript.commit(plan, ids, logprobs, version, message)
+        episode.transcript.commit(plan, ids, logprobs, versions, message, rendered_version)
         finish = "tool_calls" if message.get("tool_calls") else ("stop" if stopped else "length")
         return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
                 "model": SERVED_MODEL, "choices": [{"index": 0, "message": message, "finish_reason": finish,
@@ -197,8 +209,8 @@ class AgentEndpoint:
                                                                 top_p=self.top_p)
             return prompt, episode.transcript.plan_text(prompt), max_tokens, stop
 
-        _, plan, ids, logprobs, stopped, text, version = await self._call(episode, checked)
-        episode.transcript.commit(plan, ids, logprobs, version, {"text": text})
+        _, plan, ids, logprobs, stopped, text, versions, rendered_version = await self._call(episode, checked)
+        episode.transcript.commit(plan, ids, logprobs, versions, {"text": text}, rendered_version)
         return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": SERVED_MODEL, "choices": [{"index": 0, "text": text, "finish_reason":
                                                     "stop" if stopped else "length", "logprobs": None}],
@@ -206,8 +218,8 @@ class AgentEndpoint:
 
     async def _call(self, episode: AgentEpisode, checked) -> tuple:
         """Check and plan a call (`checked()` -> (request, plan, max_tokens, stop strings)), apply the episode's
-        limits, queue it for the engine, wait: (request, plan, ids, log-probs, stopped, text up to the stop, policy
-        version)."""
+        limits, answer it from a resumed episode's record (`replay`) or queue it for the engine, wait: (request,
+        plan, ids, log-probs, stopped, text up to the stop, policy version per token, rendered ids' version)."""
         rec = episode.transcript
         try:
             if rec.calls >= episode.max_turns:
@@ -228,23 +240,49 @@ class AgentEndpoint:
             from gspo_ray.rollout.engine import mix_seed
 
             seed = mix_seed(*episode.seed_parts, rec.calls)
-        req = GenerationRequest(episode, plan.context, min(max_tokens or cap, cap), stop_ids, seed)
-        episode.busy = True
-        try:
-            self.requests.put(("generate", req))
-            seg, version = await asyncio.wrap_future(req.future)
-        finally:
-            episode.busy = False
+        req = GenerationRequest(episode, plan.context, min(max_tokens or cap, cap), stop_ids, seed,
+                                new_sample=plan.new_sample, rendered=list(plan.rendered))
+        hit = self._replayed(episode, plan.context)
+        if hit is not None and hit.complete:  # answered from the record: no engine work
+            finish = "stop" if hit.ids and hit.ids[-1] in self.eos_token_ids | set(stop_ids) else "length"
+            seg, versions, rendered_version = (Segment(list(hit.ids), list(hit.logprobs), finish),
+                                               list(hit.versions), hit.rendered_version)
+        else:
+            if hit is not None:  # the record ends inside this reply: the engine continues it
+                req.done_ids, req.done_logprobs = list(hit.ids), list(hit.logprobs)
+                req.done_versions, req.rendered_version = list(hit.versions), hit.rendered_version
+            episode.busy = True
+            try:
+                self.requests.put(("generate", req))
+                seg, versions, rendered_version = await asyncio.wrap_future(req.future)
+            finally:
+                episode.busy = False
         if episode.finish is not None:  # ended while generating (its wall clock): the reply is not recorded
             raise RequestError(f"the episode ended ({episode.finish})", "episode", code="episode_ended")
         if seg.finish_reason == "abort":
-            episode.end(FINISH_INTERRUPTED, "interrupted mid-episode by a pause (agent episodes are not resumed yet)")
+            episode.end(FINISH_INTERRUPTED, "interrupted mid-episode by a pause (outside partial rollouts, agent "
+                                            "episodes are not continued)")
             raise RequestError("the rollout worker paused; the episode ends", None, 503, "paused", "server_error")
         ids = list(seg.token_ids)
         cut = next((i for i, t in enumerate(ids) if t in self.eos_token_ids), None)
         stopped = cut is not None or (seg.finish_reason == "stop" and bool(stop_ids))
         text = self.renderer.decode(ids if cut is None else ids[:cut])
-        return call, plan, ids, list(seg.logprobs), stopped, text, version
+        return call, plan, ids, list(seg.logprobs), stopped, text, versions, rendered_version
+
+    @staticmethod
+    def _replayed(episode: AgentEpisode, context: list[int]):
+        """The record's answer to a resumed episode's call (`replay.ReplayHit`), or None; the first call that does
+        not match, and any call after the record's end, is sampled anew."""
+        if episode.replay is None:
+            return None
+        hit = episode.replay.match(context)
+        if hit is None:
+            episode.replay, episode.replay_diverged = None, True
+            return None
+        episode.replayed_calls += 1
+        if not hit.complete:  # the record's last reply: nothing recorded after it
+            episode.replay = None
+        return hit
 
     def _stop_ids(self, stop: list[str]) -> list[int]:
         """Each stop string as the one token it must be (the engine stops on ids; it runs without a tokenizer)."""

@@ -166,19 +166,28 @@ class EpisodeTranscript:
         ids = self.renderer.encode(prompt)
         return Plan(True, ids, ids, None, prompt=prompt)
 
-    def commit(self, plan: Plan, token_ids: list[int], logprobs: list[float], version: int, reply: dict) -> None:
-        """Record a call: its rendered ids (mask 0), then the model's ids and engine log-probs (mask 1)."""
+    def commit(self, plan: Plan, token_ids: list[int], logprobs: list[float], version: int | list[int],
+               reply: dict, rendered_version: int | None = None) -> None:
+        """Record a call: its rendered ids (mask 0), then the model's ids and engine log-probs (mask 1). `version`:
+        the policy version of every token, or one per token (a call continued across a weight update);
+        `rendered_version`: the rendered ids' (default: the first token's)."""
+        versions = [version] * len(token_ids) if isinstance(version, int) else list(version)
+        if len(versions) != len(token_ids):
+            raise ValueError(f"{len(versions)} versions for {len(token_ids)} tokens")
+        if rendered_version is None:
+            rendered_version = versions[0] if versions else (version if isinstance(version, int) else 0)
         if plan.new_sample:
             if self.samples:
                 self.splits += 1
             self.samples.append(SampleRecord(list(plan.rendered)))
         else:
-            self._add(self.samples[-1], plan.rendered, [0.0] * len(plan.rendered), 0, version)
+            self._add(self.samples[-1], plan.rendered, [0.0] * len(plan.rendered), 0,
+                      [rendered_version] * len(plan.rendered))
             self.rendered_tokens += len(plan.rendered)
         s = self.samples[-1]
         if token_ids:
             s.turn_starts.append(len(s.ids))
-        self._add(s, token_ids, logprobs, 1, version)
+        self._add(s, token_ids, logprobs, 1, versions)
         s.turns += 1
         self.calls += 1
         stopped = bool(token_ids) and token_ids[-1] in self.eos_token_ids
@@ -189,11 +198,11 @@ class EpisodeTranscript:
             self._last, self._last_text = (plan.messages, plan.tools, reply, stopped), None
 
     @staticmethod
-    def _add(s: SampleRecord, ids: list[int], logprobs: list[float], mask: int, version: int) -> None:
+    def _add(s: SampleRecord, ids: list[int], logprobs: list[float], mask: int, versions: list[int]) -> None:
         s.ids += ids
         s.logprobs += logprobs
         s.mask += [mask] * len(ids)
-        s.versions += [version] * len(ids)
+        s.versions += versions
 
     def _extension(self, messages: list[dict], tools: list[dict] | None) -> list[int] | None:
         """The ids of the new messages when `messages` extends the last call (module docstring), else None."""
