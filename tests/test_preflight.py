@@ -19,7 +19,7 @@ from gspo_ray.cli.errors import user_errors
 from gspo_ray.config import load_config
 from gspo_ray.models.tiny import ensure_tiny_model
 from gspo_ray.preflight import PreflightError, run_preflight
-from gspo_ray.preflight.model import CPU_HEAD_SIZES, ENGINE_ARCHITECTURES
+from gspo_ray.preflight.model import CPU_HEAD_SIZES, CPU_MLA_LATENT, ENGINE_ARCHITECTURES
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted((ROOT / "gspo_ray" / "recipes").glob("*.yaml"))
@@ -233,10 +233,13 @@ def test_engine_and_converter_lists_agree():
         pytest.skip("vllm is not installed")
     root = Path(spec.origin).parent
     registry = (root / "model_executor" / "models" / "registry.py").read_text()
+    modules = {"deepseek_v3": "deepseek_v2"}  # vLLM's module of a model_type, where they differ
     for model_type, cls in ENGINE_ARCHITECTURES.items():
-        assert f'"{cls}": ("{model_type}", "{cls}")' in registry, cls
+        assert f'"{cls}": ("{modules.get(model_type, model_type)}", "{cls}")' in registry, cls
     cpu_attn = (root / "v1" / "attention" / "backends" / "cpu_attn.py").read_text()
     assert f"return {list(CPU_HEAD_SIZES)}" in cpu_attn
+    cpu_mla = (root / "v1" / "attention" / "backends" / "mla" / "cpu_mla.py").read_text()
+    assert f"return [{CPU_MLA_LATENT}]" in cpu_mla  # the MLA latent kv_lora_rank + qk_rope_head_dim
 
 
 def test_a_reward_that_raises_on_real_completions_is_refused_naming_the_input(tmp_path, plugins):
