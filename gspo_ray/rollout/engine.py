@@ -47,6 +47,7 @@ from gspo_ray.data.records import FINISH_ABORTED, FINISH_LENGTH, FINISH_STOP, Pr
 from gspo_ray.config.rollout import resolve_enforce_eager, resolve_gpu_memory_utilization
 from gspo_ray.compat.vllm_cpu_binding import engine_cores
 from gspo_ray.compat.vllm_cpu_lora import apply_lora_fix
+from gspo_ray.compat.vllm_cpu_mla_rope import apply_mla_rope_fix
 from gspo_ray.compat.vllm_cpu_seeded_prefill import apply_seeded_prefill_fix
 from gspo_ray.compat.vllm_cpu_startup import apply_startup_fix
 from gspo_ray.rollout.engine_env import (IN_PROCESS, MULTI_PROCESS, bind_cores, build_engine_env, engine_mode,
@@ -136,6 +137,17 @@ def head_dtype_kwargs(dtype: str, head_dtype: str = "float32") -> dict:
     return {"hf_overrides": {"head_dtype": "float32"}}
 
 
+def mla_backend_kwargs(model_path, dtype: str, on_cuda: bool) -> dict:
+    """vLLM keywords for an MLA model (config.json `kv_lora_rank`) on CPU: vLLM 0.32 picks its bf16-only AMX MLA
+    backend where the CPU has AMX, so an fp32 engine asks for `CPU_MLA` (picked anyway without AMX, as on this AMD
+    host; AMX hosts never ran here). vLLM's CPU platform turns prefix caching and chunked prefill off for MLA."""
+    config = Path(model_path) / "config.json"
+    mla = config.exists() and json.loads(config.read_text()).get("kv_lora_rank") is not None
+    if on_cuda or not mla or dtype in ("bfloat16", torch.bfloat16):
+        return {}
+    return {"attention_backend": "CPU_MLA"}
+
+
 def merge_engine_kwargs(kwargs: dict, extra: dict) -> dict:
     """`kwargs | extra`, with `hf_overrides` (a dict of config overrides) merged key by key, not replaced."""
     merged = kwargs | extra
@@ -210,9 +222,11 @@ class RolloutEngine:
         self.transfer_backend = engine_backend(weight_transfer)  # shm / object_store: gspo_shm; else vLLM's own
         kwargs |= engine_transfer_kwargs(weight_transfer)
         kwargs = merge_engine_kwargs(kwargs, head_dtype_kwargs(dtype, head_dtype))  # fp32 logits in a bf16 engine
+        kwargs |= mla_backend_kwargs(model_path, dtype, on_cuda)  # AMX hosts: the fp32 MLA backend
         set_num_threads = torch.set_num_threads
         apply_startup_fix()  # no token-rank compile at the first generation, no full-heap collections at load
         apply_seeded_prefill_fix()  # a seeded request may have its prefill split (multi-process: shm_transfer)
+        apply_mla_rope_fix()  # DeepSeek MLA's rotary on the CPU kernel (multi-process: shm_transfer)
         with scoped_env(env):
             self.llm = LLM(model=str(model_path), dtype=dtype, max_model_len=max_model_len, seed=seed,
                            enforce_eager=resolve_enforce_eager(enforce_eager, on_cuda), skip_tokenizer_init=True,

@@ -34,6 +34,7 @@ from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightT
                                                    WeightTransferUpdateInfo)
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
+from gspo_ray.compat.vllm_cpu_mla_rope import apply_mla_rope_fix
 from gspo_ray.compat.vllm_cpu_seeded_prefill import apply_seeded_prefill_fix
 from gspo_ray.data.shared_weights import SharedWeights, read_shared
 
@@ -188,3 +189,4 @@ try:
 except ValueError:  # already registered in this process (a re-import)
     pass
 apply_seeded_prefill_fix()  # in every worker process of a multi-process engine, which imports this module
+apply_mla_rope_fix()  # the same processes: DeepSeek MLA's rotary on the CPU kernel

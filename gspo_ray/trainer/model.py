@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from gspo_ray.compat.megatron_import import megatron_core  # noqa: F401  (first: megatron without torch.compile)
+from gspo_ray.compat.megatron_mla_tp_grad import replicate_kv_down_projection
 from megatron.core.transformer.module import MegatronModule  # noqa: E402  (after the guarded import)
 
 from gspo_ray.trainer.families import family_of
@@ -65,7 +66,7 @@ def build_transformer_config(spec: ModelSpec, grouped_gemm: bool = False, recomp
     """ModelSpec -> Megatron TransformerConfig: the family's maths (`Family.transformer_options`: norms,
     activation, biases, QK-norm, router), every fused kernel off (none exist on CPU); grouped_gemm: MoE experts by
     grouped GEMM (TEGroupedMLP; CUDA and Transformer Engine only); recompute: recompute_options()' keywords."""
-    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
     family = family_of(spec.arch)
     if family is None:
@@ -77,10 +78,15 @@ def build_transformer_config(spec: ModelSpec, grouped_gemm: bool = False, recomp
                    moe_aux_loss_coeff=0.0, moe_token_dispatcher_type=spec.moe_dispatcher,
                    moe_grouped_gemm=grouped_gemm, moe_permute_fusion=False,
                    moe_layer_freq=[int(i in spec.moe_layers) for i in range(spec.num_layers)])
-    return TransformerConfig(
+    # multi-latent attention (attention/mla.py: MLATransformerConfig's options from the HF config, in spec.extra)
+    mla = spec.extra.get("mla") or {}
+    config_class, options = MLATransformerConfig if mla else TransformerConfig, family.transformer_options(spec)
+    if mla:  # the latent RMSNorms (q_a_layernorm, kv_a_layernorm) are Megatron's q / kv layernorms
+        options = options | mla | {"qk_layernorm": True}
+    return config_class(
         num_layers=spec.num_layers, hidden_size=spec.hidden_size, num_attention_heads=spec.num_heads,
         num_query_groups=spec.num_kv_heads, kv_channels=spec.head_dim, ffn_hidden_size=spec.ffn_hidden_size,
-        **family.transformer_options(spec), hidden_dropout=0.0, attention_dropout=0.0,
+        **options, hidden_dropout=0.0, attention_dropout=0.0,
         bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
         apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
         tensor_model_parallel_size=spec.tp, expert_model_parallel_size=spec.ep, expert_tensor_parallel_size=1,
@@ -102,7 +108,7 @@ class SegmentAttention(MegatronModule):
     def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
                  attention_dropout: float | None = None, softmax_scale: float | None = None,
                  cp_comm_type: str | None = None, pg_collection=None, kernel: str = "sdpa",
-                 recompute: str = "none"):
+                 k_channels: int | None = None, v_channels: int | None = None, recompute: str = "none"):
         super().__init__(config=config)
         # recompute "call": the whole call checkpointed here (trainer.recompute selective with core_attn); "layer":
         # the layer around it is (full). Either way the completion calls are not checkpointed again inside.
@@ -113,7 +119,12 @@ class SegmentAttention(MegatronModule):
             raise NotImplementedError(f"SegmentAttention does not cover {why}")
         if kernel not in ATTENTION_KERNELS:
             raise ValueError(f"attention kernel {kernel!r}; valid: {ATTENTION_KERNELS}")
-        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
+        # multi-latent attention passes its widths (q / k: nope + rope, v: v_head_dim) and its softmax scale
+        # (YaRN's mscale squared over sqrt(q / k width)); other attention has kv_channels for all three
+        self.softmax_scale = (softmax_scale if softmax_scale is not None
+                              else 1.0 / math.sqrt(k_channels or config.kv_channels))
+        if kernel == "te_thd" and getattr(config, "multi_latent_attention", False):
+            raise NotImplementedError("attention kernel te_thd with multi-latent attention (never run here; use sdpa)")
         self.kernel = kernel
         self.te_kernel = None
         if kernel == "te_thd":
@@ -125,7 +136,8 @@ class SegmentAttention(MegatronModule):
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None) -> Tensor:
-        """[S, B, Hq, D] x [S, B, Hkv, D] x 2 -> [S, B, Hq * D] (what DotProductAttention returns)."""
+        """[S, B, Hq, D] x [S, B, Hkv, D] x [S, B, Hkv, Dv] -> [S, B, Hq * Dv] (what DotProductAttention returns;
+        Dv != D with multi-latent attention)."""
         if attention_bias is not None or packed_seq_params is not None:
             raise NotImplementedError("SegmentAttention takes its layout from a Segments record only")
         segs = attention_mask
@@ -150,15 +162,21 @@ def _layer_spec(spec: ModelSpec, grouped_gemm: bool, moe: bool, attention: str, 
     from megatron.core.transformer.spec_utils import ModuleSpec
 
     num_experts, family = spec.num_experts if moe else None, family_of(spec.arch)
+    mla = bool(spec.extra.get("mla"))
     if spec.use_te:
+        if mla:  # TE's MLA spec names its fused linears otherwise; never mapped or run here
+            raise NotImplementedError("multi-latent attention with the Transformer Engine spec (use_te)")
         layer = specs.get_gpt_layer_with_transformer_engine_spec(
             num_experts=num_experts, moe_grouped_gemm=grouped_gemm and moe, qk_layernorm=spec.qk_norm)
-    else:
+    else:  # MLA: MLASelfAttention, its latent norms as q / kv layernorms
         layer = specs.get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False,
-                                               qk_layernorm=spec.qk_norm, normalization=family.normalization)
+                                               qk_layernorm=spec.qk_norm or mla, multi_latent_attention=mla,
+                                               normalization=family.normalization)
     layer.submodules.self_attention.submodules.core_attention = ModuleSpec(module=SegmentAttention,
                                                                            params={"kernel": attention,
                                                                                    "recompute": recompute})
+    if mla:  # the column-parallel kv_down loses part of the rope key's gradient at TP > 1
+        replicate_kv_down_projection(layer.submodules.self_attention.submodules)
     return layer
 
 
@@ -227,12 +245,14 @@ def build_model(hf_dir: str, *, dtype: torch.dtype = torch.float32, sequence_par
     from megatron.core.models.gpt import GPTModel
 
     from gspo_ray.compat import megatron_cpu
+    from gspo_ray.compat.megatron_mla_without_te import apply_mla_te_fix
 
     if not parallel_state.model_parallel_is_initialized():
         raise RuntimeError("build_model needs Megatron's parallel state: call parallel.init_distributed() first")
     if use_te and te_missing():
         raise RuntimeError(f"trainer.use_te: true needs CUDA and transformer_engine: {te_missing()}")
     megatron_cpu.apply()
+    apply_mla_te_fix()  # multi-latent attention builds without Transformer Engine
     spec = spec_from_hf_config(
         read_hf_config(hf_dir), hf_dir, tp=parallel_state.get_tensor_model_parallel_world_size(),
         ep=parallel_state.get_expert_model_parallel_world_size(), sequence_parallel=sequence_parallel,

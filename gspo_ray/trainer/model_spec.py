@@ -15,10 +15,11 @@ from pathlib import Path
 
 import torch
 
+from gspo_ray.trainer.attention.mla import check_mla_layout, mla_options
 from gspo_ray.trainer.families import FAMILIES, family_of
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # config names
-SUPPORTED_ARCHS = tuple(FAMILIES)  # the registry's model_types: qwen2, qwen3, qwen3_moe, llama, mixtral, glm4_moe
+SUPPORTED_ARCHS = tuple(FAMILIES)  # the registry's model_types: qwen2, .., glm4_moe, deepseek_v3
 MOE_DISPATCHERS = ("alltoall", "allgather")
 
 
@@ -89,12 +90,14 @@ def spec_from_hf_config(cfg: dict, hf_dir: str, *, tp: int = 1, ep: int = 1, seq
     if num_experts and num_experts % ep:
         raise ValueError(f"ep={ep} must divide num_experts={num_experts}")
     family.refuse_unsupported(cfg, hf_dir)
+    mla = mla_options(cfg, f"{hf_dir}/config.json")  # {} unless the family takes multi-latent attention
     shared = family.shared_expert_ffn_hidden_size(cfg) if num_experts else 0
     if shared % tp:  # Megatron splits the shared experts' MLP over TP like a dense one
         raise ValueError(f"tp={tp} must divide the shared experts' width {shared} (n_shared_experts x "
                          "moe_intermediate_size)")
     if sequence_parallel is None:
         sequence_parallel = tp > 1
+    check_mla_layout(mla, tp, bool(sequence_parallel), f"{hf_dir}/config.json")
     if num_experts and tp > 1 and not sequence_parallel:
         raise ValueError("Megatron MoE with tp > 1 requires sequence_parallel=True")
     vocab, layers = int(cfg["vocab_size"]), int(cfg["num_hidden_layers"])
@@ -112,7 +115,7 @@ def spec_from_hf_config(cfg: dict, hf_dir: str, *, tp: int = 1, ep: int = 1, seq
         sequence_parallel=bool(sequence_parallel), moe_dispatcher=moe_dispatcher, dtype=dtype, use_te=use_te,
         extra={"rope_theta": family.rope_theta(cfg), "norm_topk_prob": family.norm_topk_prob(cfg),
                "rms_norm_eps": float(cfg.get("rms_norm_eps", 1e-6)),
-               "max_position_embeddings": int(cfg.get("max_position_embeddings", 4096))})
+               "max_position_embeddings": int(cfg.get("max_position_embeddings", 4096)), "mla": mla})
 
 
 def te_missing() -> str | None:

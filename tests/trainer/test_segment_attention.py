@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from gspo_ray.trainer.attention.segment_attention import Segments, attend_rows, row_pairs
 
@@ -130,3 +131,45 @@ def test_completions_keep_no_gathered_prefix_for_the_backward():
     got = torch.autograd.grad(out.sum(), (q, k, v))
     for a, b in zip(got, torch.autograd.grad(want.sum(), (q, k, v))):
         assert (a - b).abs().max() < 1e-12
+
+
+def _graph_names(t) -> set[str]:
+    """Names of the autograd nodes behind `t`."""
+    seen, stack, names = set(), [t.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.add(type(node).__name__)
+        stack.extend(n for n, _ in node.next_functions)
+    return names
+
+
+@pytest.mark.parametrize("value_dim", [5, 20])
+def test_value_width_other_than_query_key_width(value_dim):
+    """Multi-latent attention's V (v_head_dim) is narrower or wider than q / k: equal to the dense reference
+    (outputs and gradients, fp64, scale 1 / sqrt(q / k width)), and in fp32 the fused CPU kernel runs (torch's SDPA
+    sends unequal widths to its math kernel, a materialised score matrix: attend_rows pads)."""
+    segs = CASES["groups"]
+    g = torch.Generator().manual_seed(3)
+    q, k = (torch.randn(13, 3, h, 12, generator=g, dtype=torch.float64, requires_grad=True) for h in (6, 2))
+    v = torch.randn(13, 3, 2, value_dim, generator=g, dtype=torch.float64, requires_grad=True)
+    got = attend_rows(q, k, v, segs)
+    want, _ = dense_reference(q, k, v, segs)
+    assert got.shape == (13, 3, 6, value_dim) and (got - want).abs().max() < 1e-12
+    weights = torch.randn(got.shape, generator=g, dtype=torch.float64)
+    for a, b in zip(torch.autograd.grad((got * weights).sum(), (q, k, v)),
+                    torch.autograd.grad((want * weights).sum(), (q, k, v))):
+        assert (a - b).abs().max() < 1e-12
+    q32, k32, v32 = (x.detach().float().requires_grad_(True) for x in (q, k, v))
+    names = _graph_names(attend_rows(q32, k32, v32, Segments.plain([13, 9, 4])))
+    assert "ScaledDotProductFlashAttentionForCpuBackward0" in names
+    unpadded = unpadded_sdpa(q32, k32, v32)
+    assert "ScaledDotProductFlashAttentionForCpuBackward0" not in _graph_names(unpadded)  # why the padding
+
+
+def unpadded_sdpa(q, k, v):
+    """Row 0 as one causal SDPA call on the unequal widths, as torch takes them without padding."""
+    q, k, v = (x[:, 0].repeat_interleave(q.shape[2] // x.shape[2], 1).transpose(0, 1)[None] for x in (q, k, v))
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)  # 4-d, as attend_rows calls it

@@ -51,8 +51,13 @@ Megatron core-attention module that calls attend_rows. The record travels as the
 GPTModel hands to every layer's core attention and nothing else reads on the local spec. Megatron's
 `PackedSeqParams` is not used: GPTModel sizes RoPE from its max_seqlen fields and attention squeezes THD tensors,
 neither of which this layout wants. Not covered (refused at construction, and by the preflight through
-model_spec): sliding windows, attention sinks / softmax offsets,
-multi-latent attention, context parallelism, attention dropout.
+model_spec): sliding windows, attention sinks / softmax offsets, context parallelism, attention dropout.
+
+Multi-latent attention (DeepSeek-V3, Kimi-K2: Megatron's MLASelfAttention with this module as its core attention)
+reaches attend_rows as plain multi-head attention over the up-projected q / k (qk_nope_head_dim + qk_rope_head_dim
+wide) and v (v_head_dim): the segments are the same, V is padded to the q / k width for the fused kernel (see
+attend_rows), and the rotary positions of group and packed rows are set per layer by
+compat/megatron_rope_positions.py.
 """
 from __future__ import annotations
 
@@ -115,12 +120,26 @@ def row_pairs(prefix: int, completions) -> int:
 
 def attend_rows(query: Tensor, key: Tensor, value: Tensor, segs: Segments, scale: float | None = None, *,
                 checkpoint_completions: bool = True) -> Tensor:
-    """query [S, B, Hq, D], key / value [S, B, Hkv, D] (Megatron's layout) -> context [S, B, Hq, D] of `segs`
-    (see the module docstring); Hq a multiple of Hkv (GQA). checkpoint_completions False: completion calls are not
-    checkpointed here, for a caller whose attention is recomputed whole already (trainer.recompute).
+    """query / key [S, B, Hq / Hkv, D], value [S, B, Hkv, Dv] (Megatron's layout) -> context [S, B, Hq, Dv] of
+    `segs` (see the module docstring); Hq a multiple of Hkv (GQA); scale None: 1 / sqrt(D). checkpoint_completions
+    False: completion calls are not checkpointed here, for a caller whose attention is recomputed whole already
+    (trainer.recompute).
+
+    Dv may differ from D (multi-latent attention: DeepSeek-V3's q / k are 192 wide, v 128): torch's fused CPU and
+    CUDA kernels take only equal widths and would fall to the math kernel (a materialised score matrix), so the
+    narrower side is zero-padded to the wider and the output sliced back to Dv: zero columns of V add zero columns
+    to the output; zero columns of q and k add nothing to a score (the scale is fixed before padding).
 
     Rows and segments are taken with unbind / split, whose backward concatenates the pieces' gradients once (a
     slice's backward would fill a zero tensor of the whole input per slice)."""
+    dim, value_dim = query.shape[-1], value.shape[-1]
+    if value_dim != dim:
+        scale = scale if scale is not None else dim ** -0.5
+        if value_dim < dim:
+            value = F.pad(value, (0, dim - value_dim))
+        else:
+            query, key = F.pad(query, (0, value_dim - dim)), F.pad(key, (0, value_dim - dim))
+        return attend_rows(query, key, value, segs, scale)[..., :value_dim]
     width, batch, heads, dim = query.shape
     if segs.num_rows != batch:
         raise ValueError(f"Segments of {segs.num_rows} rows for a micro-batch of {batch}")
@@ -210,8 +229,6 @@ def unsupported(config) -> str | None:
         return "sliding-window attention"
     if getattr(config, "softmax_type", "vanilla") != "vanilla":
         return f"softmax_type {config.softmax_type!r} (attention sinks)"
-    if getattr(config, "multi_latent_attention", False):
-        return "multi-latent attention"
     if getattr(config, "context_parallel_size", 1) != 1:
         return "context parallelism"
     if getattr(config, "attention_dropout", 0.0):

@@ -142,6 +142,7 @@ class Family:
     normalization: str = "RMSNorm"
     moe: bool = False                          # has routed experts (MoE layers where moe_layers says)
     router_has_expert_bias: bool = False       # its router selects on score + a per-expert bias (a buffer)
+    multi_latent_attention: bool = False       # reads kv_lora_rank / q_lora_rank (attention/mla.py), others refuse
     lora_targets: tuple[str, ...] = DENSE_LORA_TARGETS
     name_rules: tuple[tuple[str, tuple[str, ...], str, str], ...] = LLAMA_NAME_RULES   # Megatron <-> HF names
     # HF tensor names that differ from the Qwen-style names of weights.bridge's rules, applied in order to expert
@@ -229,6 +230,8 @@ class Family:
                           ("attention_sink_size", "attention sinks"), ("use_sink", "attention sinks"),
                           ("kv_lora_rank", "multi-latent attention"), ("q_lora_rank", "multi-latent attention")):
             value = cfg.get(key)
+            if key.endswith("lora_rank") and self.multi_latent_attention:
+                continue  # attention/mla.py reads and checks them (model_spec: mla_options)
             if value and not (key == "layer_types" and set(value) <= {"full_attention"}):
                 raise ValueError(f"{where}: {key} ({what}) is not supported: the trainer's attention covers full "
                                  "causal softmax attention only")

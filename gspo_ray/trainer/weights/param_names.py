@@ -8,7 +8,8 @@ checked here on a machine where Transformer Engine cannot be built.
 
 What each spec names (megatron-core 0.16.1, models/gpt/gpt_layer_specs.py and extensions/transformer_engine.py):
 - local spec: `input_layernorm.weight`, `self_attention.linear_qkv.weight` (`.bias` for qwen2),
-  `self_attention.{q,k}_layernorm.weight` (QK-norm), `self_attention.linear_proj.weight`, `pre_mlp_layernorm.weight`,
+  `self_attention.{q,k}_layernorm.weight` (QK-norm), `self_attention.linear_proj.weight` (multi-latent attention
+  instead: attention/mla.py's `mla_param_names`), `pre_mlp_layernorm.weight`,
   then `mlp.linear_fc1.weight` / `mlp.linear_fc2.weight` (dense) or `mlp.router.weight` and the experts.
 - Transformer Engine spec: the input norm is fused into the QKV linear (TELayerNormColumnParallelLinear:
   `self_attention.linear_qkv.layer_norm_weight`, no `input_layernorm`); a dense MLP's pre-MLP norm is fused into
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gspo_ray.trainer.attention.mla import mla_param_names
 from gspo_ray.trainer.weights.bridge import param_map
 from gspo_ray.trainer.model_spec import ModelSpec
 
@@ -61,6 +63,8 @@ def _layer_names(spec: ModelSpec, kinds: LayerKinds, i: int) -> list[str]:
         names.append(qkv + "bias")
     if spec.qk_norm:
         names += [p + "self_attention.q_layernorm.weight", p + "self_attention.k_layernorm.weight"]
+    if spec.extra.get("mla"):  # multi-latent attention instead (local spec only: model.py refuses TE with MLA)
+        names = [p + "input_layernorm.weight"] + [p + "self_attention." + n for n in mla_param_names(spec.extra["mla"])]
     if i not in spec.moe_layers:
         fc1 = p + "mlp.linear_fc1."
         return names + ([fc1 + "layer_norm_weight"] if kinds.te else [p + "pre_mlp_layernorm.weight"]) + [
