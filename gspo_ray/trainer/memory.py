@@ -77,7 +77,8 @@ class MemoryShape:
     @classmethod
     def from_spec(cls, spec, name: str = "") -> "MemoryShape":
         """From a trainer ModelSpec (model_spec.spec_from_hf_config: the code the trainer builds from)."""
-        return cls(name=name or spec.arch, vocab=spec.vocab_size, hidden=spec.hidden_size, layers=spec.num_layers,
+        mla = spec.extra.get("mla") or {}
+        return cls(attn_params=mla_attention_params(mla, spec.hidden_size, spec.num_heads) if mla else None,name=name or spec.arch, vocab=spec.vocab_size, hidden=spec.hidden_size, layers=spec.num_layers,
                    heads=spec.num_heads, kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
                    ffn=spec.ffn_hidden_size, experts=spec.num_experts, top_k=spec.top_k,
                    moe_ffn=spec.moe_ffn_hidden_size, moe_layers=len(spec.moe_layers), tied=spec.tied_embeddings,
@@ -135,6 +136,18 @@ class MemoryShape:
     def layer_act(self, moe: bool, recompute: str) -> int:
         mlp = self.moe_act() if moe else self.dense_mlp_act(recompute)
         return self.attention_act(recompute) + mlp
+
+
+def mla_attention_params(mla: dict, hidden: int, heads: int) -> int:
+    """One multi-latent attention layer's parameters (attention/mla.mla_options' keys): the query's down and up
+    projections and latent norm (or one projection without q_lora_rank), the key-value down projection (latent +
+    the shared RoPE key) with its norm and up projection (keys and values of every head), the output projection.
+    Its activations are counted as a GQA layer's of the same head widths (an approximation)."""
+    qk = mla["qk_head_dim"] + mla["qk_pos_emb_head_dim"]
+    q_lora, kv_lora, v = mla.get("q_lora_rank"), mla["kv_lora_rank"], mla["v_head_dim"]
+    query = hidden * q_lora + q_lora + q_lora * heads * qk if q_lora else hidden * heads * qk
+    key_value = hidden * (kv_lora + mla["qk_pos_emb_head_dim"]) + kv_lora + kv_lora * heads * (mla["qk_head_dim"] + v)
+    return query + key_value + heads * v * hidden
 
 
 @dataclass(frozen=True)

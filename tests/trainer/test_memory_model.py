@@ -141,3 +141,19 @@ def test_parameter_counts_of_a_family_with_shared_experts_and_qkv_bias(tmp_path)
     shape = MemoryShape.from_hf_config(read_hf_config(path))
     assert shape.shared_ffn > 0 and shape.qkv_bias and shape.moe_layers < shape.layers
     assert shape.total_params == sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(path).parameters())
+
+
+@pytest.mark.parametrize("q_lora_rank", [None, 48])
+def test_parameter_counts_with_multi_latent_attention(q_lora_rank):
+    """deepseek_v3 (multi-latent attention, a dense first layer, shared experts): counted as transformers builds it."""
+    from transformers import AutoModelForCausalLM, DeepseekV3Config
+
+    cfg = DeepseekV3Config(vocab_size=32, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=q_lora_rank, qk_nope_head_dim=16,
+                           qk_rope_head_dim=16, v_head_dim=24, intermediate_size=96, moe_intermediate_size=32,
+                           n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+                           n_group=1, topk_group=1, max_position_embeddings=64, rms_norm_eps=1e-6)
+    shape = MemoryShape.from_hf_config(cfg.to_dict())
+    hf = AutoModelForCausalLM.from_config(cfg)
+    assert shape.attn_params is not None and shape.moe_layers == 1
+    assert shape.total_params == sum(p.numel() for p in hf.parameters())
