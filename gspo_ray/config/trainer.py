@@ -15,6 +15,10 @@ class TrainerConfig(Strict):
     num_workers: int = Field(1, ge=1, description="trainer actors = world size; DP = num_workers / tp")
     tp: int = Field(1, ge=1, description="tensor parallel size (sequence parallelism is on when tp > 1)")
     ep: int = Field(1, ge=1, description="expert parallel size (must divide num_workers and the expert count)")
+    cp: int = Field(1, ge=1, description="context parallel size: each sequence's tokens split over cp ranks, "
+                    "attention gathering keys and values over them (docs/scale.md, 'Memory')")
+    pp: int = Field(1, ge=1, description="pipeline parallel size: the layers split into pp stages, micro-batches "
+                    "flowing through them (docs/scale.md, 'Memory')")
     num_cpus_per_worker: float = Field(1, gt=0, description="Ray CPUs per trainer actor")
     num_gpus_per_worker: float = Field(0, ge=0, description="Ray GPUs per trainer actor")
     num_threads: int | None = Field(None, ge=1, description="OpenMP threads of each rank; None = auto: on a local "
@@ -188,6 +192,9 @@ class TrainerConfig(Strict):
                              f"{self.recompute!r}")
         if self.num_workers % self.tp:
             raise ValueError(f"trainer.tp ({self.tp}) must divide trainer.num_workers ({self.num_workers})")
+        for field in ("cp", "pp"):
+            if getattr(self, field) > 1:  # the trainer builds neither yet
+                raise ValueError(f"trainer.{field} ({getattr(self, field)}) > 1 is not built yet; use 1")
         if self.num_workers % self.ep:
             raise ValueError(f"trainer.ep ({self.ep}) must divide trainer.num_workers ({self.num_workers})")
         return self

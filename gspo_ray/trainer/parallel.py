@@ -1,12 +1,12 @@
 """Process-group setup for the trainer: torch.distributed + Megatron model-parallel groups.
 
-    init_distributed(rank, world_size, master_addr, master_port, *, tp=1, ep=1, backend=None, timeout_s=600,
-                     seed=0, init_method=None) -> None
+    init_distributed(rank, world_size, master_addr, master_port, *, tp=1, ep=1, cp=1, pp=1, backend=None,
+                     timeout_s=600, seed=0, init_method=None) -> None
     destroy_distributed() -> None
     free_port(exclude=()) -> int
 
-Layout: world = TP x DP (pipeline and context parallelism are 1); experts use EP with expert-TP 1, carved out of
-DP x TP by Megatron (`ep` must divide `world_size`). Backend: gloo on CPU, nccl on GPU (`backend` overrides).
+Layout: world = PP x DP x CP x TP (Megatron's order; trainer.cp and trainer.pp, 1 unless set); experts use EP with
+expert-TP 1, carved out of DP x CP x TP by Megatron (`ep` must divide `world_size`). Backend: gloo on CPU, nccl on GPU (`backend` overrides).
 On a machine without CUDA the megatron CPU workarounds are applied first (megatron_cpu.apply()).
 """
 from __future__ import annotations
@@ -59,10 +59,12 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def check_layout(world_size: int, tp: int, ep: int) -> None:
+def check_layout(world_size: int, tp: int, ep: int, cp: int = 1, pp: int = 1) -> None:
     """Raise a clear error for a layout Megatron would reject later (or hang on)."""
-    if tp < 1 or ep < 1 or world_size < 1:
-        raise ValueError(f"tp={tp}, ep={ep}, world_size={world_size} must all be >= 1")
+    if min(tp, ep, cp, pp, world_size) < 1:
+        raise ValueError(f"tp={tp}, ep={ep}, cp={cp}, pp={pp}, world_size={world_size} must all be >= 1")
+    if world_size % (tp * cp * pp):
+        raise ValueError(f"world_size={world_size} is not divisible by tp x cp x pp = {tp} x {cp} x {pp}")
     if world_size % tp:
         raise ValueError(f"world_size={world_size} is not divisible by tp={tp}")
     if world_size % ep:
@@ -70,7 +72,7 @@ def check_layout(world_size: int, tp: int, ep: int) -> None:
 
 
 def init_distributed(rank: int, world_size: int, master_addr: str, master_port: int, *, tp: int = 1, ep: int = 1,
-                     backend: str | None = None, timeout_s: float = 600, seed: int = 0,
+                     cp: int = 1, pp: int = 1, backend: str | None = None, timeout_s: float = 600, seed: int = 0,
                      init_method: str | None = None) -> None:
     """Join the process group and build Megatron's TP/DP/EP groups; seed the model-parallel RNGs.
 
@@ -84,7 +86,7 @@ def init_distributed(rank: int, world_size: int, master_addr: str, master_port: 
 
     from gspo_ray.compat import megatron_cpu
 
-    check_layout(world_size, tp, ep)
+    check_layout(world_size, tp, ep, cp, pp)
     megatron_cpu.apply()
     backend = backend or default_backend()
     if backend == "nccl":
@@ -96,6 +98,7 @@ def init_distributed(rank: int, world_size: int, master_addr: str, master_port: 
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tp, expert_model_parallel_size=ep, expert_tensor_parallel_size=1,
+            context_parallel_size=cp, pipeline_model_parallel_size=pp,
             distributed_timeout_minutes=timeout_s / 60.0)
     # Dropout outside TP regions shares the data-parallel seed; TP/EP regions get per-rank seeds (Megatron's rule).
     torch.manual_seed(seed)

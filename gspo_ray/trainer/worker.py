@@ -86,6 +86,7 @@ class TrainerWorker:
             raise ValueError("algorithm.norm_len must be set for aggregation 'seq-mean-token-sum-norm' (a constant, "
                              "e.g. rollout.max_new_tokens, which the job fills in): the padded batch width varies")
         init_distributed(rank, world_size, master_addr, master_port, tp=trainer_cfg.tp, ep=trainer_cfg.ep,
+                         cp=trainer_cfg.cp, pp=trainer_cfg.pp,
                          seed=trainer_cfg.seed, timeout_s=trainer_cfg.collective_timeout_s)
         dtype = torch_dtype(trainer_cfg.dtype)
         self.gpt, self.spec = build_model(self.model_path, dtype=dtype, moe_dispatcher=trainer_cfg.moe_dispatcher,
