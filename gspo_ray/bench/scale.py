@@ -137,10 +137,11 @@ def split_for_width(groups, lengths) -> int:
     return sum(1 for rows, p in groups if p + sum(lengths[r] - p for r in rows) > cap)
 
 
-def layout_stats(shape: Shape, groups, lengths, dp: int, tp: int) -> dict:
-    """plan_ranks at DP dp (width padded to a multiple of tp, sequence parallelism), per-rank work and memory."""
+def layout_stats(shape: Shape, groups, lengths, dp: int, tp: int, packed: bool = True) -> dict:
+    """plan_ranks at DP dp (width padded to a multiple of tp, sequence parallelism), per-rank work and memory;
+    packed: each micro-batch one packed row (trainer.packed_rows, the default), else padded rows."""
     weight = attention_score_weight(shape.hidden, shape.attn_dim, shape.ffn_active)
-    plan = plan_ranks(groups, lengths, dp, MICRO_BATCH_SIZE, MICRO_BATCH_TOKENS, weight)
+    plan = plan_ranks(groups, lengths, dp, MICRO_BATCH_SIZE, MICRO_BATCH_TOKENS, weight, packed=packed)
     forwards = max(len(p) for p in plan)
     dummy = GroupRow((0,), lengths[0], (0,))  # a dummy is one fully masked copy of row 0
     tokens, flops, rows, peak_act, peak_att = [], [], [], 0, 0
@@ -148,7 +149,10 @@ def layout_stats(shape: Shape, groups, lengths, dp: int, tp: int) -> dict:
         t = f = 0.0
         for pack in packs + [None] * (forwards - len(packs)):
             pack = pack or [dummy]
-            r, w = len(pack), -(-max(u.length for u in pack) // tp) * tp
+            if packed:  # one row of the group rows one after another, its width a multiple of TP
+                r, w = 1, -(-sum(u.length for u in pack) // tp) * tp
+            else:  # a row per group row, each as wide as the longest
+                r, w = len(pack), -(-max(u.length for u in pack) // tp) * tp
             t += r * w
             pairs = sum(u.pairs for u in pack)
             f += 3 * (2 * shape.active_matrix_params * r * w + 4 * shape.layers * shape.attn_dim * pairs) / tp

@@ -23,10 +23,12 @@ Group rows over DP (`plan_ranks`, pure lists, also what bench/scale.py runs at c
      `padded_budget`, R x L, R = micro_batch_rows, L = the longest row, so the shared layout never holds more
      activations than the padded one; attention by segment holds no score matrix, so nothing else caps a group
      row's width); while there are fewer group rows than ranks, the one with the most rows is halved (so B >= dp
-     rows leave no rank idle), and group rows costing more than half a rank's share are halved too;
+     rows leave no rank idle), and group rows costing more than a quarter of a rank's share (SPLIT_SHARE) are
+     halved too: their completions dealt over several group rows, each with its own copy of the prompt;
   2. deal the group rows to the ranks by cost (`row_cost`: tokens plus the query-key pairs attention by segment
-     computes, weighted: exactly what a packed row computes, which forwards no padding), largest first to the
-     least loaded rank (LPT);
+     computes, weighted: exactly what a packed row computes, which forwards no padding) and tokens at once,
+     largest cost first to the rank whose larger normalised load (cost over the mean cost, tokens over the mean
+     tokens) is least (LPT on that load);
   3. put each rank's group rows into micro-batches within the budget (rows and tokens).
 Ranks with fewer micro-batches than the busiest get dummies (one fully masked copy of row 0).
 """
@@ -49,6 +51,12 @@ from gspo_ray.trainer.group_rows import (
     prefix_groups,
     warn_once,
 )
+
+
+# A group row costing more than 1 / SPLIT_SHARE of a rank's share of the mini-batch is split (its completions over
+# several group rows, each repeating the prompt): 4 rather than 2 brings DP 256 from 1.05-1.06 to 1.03-1.05 in
+# tokens (bench/scale.py), at 0.6-1.0% more tokens forwarded (the prompt copies)
+SPLIT_SHARE = 4
 
 
 @dataclass
@@ -200,15 +208,21 @@ def split_costly(unit: GroupRow, cap: float, score_weight: float) -> list[GroupR
 
 
 def deal_rows(units: list[GroupRow], dp_size: int, score_weight: float) -> list[list[GroupRow]]:
-    """Group rows per DP rank: largest cost first, each to the rank with the least cost so far (ties: the lower
-    rank; longest-processing-time greedy, within 4/3 of the best split). Deterministic."""
+    """Group rows per DP rank, balancing two loads at once: cost (row_cost: FLOPs, what the step waits on) and
+    tokens (what the activations and train/dp_imbalance count). Largest cost first, each to the rank whose load
+    max(cost / C, tokens / T) is least (C, T: the mean cost and tokens a rank; ties: the lower rank). Dealt by cost
+    alone, a rank holding a long row (its attention costs more per token) got few tokens and one of short rows
+    many: 1.09-1.15 in tokens at DP 256 (docs/scale.md). Deterministic."""
     cost = [row_cost(u, score_weight) for u in units]
+    mean_cost = sum(cost) / dp_size or 1.0
+    mean_tokens = sum(u.length for u in units) / dp_size or 1.0
     ranks: list[list[GroupRow]] = [[] for _ in range(dp_size)]
-    heap = [(0.0, r) for r in range(dp_size)]  # (load, rank): the least loaded, then the lowest rank, on top
+    heap = [(0.0, r, 0.0, 0) for r in range(dp_size)]  # (load, rank, cost, tokens): the least loaded on top
     for i in sorted(range(len(units)), key=lambda i: (-cost[i], i)):
-        load, r = heapq.heappop(heap)
+        _, r, c, t = heapq.heappop(heap)
         ranks[r].append(units[i])
-        heapq.heappush(heap, (load + cost[i], r))
+        c, t = c + cost[i], t + units[i].length
+        heapq.heappush(heap, (max(c / mean_cost, t / mean_tokens), r, c, t))
     return ranks
 
 
@@ -240,8 +254,8 @@ def plan_ranks(groups: list[tuple[list[int], int]], lengths: list[int], dp_size:
         if len(units[i].rows) < 2:
             break
         units[i:i + 1] = halve(units[i])
-    if dp_size > 1:  # no group row above half a rank's share, so the deal can even the ranks out
-        share = sum(row_cost(u, score_weight) for u in units) / (2 * dp_size)
+    if dp_size > 1:  # no group row above 1 / SPLIT_SHARE of a rank's share, so the deal can even the ranks out
+        share = sum(row_cost(u, score_weight) for u in units) / (SPLIT_SHARE * dp_size)
         units = [part for u in units for part in split_costly(u, share, score_weight)]
     return [pack_group_rows(mine, micro_batch_size, cap, packed)
             for mine in deal_rows(units, dp_size, score_weight)]
