@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 
 import pytest
 import yaml
@@ -58,6 +59,8 @@ def q30(tmp_path_factory):
 def test_review_job_is_refused_with_a_layout_that_fits(q30):
     from gspo_ray.config import load_config
     from gspo_ray.preflight.memory import job_memory_plan
+    from gspo_ray.trainer.layout_plan import USABLE_SHARE
+    from gspo_ray.trainer.memory import rank_memory
 
     root, model = q30
     result = CliRunner().invoke(app, ["config", "validate", job_file(root, model)])
@@ -66,14 +69,16 @@ def test_review_job_is_refused_with_a_layout_that_fits(q30):
     assert len(err.splitlines()) == 1 and err.startswith("error: trainer memory: "), err
     gib = float(re.search(r"memory: ([\d.]+) GiB a rank", err).group(1))
     assert gib > 80 and "largest term activations" in err, err
-    fit = re.search(r"fits: TP (\d+) x EP (\d+) \(DP \d+\), recompute (\w+), micro_batch_tokens (\d+)"
-                    r"(, optimizer offload)? \(([\d.]+) GiB", err)
+    fit = re.search(r"fits: TP (\d+) x EP (\d+)(?: x CP (\d+))?(?: x PP (\d+))? \(DP \d+\), recompute (\w+), "
+                    r"micro_batch_tokens (\d+)(, optimizer offload)? \(([\d.]+) GiB", err)
     assert fit, err
-    tp, ep, recompute, tokens, offload, _ = fit.groups()
+    tp, ep, cp, pp, recompute, tokens, offload, _ = fit.groups()
     fixed = load_config(job_file(root, model, tp=int(tp), ep=int(ep), recompute=recompute,
                                  micro_batch_tokens=int(tokens), optimizer_cpu_offload=bool(offload)))
     plan = job_memory_plan(fixed, QWEN3_30B_A3B)  # what the preflight's memory check decides on
-    assert plan.fits and plan.hard, plan.terms.table()
+    # CP / PP as suggested, set on the plan's layout (the config's cp / pp fields are checked by their own tests)
+    layout = replace(plan.layout, cp=int(cp or 1), pp=int(pp or 1))
+    assert rank_memory(plan.shape, layout).total <= USABLE_SHARE * plan.device_bytes and plan.hard
 
 
 def test_plan_prints_terms_and_fitting_layouts(q30):
@@ -84,9 +89,10 @@ def test_plan_prints_terms_and_fitting_layouts(q30):
     assert "weights: no weights: not checked" in out and "16 trainer ranks" in out
     for term in ("weights", "main_params", "grads", "optimizer", "activations", "logits", "total"):
         assert re.search(rf"^\s+{term}\s+[\d.]+ GiB", out, re.M), term
-    rows = re.findall(r"^\| (\d+) \| (\d+) \| (\w+) \| (\d+) \| (\w+) \| ([\d.]+) \| .* \| ([\d.]+) \|$", out, re.M)
-    assert rows and all(float(r[5]) <= 80 for r in rows), out
-    assert [float(r[6]) for r in rows] == sorted(float(r[6]) for r in rows)  # cheapest first
+    rows = re.findall(r"^\| (\d+) \| (\d+) \| (\d+) \| (\d+) \| (\w+) \| (\d+) \| (\w+) \| ([\d.]+) \| .* \| "
+                      r"([\d.]+) \|$", out, re.M)
+    assert rows and all(float(r[7]) <= 80 for r in rows), out
+    assert [float(r[8]) for r in rows] == sorted(float(r[8]) for r in rows)  # cheapest first
 
 
 def test_weights_free_directory_validates_and_train_needs_weights(tmp_path):

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gspo_ray.trainer.memory import GIB, Layout, MemoryShape, fitting_layouts, rank_memory, candidate_layouts, \
-    step_seconds
+from gspo_ray.trainer.layout_plan import fitting_layouts, least_memory, step_seconds
+from gspo_ray.trainer.memory import GIB, Layout, MemoryShape
 
 DEVICE_GIB = 80
 GROUP, PROMPT = 16, 1024  # a prompt group's completions; prompt tokens
@@ -60,27 +60,46 @@ def plan_job(job: Job, prompts_per_step: int = 32) -> dict:
            "gpus": job.gpus, "completion": job.completion}
     if fits:
         layout, terms = fits[0]
-        return out | {"layout": layout.describe(), "terms": {k: v / GIB for k, v in terms.terms.items()},
-                      "total GiB": terms.total / GIB, "step s": step_seconds(job.shape, layout, batch, pairs)}
-    least = min((rank_memory(job.shape, lay) for lay in candidate_layouts(job.shape, base, job.gpus, row_tokens)),
-                key=lambda t: t.total)
-    return out | {"layout": None, "terms": {k: v / GIB for k, v in least.terms.items()}, "total GiB": least.total / GIB,
-                  "step s": None}
+        step = step_seconds(job.shape, layout, batch, pairs)
+    else:
+        (layout, terms), step = least_memory(job.shape, base, job.gpus, row_tokens, batch), None
+        out["fewest GPUs"] = fewest_gpus(job, base, batch, row_tokens, pairs)
+    return out | {"layout": layout.describe() if fits else None, "parallel": layout_columns(layout),
+                  "stage": terms.stage, "terms": {k: v / GIB for k, v in terms.terms.items()},
+                  "total GiB": terms.total / GIB, "step s": step}
+
+
+def fewest_gpus(job: Job, base: Layout, batch: int, row_tokens: int, pairs: float) -> int | None:
+    """The fewest trainer GPUs (a multiple of 8, up to 4 x the job's) on which some layout fits DEVICE_GIB."""
+    for gpus in range(job.gpus + 8, 4 * job.gpus + 1, 8):
+        if fitting_layouts(job.shape, base, gpus, DEVICE_GIB * GIB, batch, 1, row_tokens, pairs):
+            return gpus
+    return None
+
+
+def layout_columns(layout: Layout) -> dict:
+    return {"tp": layout.tp, "ep": layout.ep, "cp": layout.cp, "pp": layout.pp, "dp": layout.dp,
+            "recompute": layout.recompute, "micro_batch_tokens": layout.micro_batch_tokens,
+            "offload": layout.offload}
 
 
 def memory_table(rows: list[dict]) -> str:
-    head = ("| model | params B | trainer GPUs | completion | planned layout (80 GiB H100s) | weights | main | grads | "
-            "optimizer | activations | logits | backward | GiB a rank | step s |")
+    head = ("| model | params B | trainer GPUs | completion | TP | EP | CP | PP | DP | recompute | micro_batch_tokens | "
+            "offload | weights | main | grads | optimizer | activations | logits | backward | GiB a rank (stage) | "
+            "step s |")
     lines = [head, "|---" * (head.count("|") - 1) + "|"]
     for r in rows:
-        t = r["terms"]
-        layout = r["layout"] or "none fits: needs CP / PP (least reached below)"
-        step = f"{r['step s']:.0f}" if r["step s"] is not None else "-"
+        t, p = r["terms"], r["parallel"]
+        step = (f"{r['step s']:.0f}" if r["step s"] is not None else
+                f"none fits (least reached; fits from {r['fewest GPUs']} GPUs)")
         name = r["model"] + (" (params by hand)" if r["by hand"] else "")
-        lines.append(f"| {name} | {r['params B']:.0f} | {r['gpus']} | {r['completion']} | {layout} | "
+        stage = f" ({r['stage']})" if p["pp"] > 1 else ""
+        lines.append(f"| {name} | {r['params B']:.0f} | {r['gpus']} | {r['completion']} | {p['tp']} | {p['ep']} | "
+                     f"{p['cp']} | {p['pp']} | {p['dp']} | {p['recompute']} | {p['micro_batch_tokens']} | "
+                     f"{'yes' if p['offload'] else 'no'} | "
                      f"{t['weights']:.1f} | {t['main_params']:.1f} | {t['grads']:.1f} | {t['optimizer']:.1f} | "
-                     f"{t['activations']:.1f} | {t['logits']:.1f} | {t['backward']:.1f} | {r['total GiB']:.1f} | "
-                     f"{step} |")
+                     f"{t['activations']:.1f} | {t['logits']:.1f} | {t['backward']:.1f} | {r['total GiB']:.1f}{stage} "
+                     f"| {step} |")
     return "\n".join(lines)
 
 

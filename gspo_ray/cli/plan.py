@@ -54,7 +54,8 @@ def plan(file: Path, overrides: list[str] = typer.Argument(None, help="key.path=
                f"optimizer {'on' if p.layout.distributed else 'off'}")
     device = "unknown" if p.device_bytes is None else f"{p.device_bytes / GIB:.1f} GiB"
     typer.echo(f"device  {device} ({p.device_source})")
-    typer.echo("per-rank memory:\n" + p.terms.table())
+    stage = f" (pipeline stage {p.terms.stage}, the busiest of {p.layout.pp})" if p.layout.pp > 1 else ""
+    typer.echo(f"per-rank memory{stage}:\n" + p.terms.table())
     step = p.step_s()
     verdict = "fits" if p.fits else "DOES NOT FIT"
     typer.echo(f"-> {verdict}; predicted step {step:.1f} s (the scale model: {p.batch_tokens / 1e6:.2f} M tokens a "
@@ -63,14 +64,15 @@ def plan(file: Path, overrides: list[str] = typer.Argument(None, help="key.path=
         return
     fits = p.fitting(top)
     if not fits:
-        typer.echo(f"no layout of {p.layout.world} ranks fits (TP, EP, recompute, micro_batch_tokens, offload): "
-                   "more ranks, or context / pipeline parallelism (not built yet)")
+        typer.echo(f"no layout of {p.layout.world} ranks fits (TP, EP, CP, PP, recompute, micro_batch_tokens, "
+                   "offload): more ranks")
         return
     typer.echo(f"cheapest layouts that fit 90% of {p.device_bytes / GIB:.1f} GiB on {p.layout.world} ranks:")
-    typer.echo("| TP | EP | recompute | micro_batch_tokens | offload | GiB a rank | largest term | step s |")
-    typer.echo("|---|---|---|---|---|---|---|---|")
+    typer.echo("| TP | EP | CP | PP | recompute | micro_batch_tokens | offload | GiB a rank | largest term | step s |")
+    typer.echo("|---|---|---|---|---|---|---|---|---|---|")
     for layout, terms in fits:
         name, size = terms.largest()
-        typer.echo(f"| {layout.tp} | {layout.ep} | {layout.recompute} | {layout.micro_batch_tokens} | "
+        typer.echo(f"| {layout.tp} | {layout.ep} | {layout.cp} | {layout.pp} | {layout.recompute} | "
+                   f"{layout.micro_batch_tokens} | "
                    f"{'yes' if layout.offload else 'no'} | {terms.total / GIB:.1f} | {name} {size / GIB:.1f} | "
                    f"{p.step_s(layout):.1f} |")

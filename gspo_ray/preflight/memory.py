@@ -13,8 +13,9 @@ USABLE_SHARE (90%) of it (the CUDA context, NCCL buffers and allocator fragmenta
 engine (both pools on fractions of a GPU) keeps rollout.gpu_memory_utilization of the device.
 
 The refusal: one line with the per-rank GiB, the largest term and the cheapest layout that fits on as many
-ranks (trainer/memory.fitting_layouts: TP, EP, recompute, micro_batch_tokens, offload), or that none does
-without context or pipeline parallelism (not built yet).
+ranks (trainer/layout_plan.fitting_layouts: TP, EP, CP, PP, recompute, micro_batch_tokens, offload; CP and PP
+named where the layout has them), or that none does (more ranks needed). With trainer.pp the terms are the busiest
+pipeline stage's.
 """
 from __future__ import annotations
 
@@ -24,8 +25,8 @@ from dataclasses import dataclass
 from gspo_ray.config import JobConfig
 from gspo_ray.config.rollout import gpu_colocated, resolve_gpu_memory_utilization
 from gspo_ray.preflight.model import PreflightError
-from gspo_ray.trainer.memory import (GIB, USABLE_SHARE, Layout, MemoryShape, MemoryTerms, fitting_layouts,
-                                     rank_memory, step_seconds)
+from gspo_ray.trainer.layout_plan import USABLE_SHARE, fitting_layouts, step_seconds
+from gspo_ray.trainer.memory import GIB, Layout, MemoryShape, MemoryTerms, rank_memory
 
 
 @dataclass
@@ -41,7 +42,7 @@ class MemoryPlan:
     min_tokens: int               # the smallest micro_batch_tokens a layout may have (rollout.max_model_len)
 
     def fitting(self, limit: int = 5):
-        """The cheapest `limit` layouts of as many ranks that fit the device (trainer/memory.fitting_layouts)."""
+        """The cheapest `limit` layouts of as many ranks that fit the device (trainer/layout_plan.fitting_layouts)."""
         return fitting_layouts(self.shape, self.layout, self.layout.world, self.device_bytes, self.batch_tokens,
                                limit, self.min_tokens, self.attention_pairs)
 
@@ -63,8 +64,8 @@ def job_dtype(cfg: JobConfig) -> str:
 def job_layout(cfg: JobConfig, world: int | None = None) -> Layout:
     t, r = cfg.trainer, cfg.rollout
     tokens = t.micro_batch_tokens or t.micro_batch_size * r.max_model_len
-    return Layout(world=world or t.num_workers, tp=t.tp, ep=t.ep, micro_batch_tokens=tokens, recompute=t.recompute,
-                  recompute_layers=t.recompute_num_layers, dtype=job_dtype(cfg),
+    return Layout(world=world or t.num_workers, tp=t.tp, ep=t.ep, cp=t.cp, pp=t.pp, micro_batch_tokens=tokens,
+                  recompute=t.recompute, recompute_layers=t.recompute_num_layers, dtype=job_dtype(cfg),
                   distributed_optimizer=t.use_distributed_optimizer, offload=t.optimizer_cpu_offload)
 
 
@@ -119,8 +120,8 @@ def refusal_line(plan: MemoryPlan) -> str:
     if fits:
         layout, terms = fits[0]
         return head + f"; fits: {layout.describe()} ({terms.total / GIB:.1f} GiB; gspo-ray plan lists more)"
-    return head + (f"; no TP / EP / recompute / micro_batch_tokens / offload layout of {plan.layout.world} ranks "
-                   "fits: more ranks, or context / pipeline parallelism (not built yet)")
+    return head + (f"; no TP / EP / CP / PP / recompute / micro_batch_tokens / offload layout of "
+                   f"{plan.layout.world} ranks fits: more ranks")
 
 
 def check_memory(cfg: JobConfig, hf_config: dict | None, report) -> MemoryPlan | None:

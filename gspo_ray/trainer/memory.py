@@ -4,20 +4,29 @@
     terms = rank_memory(shape, Layout(world=8, tp=2, ep=4, micro_batch_tokens=32768, dtype="bfloat16"))
     terms.total, terms.largest()                                          # bytes; ("activations", 41.2e9)
 
-Terms (bytes on one rank's device; `Layout` says the parallel layout and the trainer's settings):
+Terms (bytes on one rank's device; `Layout` says the parallel layout and the trainer's settings; with pipeline
+parallelism those of the busiest stage):
 
-  weights      every parameter this rank holds in the training dtype: dense ones split over TP (norms and routers
-               replicated), experts over EP (expert-TP 1, as the trainer builds them)
+  weights      every parameter this rank holds in the training dtype: its stage's layers (all without PP; the first
+               stage also the word embeddings, the last the final norm and the output layer, tied embeddings on
+               both), dense ones split over TP (norms and routers replicated), experts over EP (expert-TP 1, as
+               the trainer builds them); not split by CP
   main_params  bf16 training: Megatron's fp32 main copy of the weights (none in fp32, where the weights are the
-               main copy); with the distributed optimizer split over DP (dense: world / tp ranks, experts: the
-               expert-data-parallel world / ep ranks); with optimizer_cpu_offload in host memory (0 here)
+               main copy); with the distributed optimizer split over DP x CP for dense parameters (megatron-core
+               0.16.1 shards it over the data-and-context-parallel group) and over the expert-data-parallel group
+               (world / (ep x pp) ranks) for experts; with optimizer_cpu_offload in host memory (0 here)
   grads        the gradient buffer: fp32 (grad_reduce_in_fp32 in bf16, and fp32 training), one per parameter held
                (the distributed optimizer reduce-scatters into it; the buffer is whole)
   optimizer    Adam's two fp32 moments, split and offloaded as main_params
-  activations  one micro-batch of `micro_batch_tokens` tokens kept from forward to backward, all layers, split over
-               TP (sequence parallelism): the elements a token and layer that the local layers save (below),
-               experts' top-k copies for MoE layers, fewer with recompute
-  logits       the output layer's fp32 [tokens scored, vocab / tp] buffer kept for the backward (logprob_head)
+  activations  one micro-batch of `micro_batch_tokens` tokens kept from forward to backward, the stage's layers,
+               split over TP (sequence parallelism) and CP (each sequence's columns, zig-zag): the elements a token
+               and layer that the local layers save (below), experts' top-k copies for MoE layers, fewer with
+               recompute; under PP x the micro-batches 1F1B keeps in flight on the stage (min(pp - stage,
+               micro-batches): the first stage the most); under CP also the keys and values all-gathered over
+               the CP ranks (2 x tokens x kv heads x head dim a layer: one layer's live while it runs, and kept
+               by each layer whose attention is not recomputed, an upper bound)
+  logits       the output layer's fp32 [tokens scored, vocab / tp] buffer kept for the backward (logprob_head), the
+               rank's CP columns, on the last stage
   backward     the layers' backward's working set (a quarter of a layer's activations; with full recompute that
                layer's activations made again besides) beyond the logits, which the head's backward has freed
   engine       a colocated engine's share of the device (Layout.engine_bytes: rollout.gpu_memory_utilization of
@@ -152,47 +161,55 @@ def mla_attention_params(mla: dict, hidden: int, heads: int) -> int:
 
 @dataclass(frozen=True)
 class Layout:
-    """One trainer layout and the settings memory depends on."""
+    """One trainer layout and the settings memory depends on. world = PP x DP x CP x TP (Megatron's order);
+    experts over EP with expert-TP 1, the expert-data-parallel group world / (EP x PP) (CP folds into it)."""
 
     world: int                       # trainer ranks (trainer.num_workers)
     tp: int = 1
     ep: int = 1
     micro_batch_tokens: int = 4096   # tokens forwarded per micro-batch (trainer.micro_batch_tokens)
     recompute: str = "none"
-    recompute_layers: int | None = None   # full: the first N layers (None: all)
+    recompute_layers: int | None = None   # full: the first N layers of each stage (None: all)
     dtype: str = "bfloat16"
-    distributed_optimizer: bool | None = None  # None: on when DP > 1 (trainer.use_distributed_optimizer)
+    distributed_optimizer: bool | None = None  # None: on when world / TP > 1 (trainer.use_distributed_optimizer)
     offload: bool = False            # trainer.optimizer_cpu_offload
     scored_share: float = 1.0        # share of a micro-batch's tokens that are scored (the output layer's rows)
     engine_bytes: int = 0            # what a colocated engine keeps on the device
+    cp: int = 1                      # context parallel (trainer.cp): each sequence's tokens over cp ranks
+    pp: int = 1                      # pipeline parallel (trainer.pp): the layers in pp stages, 1F1B
+    microbatches: int | None = None  # micro-batches a DP rank runs a step (1F1B's in-flight bound; None: >= pp)
 
     @property
     def dp(self) -> int:
-        return self.world // self.tp
+        return self.world // (self.tp * self.cp * self.pp)
 
     @property
     def expert_dp(self) -> int:
-        return self.world // self.ep
+        return self.world // (self.ep * self.pp)
 
     @property
     def distributed(self) -> bool:
         if self.offload:
             return True
-        return self.dp > 1 if self.distributed_optimizer is None else self.distributed_optimizer
+        return self.world // self.tp > 1 if self.distributed_optimizer is None else self.distributed_optimizer
 
     def describe(self) -> str:
+        """E.g. "TP 4 x EP 8 x CP 2 (DP 1), recompute none, micro_batch_tokens 33024": CP and PP named when > 1."""
         layers = f" ({self.recompute_layers} layers)" if self.recompute == "full" and self.recompute_layers else ""
-        return (f"TP {self.tp} x EP {self.ep} (DP {self.dp}), recompute {self.recompute}{layers}, "
+        extra = "".join(f" x {name} {n}" for name, n in (("CP", self.cp), ("PP", self.pp)) if n > 1)
+        return (f"TP {self.tp} x EP {self.ep}{extra} (DP {self.dp}), recompute {self.recompute}{layers}, "
                 f"micro_batch_tokens {self.micro_batch_tokens}" + (", optimizer offload" if self.offload else ""))
 
 
 @dataclass
 class MemoryTerms:
-    """Bytes per term on one trainer rank (see the module docstring); `host` is what offload puts in host memory."""
+    """Bytes per term on one trainer rank (see the module docstring); `host` is what offload puts in host memory;
+    `stage` the pipeline stage these are of (the busiest; 0 without PP)."""
 
     terms: dict[str, int]
     host: int = 0
     notes: list[str] = field(default_factory=list)
+    stage: int = 0
 
     @property
     def total(self) -> int:
@@ -209,24 +226,105 @@ class MemoryTerms:
         return "\n".join(rows)
 
 
-def rank_params(shape: MemoryShape, layout: Layout) -> tuple[int, int]:
-    """(dense, expert) parameters one rank holds: dense split over TP (norms and routers replicated), experts over
-    EP."""
+@dataclass(frozen=True)
+class Stage:
+    """One pipeline stage: its layers [first_layer, first_layer + layers) and whether it is the first (word
+    embeddings) or the last (final norm, output layer, logits)."""
+
+    index: int
+    first_layer: int
+    layers: int
+    first: bool
+    last: bool
+
+
+def pipeline_stages(num_layers: int, pp: int) -> list[Stage]:
+    """The layers over pp stages, as even as can be (counts differ by at most one); where pp does not divide them,
+    the extra layers go to the inner stages first (the first and last stages hold the embeddings and the output
+    layer), then the first. Megatron gives uneven stages through num_layers_in_first / last_pipeline_stage."""
+    base, extra = divmod(num_layers, pp)
+    order = list(range(1, pp - 1)) + [0, pp - 1] if pp > 2 else list(range(pp))
+    counts = [base + (1 if s in order[:extra] else 0) for s in range(pp)]
+    out, start = [], 0
+    for s, n in enumerate(counts):
+        out.append(Stage(s, start, n, s == 0, s == pp - 1))
+        start += n
+    return out
+
+
+def stage_layer_counts(shape: MemoryShape, stage: Stage, recompute_layers: int) -> tuple[int, int, int, int]:
+    """(dense layers, MoE layers, of them recomputed dense, recomputed MoE) of a stage: MoE layers are the model's
+    last `moe_layers` (moe_layer_flags), recompute full takes each stage's first `recompute_layers`."""
+    a, b = stage.first_layer, stage.first_layer + stage.layers
+    moe_from = shape.layers - shape.moe_layers
+
+    def moe_in(lo, hi):
+        return max(0, hi - max(lo, moe_from)) if hi > lo else 0
+
+    r = min(recompute_layers, stage.layers)
+    moe, moe_r = moe_in(a, b), moe_in(a, a + r)
+    return stage.layers - moe, moe, r - moe_r, moe_r
+
+
+def whole_model(shape: MemoryShape) -> Stage:
+    return Stage(0, 0, shape.layers, True, True)
+
+
+def rank_params(shape: MemoryShape, layout: Layout, stage: Stage | None = None) -> tuple[int, int]:
+    """(dense, expert) parameters one rank of `stage` (default: the whole model, PP 1) holds: dense split over TP
+    (norms and routers replicated), experts over EP. The first stage holds the word embeddings, the last the final
+    norm and the output layer (tied embeddings: a copy of the word embeddings, as Megatron keeps on the last
+    stage)."""
+    stage = stage or whole_model(shape)
     h = shape.hidden
-    replicated = h + shape.layers * (2 * h + (2 * shape.head_dim if shape.qk_norm else 0)) + \
-        shape.moe_layers * shape.experts * h
-    dense = (shape.dense_params - replicated) // layout.tp + replicated
-    return dense, shape.expert_params // layout.ep
+    dense_layers, moe_layers, _, _ = stage_layer_counts(shape, stage, 0)
+    norms = 2 * h + (2 * shape.head_dim if shape.qk_norm else 0)
+    split = (stage.layers * (shape.dense_layer_params - norms) + dense_layers * 3 * h * shape.ffn
+             + moe_layers * 3 * h * shape.shared_ffn)
+    embeddings = 1 if shape.tied and stage.first and stage.last else int(stage.first) + int(stage.last)
+    split += shape.vocab * h * embeddings
+    replicated = (h if stage.last else 0) + stage.layers * norms + moe_layers * shape.experts * h
+    experts = moe_layers * shape.experts * 3 * h * shape.moe_ffn
+    return split // layout.tp + replicated, experts // layout.ep
 
 
-def activation_bytes(shape: MemoryShape, layout: Layout) -> int:
-    """One micro-batch's activations kept from its forward to its backward, all layers and the final norm (see the
-    module docstring), on one rank: tokens split over TP (sequence parallelism)."""
+def local_tokens(layout: Layout) -> int:
+    """Tokens of one micro-batch on one rank: split over CP (each sequence's columns) and TP (sequence
+    parallelism)."""
+    return -(-layout.micro_batch_tokens // (layout.tp * layout.cp))
+
+
+def in_flight(layout: Layout, stage: Stage) -> int:
+    """Micro-batches whose activations a stage keeps at once under 1F1B: stage s runs pp - s warm-up forwards
+    before its first backward, so min(pp - s, micro-batches); 1 without PP."""
+    m = layout.microbatches if layout.microbatches is not None else layout.pp
+    return max(1, min(layout.pp - stage.index, m))
+
+
+def gathered_kv_bytes(shape: MemoryShape, layout: Layout) -> int:
+    """One layer's keys and values all-gathered over CP (the whole micro-batch's columns, the rank's kv heads of
+    TP): 2 x tokens x kv heads x head dim x the dtype; 0 without CP."""
+    if layout.cp == 1:
+        return 0
+    heads = -(-shape.kv_heads // layout.tp)
+    return 2 * layout.micro_batch_tokens * heads * shape.head_dim * DTYPE_BYTES[layout.dtype]
+
+
+def activation_bytes(shape: MemoryShape, layout: Layout, stage: Stage | None = None) -> int:
+    """The activations one rank of `stage` (default: the whole model) keeps from forward to backward: its layers'
+    elements a token (the module docstring) x its tokens (local_tokens: / TP / CP) x the micro-batches in flight
+    (in_flight: 1F1B), the final norm on the last stage. Under CP each layer whose attention is not recomputed
+    also keeps the gathered keys and values its SDPA calls saved (an upper bound: a completion call with a prefix
+    keeps none; gathered_kv_bytes), and one layer's gather is live while it runs."""
+    stage = stage or whole_model(shape)
     b = DTYPE_BYTES[layout.dtype]
-    tokens = -(-layout.micro_batch_tokens // layout.tp)
-    per_token = sum(shape.hidden if i < recomputed_layers(shape, layout) else shape.layer_act(moe, layout.recompute)
-                    for i, moe in enumerate(moe_layer_flags(shape)))
-    return int(b * tokens * (per_token + 2 * shape.hidden))
+    dense, moe, dense_r, moe_r = stage_layer_counts(shape, stage, recomputed_layers(shape, layout))
+    recompute = layout.recompute
+    per_token = ((dense - dense_r) * shape.layer_act(False, recompute) + (moe - moe_r) * shape.layer_act(True, recompute)
+                 + (dense_r + moe_r) * shape.hidden + (2 * shape.hidden if stage.last else 0))
+    attention_kept = 0 if recompute == "full" or recompute == "selective" else stage.layers - dense_r - moe_r
+    gathered = gathered_kv_bytes(shape, layout)
+    return int(b * local_tokens(layout) * per_token + gathered * attention_kept) * in_flight(layout, stage) + gathered
 
 
 def moe_layer_flags(shape: MemoryShape) -> list[bool]:
@@ -235,128 +333,80 @@ def moe_layer_flags(shape: MemoryShape) -> list[bool]:
 
 
 def recomputed_layers(shape: MemoryShape, layout: Layout) -> int:
+    """Layers full recompute checkpoints in each stage (all without PP): trainer.recompute_num_layers or all."""
     if layout.recompute != "full":
         return 0
     return shape.layers if layout.recompute_layers is None else min(layout.recompute_layers, shape.layers)
 
 
-def backward_bytes(shape: MemoryShape, layout: Layout) -> int:
+def backward_bytes(shape: MemoryShape, layout: Layout, stage: Stage | None = None) -> int:
     """What the layers' backward holds beyond the kept activations: the working set of one layer's backward
     (BACKWARD_LAYERS of its activations) and, under full recompute, that layer's activations made again. The
-    head's backward runs first and frees the logits, so only what exceeds them raises the peak."""
+    head's backward (last stage) runs first and frees the logits, so there only what exceeds them raises the
+    peak."""
+    stage = stage or whole_model(shape)
     b = DTYPE_BYTES[layout.dtype]
-    tokens = -(-layout.micro_batch_tokens // layout.tp)
-    live = max(shape.layer_act(m, "none") for m in set(moe_layer_flags(shape)))
+    dense, moe, _, _ = stage_layer_counts(shape, stage, 0)
+    if not stage.layers:
+        return 0
+    live = max(shape.layer_act(m, "none") for m, n in ((False, dense), (True, moe)) if n)
     layers = BACKWARD_LAYERS + (1 if recomputed_layers(shape, layout) else 0)
-    return max(0, int(b * tokens * live * layers) - logits_bytes(shape, layout))
+    freed = logits_bytes(shape, layout, stage)
+    return max(0, int(b * local_tokens(layout) * live * layers) - freed)
 
 
-def logits_bytes(shape: MemoryShape, layout: Layout) -> int:
-    """The output layer's fp32 logits kept for the backward: the scored tokens' rows at TP 1 (trainer/
-    logprob_head.py); under sequence parallelism every position's rows of the rank's vocabulary share
-    (trainer/logprobs.py: not chunked there)."""
+def logits_bytes(shape: MemoryShape, layout: Layout, stage: Stage | None = None) -> int:
+    """The output layer's fp32 logits kept for the backward (the last stage only): the scored tokens' rows at TP 1
+    (trainer/logprob_head.py); under sequence parallelism every position's rows of the rank's vocabulary share
+    (trainer/logprobs.py: not chunked there); under CP the rank's own columns."""
+    if stage is not None and not stage.last:
+        return 0
+    tokens = -(-layout.micro_batch_tokens // layout.cp)
     if layout.tp == 1:
-        rows = int(layout.micro_batch_tokens * layout.scored_share)
-        return 4 * rows * shape.vocab
-    return 4 * layout.micro_batch_tokens * -(-shape.vocab // layout.tp)
+        return 4 * int(tokens * layout.scored_share) * shape.vocab
+    return 4 * tokens * -(-shape.vocab // layout.tp)
 
 
-def rank_memory(shape: MemoryShape, layout: Layout) -> MemoryTerms:
-    """Every term on one trainer rank, bytes."""
+def check_layout(shape: MemoryShape, layout: Layout) -> None:
+    """ValueError for a layout Megatron cannot build: TP x CP x PP and EP x PP must divide the ranks (expert-TP 1),
+    PP at most the layers, recompute one of RECOMPUTE."""
     if layout.recompute not in RECOMPUTE:
         raise ValueError(f"recompute {layout.recompute!r}; valid: {', '.join(RECOMPUTE)}")
-    if layout.world % layout.tp or layout.world % layout.ep:
-        raise ValueError(f"tp {layout.tp} and ep {layout.ep} must divide the {layout.world} trainer ranks")
+    if layout.world % (layout.tp * layout.cp * layout.pp) or layout.world % (layout.ep * layout.pp):
+        raise ValueError(f"tp {layout.tp} x cp {layout.cp} x pp {layout.pp} and ep {layout.ep} x pp {layout.pp} "
+                         f"must divide the {layout.world} trainer ranks")
+    if layout.pp > shape.layers:
+        raise ValueError(f"pp {layout.pp} is more than the model's {shape.layers} layers")
+
+
+def stage_memory(shape: MemoryShape, layout: Layout, stage: Stage) -> MemoryTerms:
+    """Every term on one rank of `stage`, bytes. The distributed optimizer shards the dense state over the DP x CP
+    group (megatron-core 0.16.1: the grad buffers' dp_cp group, parallel_state.get_data_parallel_group(
+    with_context_parallel=True)) and the experts' over the expert-data-parallel group (world / (EP x PP))."""
     b = DTYPE_BYTES[layout.dtype]
-    dense, experts = rank_params(shape, layout)
+    dense, experts = rank_params(shape, layout, stage)
     held = dense + experts
-    shard = (dense / layout.dp + experts / layout.expert_dp) if layout.distributed else held
+    shard = (dense / (layout.dp * layout.cp) + experts / layout.expert_dp) if layout.distributed else held
     main = 0 if layout.dtype == "float32" else int(4 * shard)
     optim = int(8 * shard)
     host = 0
     if layout.offload:
         host, main, optim = main + optim, 0, 0
-    act, logits = activation_bytes(shape, layout), logits_bytes(shape, layout)
+    act, logits = activation_bytes(shape, layout, stage), logits_bytes(shape, layout, stage)
     # a colocated engine sleeps while the trainer trains and generates while the trainer holds its state only:
     # the device's peak is state + max(step, engine)
     terms = {"weights": b * held, "main_params": main, "grads": 4 * held, "optimizer": optim,
-             "activations": act, "logits": logits, "backward": backward_bytes(shape, layout)}
+             "activations": act, "logits": logits, "backward": backward_bytes(shape, layout, stage)}
     terms["engine"] = max(0, layout.engine_bytes - act - logits - terms["backward"])
-    return MemoryTerms(terms=terms, host=host)
+    return MemoryTerms(terms=terms, host=host, stage=stage.index)
 
 
-# ---- the plan: the cheapest layouts that fit -----------------------------------------------------------------------
-# The share of a device the terms may fill: the CUDA context, NCCL's buffers and the caching allocator's
-# fragmentation are not among them
-USABLE_SHARE = 0.9
-PEAK_FLOPS = 989e12  # H100 SXM bf16 dense, the scale model's (bench/scale.py)
-MFU = 0.4
-
-
-def active_matrix_params(shape: MemoryShape) -> int:
-    """Matrix parameters a token passes through in the layers (attention, the dense or the top-k experts' MLP)."""
-    h = shape.hidden
-    dense_layers = shape.layers - shape.moe_layers
-    attn = shape.dense_layer_params - 2 * h
-    return (shape.layers * attn + dense_layers * 3 * h * shape.ffn
-            + shape.moe_layers * 3 * h * (shape.top_k * shape.moe_ffn + shape.shared_ffn))
-
-
-def step_seconds(shape: MemoryShape, layout: Layout, batch_tokens: int, attention_pairs: float = 0.0) -> float:
-    """The scale model's step time (bench/scale.py: fwd + bwd = 3 x forward; forward = 2 x active matrix
-    parameters a token + 4 d per query-key pair and layer; split over the world's ranks, TP included, at
-    PEAK_FLOPS x MFU), plus one more forward for recomputed layers (full) or a third of one (selective: the
-    attention and dense MLPs are most of a layer's FLOPs, their recompute is one forward of those)."""
-    fwd = 2 * active_matrix_params(shape) * batch_tokens + 4 * shape.layers * shape.heads * shape.head_dim * \
-        attention_pairs
-    passes = 3.0
-    if layout.recompute == "full":
-        share = 1.0 if layout.recompute_layers is None else min(layout.recompute_layers, shape.layers) / shape.layers
-        passes += share
-    elif layout.recompute == "selective":
-        passes += 1 / 3
-    return passes * fwd / layout.world / (PEAK_FLOPS * MFU)
-
-
-def candidate_layouts(shape: MemoryShape, base: Layout, world: int, min_tokens: int = 1) -> list[Layout]:
-    """Layouts over `world` ranks the trainer can build: TP dividing the heads, kv heads and ranks, EP dividing
-    the experts and the ranks, each recompute, micro_batch_tokens halved down to an eighth of the configured but
-    never below `min_tokens` (rollout.max_model_len: one sequence is never split over micro-batches), optimizer
-    offload in bf16."""
-    out = []
-    tps = [t for t in (1, 2, 4, 8) if world % t == 0 and shape.kv_heads % t == 0 and shape.heads % t == 0]
-    eps = [e for e in (1, 2, 4, 8, 16, 32, 64, 128, 256) if world % e == 0
-           and (shape.experts % e == 0 if shape.experts else e == 1)]
-    tokens = [base.micro_batch_tokens // 2 ** k for k in range(4) if base.micro_batch_tokens // 2 ** k >= min_tokens]
-    tokens = tokens or [base.micro_batch_tokens]
-    for tp in tps:
-        for ep in eps:
-            for recompute in RECOMPUTE:
-                for mbt in tokens:
-                    for offload in ((False, True) if base.offload or base.dtype != "float32" else (False,)):
-                        out.append(replace(base, world=world, tp=tp, ep=ep, recompute=recompute,
-                                           micro_batch_tokens=mbt, offload=offload,
-                                           distributed_optimizer=None if base.distributed_optimizer is None
-                                           else base.distributed_optimizer or offload))
-    return out
-
-
-def layout_cost(shape: MemoryShape, layout: Layout, batch_tokens: int, attention_pairs: float = 0.0) -> tuple:
-    """What "cheapest" means: the predicted step seconds, then (for equal seconds) fewer micro-batches, no offload
-    (its host copies and CPU step are not in the step time), less TP (its collectives are not either)."""
-    return (round(step_seconds(shape, layout, batch_tokens, attention_pairs), 6), layout.offload, layout.tp,
-            -layout.micro_batch_tokens, layout.ep)
-
-
-def fitting_layouts(shape: MemoryShape, base: Layout, world: int, device_bytes: int, batch_tokens: int,
-                    limit: int = 5, min_tokens: int = 1, attention_pairs: float = 0.0
-                    ) -> list[tuple[Layout, MemoryTerms]]:
-    """The cheapest `limit` layouts over `world` ranks whose rank memory fits USABLE_SHARE of `device_bytes`
-    (layout_cost)."""
-    fits = []
-    for layout in candidate_layouts(shape, base, world, min_tokens):
-        terms = rank_memory(shape, layout)
-        if terms.total <= USABLE_SHARE * device_bytes:
-            fits.append((layout, terms))
-    fits.sort(key=lambda lt: layout_cost(shape, lt[0], batch_tokens, attention_pairs))
-    return fits[:limit]
+def rank_memory(shape: MemoryShape, layout: Layout) -> MemoryTerms:
+    """Every term on the busiest rank, bytes: without PP the one rank shape; with PP the stage whose total is
+    largest (the first: most micro-batches in flight and the embeddings; the last: the output layer and the
+    logits; the first inner stage: the most layers with the most in flight among the inner ones)."""
+    check_layout(shape, layout)
+    stages = pipeline_stages(shape.layers, layout.pp)
+    candidates = {stages[0], stages[-1]} | ({stages[1]} if layout.pp > 2 else set())
+    return max((stage_memory(shape, layout, s) for s in sorted(candidates, key=lambda s: s.index)),
+               key=lambda t: t.total)
