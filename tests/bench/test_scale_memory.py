@@ -1,19 +1,27 @@
-"""The scale model's memory rows (bench/scale_memory.py): every shape of the issue planned on 80 GiB H100s."""
+"""The scale model's memory rows (bench/scale_memory.py): every shape of the issue planned on 80 GiB H100s, over TP,
+EP, CP, PP, recompute and offload."""
 from __future__ import annotations
 
-from gspo_ray.bench.scale_memory import DEVICE_GIB, JOBS, QWEN3_30B, plan_job
+from gspo_ray.bench.scale_memory import DEVICE_GIB, JOBS, QWEN3_30B, QWEN3_235B, plan_job
+from gspo_ray.trainer.layout_plan import USABLE_SHARE
 from gspo_ray.trainer.memory import GIB, Layout, rank_memory
 
 
-def test_each_shape_gets_a_layout_that_fits_or_says_none_does():
+def test_each_shape_gets_a_layout_that_fits_or_says_why_none_does():
     rows = [plan_job(job) for job in JOBS]
     assert [r["model"] for r in rows][:3] == ["Qwen3-30B-A3B"] * 3
-    for r in rows:
+    for job, r in zip(JOBS, rows):
         assert r["total GiB"] == sum(r["terms"].values())
         if r["layout"] is not None:
             assert r["total GiB"] <= DEVICE_GIB and r["step s"] > 0, r
-        else:  # not even the leanest layout fits: the row says what it reaches
-            assert r["total GiB"] > DEVICE_GIB and r["step s"] is None, r
+            continue
+        # the one shape that fits nowhere: Qwen3-235B-A22B on 16 GPUs, whose bf16 weights and fp32 grad buffer
+        # alone (6 bytes a parameter) exceed the usable device whatever the layout: it needs 32 GPUs
+        assert (job.shape, job.gpus) == (QWEN3_235B, 16) and r["step s"] is None, r
+        assert 6 * QWEN3_235B.total_params / job.gpus > USABLE_SHARE * DEVICE_GIB * GIB
+        assert r["total GiB"] > USABLE_SHARE * DEVICE_GIB and r["fewest GPUs"] == 32, r
+    # 32k-token completions of Qwen3-30B-A3B fit on 8 GPUs by context parallelism, without recompute
+    assert rows[2]["parallel"]["cp"] > 1 and rows[2]["parallel"]["recompute"] == "none", rows[2]
     # longer completions never get a cheaper step on the same GPUs
     steps = [r["step s"] for r in rows[:3] if r["step s"] is not None]
     assert steps == sorted(steps)
