@@ -54,8 +54,9 @@ from gspo_ray.trainer.group_rows import (
 
 
 # A group row costing more than 1 / SPLIT_SHARE of a rank's share of the mini-batch is split (its completions over
-# several group rows, each repeating the prompt): 4 rather than 2 brings DP 256 from 1.05-1.06 to 1.03-1.05 in
-# tokens (bench/scale.py), at 0.6-1.0% more tokens forwarded (the prompt copies)
+# several group rows, each repeating the prompt). At DP 256 (bench/scale.py, packed rows) 4 rather than 2 brings
+# the busiest rank's tokens from 1.11-1.12 to 1.02-1.04 x the mean and its step 2-5% shorter, at 2.8-2.9% more
+# tokens forwarded in all (the prompt copies)
 SPLIT_SHARE = 4
 
 
