@@ -3,8 +3,9 @@
     python -m gspo_ray.bench.scale          # writes runs/bench/scale.json, prints the table (docs/scale.md)
 
 What runs is the trainer's real code, imported, never restated:
-  * the DP layout: batch_layout.plan_ranks (group rows planned, dealt to ranks by cost, packed per rank within
-    the padded path's tokens) on synthetic mini-batches (the same on every rank);
+  * the DP layout: batch_layout.plan_ranks (group rows planned, dealt to ranks by cost and tokens, packed per
+    rank into micro-batches of micro_batch_tokens real tokens, packed rows being the trainer's default) on
+    synthetic mini-batches (the same on every rank);
   * the routing-record store: routing/records.RecordStore fed with the busiest rank's rows of 64 batches the way
     the training loop feeds it, `end_batch` after each (`routing_store_bytes`: one small function, the only place
     that knows the store's API);
@@ -16,8 +17,8 @@ What runs is the trainer's real code, imported, never restated:
     training dtype, plus the optimizer's fp32 main weights and two Adam moments.
 
 Batches: 512 prompts x 16 samples, long-tailed lengths (log-normal, seeded): prompts 100-2k tokens, completions
-50-16k. The micro-batch settings are a long-context job's: micro_batch_size 64, micro_batch_tokens 32768 (one
-padded row of the longest sequence, ~18k tokens, per micro-batch).
+50-16k. The micro-batch settings are a long-context job's: micro_batch_size 64, micro_batch_tokens 32768 (a
+packed row of up to 32,768 real tokens per micro-batch; padded, one row of the longest sequence, ~18k tokens).
 
 Per shape (keys as named): dp_imbalance (the busiest rank's forwarded tokens over the mean, padding and dummies
 included: the trainer's train/dp_imbalance), rows_per_rank_min / _max (completions), busiest_rank_attention_bytes
@@ -25,7 +26,7 @@ included: the trainer's train/dp_imbalance), rows_per_rank_min / _max (completio
 busiest rank's micro-batches, the largest) and busiest_rank_activation_bytes (the largest micro-batch: bf16
 activations without recompute after Korthikanti et al. 2022, 34 s h bytes per token and layer, split over TP with
 sequence parallelism, plus the flash outputs kept and the attention's transient bytes; that paper's 5 a s^2 score
-term is gone with the score matrix), group_rows_split_for_width (prompt groups wider than one padded
+term is gone with the score matrix), group_rows_split_for_width (prompt groups wider than one
 micro-batch's tokens, split into several group rows; attention splits none),
 routing_record_bytes_per_rank (after 64 batches; MoE only), weight_sync_bytes_per_engine (bf16), checkpoint_bytes_
 per_rank and _per_save (the busiest rank's and the whole world's bytes, each byte written once with the distributed
@@ -46,7 +47,7 @@ import torch
 
 from gspo_ray.bench.scale_sync import ENGINE_TP, engines_at, sync_plan, sync_table, transport_bytes
 from gspo_ray.rollout.weight_sync import iter_buckets
-from gspo_ray.trainer.batch_layout import attention_score_weight, padded_budget, plan_ranks
+from gspo_ray.trainer.batch_layout import attention_score_weight, packed_budget, padded_budget, plan_ranks
 from gspo_ray.trainer.group_rows import GroupRow
 from gspo_ray.trainer.weights.bridge import param_map, shard_tp, split_to_hf
 from gspo_ray.trainer.model_spec import ModelSpec
@@ -129,11 +130,11 @@ def attention_bytes(shape: Shape, pack: list[GroupRow], tp: int) -> tuple[int, i
     return 2 * transient, kept
 
 
-def split_for_width(groups, lengths) -> int:
-    """Prompt groups wider than one padded micro-batch's tokens (batch_layout.padded_budget: the activation memory
-    the shared layout keeps within), which the planner splits into several group rows, each with its own copy of
-    the prompt (before any split to balance DP); attention splits none."""
-    cap = padded_budget(max(lengths), MICRO_BATCH_SIZE, MICRO_BATCH_TOKENS).tokens
+def split_for_width(groups, lengths, packed: bool = True) -> int:
+    """Prompt groups wider than one micro-batch's tokens (batch_layout.packed_budget: micro_batch_tokens real
+    tokens; padded: padded_budget, R x L), which the planner splits into several group rows, each with its own copy
+    of the prompt (before any split to balance DP); attention splits none."""
+    cap = (packed_budget if packed else padded_budget)(max(lengths), MICRO_BATCH_SIZE, MICRO_BATCH_TOKENS).tokens
     return sum(1 for rows, p in groups if p + sum(lengths[r] - p for r in rows) > cap)
 
 
@@ -168,7 +169,7 @@ def layout_stats(shape: Shape, groups, lengths, dp: int, tp: int, packed: bool =
             "rows_per_rank_max": max(rows), "busiest_rank_attention_bytes": peak_att,
             "busiest_rank_activation_bytes": peak_act, "slowest_rank_wait_share": 1 - sum(flops) / dp / max(flops),
             "busiest_rank_step_s": max(flops) / (PEAK_FLOPS * MFU), "micro_batches_per_rank": forwards,
-            "group_rows_split_for_width": split_for_width(groups, lengths)}
+            "group_rows_split_for_width": split_for_width(groups, lengths, packed)}
 
 
 def megatron_params(shape: Shape) -> list[tuple[str, tuple[int, ...]]]:
