@@ -5,9 +5,10 @@ Per shape: the model (MemoryShape: Qwen3's from their config.json sizes; the Dee
 Qwen3.5-35B-A3B-like hybrid by hand, since the trainer has no family for them yet: MLA's and the linear-attention
 layers' parameters counted by hand, their activations approximated by GQA layers of the same widths), the trainer
 GPUs, H100s of 80 GiB, bf16, the distributed optimizer, rows of one prompt group (16 completions) at the
-completion length. What the planner picks (trainer/memory.fitting_layouts: TP, EP, recompute, micro_batch_tokens,
-optimizer offload; cheapest by the scale model's step time) and its terms; or that none fits, with the smallest
-per-rank total any layout reaches, where context or pipeline parallelism (the next issue) is needed.
+completion length. What the planner picks (trainer/layout_plan.fitting_layouts: TP, EP, CP, PP, recompute,
+micro_batch_tokens, optimizer offload; its rule: the shortest predicted step, then the least communication) and its
+terms, with PP those of the busiest stage; or that none fits, with the smallest per-rank total any layout reaches
+and the fewest GPUs on which one fits. Model numbers: the CP and PP code never ran on a GPU.
 """
 from __future__ import annotations
 
