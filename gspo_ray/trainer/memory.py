@@ -259,7 +259,7 @@ def stage_layer_counts(shape: MemoryShape, stage: Stage, recompute_layers: int) 
     moe_from = shape.layers - shape.moe_layers
 
     def moe_in(lo, hi):
-        return max(0, hi - max(lo, moe_from)) if hi > lo else 0
+        return max(0, hi - max(lo, moe_from))
 
     r = min(recompute_layers, stage.layers)
     moe, moe_r = moe_in(a, b), moe_in(a, a + r)
@@ -295,8 +295,9 @@ def local_tokens(layout: Layout) -> int:
 
 
 def in_flight(layout: Layout, stage: Stage) -> int:
-    """Micro-batches whose activations a stage keeps at once under 1F1B: stage s runs pp - s warm-up forwards
-    before its first backward, so min(pp - s, micro-batches); 1 without PP."""
+    """Micro-batches whose activations a stage keeps at once under 1F1B (Megatron's
+    forward_backward_pipelining_without_interleaving): stage s runs pp - s - 1 warm-up forwards and one more before
+    its first backward, so min(pp - s, micro-batches); 1 without PP."""
     m = layout.microbatches if layout.microbatches is not None else layout.pp
     return max(1, min(layout.pp - stage.index, m))
 
