@@ -89,8 +89,8 @@ def test_plan_prints_terms_and_fitting_layouts(q30):
     assert "weights: no weights: not checked" in out and "16 trainer ranks" in out
     for term in ("weights", "main_params", "grads", "optimizer", "activations", "logits", "total"):
         assert re.search(rf"^\s+{term}\s+[\d.]+ GiB", out, re.M), term
-    rows = re.findall(r"^\| (\d+) \| (\d+) \| (\d+) \| (\d+) \| (\w+) \| (\d+) \| (\w+) \| ([\d.]+) \| .* \| "
-                      r"([\d.]+) \|$", out, re.M)
+    rows = re.findall(r"^\| (\d+) \| (\d+) \| (\d+) \| (\d+) \| (\w+) \| (\d+) \| (\w+) \| (?:fp32|bf16) \| ([\d.]+) \| "
+                      r".* \| ([\d.]+) \|$", out, re.M)
     assert rows and all(float(r[7]) <= 80 for r in rows), out
     assert [float(r[8]) for r in rows] == sorted(float(r[8]) for r in rows)  # cheapest first
 

@@ -49,31 +49,34 @@ JOBS = (Job(QWEN3_30B, 8, 8192), Job(QWEN3_30B, 8, 16384), Job(QWEN3_30B, 8, 327
         Job(QWEN35_35B, 8, 16384))
 
 
-def plan_job(job: Job, prompts_per_step: int = 32) -> dict:
-    """One row: the cheapest layout that fits DEVICE_GIB, its terms and step time; or the least memory reached."""
+def plan_job(job: Job, prompts_per_step: int = 32, grads_fp32_only: bool = False) -> dict:
+    """One row: the cheapest layout that fits DEVICE_GIB, its terms and step time; or the least memory reached.
+    grads_fp32_only: bf16 gradient buffers are not among the candidates (trainer.grad_reduce_in_fp32 kept true)."""
     row_tokens = PROMPT + job.completion  # one sequence: never split over micro-batches
     base = Layout(world=job.gpus, micro_batch_tokens=max(32768, PROMPT + GROUP * job.completion // 2),
-                  dtype="bfloat16")
+                  dtype="bfloat16", grads_fp32=True)
     batch = prompts_per_step * GROUP * row_tokens
     pairs = prompts_per_step * (PROMPT * (PROMPT + 1) / 2 + GROUP * job.completion * (PROMPT + job.completion / 2))
-    fits = fitting_layouts(job.shape, base, job.gpus, DEVICE_GIB * GIB, batch, 1, row_tokens, pairs)
+    bf16 = not grads_fp32_only
+    fits = fitting_layouts(job.shape, base, job.gpus, DEVICE_GIB * GIB, batch, 1, row_tokens, pairs, bf16)
     out = {"model": job.shape.name, "by hand": job.shape.params_by_hand, "params B": job.shape.total_params / 1e9,
            "gpus": job.gpus, "completion": job.completion}
     if fits:
         layout, terms = fits[0]
         step = step_seconds(job.shape, layout, batch, pairs)
     else:
-        (layout, terms), step = least_memory(job.shape, base, job.gpus, row_tokens, batch), None
-        out["fewest GPUs"] = fewest_gpus(job, base, batch, row_tokens, pairs)
+        (layout, terms), step = least_memory(job.shape, base, job.gpus, row_tokens, batch, bf16), None
+        out["fewest GPUs"] = fewest_gpus(job, base, batch, row_tokens, pairs, bf16)
     return out | {"layout": layout.describe() if fits else None, "parallel": layout_columns(layout),
                   "stage": terms.stage, "terms": {k: v / GIB for k, v in terms.terms.items()},
                   "total GiB": terms.total / GIB, "step s": step}
 
 
-def fewest_gpus(job: Job, base: Layout, batch: int, row_tokens: int, pairs: float) -> int | None:
+def fewest_gpus(job: Job, base: Layout, batch: int, row_tokens: int, pairs: float, bf16_grads: bool = True
+                ) -> int | None:
     """The fewest trainer GPUs (a multiple of 8, up to 4 x the job's) on which some layout fits DEVICE_GIB."""
     for gpus in range(job.gpus + 8, 4 * job.gpus + 1, 8):
-        if fitting_layouts(job.shape, base, gpus, DEVICE_GIB * GIB, batch, 1, row_tokens, pairs):
+        if fitting_layouts(job.shape, base, gpus, DEVICE_GIB * GIB, batch, 1, row_tokens, pairs, bf16_grads):
             return gpus
     return None
 
@@ -81,12 +84,12 @@ def fewest_gpus(job: Job, base: Layout, batch: int, row_tokens: int, pairs: floa
 def layout_columns(layout: Layout) -> dict:
     return {"tp": layout.tp, "ep": layout.ep, "cp": layout.cp, "pp": layout.pp, "dp": layout.dp,
             "recompute": layout.recompute, "micro_batch_tokens": layout.micro_batch_tokens,
-            "offload": layout.offload}
+            "offload": layout.offload, "grad_buffers": "bf16" if layout.bf16_grads else "fp32"}
 
 
 def memory_table(rows: list[dict]) -> str:
     head = ("| model | params B | trainer GPUs | completion | TP | EP | CP | PP | DP | recompute | micro_batch_tokens | "
-            "offload | weights | main | grads | optimizer | activations | logits | backward | GiB a rank (stage) | "
+            "offload | grad buffers | weights | main | grads | optimizer | activations | logits | backward | GiB a rank (stage) | "
             "step s |")
     lines = [head, "|---" * (head.count("|") - 1) + "|"]
     for r in rows:
@@ -97,7 +100,7 @@ def memory_table(rows: list[dict]) -> str:
         stage = f" ({r['stage']})" if p["pp"] > 1 else ""
         lines.append(f"| {name} | {r['params B']:.0f} | {r['gpus']} | {r['completion']} | {p['tp']} | {p['ep']} | "
                      f"{p['cp']} | {p['pp']} | {p['dp']} | {p['recompute']} | {p['micro_batch_tokens']} | "
-                     f"{'yes' if p['offload'] else 'no'} | "
+                     f"{'yes' if p['offload'] else 'no'} | {p['grad_buffers']} | "
                      f"{t['weights']:.1f} | {t['main_params']:.1f} | {t['grads']:.1f} | {t['optimizer']:.1f} | "
                      f"{t['activations']:.1f} | {t['logits']:.1f} | {t['backward']:.1f} | {r['total GiB']:.1f}{stage} "
                      f"| {step} |")

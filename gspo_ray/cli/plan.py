@@ -65,14 +65,15 @@ def plan(file: Path, overrides: list[str] = typer.Argument(None, help="key.path=
     fits = p.fitting(top)
     if not fits:
         typer.echo(f"no layout of {p.layout.world} ranks fits (TP, EP, CP, PP, recompute, micro_batch_tokens, "
-                   "offload): more ranks")
+                   "offload, gradient buffers): more ranks")
         return
     typer.echo(f"cheapest layouts that fit 90% of {p.device_bytes / GIB:.1f} GiB on {p.layout.world} ranks:")
-    typer.echo("| TP | EP | CP | PP | recompute | micro_batch_tokens | offload | GiB a rank | largest term | step s |")
-    typer.echo("|---|---|---|---|---|---|---|---|---|---|")
+    typer.echo("| TP | EP | CP | PP | recompute | micro_batch_tokens | offload | grad buffers | GiB a rank | largest term "
+               "| step s |")
+    typer.echo("|---|---|---|---|---|---|---|---|---|---|---|")
     for layout, terms in fits:
         name, size = terms.largest()
         typer.echo(f"| {layout.tp} | {layout.ep} | {layout.cp} | {layout.pp} | {layout.recompute} | "
                    f"{layout.micro_batch_tokens} | "
-                   f"{'yes' if layout.offload else 'no'} | {terms.total / GIB:.1f} | {name} {size / GIB:.1f} | "
+                   f"{'yes' if layout.offload else 'no'} | {'bf16' if layout.bf16_grads else 'fp32'} | {terms.total / GIB:.1f} | {name} {size / GIB:.1f} | "
                    f"{p.step_s(layout):.1f} |")

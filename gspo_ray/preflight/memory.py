@@ -66,7 +66,8 @@ def job_layout(cfg: JobConfig, world: int | None = None) -> Layout:
     tokens = t.micro_batch_tokens or t.micro_batch_size * r.max_model_len
     return Layout(world=world or t.num_workers, tp=t.tp, ep=t.ep, cp=t.cp, pp=t.pp, micro_batch_tokens=tokens,
                   recompute=t.recompute, recompute_layers=t.recompute_num_layers, dtype=job_dtype(cfg),
-                  distributed_optimizer=t.use_distributed_optimizer, offload=t.optimizer_cpu_offload)
+                  distributed_optimizer=t.use_distributed_optimizer, offload=t.optimizer_cpu_offload,
+                  grads_fp32=t.grad_reduce_in_fp32)
 
 
 def device_memory(cfg: JobConfig) -> tuple[int | None, str, bool]:
@@ -120,7 +121,7 @@ def refusal_line(plan: MemoryPlan) -> str:
     if fits:
         layout, terms = fits[0]
         return head + f"; fits: {layout.describe()} ({terms.total / GIB:.1f} GiB; gspo-ray plan lists more)"
-    return head + (f"; no TP / EP / CP / PP / recompute / micro_batch_tokens / offload layout of "
+    return head + (f"; no TP / EP / CP / PP / recompute / micro_batch_tokens / offload / gradient buffer layout of "
                    f"{plan.layout.world} ranks fits: more ranks")
 
 

@@ -9,11 +9,12 @@ both run collectives every layer, TP's on every linear, CP's all-gather of keys 
 dividing the experts, PP 1-16 (at most the layers; across nodes, point-to-point only), TP x CP x PP and EP x PP
 dividing the ranks (Megatron's rank layout, expert-TP 1), each recompute, micro_batch_tokens halved down to an
 eighth of the configured and one sequence (`min_tokens`: a sequence is never split over micro-batches; CP splits
-it over ranks instead), optimizer offload in bf16.
+it over ranks instead), optimizer offload and bf16 gradient buffers in bf16.
 
 The rule (`layout_cost`): the shortest predicted step first (`step_seconds`: the FLOPs of forward, backward and
 recompute over every rank, times 1F1B's bubble (M + PP - 1) / M at M micro-batches a DP rank); among equal steps the
-least communication: no optimizer offload (its host copies and CPU step are not in the step), then the fewest
+least rounding and communication: fp32 gradient buffers (bf16 ones round every micro-batch's gradient into the
+sum: trainer.grad_reduce_in_fp32 false, tried in a bf16 model only), no optimizer offload (its host copies and CPU step are not in the step), then the fewest
 pipeline stages, then the least CP (a key/value all-gather a layer), then the least TP (collectives a layer,
 within a node), then larger micro-batches, then the least EP. So TP is raised before CP and CP before PP where the
 step is the same; recompute costs a forward (full) or a third of one (selective) and loses to CP or PP wherever
@@ -73,9 +74,9 @@ def step_seconds(shape: MemoryShape, layout: Layout, batch_tokens: int, attentio
 
 
 def candidate_layouts(shape: MemoryShape, base: Layout, world: int, min_tokens: int = 1,
-                      batch_tokens: int | None = None) -> list[Layout]:
+                      batch_tokens: int | None = None, bf16_grads: bool = True) -> list[Layout]:
     """Layouts over `world` ranks the trainer can build (see the module docstring); with batch_tokens each gets
-    its micro-batches a DP rank (1F1B's in-flight bound)."""
+    its micro-batches a DP rank (1F1B's in-flight bound). bf16_grads False: bf16 gradient buffers are not tried."""
     out = []
     tps = [t for t in TP_SIZES if world % t == 0 and shape.kv_heads % t == 0 and shape.heads % t == 0]
     eps = [e for e in EP_SIZES if world % e == 0 and (shape.experts % e == 0 if shape.experts else e == 1)]
@@ -84,6 +85,8 @@ def candidate_layouts(shape: MemoryShape, base: Layout, world: int, min_tokens: 
         tokens.append(min_tokens)  # one sequence a micro-batch
     tokens = tokens or [base.micro_batch_tokens]
     offloads = (False, True) if base.offload or base.dtype != "float32" else (False,)
+    # bf16 gradient buffers: tried in a bf16 model (the planner says so: trainer.grad_reduce_in_fp32 false)
+    grad_buffers = (True, False) if bf16_grads and base.dtype != "float32" and base.grads_fp32 else (base.grads_fp32,)
     for tp in tps:
         for cp in (c for c in CP_SIZES if tp * c <= NODE_GPUS):
             for pp in (p for p in PP_SIZES if p <= shape.layers):
@@ -93,30 +96,33 @@ def candidate_layouts(shape: MemoryShape, base: Layout, world: int, min_tokens: 
                     for recompute in RECOMPUTE:
                         for mbt in tokens:
                             for offload in offloads:
-                                layout = replace(base, world=world, tp=tp, ep=ep, cp=cp, pp=pp, recompute=recompute,
-                                                 micro_batch_tokens=mbt, offload=offload,
-                                                 distributed_optimizer=None if base.distributed_optimizer is None
-                                                 else base.distributed_optimizer or offload)
-                                if batch_tokens is not None:
-                                    layout = replace(layout, microbatches=microbatches(layout, batch_tokens))
-                                out.append(layout)
+                                for grads_fp32 in grad_buffers:
+                                    layout = replace(base, world=world, tp=tp, ep=ep, cp=cp, pp=pp,
+                                                     recompute=recompute, micro_batch_tokens=mbt, offload=offload,
+                                                     grads_fp32=grads_fp32,
+                                                     distributed_optimizer=None if base.distributed_optimizer is None
+                                                     else base.distributed_optimizer or offload)
+                                    if batch_tokens is not None:
+                                        layout = replace(layout, microbatches=microbatches(layout, batch_tokens))
+                                    out.append(layout)
     return out
 
 
 def layout_cost(shape: MemoryShape, layout: Layout, batch_tokens: int, attention_pairs: float = 0.0) -> tuple:
-    """What "cheapest" means (the module docstring's rule): the predicted step seconds, then no offload, fewer PP
-    stages, less CP, less TP, fewer micro-batches, less EP."""
-    return (round(step_seconds(shape, layout, batch_tokens, attention_pairs), 6), layout.offload, layout.pp,
+    """What "cheapest" means (the module docstring's rule): the predicted step seconds, then fp32 gradient buffers,
+    no offload, fewer PP stages, less CP, less TP, fewer micro-batches, less EP."""
+    return (round(step_seconds(shape, layout, batch_tokens, attention_pairs), 6), layout.bf16_grads, layout.offload,
+            layout.pp,
             layout.cp, layout.tp, -layout.micro_batch_tokens, layout.ep)
 
 
 def fitting_layouts(shape: MemoryShape, base: Layout, world: int, device_bytes: int, batch_tokens: int,
-                    limit: int = 5, min_tokens: int = 1, attention_pairs: float = 0.0
+                    limit: int = 5, min_tokens: int = 1, attention_pairs: float = 0.0, bf16_grads: bool = True
                     ) -> list[tuple[Layout, MemoryTerms]]:
     """The cheapest `limit` layouts over `world` ranks whose busiest rank fits USABLE_SHARE of `device_bytes`
     (layout_cost)."""
     fits = []
-    for layout in candidate_layouts(shape, base, world, min_tokens, batch_tokens):
+    for layout in candidate_layouts(shape, base, world, min_tokens, batch_tokens, bf16_grads):
         terms = rank_memory(shape, layout)
         if terms.total <= USABLE_SHARE * device_bytes:
             fits.append((layout, terms))
@@ -125,8 +131,8 @@ def fitting_layouts(shape: MemoryShape, base: Layout, world: int, device_bytes: 
 
 
 def least_memory(shape: MemoryShape, base: Layout, world: int, min_tokens: int = 1,
-                 batch_tokens: int | None = None) -> tuple[Layout, MemoryTerms]:
+                 batch_tokens: int | None = None, bf16_grads: bool = True) -> tuple[Layout, MemoryTerms]:
     """The candidate layout whose busiest rank holds the least (what a shape that fits nowhere reaches)."""
     return min(((lay, rank_memory(shape, lay)) for lay in candidate_layouts(shape, base, world, min_tokens,
-                                                                            batch_tokens)),
+                                                                            batch_tokens, bf16_grads)),
                key=lambda lt: lt[1].total)

@@ -178,6 +178,7 @@ class Layout:
     cp: int = 1                      # context parallel (trainer.cp): each sequence's tokens over cp ranks
     pp: int = 1                      # pipeline parallel (trainer.pp): the layers in pp stages, 1F1B
     microbatches: int | None = None  # micro-batches a DP rank runs a step (1F1B's in-flight bound; None: >= pp)
+    grads_fp32: bool = True          # trainer.grad_reduce_in_fp32: a bf16 model's gradient buffer in fp32
 
     @property
     def dp(self) -> int:
@@ -198,7 +199,13 @@ class Layout:
         layers = f" ({self.recompute_layers} layers)" if self.recompute == "full" and self.recompute_layers else ""
         extra = "".join(f" x {name} {n}" for name, n in (("CP", self.cp), ("PP", self.pp)) if n > 1)
         return (f"TP {self.tp} x EP {self.ep}{extra} (DP {self.dp}), recompute {self.recompute}{layers}, "
-                f"micro_batch_tokens {self.micro_batch_tokens}" + (", optimizer offload" if self.offload else ""))
+                f"micro_batch_tokens {self.micro_batch_tokens}" + (", optimizer offload" if self.offload else "")
+                + (", bf16 gradient buffers (grad_reduce_in_fp32 false)" if self.bf16_grads else ""))
+
+    @property
+    def bf16_grads(self) -> bool:
+        """Whether the gradient buffer is in the (bf16) training dtype: grad_reduce_in_fp32 false, not in fp32."""
+        return not self.grads_fp32 and self.dtype != "float32"
 
 
 @dataclass
@@ -396,7 +403,7 @@ def stage_memory(shape: MemoryShape, layout: Layout, stage: Stage) -> MemoryTerm
     act, logits = activation_bytes(shape, layout, stage), logits_bytes(shape, layout, stage)
     # a colocated engine sleeps while the trainer trains and generates while the trainer holds its state only:
     # the device's peak is state + max(step, engine)
-    terms = {"weights": b * held, "main_params": main, "grads": 4 * held, "optimizer": optim,
+    terms = {"weights": b * held, "main_params": main, "grads": (b if layout.bf16_grads else 4) * held, "optimizer": optim,
              "activations": act, "logits": logits, "backward": backward_bytes(shape, layout, stage)}
     terms["engine"] = max(0, layout.engine_bytes - act - logits - terms["backward"])
     return MemoryTerms(terms=terms, host=host, stage=stage.index)

@@ -71,12 +71,15 @@ def mark_parallel_params(model: torch.nn.Module) -> dict[str, int]:
     return fixed
 
 
-def build_ddp(model: torch.nn.Module, *, dtype: str = "float32", use_distributed_optimizer: bool = False):
-    """Wrap a Megatron GPTModel in Megatron's DistributedDataParallel (grads reduced in finalize, not overlapped)."""
+def build_ddp(model: torch.nn.Module, *, dtype: str = "float32", use_distributed_optimizer: bool = False,
+              grad_reduce_in_fp32: bool = True):
+    """Wrap a Megatron GPTModel in Megatron's DistributedDataParallel (grads reduced in finalize, not overlapped).
+    grad_reduce_in_fp32 (trainer.grad_reduce_in_fp32): in a bf16 model the gradient buffer is fp32 (true) or bf16;
+    an fp32 model's buffer is fp32 either way."""
     mark_parallel_params(model)
     ddp_config = DistributedDataParallelConfig(
         # low-precision training accumulates and reduces grads in fp32 (micro-batch sums stay exact enough)
-        grad_reduce_in_fp32=torch_dtype(dtype) != torch.float32,
+        grad_reduce_in_fp32=torch_dtype(dtype) != torch.float32 and grad_reduce_in_fp32,
         overlap_grad_reduce=False,
         use_distributed_optimizer=use_distributed_optimizer,
         check_for_nan_in_grad=False,  # it raises; `grads_finite` skips the step instead

@@ -101,7 +101,8 @@ class TrainerWorker:
         if trainer_cfg.lora is not None:
             self.lora = TrainerLoRA.attach(self.gpt, self.spec, trainer_cfg.lora, trainer_cfg.seed)
         self.ddp = build_ddp(self.gpt, dtype=trainer_cfg.dtype,
-                             use_distributed_optimizer=trainer_cfg.distributed_optimizer)
+                             use_distributed_optimizer=trainer_cfg.distributed_optimizer,
+                             grad_reduce_in_fp32=trainer_cfg.grad_reduce_in_fp32)
         self.optimizer = build_optimizer(self.ddp, trainer_cfg)
         self.scheduler = build_scheduler(self.optimizer, trainer_cfg)
         self.ref_model = None

@@ -12,14 +12,14 @@ def test_each_shape_gets_a_layout_that_fits_or_says_why_none_does():
     assert [r["model"] for r in rows][:3] == ["Qwen3-30B-A3B"] * 3
     for job, r in zip(JOBS, rows):
         assert r["total GiB"] == sum(r["terms"].values())
-        if r["layout"] is not None:
-            assert r["total GiB"] <= DEVICE_GIB and r["step s"] > 0, r
-            continue
-        # the one shape that fits nowhere: Qwen3-235B-A22B on 16 GPUs, whose bf16 weights and fp32 grad buffer
-        # alone (6 bytes a parameter) exceed the usable device whatever the layout: it needs 32 GPUs
-        assert (job.shape, job.gpus) == (QWEN3_235B, 16) and r["step s"] is None, r
-        assert 6 * QWEN3_235B.total_params / job.gpus > USABLE_SHARE * DEVICE_GIB * GIB
-        assert r["total GiB"] > USABLE_SHARE * DEVICE_GIB and r["fewest GPUs"] == 32, r
+        assert r["layout"] is not None and r["total GiB"] <= DEVICE_GIB and r["step s"] > 0, r
+        # bf16 gradient buffers only where fp32 ones cannot fit: Qwen3-235B-A22B on 16 GPUs, whose bf16 weights
+        # and fp32 gradient buffer alone (6 bytes a parameter) exceed the usable device whatever the layout
+        needs_bf16_grads = (job.shape, job.gpus) == (QWEN3_235B, 16)
+        assert (r["parallel"]["grad_buffers"] == "bf16") == needs_bf16_grads, r
+    assert 6 * QWEN3_235B.total_params / 16 > USABLE_SHARE * DEVICE_GIB * GIB
+    fp32_only = plan_job(JOBS[5], grads_fp32_only=True)
+    assert fp32_only["layout"] is None and fp32_only["fewest GPUs"] == 32, fp32_only
     # 32k-token completions of Qwen3-30B-A3B fit on 8 GPUs by context parallelism, without recompute
     assert rows[2]["parallel"]["cp"] > 1 and rows[2]["parallel"]["recompute"] == "none", rows[2]
     # longer completions never get a cheaper step on the same GPUs

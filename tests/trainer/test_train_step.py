@@ -31,15 +31,16 @@ def _scenario(rank, world_size, ports, model_dir, batch, tcfg, acfg):
     logp1 = w.compute_logprobs(batch)
     out = {"batch": batch, "logp0": logp0, "metrics": metrics, "logp1": logp1, "version": w.version()}
     w.shutdown()
-    if world_size == 1:  # same process, one more group: bf16 weights with a KL term to the frozen reference
-        out["bf16_kl"] = _bf16_kl(ports[1], model_dir, batch)
+    if world_size == 1:  # same process, more groups: bf16 weights with a KL term to the frozen reference, and with
+        out["bf16_kl"] = _bf16_kl(ports[1], model_dir, batch)  # bf16 gradient buffers
+        out["bf16_grads"] = _bf16_kl(ports[2], model_dir, batch, grad_reduce_in_fp32=False)
     return out
 
 
-def _bf16_kl(port, model_dir, batch):
+def _bf16_kl(port, model_dir, batch, **kw):
     from gspo_ray.trainer.worker import TrainerWorker
 
-    w = TrainerWorker(0, 1, "127.0.0.1", port, model_dir, trainer_cfg(1, dtype="bfloat16", lr=1e-3),
+    w = TrainerWorker(0, 1, "127.0.0.1", port, model_dir, trainer_cfg(1, dtype="bfloat16", lr=1e-3, **kw),
                       algo_cfg(beta=0.04))
     ref0 = w.compute_logprobs(batch, reference=True)
     batch = dataclasses.replace(batch, old_logp=w.compute_logprobs(batch))  # the caller's batch stays as it was
@@ -47,7 +48,9 @@ def _bf16_kl(port, model_dir, batch):
     out = {"steps": steps, "ref_moved": (w.compute_logprobs(batch, reference=True) - ref0).abs().max().item(),
            "policy_vs_ref": (w.compute_logprobs(batch) - ref0).abs().max().item(),
            "optimizers": [type(o).__name__ for o in w.optimizer.chained_optimizers],
-           "param_dtype": str(next(w.gpt.parameters()).dtype)}
+           "param_dtype": str(next(w.gpt.parameters()).dtype),
+           "grad_dtypes": sorted({str(b.grad_dtype) for b in w.ddp.buffers + w.ddp.expert_parallel_buffers}),
+           "logp": w.compute_logprobs(batch)}
     w.shutdown()
     return out
 
@@ -57,7 +60,7 @@ def runs(tiny_moe_dir):
     """(1-process result, [rank0, rank1] results of EP=2), same mini-batch and hyper-parameters."""
     acfg = algo_cfg()  # GSPO: sequence level, eps 3e-4/4e-4, seq-mean-token-mean
     model = str(tiny_moe_dir)
-    single = run_ranks(_scenario, 1, (model, make_batch(8), trainer_cfg(1, micro_batch_size=4), acfg), n_ports=2)[0]
+    single = run_ranks(_scenario, 1, (model, make_batch(8), trainer_cfg(1, micro_batch_size=4), acfg), n_ports=3)[0]
     ep2 = run_ranks(_scenario, 2, (model, single["batch"], trainer_cfg(2, ep=2, micro_batch_size=2), acfg))
     return single, ep2
 
@@ -113,6 +116,17 @@ def test_bf16_step_with_kl_to_the_frozen_reference(runs):
     assert first["train/kl"] == 0.0  # the policy still is the reference
     assert second["train/kl"] > 0 and second["train/policy_version"] == 2.0
     assert res["ref_moved"] == 0.0 and res["policy_vs_ref"] > 0  # only the policy trains
+    assert res["grad_dtypes"] == ["torch.float32"]  # trainer.grad_reduce_in_fp32's default
+
+
+def test_bf16_gradient_buffers_train_the_same_steps(runs):
+    """trainer.grad_reduce_in_fp32: false keeps the gradient buffers in bf16 (2 bytes a parameter less) and takes
+    the same two steps as fp32 buffers, to bf16's rounding of the gradient sums."""
+    fp32, bf16 = runs[0]["bf16_kl"], runs[0]["bf16_grads"]
+    assert bf16["grad_dtypes"] == ["torch.bfloat16"]
+    assert [s["train/step_ok"] for s in bf16["steps"]] == [1.0, 1.0] and bf16["policy_vs_ref"] > 0
+    gap = (bf16["logp"] - fp32["logp"]).abs().max().item()
+    assert gap < 0.01 * fp32["policy_vs_ref"], (gap, fp32["policy_vs_ref"])
 
 
 # ---- the loss scaling on its own (pure torch, no Megatron) ---------------------------------------------------------
