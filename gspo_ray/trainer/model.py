@@ -33,6 +33,8 @@ from gspo_ray.trainer.model_spec import ModelSpec, read_hf_config, spec_from_hf_
 from gspo_ray.trainer.weights.param_names import LayerKinds
 from gspo_ray.trainer.attention.segment_attention import Segments, attend_rows, unsupported
 from gspo_ray.trainer.attention.te_attention import thd_attend_rows
+from gspo_ray.trainer.attention.context_split import attend_columns
+from gspo_ray.trainer.context_parallel import cp_size, cp_split, gather_columns
 from gspo_ray.trainer.recompute import checkpoint_layers, recomputed
 
 
@@ -103,7 +105,9 @@ class SegmentAttention(MegatronModule):
     Built by Megatron's SelfAttention with DotProductAttention's arguments (and `kernel` from the spec's params);
     `attention_mask` must be a segment_attention.Segments record (None: every row is one causal segment of the full
     width). kernel "sdpa": segment_attention.attend_rows (torch SDPA per segment, any device); "te_thd":
-    te_attention.thd_attend_rows with Transformer Engine's fused attention (CUDA + TE; not run here)."""
+    te_attention.thd_attend_rows with Transformer Engine's fused attention (CUDA + TE; not run here). Under context
+    parallelism (trainer.cp) the inputs are this rank's columns of the rows (attention/context_split.py): keys and
+    values are gathered over the CP group and context_split.attend_columns runs (sdpa only, no recompute)."""
 
     def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
                  attention_dropout: float | None = None, softmax_scale: float | None = None,
@@ -145,6 +149,15 @@ class SegmentAttention(MegatronModule):
             segs = Segments.plain([query.shape[0]] * query.shape[1])
         if not isinstance(segs, Segments):
             raise TypeError(f"SegmentAttention needs a Segments record as attention_mask, not {type(segs).__name__}")
+        if cp_size() > 1:
+            if self.te_kernel is not None or self.recompute != "none":
+                raise NotImplementedError("context parallelism with the te_thd kernel or trainer.recompute")
+            split = cp_split(query.shape[0] * cp_size())
+            if attention_mask is None:
+                segs = Segments.plain([split.width] * query.shape[1])
+            out = attend_columns(query, gather_columns(key, split), gather_columns(value, split), segs,
+                                 split.columns, self.softmax_scale)
+            return out.reshape(out.shape[0], out.shape[1], -1)
         if self.te_kernel is not None:  # recompute "call": the fused call checkpointed whole as well (not run here)
             attend = recomputed(thd_attend_rows) if self.recompute == "call" else thd_attend_rows
             return attend(query, key, value, segs, self.te_kernel)
