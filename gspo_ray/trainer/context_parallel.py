@@ -16,9 +16,8 @@ same summed log-probs, and rank r's backward carries it into the tokens it score
 the SUM of the CP ranks' partial gradients; Megatron's DDP reduces over data-parallel x CP ranks and divides by
 their count, so the worker scales its loss by dp x cp (worker.py, "Loss scaling").
 
-The backward of the gather all-reduces the whole [W, ..] gradient and slices it (gloo has no reduce-scatter of
-uneven chunks): twice the volume of a reduce-scatter; on NCCL a reduce-scatter would do (not built: never run on a
-GPU here).
+The backward of the gather all-reduces the whole [W, ..] gradient and slices it: about twice the volume of a
+reduce-scatter, which would do as well (not built). Never run on a GPU (NCCL) here: gloo only.
 """
 from __future__ import annotations
 
