@@ -3,8 +3,9 @@
 CP 2 (each rank forwarding half of every row's columns, keys and values gathered over the CP group, log-probs
 summed over it) equals the step at CP 1 (DP 2 on the same ranks): old log-probs (`compute_logprobs`), the step's
 loss and metrics, and every parameter's reduced gradient (Megatron DDP's `main_grad`, grad clipping off), for
-padded rows, group rows (packed, the default) and packed rows, dense (qwen2) and MoE (qwen3_moe). fp32; tolerance
-1e-5 relative, as the other layout parity tests."""
+padded rows, group rows (packed, the default) and packed rows, dense (qwen2) and MoE (qwen3_moe); and on 4 ranks,
+TP 2 with sequence parallelism x CP 2 x EP 2 (MoE) against TP 2 x DP 2 x EP 2. fp32; tolerance 1e-5 relative, as
+the other layout parity tests."""
 from __future__ import annotations
 
 import pytest
@@ -51,11 +52,11 @@ def test_held_columns_attend_as_the_whole_row(cp):
     assert sum(pairs) == Segments.plain([48 * cp]).pairs()
 
 
-def _step(rank, world_size, port, model_dir, batch, run):
+def _step(rank, world_size, port, model_dir, batch, run, tp, ep):
     from gspo_ray.trainer.worker import TrainerWorker
 
     cp, shared, packed = RUNS[run]
-    tcfg = trainer_cfg(world_size, cp=cp, micro_batch_size=6, grad_clip=0.0, lr=1e-3, shared_prefix=shared,
+    tcfg = trainer_cfg(world_size, tp=tp, ep=ep, cp=cp, micro_batch_size=6, grad_clip=0.0, lr=1e-3, shared_prefix=shared,
                        packed_rows=packed, routing_drift=False, router_churn_every=0, use_distributed_optimizer=False)
     w = TrainerWorker(rank, world_size, "127.0.0.1", port, model_dir, tcfg, algo_cfg())
     logp = w.compute_logprobs(batch)
@@ -76,12 +77,13 @@ def _step(rank, world_size, port, model_dir, batch, run):
 
 
 def _compare(rank, world_size, ports, cases):
-    """cases: [(model_dir, batch, runs)]: CP 1 first (its log-probs become the batch's old ones), then each run."""
+    """cases: [(model_dir, batch, tp, ep, runs)]: CP 1 first (its log-probs become the batch's old ones), then each
+    run."""
     out, port = [], ports[0]
-    for model_dir, batch, runs in cases:
+    for model_dir, batch, tp, ep, runs in cases:
         res = {}
         for run in ("cp1", *runs):
-            res[run] = _step(rank, world_size, port, model_dir, batch, run)
+            res[run] = _step(rank, world_size, port, model_dir, batch, run, tp, ep)
             batch, port = res[run]["batch"], res[run]["next_port"]
         out.append(res)
     return out
@@ -89,10 +91,14 @@ def _compare(rank, world_size, ports, cases):
 
 @pytest.fixture(scope="module")
 def results(tiny_qwen2_dir, tiny_moe_dir):
-    cases = [(str(tiny_qwen2_dir), ragged_groups(23, seed=3), ("cp2_padded", "cp2_group_rows", "cp2_packed")),
-             (str(tiny_moe_dir), ragged_groups(22, seed=4), ("cp2_group_rows", "cp2_packed"))]
+    cases = [(str(tiny_qwen2_dir), ragged_groups(23, seed=3), 1, 1, ("cp2_padded", "cp2_group_rows", "cp2_packed")),
+             (str(tiny_moe_dir), ragged_groups(22, seed=4), 1, 1, ("cp2_group_rows", "cp2_packed"))]
     ranks = run_ranks(_compare, 2, (cases,))
-    return {arch: [r[i] for r in ranks] for i, arch in enumerate(("qwen2", "qwen3_moe"))}
+    out = {arch: [r[i] for r in ranks] for i, arch in enumerate(("qwen2", "qwen3_moe"))}
+    # 4 ranks: TP 2 with sequence parallelism x CP 2 x EP 2 (MoE) against TP 2 x DP 2 x EP 2
+    moe = [(str(tiny_moe_dir), ragged_groups(22, seed=5), 2, 2, ("cp2_padded", "cp2_group_rows"))]
+    out["qwen3_moe_tp2_ep2"] = [r[0] for r in run_ranks(_compare, 4, (moe,))]
+    return out
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -100,7 +106,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 CASES = [("qwen2", "cp2_padded"), ("qwen2", "cp2_group_rows"), ("qwen2", "cp2_packed"),
-         ("qwen3_moe", "cp2_group_rows"), ("qwen3_moe", "cp2_packed")]
+         ("qwen3_moe", "cp2_group_rows"), ("qwen3_moe", "cp2_packed"), ("qwen3_moe_tp2_ep2", "cp2_padded"),
+         ("qwen3_moe_tp2_ep2", "cp2_group_rows")]
 
 
 @pytest.mark.parametrize("arch,run", CASES)
@@ -118,6 +125,6 @@ def test_cp2_step_equals_cp1(results, arch, run):
             assert g.abs().max() > 0 or "expert" in name, name  # every dense parameter gets a gradient
             assert _rel(cp["grads"][name], g) <= TOL, (rank, name, _rel(cp["grads"][name], g))
         # each CP rank embeds half of the columns the step forwards (forward_tokens: whole rows, DP 1; padded rows
-        # count before their padding to a multiple of 2 x CP, fewer than 4 columns a row)
+        # count before their padding to a multiple of 2 x CP x TP, fewer than 8 columns a row)
         extra = 2 * cp["embedded"] - cp["metrics"]["train/forward_tokens"]
-        assert (0 <= extra < 4 * 20) if run == "cp2_padded" else extra == 0, (cp["embedded"], extra)
+        assert (0 <= extra < 8 * 20) if run == "cp2_padded" else extra == 0, (cp["embedded"], extra)
