@@ -30,8 +30,8 @@ RUNS = {"cp1": (1, False, False), "cp2_padded": (2, False, False), "cp2_group_ro
 @pytest.mark.parametrize("cp", [2, 3])
 def test_held_columns_attend_as_the_whole_row(cp):
     """Every rank's columns (chunks r and 2 cp - 1 - r) attend exactly as those columns of the whole row: packed
-    group rows with empty and long segments, a plain row, and padding; the ranks' query-key pairs add up to the
-    row's, each within one chunk's worth of the even share on one long causal row."""
+    group rows with empty and long segments, padded group rows, a plain row, and padding; the ranks' query-key
+    pairs add up to the rows', and on one long causal row every rank computes the same number of them."""
     torch.manual_seed(0)
     cases = [(Segments(prefix=(3, 5, 1), completions=((2, 0, 4), (), (3,)), packed=True), 24),
              (Segments(prefix=(7, 2), completions=((5, 5), (9,))), 30), (Segments.plain([48]), 48)]
