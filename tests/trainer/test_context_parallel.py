@@ -3,7 +3,8 @@
 CP 2 (each rank forwarding half of every row's columns, keys and values gathered over the CP group, log-probs
 summed over it) equals the step at CP 1 (DP 2 on the same ranks): old log-probs (`compute_logprobs`), the step's
 loss and metrics, and every parameter's reduced gradient (Megatron DDP's `main_grad`, grad clipping off), for
-padded rows, group rows (packed, the default) and packed rows, dense (qwen2) and MoE (qwen3_moe); and on 4 ranks,
+padded rows, group rows (packed, the default) and packed rows, dense (qwen2, with a KL term to a reference model)
+and MoE (qwen3_moe); and on 4 ranks,
 TP 2 with sequence parallelism x CP 2 x EP 2 (MoE) against TP 2 x DP 2 x EP 2. fp32; tolerance 1e-5 relative, as
 the other layout parity tests."""
 from __future__ import annotations
@@ -52,13 +53,13 @@ def test_held_columns_attend_as_the_whole_row(cp):
     assert sum(pairs) == Segments.plain([48 * cp]).pairs()
 
 
-def _step(rank, world_size, port, model_dir, batch, run, tp, ep):
+def _step(rank, world_size, port, model_dir, batch, run, tp, ep, beta):
     from gspo_ray.trainer.worker import TrainerWorker
 
     cp, shared, packed = RUNS[run]
     tcfg = trainer_cfg(world_size, tp=tp, ep=ep, cp=cp, micro_batch_size=6, grad_clip=0.0, lr=1e-3, shared_prefix=shared,
                        packed_rows=packed, routing_drift=False, router_churn_every=0, use_distributed_optimizer=False)
-    w = TrainerWorker(rank, world_size, "127.0.0.1", port, model_dir, tcfg, algo_cfg())
+    w = TrainerWorker(rank, world_size, "127.0.0.1", port, model_dir, tcfg, algo_cfg(beta=beta))
     logp = w.compute_logprobs(batch)
     if not batch.old_logp.any():  # the sampling policy, nudged per row so some ratios leave the clip band
         shift = 1e-3 * (torch.arange(batch.num_sequences)[:, None] % 3)
@@ -77,13 +78,13 @@ def _step(rank, world_size, port, model_dir, batch, run, tp, ep):
 
 
 def _compare(rank, world_size, ports, cases):
-    """cases: [(model_dir, batch, tp, ep, runs)]: CP 1 first (its log-probs become the batch's old ones), then each
-    run."""
+    """cases: [(model_dir, batch, tp, ep, beta, runs)]: CP 1 first (its log-probs become the batch's old ones), then
+    each run; beta > 0: a KL term to a reference model (its forwards under CP too)."""
     out, port = [], ports[0]
-    for model_dir, batch, tp, ep, runs in cases:
+    for model_dir, batch, tp, ep, beta, runs in cases:
         res = {}
         for run in ("cp1", *runs):
-            res[run] = _step(rank, world_size, port, model_dir, batch, run, tp, ep)
+            res[run] = _step(rank, world_size, port, model_dir, batch, run, tp, ep, beta)
             batch, port = res[run]["batch"], res[run]["next_port"]
         out.append(res)
     return out
@@ -91,12 +92,12 @@ def _compare(rank, world_size, ports, cases):
 
 @pytest.fixture(scope="module")
 def results(tiny_qwen2_dir, tiny_moe_dir):
-    cases = [(str(tiny_qwen2_dir), ragged_groups(23, seed=3), 1, 1, ("cp2_padded", "cp2_group_rows", "cp2_packed")),
-             (str(tiny_moe_dir), ragged_groups(22, seed=4), 1, 1, ("cp2_group_rows", "cp2_packed"))]
+    cases = [(str(tiny_qwen2_dir), ragged_groups(23, seed=3), 1, 1, 0.04, ("cp2_padded", "cp2_group_rows", "cp2_packed")),
+             (str(tiny_moe_dir), ragged_groups(22, seed=4), 1, 1, 0.0, ("cp2_group_rows", "cp2_packed"))]
     ranks = run_ranks(_compare, 2, (cases,))
     out = {arch: [r[i] for r in ranks] for i, arch in enumerate(("qwen2", "qwen3_moe"))}
     # 4 ranks: TP 2 with sequence parallelism x CP 2 x EP 2 (MoE) against TP 2 x DP 2 x EP 2
-    moe = [(str(tiny_moe_dir), ragged_groups(22, seed=5), 2, 2, ("cp2_padded", "cp2_group_rows"))]
+    moe = [(str(tiny_moe_dir), ragged_groups(22, seed=5), 2, 2, 0.0, ("cp2_padded", "cp2_group_rows"))]
     out["qwen3_moe_tp2_ep2"] = [r[0] for r in run_ranks(_compare, 4, (moe,))]
     return out
 
@@ -116,10 +117,11 @@ def test_cp2_step_equals_cp1(results, arch, run):
         ref, cp = r["cp1"], r[run]
         assert _rel(cp["logp"], ref["logp"]) <= TOL, (rank, "logp", _rel(cp["logp"], ref["logp"]))
         for key in ("train/loss", "train/pg_loss", "train/n_tokens", "train/n_seqs", "train/entropy",
-                    "train/ratio_mean", "train/clip_frac"):
+                    "train/ratio_mean", "train/clip_frac", "train/kl"):
             if key in ref["metrics"]:
                 assert cp["metrics"][key] == pytest.approx(ref["metrics"][key], rel=TOL, abs=1e-9), (rank, key)
         assert ref["metrics"]["train/loss"] != 0.0
+        assert ("train/kl" in ref["metrics"]) == arch.startswith("qwen2")
         assert set(cp["grads"]) == set(ref["grads"])
         for name, g in ref["grads"].items():
             assert g.abs().max() > 0 or "expert" in name, name  # every dense parameter gets a gradient
