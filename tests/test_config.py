@@ -157,8 +157,8 @@ def test_the_recomputed_anchor_in_async_one_pass_is_refused_where_it_silences_th
     (["trainer.num_workers=3", "trainer.cp=2"], r"trainer\.tp x trainer\.cp \(1 x 2\) must divide trainer\.num_workers \(3\)"),
     (["trainer.num_workers=2", "trainer.cp=2", "trainer.micro_batch_tokens=258"],
      r"trainer\.micro_batch_tokens \(258\) must be a multiple of 2 x trainer\.cp \(4\)"),
-    (["trainer.num_workers=2", "trainer.cp=2", "trainer.routing_noise=true", "trainer.recompute=selective"],
-     r"trainer\.cp \(2\) > 1 does not run beside trainer\.routing_noise, trainer\.recompute"),
+    (["trainer.num_workers=2", "trainer.cp=2", "trainer.routing_noise=true", "trainer.routing_agreement=true"],
+     r"trainer\.cp \(2\) > 1 does not run beside trainer\.routing_noise, trainer\.routing_agreement"),
     (["trainer.num_workers=2", "trainer.cp=2", "trainer.routing_replay=R3"], r"beside trainer\.routing_replay"),
     (["trainer.num_workers=2", "trainer.pp=2"], r"trainer\.pp \(2\) > 1 is not built yet"),
 ])

@@ -212,7 +212,7 @@ class TrainerConfig(Strict):
                              f"trainer.cp ({2 * self.cp}): each row is split into 2 x cp equal chunks")
         refused = {"routing_replay": self.routing_replay != "none", "routing_noise": self.routing_noise,
                    "routing_agreement": self.routing_agreement, "lora": self.lora is not None,
-                   "recompute": self.recompute != "none", "attention_kernel": self.attention_kernel == "te_thd"}
+                   "attention_kernel": self.attention_kernel == "te_thd"}
         on = [name for name, value in refused.items() if value]
         if on:
             raise ValueError(f"trainer.cp ({self.cp}) > 1 does not run beside {', '.join('trainer.' + n for n in on)} "

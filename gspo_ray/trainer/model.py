@@ -107,7 +107,8 @@ class SegmentAttention(MegatronModule):
     width). kernel "sdpa": segment_attention.attend_rows (torch SDPA per segment, any device); "te_thd":
     te_attention.thd_attend_rows with Transformer Engine's fused attention (CUDA + TE; not run here). Under context
     parallelism (trainer.cp) the inputs are this rank's columns of the rows (attention/context_split.py): keys and
-    values are gathered over the CP group and context_split.attend_columns runs (sdpa only, no recompute)."""
+    values are gathered over the CP group and context_split.attend_columns runs (sdpa only; recomputed as
+    attend_rows is, the gather outside the recomputed call)."""
 
     def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
                  attention_dropout: float | None = None, softmax_scale: float | None = None,
@@ -118,6 +119,7 @@ class SegmentAttention(MegatronModule):
         # the layer around it is (full). Either way the completion calls are not checkpointed again inside.
         self.recompute = recompute
         self._attend = recomputed(attend_rows) if recompute == "call" else attend_rows
+        self._attend_columns = recomputed(attend_columns) if recompute == "call" else attend_columns  # under CP
         why = unsupported(config) or ("attention dropout" if attention_dropout else None)
         if why is not None:
             raise NotImplementedError(f"SegmentAttention does not cover {why}")
@@ -149,14 +151,15 @@ class SegmentAttention(MegatronModule):
             segs = Segments.plain([query.shape[0]] * query.shape[1])
         if not isinstance(segs, Segments):
             raise TypeError(f"SegmentAttention needs a Segments record as attention_mask, not {type(segs).__name__}")
-        if cp_size() > 1:
-            if self.te_kernel is not None or self.recompute != "none":
-                raise NotImplementedError("context parallelism with the te_thd kernel or trainer.recompute")
+        if cp_size() > 1:  # this rank's columns against the gathered keys (a recomputed call gathers outside)
+            if self.te_kernel is not None:
+                raise NotImplementedError("context parallelism with the te_thd kernel")
             split = cp_split(query.shape[0] * cp_size())
             if attention_mask is None:
                 segs = Segments.plain([split.width] * query.shape[1])
-            out = attend_columns(query, gather_columns(key, split), gather_columns(value, split), segs,
-                                 split.columns, self.softmax_scale)
+            out = self._attend_columns(query, gather_columns(key, split), gather_columns(value, split), segs,
+                                       split.columns, self.softmax_scale,
+                                       checkpoint_completions=self.recompute == "none")
             return out.reshape(out.shape[0], out.shape[1], -1)
         if self.te_kernel is not None:  # recompute "call": the fused call checkpointed whole as well (not run here)
             attend = recomputed(thd_attend_rows) if self.recompute == "call" else thd_attend_rows

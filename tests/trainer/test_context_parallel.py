@@ -3,7 +3,8 @@
 CP 2 (each rank forwarding half of every row's columns, keys and values gathered over the CP group, log-probs
 summed over it) equals the step at CP 1 (DP 2 on the same ranks): old log-probs (`compute_logprobs`), the step's
 loss and metrics, and every parameter's reduced gradient (Megatron DDP's `main_grad`, grad clipping off), for
-padded rows, group rows (packed, the default) and packed rows, dense (qwen2, with a KL term to a reference model)
+padded rows, group rows (packed, the default) and packed rows, dense (qwen2, with a KL term to a reference model;
+group rows also under trainer.recompute full and selective)
 and MoE (qwen3_moe); and on 4 ranks,
 TP 2 with sequence parallelism x CP 2 x EP 2 (MoE) against TP 2 x DP 2 x EP 2. fp32; tolerance 1e-5 relative, as
 the other layout parity tests."""
@@ -24,8 +25,10 @@ from gspo_ray.trainer.attention.segment_attention import Segments, attend_rows
 from gspo_ray.trainer.parallel import free_port
 
 TOL = 1e-5
-RUNS = {"cp1": (1, False, False), "cp2_padded": (2, False, False), "cp2_group_rows": (2, True, True),
-        "cp2_packed": (2, False, True)}
+# run -> (cp, shared_prefix, packed_rows, recompute)
+RUNS = {"cp1": (1, False, False, "none"), "cp2_padded": (2, False, False, "none"),
+        "cp2_group_rows": (2, True, True, "none"), "cp2_packed": (2, False, True, "none"),
+        "cp2_recompute_full": (2, True, True, "full"), "cp2_recompute_selective": (2, True, True, "selective")}
 
 
 @pytest.mark.parametrize("cp", [2, 3])
@@ -56,25 +59,31 @@ def test_held_columns_attend_as_the_whole_row(cp):
 def _step(rank, world_size, port, model_dir, batch, run, tp, ep, beta):
     from gspo_ray.trainer.worker import TrainerWorker
 
-    cp, shared, packed = RUNS[run]
-    tcfg = trainer_cfg(world_size, tp=tp, ep=ep, cp=cp, micro_batch_size=6, grad_clip=0.0, lr=1e-3, shared_prefix=shared,
-                       packed_rows=packed, routing_drift=False, router_churn_every=0, use_distributed_optimizer=False)
+    cp, shared, packed, recompute = RUNS[run]
+    tcfg = trainer_cfg(world_size, tp=tp, ep=ep, cp=cp, micro_batch_size=6, grad_clip=0.0, lr=1e-3,
+                       shared_prefix=shared, packed_rows=packed, recompute=recompute, routing_drift=False,
+                       router_churn_every=0, use_distributed_optimizer=False)
     w = TrainerWorker(rank, world_size, "127.0.0.1", port, model_dir, tcfg, algo_cfg(beta=beta))
     logp = w.compute_logprobs(batch)
     if not batch.old_logp.any():  # the sampling policy, nudged per row so some ratios leave the clip band
         shift = 1e-3 * (torch.arange(batch.num_sequences)[:, None] % 3)
         batch.old_logp = torch.where(batch.loss_mask.bool(), logp - shift, 0.0)
-    embedded = []  # the tokens this rank's model forwards: its columns only under CP
-    hook = w.gpt.embedding.register_forward_pre_hook(lambda m, args, kw: embedded.append(kw["input_ids"].numel()),
-                                                     with_kwargs=True)
+    from gspo_ray.trainer.recompute import in_recompute
+
+    embedded, reruns = [], []  # the tokens this rank's model forwards (its columns only under CP); attention reruns
+    hooks = [w.gpt.embedding.register_forward_pre_hook(lambda m, a, kw: embedded.append(kw["input_ids"].numel()),
+                                                       with_kwargs=True)]
+    attention = w.gpt.decoder.layers[0].self_attention.core_attention
+    hooks.append(attention.register_forward_pre_hook(lambda m, a: reruns.append(in_recompute())))
     metrics = w.train_step(batch)
-    hook.remove()
+    for hook in hooks:
+        hook.remove()
     grads = {n: p.main_grad.detach().clone() for n, p in w.gpt.named_parameters()}
     port = [free_port() if rank == 0 else None]  # the next group's port, picked just before it is used
     torch.distributed.broadcast_object_list(port, src=0)
     w.shutdown()
     return {"logp": logp, "metrics": metrics, "grads": grads, "batch": batch, "next_port": port[0],
-            "embedded": sum(embedded)}
+            "embedded": sum(embedded), "reruns": sum(reruns), "attention_recompute": attention.recompute}
 
 
 def _compare(rank, world_size, ports, cases):
@@ -92,7 +101,8 @@ def _compare(rank, world_size, ports, cases):
 
 @pytest.fixture(scope="module")
 def results(tiny_qwen2_dir, tiny_moe_dir):
-    cases = [(str(tiny_qwen2_dir), ragged_groups(23, seed=3), 1, 1, 0.04, ("cp2_padded", "cp2_group_rows", "cp2_packed")),
+    cases = [(str(tiny_qwen2_dir), ragged_groups(23, seed=3), 1, 1, 0.04,
+              ("cp2_padded", "cp2_group_rows", "cp2_packed", "cp2_recompute_full", "cp2_recompute_selective")),
              (str(tiny_moe_dir), ragged_groups(22, seed=4), 1, 1, 0.0, ("cp2_group_rows", "cp2_packed"))]
     ranks = run_ranks(_compare, 2, (cases,))
     out = {arch: [r[i] for r in ranks] for i, arch in enumerate(("qwen2", "qwen3_moe"))}
@@ -107,6 +117,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 CASES = [("qwen2", "cp2_padded"), ("qwen2", "cp2_group_rows"), ("qwen2", "cp2_packed"),
+         ("qwen2", "cp2_recompute_full"), ("qwen2", "cp2_recompute_selective"),
          ("qwen3_moe", "cp2_group_rows"), ("qwen3_moe", "cp2_packed"), ("qwen3_moe_tp2_ep2", "cp2_padded"),
          ("qwen3_moe_tp2_ep2", "cp2_group_rows")]
 
@@ -130,3 +141,7 @@ def test_cp2_step_equals_cp1(results, arch, run):
         # count before their padding to a multiple of 2 x CP x TP, fewer than 8 columns a row)
         extra = 2 * cp["embedded"] - cp["metrics"]["train/forward_tokens"]
         assert (0 <= extra < 8 * 20) if run == "cp2_padded" else extra == 0, (cp["embedded"], extra)
+        # full: each layer (its gather with it) runs again in the backward; selective: the attention call does
+        assert (cp["reruns"] > 0) == (run == "cp2_recompute_full"), cp["reruns"]
+        assert cp["attention_recompute"] == {"cp2_recompute_full": "layer",
+                                             "cp2_recompute_selective": "call"}.get(run, "none")
