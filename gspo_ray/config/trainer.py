@@ -211,7 +211,7 @@ class TrainerConfig(Strict):
             raise ValueError(f"trainer.micro_batch_tokens ({self.micro_batch_tokens}) must be a multiple of 2 x "
                              f"trainer.cp ({2 * self.cp}): each row is split into 2 x cp equal chunks")
         refused = {"routing_replay": self.routing_replay != "none", "routing_noise": self.routing_noise,
-                   "routing_agreement": self.routing_agreement, "lora": self.lora is not None,
+                   "routing_agreement": self.routing_agreement,
                    "attention_kernel": self.attention_kernel == "te_thd"}
         on = [name for name, value in refused.items() if value]
         if on:

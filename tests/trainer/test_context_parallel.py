@@ -4,7 +4,7 @@ CP 2 (each rank forwarding half of every row's columns, keys and values gathered
 summed over it) equals the step at CP 1 (DP 2 on the same ranks): old log-probs (`compute_logprobs`), the step's
 loss and metrics, and every parameter's reduced gradient (Megatron DDP's `main_grad`, grad clipping off), for
 padded rows, group rows (packed, the default) and packed rows, dense (qwen2, with a KL term to a reference model;
-group rows also under trainer.recompute full and selective)
+group rows also under trainer.recompute full and selective, and with LoRA adapters)
 and MoE (qwen3_moe); and on 4 ranks,
 TP 2 with sequence parallelism x CP 2 x EP 2 (MoE) against TP 2 x DP 2 x EP 2. fp32; tolerance 1e-5 relative, as
 the other layout parity tests."""
@@ -56,13 +56,15 @@ def test_held_columns_attend_as_the_whole_row(cp):
     assert sum(pairs) == Segments.plain([48 * cp]).pairs()
 
 
-def _step(rank, world_size, port, model_dir, batch, run, tp, ep, beta):
+def _step(rank, world_size, port, model_dir, batch, run, tp, ep, beta, lora):
+    from gspo_ray.config.lora import LoRAConfig
     from gspo_ray.trainer.worker import TrainerWorker
 
     cp, shared, packed, recompute = RUNS[run]
     tcfg = trainer_cfg(world_size, tp=tp, ep=ep, cp=cp, micro_batch_size=6, grad_clip=0.0, lr=1e-3,
                        shared_prefix=shared, packed_rows=packed, recompute=recompute, routing_drift=False,
-                       router_churn_every=0, use_distributed_optimizer=False)
+                       router_churn_every=0, use_distributed_optimizer=False,
+                       lora=LoRAConfig(rank=4) if lora else None)
     w = TrainerWorker(rank, world_size, "127.0.0.1", port, model_dir, tcfg, algo_cfg(beta=beta))
     logp = w.compute_logprobs(batch)
     if not batch.old_logp.any():  # the sampling policy, nudged per row so some ratios leave the clip band
@@ -78,7 +80,7 @@ def _step(rank, world_size, port, model_dir, batch, run, tp, ep, beta):
     metrics = w.train_step(batch)
     for hook in hooks:
         hook.remove()
-    grads = {n: p.main_grad.detach().clone() for n, p in w.gpt.named_parameters()}
+    grads = {n: p.main_grad.detach().clone() for n, p in w.gpt.named_parameters() if p.requires_grad}
     port = [free_port() if rank == 0 else None]  # the next group's port, picked just before it is used
     torch.distributed.broadcast_object_list(port, src=0)
     w.shutdown()
@@ -87,13 +89,14 @@ def _step(rank, world_size, port, model_dir, batch, run, tp, ep, beta):
 
 
 def _compare(rank, world_size, ports, cases):
-    """cases: [(model_dir, batch, tp, ep, beta, runs)]: CP 1 first (its log-probs become the batch's old ones), then
-    each run; beta > 0: a KL term to a reference model (its forwards under CP too)."""
+    """cases: [(model_dir, batch, tp, ep, beta, lora, runs)]: CP 1 first (its log-probs become the batch's old ones),
+    then each run; beta > 0: a KL term to a reference model (its forwards under CP too); lora: adapters on the frozen
+    base (trainer.lora, rank 4), their gradients compared."""
     out, port = [], ports[0]
-    for model_dir, batch, tp, ep, beta, runs in cases:
+    for model_dir, batch, tp, ep, beta, lora, runs in cases:
         res = {}
         for run in ("cp1", *runs):
-            res[run] = _step(rank, world_size, port, model_dir, batch, run, tp, ep, beta)
+            res[run] = _step(rank, world_size, port, model_dir, batch, run, tp, ep, beta, lora)
             batch, port = res[run]["batch"], res[run]["next_port"]
         out.append(res)
     return out
@@ -101,13 +104,14 @@ def _compare(rank, world_size, ports, cases):
 
 @pytest.fixture(scope="module")
 def results(tiny_qwen2_dir, tiny_moe_dir):
-    cases = [(str(tiny_qwen2_dir), ragged_groups(23, seed=3), 1, 1, 0.04,
+    cases = [(str(tiny_qwen2_dir), ragged_groups(23, seed=3), 1, 1, 0.04, False,
               ("cp2_padded", "cp2_group_rows", "cp2_packed", "cp2_recompute_full", "cp2_recompute_selective")),
-             (str(tiny_moe_dir), ragged_groups(22, seed=4), 1, 1, 0.0, ("cp2_group_rows", "cp2_packed"))]
+             (str(tiny_moe_dir), ragged_groups(22, seed=4), 1, 1, 0.0, False, ("cp2_group_rows", "cp2_packed")),
+             (str(tiny_qwen2_dir), ragged_groups(23, seed=6), 1, 1, 0.0, True, ("cp2_group_rows",))]
     ranks = run_ranks(_compare, 2, (cases,))
-    out = {arch: [r[i] for r in ranks] for i, arch in enumerate(("qwen2", "qwen3_moe"))}
+    out = {arch: [r[i] for r in ranks] for i, arch in enumerate(("qwen2", "qwen3_moe", "qwen2_lora"))}
     # 4 ranks: TP 2 with sequence parallelism x CP 2 x EP 2 (MoE) against TP 2 x DP 2 x EP 2
-    moe = [(str(tiny_moe_dir), ragged_groups(22, seed=5), 2, 2, 0.0, ("cp2_padded", "cp2_group_rows"))]
+    moe = [(str(tiny_moe_dir), ragged_groups(22, seed=5), 2, 2, 0.0, False, ("cp2_padded", "cp2_group_rows"))]
     out["qwen3_moe_tp2_ep2"] = [r[0] for r in run_ranks(_compare, 4, (moe,))]
     return out
 
@@ -118,7 +122,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 CASES = [("qwen2", "cp2_padded"), ("qwen2", "cp2_group_rows"), ("qwen2", "cp2_packed"),
          ("qwen2", "cp2_recompute_full"), ("qwen2", "cp2_recompute_selective"),
-         ("qwen3_moe", "cp2_group_rows"), ("qwen3_moe", "cp2_packed"), ("qwen3_moe_tp2_ep2", "cp2_padded"),
+         ("qwen3_moe", "cp2_group_rows"), ("qwen3_moe", "cp2_packed"), ("qwen2_lora", "cp2_group_rows"), ("qwen3_moe_tp2_ep2", "cp2_padded"),
          ("qwen3_moe_tp2_ep2", "cp2_group_rows")]
 
 
@@ -132,10 +136,14 @@ def test_cp2_step_equals_cp1(results, arch, run):
             if key in ref["metrics"]:
                 assert cp["metrics"][key] == pytest.approx(ref["metrics"][key], rel=TOL, abs=1e-9), (rank, key)
         assert ref["metrics"]["train/loss"] != 0.0
-        assert ("train/kl" in ref["metrics"]) == arch.startswith("qwen2")
+        assert ("train/kl" in ref["metrics"]) == (arch == "qwen2")
+        assert len(ref["grads"]) > 0
         assert set(cp["grads"]) == set(ref["grads"])
+        if arch == "qwen2_lora":  # the adapters only; at their start (B = 0) only the B factors get a gradient
+            assert set(ref["grads"]) == {n for n in ref["grads"] if ".lora." in n} and len(ref["grads"]) > 0
         for name, g in ref["grads"].items():
-            assert g.abs().max() > 0 or "expert" in name, name  # every dense parameter gets a gradient
+            # every dense parameter (every adapter's B) gets a gradient
+            assert g.abs().max() > 0 or "expert" in name or name.endswith(".A"), name
             assert _rel(cp["grads"][name], g) <= TOL, (rank, name, _rel(cp["grads"][name], g))
         # each CP rank embeds half of the columns the step forwards (forward_tokens: whole rows, DP 1; padded rows
         # count before their padding to a multiple of 2 x CP x TP, fewer than 8 columns a row)
