@@ -187,6 +187,21 @@ def test_an_unknown_task_is_named_with_the_valid_ones(workspaces):
     assert all(f"'{task}'" in err for task in TASKS), err
 
 
+@pytest.mark.parametrize("change,expected", [
+    ({"trainer.num_workers": 3, "trainer.cp": 2}, ["trainer.tp x trainer.cp (1 x 2)", "trainer.num_workers (3)"]),
+    ({"trainer.num_workers": 2, "trainer.cp": 2, "trainer.micro_batch_tokens": 66},
+     ["trainer.micro_batch_tokens (66)", "2 x trainer.cp (4)"]),
+    ({"trainer.num_workers": 2, "trainer.cp": 2, "trainer.routing_replay": "R2"}, ["trainer.routing_replay"]),
+    # the job's MoE (model.tiny qwen3_moe) keeps routing drift and router churn on: the preflight names them
+    ({"trainer.num_workers": 2, "trainer.cp": 2}, ["trainer.cp=2", "trainer.routing_drift", "router_churn_every"]),
+])
+def test_context_parallel_refusals_name_their_fields(workspaces, change, expected):
+    ws = workspaces()
+    for dotted, value in change.items():
+        ws.set(dotted, value)
+    ws.validate("job/context_parallel", *expected)
+
+
 # ---- JSONL data ------------------------------------------------------------------------------------------------------
 BAD_PROMPTS = [3, 2.5, True, None, {"text": "copy:1="}, [1, 2], [], ""]
 CHAT = [{"role": "user", "content": "copy:12="}]

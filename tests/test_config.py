@@ -151,3 +151,27 @@ def test_the_recomputed_anchor_in_async_one_pass_is_refused_where_it_silences_th
     assert cfg.algorithm.eps == "auto"
     # sync mode with recompute has no staleness to correct: a fixed band alone is accepted
     assert load_config(RECIPE, [*recompute, "algorithm.eps=fixed", "coordinator.mode=sync"]).coordinator.mode == "sync"
+
+
+@pytest.mark.parametrize("overrides,words", [
+    (["trainer.num_workers=3", "trainer.cp=2"], r"trainer\.tp x trainer\.cp \(1 x 2\) must divide trainer\.num_workers \(3\)"),
+    (["trainer.num_workers=2", "trainer.cp=2", "trainer.micro_batch_tokens=258"],
+     r"trainer\.micro_batch_tokens \(258\) must be a multiple of 2 x trainer\.cp \(4\)"),
+    (["trainer.num_workers=2", "trainer.cp=2", "trainer.routing_noise=true", "trainer.routing_agreement=true"],
+     r"trainer\.cp \(2\) > 1 does not run beside trainer\.routing_noise, trainer\.routing_agreement"),
+    (["trainer.num_workers=2", "trainer.cp=2", "trainer.routing_replay=R3"], r"beside trainer\.routing_replay"),
+    (["trainer.num_workers=2", "trainer.pp=2"], r"trainer\.pp \(2\) > 1 is not built yet"),
+])
+def test_context_parallel_layouts_and_features_refused_by_name(overrides, words):
+    """trainer.cp: tp x cp divides the ranks, micro_batch_tokens splits into 2 x cp chunks, and the features not
+    built under CP are named (one line)."""
+    with pytest.raises(ConfigError, match=words) as e:
+        load_config(RECIPE, overrides)
+    assert len([line for line in str(e.value).splitlines() if "trainer" in line]) == 1, str(e.value)
+
+
+def test_a_context_parallel_layout_loads_with_dp_over_tp_x_cp():
+    good = load_config(RECIPE, ["trainer.num_workers=4", "trainer.cp=2", "trainer.micro_batch_tokens=256"])
+    assert (good.trainer.cp, good.trainer.dp) == (2, 2)
+    assert good.trainer.resize_problem(5) == "trainer.tp x trainer.cp (2) must divide trainer.num_workers (5)"
+    assert good.trainer.resize_problem(6) is None

@@ -15,6 +15,10 @@ What. Inside the block the model's `RotaryEmbedding.forward` (the lru-cached met
 shape [S, B, 1, D], which `apply_rotary_pos_emb` broadcasts over heads of query/key [S, B, H, D] exactly as it
 does Megatron's own [S, 1, 1, D] (cos/sin of the same fp32 products, so positions 0..S-1 give bit-equal output).
 Under sequence parallelism attention runs on the gathered sequence, so the full [S, B] positions are right.
+Under context parallelism (trainer.cp) the model holds this rank's columns of each row only (zig-zag chunks,
+trainer/attention/context_split.py), and the caller passes their positions, `position_ids[:, columns]`:
+frequencies are per token, so any set of columns gets its own; Megatron's own CP slice of the rotary table
+(get_pos_emb_on_this_cp_rank, in RotaryEmbedding.forward) is bypassed with the forward it lives in.
 
 Multi-latent attention. GPTModel builds no rotary embedding for MLA: each MLASelfAttention layer computes its own
 in `get_query_key_value_tensors`, `self.rotary_pos_emb(rotary_seq_len)` (a `RotaryEmbedding` of
@@ -26,7 +30,7 @@ element), so positions 0..S-1 give bit-equal output again, and YaRN's frequency 
 
 Guard. Plain `RotaryEmbedding` (rope, rope scaling folded into inv_freq) in the model, and `RotaryEmbedding` /
 `YarnRotaryEmbedding` inside multi-latent attention layers, are handled; YaRN outside MLA, mrope, context
-parallelism and fused RoPE are refused. Other megatron-core versions get a warning: the test
+parallelism with multi-latent attention and fused RoPE are refused. Other megatron-core versions get a warning: the test
 tests/compat/test_megatron_rope_positions.py fails both when the workaround stops being needed (GPTModel honours
 position_ids) and when it stops being correct (it no longer reproduces transformers at shifted positions).
 """
@@ -81,7 +85,6 @@ def rotary_freqs(rope, position_ids: Tensor) -> Tensor:
 @contextlib.contextmanager
 def rope_positions(model, position_ids: Tensor):
     """Within the block, `model`'s rotary embedding gives the frequencies of `position_ids` [B, S]."""
-    from megatron.core import parallel_state
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
     check_version()
@@ -97,9 +100,7 @@ def rope_positions(model, position_ids: Tensor):
     cfg = inner.config
     if cfg.apply_rope_fusion or cfg.multi_latent_attention:
         raise NotImplementedError("rope_positions: fused RoPE and multi-latent attention are not handled")
-    if parallel_state.get_context_parallel_world_size() > 1:
-        raise NotImplementedError("rope_positions: context parallelism would need a per-rank slice")
-    freqs = rotary_freqs(rope, position_ids)
+    freqs = rotary_freqs(rope, position_ids)  # under CP: this rank's columns' positions, as the caller passes them
 
     def forward(*args, **kwargs):
         return freqs
@@ -147,8 +148,8 @@ def mla_rope_positions(model, position_ids: Tensor):
     config = getattr(unwrap(model), "config", None)
     if config is not None and config.apply_rope_fusion:
         raise NotImplementedError("mla_rope_positions: fused MLA RoPE (apply_rope_fusion) is not handled")
-    if parallel_state.get_context_parallel_world_size() > 1:
-        raise NotImplementedError("mla_rope_positions: context parallelism would need a per-rank slice")
+    if parallel_state.get_context_parallel_world_size() > 1:  # refused by the config and SegmentAttention too
+        raise NotImplementedError("mla_rope_positions: context parallelism with multi-latent attention is not built")
     first = None
     for rope in ropes:  # each layer's own table (a few kB: rows up to the largest position)
         freqs, mscale = table_freqs(rope, position_ids)

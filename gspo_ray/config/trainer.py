@@ -12,11 +12,11 @@ from gspo_ray.config.lora import LoRAConfig
 class TrainerConfig(Strict):
     """The trainer pool: Megatron-core workers forming one process group (DP x TP, experts over EP)."""
 
-    num_workers: int = Field(1, ge=1, description="trainer actors = world size; DP = num_workers / tp")
+    num_workers: int = Field(1, ge=1, description="trainer actors = world size; DP = num_workers / (tp x cp)")
     tp: int = Field(1, ge=1, description="tensor parallel size (sequence parallelism is on when tp > 1)")
     ep: int = Field(1, ge=1, description="expert parallel size (must divide num_workers and the expert count)")
     cp: int = Field(1, ge=1, description="context parallel size: each sequence's tokens split over cp ranks, "
-                    "attention gathering keys and values over them (docs/scale.md, 'Memory')")
+                    "attention gathering keys and values over them (docs/scale.md, 'Context parallelism')")
     pp: int = Field(1, ge=1, description="pipeline parallel size: the layers split into pp stages, micro-batches "
                     "flowing through them (docs/scale.md, 'Memory')")
     num_cpus_per_worker: float = Field(1, gt=0, description="Ray CPUs per trainer actor")
@@ -197,22 +197,42 @@ class TrainerConfig(Strict):
                              f"{self.recompute!r}")
         if self.num_workers % self.tp:
             raise ValueError(f"trainer.tp ({self.tp}) must divide trainer.num_workers ({self.num_workers})")
-        for field in ("cp", "pp"):
-            if getattr(self, field) > 1:  # the trainer builds neither yet
-                raise ValueError(f"trainer.{field} ({getattr(self, field)}) > 1 is not built yet; use 1")
+        if self.pp > 1:  # the trainer does not build it yet
+            raise ValueError(f"trainer.pp ({self.pp}) > 1 is not built yet; use 1")
+        self._context_parallel()
         if self.num_workers % self.ep:
             raise ValueError(f"trainer.ep ({self.ep}) must divide trainer.num_workers ({self.num_workers})")
         return self
 
+    def _context_parallel(self) -> None:
+        """trainer.cp: its ranks come out of num_workers with TP's; its split of a row is in 2 x cp chunks; and the
+        features that never run under it, by name (docs/scale.md, "Context parallelism")."""
+        if self.cp == 1:
+            return
+        if self.num_workers % (self.tp * self.cp):
+            raise ValueError(f"trainer.tp x trainer.cp ({self.tp} x {self.cp}) must divide trainer.num_workers "
+                             f"({self.num_workers})")
+        if self.micro_batch_tokens is not None and self.micro_batch_tokens % (2 * self.cp):
+            raise ValueError(f"trainer.micro_batch_tokens ({self.micro_batch_tokens}) must be a multiple of 2 x "
+                             f"trainer.cp ({2 * self.cp}): each row is split into 2 x cp equal chunks")
+        refused = {"routing_replay": self.routing_replay != "none", "routing_noise": self.routing_noise,
+                   "routing_agreement": self.routing_agreement,
+                   "attention_kernel": self.attention_kernel == "te_thd"}
+        on = [name for name, value in refused.items() if value]
+        if on:
+            raise ValueError(f"trainer.cp ({self.cp}) > 1 does not run beside {', '.join('trainer.' + n for n in on)} "
+                             "(not built under context parallelism); turn them off or use cp 1")
+
     @property
     def dp(self) -> int:
-        return self.num_workers // self.tp
+        """Data-parallel ranks: the CP ranks of one share its rows."""
+        return self.num_workers // (self.tp * self.cp)
 
     def resize_problem(self, num_workers: int) -> str | None:
         """Why a live pool of this config cannot be resized to `num_workers` ranks (None: the layout and the
         checkpoint can follow), whatever the cluster's room: the rule `gspo-ray scale trainer` and the
         autoscaler share (coordinator/recovery.py adds the cluster's room)."""
-        for name, size in (("tp", self.tp), ("ep", self.ep)):
+        for name, size in (("tp", self.tp), ("ep", self.ep), ("tp x trainer.cp", self.tp * self.cp)):
             if num_workers % size:
                 return f"trainer.{name} ({size}) must divide trainer.num_workers ({num_workers})"
         # a distributed optimizer's state reshards on load like the model (trainer/checkpoints/shards.py): not refused

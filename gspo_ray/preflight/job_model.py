@@ -7,7 +7,8 @@ from typing import Any
 
 from gspo_ray.config import JobConfig
 from gspo_ray.models.cache import packaged_model_dir
-from gspo_ray.preflight.model import (PreflightError, check_architecture, check_converter_spec, check_engine_limits,
+from gspo_ray.preflight.model import (PreflightError, check_architecture, check_context_parallel,
+                                     check_converter_spec, check_engine_limits,
                                      check_engine_parallel, check_model_dir, check_tokenizer, load_checked_tokenizer,
                                      node_device_count)
 from gspo_ray.preflight.report import PreflightReport, one_line
@@ -61,6 +62,7 @@ def check_tiny_config(cfg: JobConfig, on_cpu: bool) -> dict:
         raise PreflightError(f"{where}: {one_line(e)}") from None
     check_architecture(where, hf)
     check_converter_spec(where, hf, cfg.trainer.tp, cfg.trainer.ep)
+    check_context_parallel(where, hf, cfg.trainer)
     check_engine_limits(where, hf, cfg.rollout.max_model_len, on_cpu)
     check_rollout_parallel(cfg, where, hf)
     return hf
@@ -91,6 +93,7 @@ def checked_tokenizer(cfg: JobConfig, facts, report: PreflightReport) -> tuple[A
         report.add("tokenizer", "ok", f"the tiny model's character tokenizer ({len(tok)} tokens)")
         return tok, len(tok)
     check_converter_spec(facts.path, facts.hf_config, cfg.trainer.tp, cfg.trainer.ep)
+    check_context_parallel(facts.path, facts.hf_config, cfg.trainer)
     tok, notes = load_checked_tokenizer(facts, chat)
     template = ", chat template" if getattr(tok, "chat_template", None) else ""
     report.add("tokenizer", "ok", f"{type(tok).__name__}, {len(tok)} tokens, eos {tok.eos_token!r}{template}")

@@ -92,6 +92,24 @@ def check_converter_spec(where: str | Path, cfg: dict, tp: int, ep: int) -> None
         raise _fail(where, f"{e} (trainer.tp={tp}, trainer.ep={ep})") from None
 
 
+def check_context_parallel(where: str | Path, cfg: dict, trainer) -> None:
+    """trainer.cp > 1 against the model (the config validator refuses the features that never run under CP):
+    multi-latent attention is not built there, and an MoE's routing drift and router churn record routing per
+    token of whole rows, which no CP rank holds."""
+    from gspo_ray.trainer.model_spec import spec_from_hf_config
+
+    if trainer.cp == 1:
+        return
+    spec = spec_from_hf_config(cfg, str(where), tp=trainer.tp, ep=trainer.ep)
+    if spec.extra.get("mla"):
+        raise _fail(where, f"multi-latent attention is not built under context parallelism (trainer.cp={trainer.cp})")
+    on = [f"trainer.{name}" for name, value in (("routing_drift", trainer.routing_drift),
+                                                 ("router_churn_every", trainer.router_churn_every)) if value]
+    if spec.is_moe and on:
+        raise _fail(where, f"an MoE under trainer.cp={trainer.cp}: {' and '.join(on)} record routing per token of "
+                           "whole rows, which no CP rank holds; set routing_drift: false, router_churn_every: 0")
+
+
 def check_engine_limits(where: str | Path, cfg: dict, max_model_len: int, engine_on_cpu: bool) -> None:
     """What vLLM refuses at engine start: a context longer than the model's, a head size its CPU kernels lack."""
     limit, key = _context_limit(where, cfg)

@@ -35,6 +35,10 @@ completions as segments that attend to the prompt and to themselves), or one pac
 of sequences or group rows of different lengths (no padding between them; positions restart at 0 in each; the
 log-prob of token t of row b is read at its own column of the packed output, `layout.col_of[b, t - 1]`).
 `forward_logprobs` is the padded layout ([B, L], each row causal from position 0).
+
+Context parallelism (trainer.cp). Either layout's rows are padded to a multiple of 2 x CP and each CP rank forwards
+its zig-zag columns of them (attention/context_split.py), scores the tokens those columns predict, and the [N]
+log-probs are summed over the CP ranks (`_score`), so every rank returns the whole [B, L], as at CP 1.
 """
 from __future__ import annotations
 
@@ -46,6 +50,8 @@ from torch import Tensor
 from gspo_ray.compat.torch_matmul_fold import foldable_grad
 from gspo_ray.trainer.logprob_head import linear_logprobs, upcasts_head
 from gspo_ray.trainer.attention.segment_attention import Segments
+from gspo_ray.trainer.attention.context_split import width_multiple as context_width_multiple
+from gspo_ray.trainer.context_parallel import cp_split, cp_sum
 
 
 LOGSOFTMAX_CHUNK_ROWS = 1024  # rows of [rows, V / tp] fp32 temporaries at a time (V = 151,936, TP 8: 78 MB)
@@ -200,16 +206,15 @@ def forward_logprobs(model, tokens: Tensor, lengths: Tensor | None = None, *, wi
     `temperature` T: log-probs (and entropies) of softmax(logits / T), the distribution the rollout engine sampled
     from at that temperature; T = 0 (greedy) counts as 1, as in vLLM, which then reports unscaled log-probs.
     `head_dtype` "float32" | "model": the output layer's dtype in a bf16 model (module docstring, "Head dtype").
-    Under sequence parallelism L is padded to a multiple of TP here and cut back afterwards.
+    Under sequence parallelism L is padded to a multiple of TP here (under context parallelism, of 2 x CP too:
+    width_multiple) and cut back afterwards.
     """
-    from megatron.core import parallel_state
-
     inner = _unwrap(model)
     device = next(inner.parameters()).device
     tokens = tokens.to(device)
     batch, length = tokens.shape
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    padded = -(-length // tp) * tp if inner.config.sequence_parallel else length
+    multiple = width_multiple(inner)
+    padded = -(-length // multiple) * multiple
     inputs = tokens
     if padded != length:
         inputs = torch.nn.functional.pad(tokens, (0, padded - length), value=0)
@@ -220,7 +225,7 @@ def forward_logprobs(model, tokens: Tensor, lengths: Tensor | None = None, *, wi
     b_idx, t_idx = valid.nonzero(as_tuple=True)  # scored tokens; position t - 1 predicts token t
     segs = Segments.plain([length] * batch if lengths is None else lengths.tolist())  # each row causal, alone
     scored = _score(model, inner, inputs, position_ids, segs, t_idx - 1, b_idx, tokens[b_idx, t_idx], vocab_size,
-                    with_entropy, temperature, head_dtype)
+                    with_entropy, temperature, head_dtype, rope=False)
     return _scatter(scored, b_idx, t_idx, (batch, length), with_entropy)
 
 
@@ -235,32 +240,35 @@ def forward_group_logprobs(model, tokens: Tensor, lengths: Tensor, layout, *, wi
     `layout.col_of[b, t - 1]` of row `layout.row_of[b]`, which attends to exactly tokens[b, :t] at positions
     0..t-1. Returns logp (, entropy) in the ORIGINAL [B, L] layout, equal to forward_logprobs(model, tokens,
     lengths, ...) up to float summation order. Under sequence parallelism the layout's width must be a multiple of
-    TP (build_layout's width_multiple: a packed row's tail padding, which attends to nothing and is never scored).
+    TP (build_layout's width_multiple: a packed row's tail padding, which attends to nothing and is never scored),
+    under context parallelism of 2 x CP too (`width_multiple`).
     """
-    from megatron.core import parallel_state
-
-    from gspo_ray.compat.megatron_rope_positions import rope_positions
-
     inner = _unwrap(model)
     device = next(inner.parameters()).device
     tokens = tokens.to(device)
     batch, length = tokens.shape
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    width = layout.tokens.shape[1]
-    if inner.config.sequence_parallel and width % tp:
-        raise ValueError(f"group layout width {width} is not a multiple of TP {tp} (build it with "
-                         "width_multiple=tp under sequence parallelism)")
+    width, multiple = layout.tokens.shape[1], width_multiple(inner)
+    if width % multiple:
+        raise ValueError(f"group layout width {width} is not a multiple of {multiple} (build it with "
+                         "width_multiple: TP under sequence parallelism, times 2 x CP under context parallelism)")
     valid = _valid_mask(batch, length, lengths, device)
     if score_mask is not None:
         valid = valid & score_mask.to(device).bool()
     b_idx, t_idx = valid.nonzero(as_tuple=True)
     row_of, col_of = layout.row_of.to(device), layout.col_of.to(device)
     r_idx, s_idx = row_of[b_idx], col_of[b_idx, t_idx - 1]  # the column that predicts tokens[b, t]
-    positions = layout.position_ids.to(device)
-    with rope_positions(model, positions):
-        scored = _score(model, inner, layout.tokens.to(device), positions, layout.segments, s_idx, r_idx,
-                        tokens[b_idx, t_idx], vocab_size, with_entropy, temperature, head_dtype)
+    scored = _score(model, inner, layout.tokens.to(device), layout.position_ids.to(device), layout.segments, s_idx,
+                    r_idx, tokens[b_idx, t_idx], vocab_size, with_entropy, temperature, head_dtype, rope=True)
     return _scatter(scored, b_idx, t_idx, (batch, length), with_entropy)
+
+
+def width_multiple(inner) -> int:
+    """What a forwarded row's width must be a multiple of: TP under sequence parallelism, times 2 x CP under
+    context parallelism (its zig-zag chunks, attention/context_split.py)."""
+    from megatron.core import parallel_state
+
+    tp = parallel_state.get_tensor_model_parallel_world_size() if inner.config.sequence_parallel else 1
+    return tp * context_width_multiple(parallel_state.get_context_parallel_world_size())
 
 
 def _fused_head(inner) -> bool:
@@ -272,9 +280,40 @@ def _fused_head(inner) -> bool:
 
 
 def _score(model, inner, inputs: Tensor, position_ids: Tensor, segs: Segments, seq_idx: Tensor, batch_idx: Tensor,
-           labels: Tensor, vocab_size: int | None, with_entropy: bool, temperature: float, head_dtype: str):
+           labels: Tensor, vocab_size: int | None, with_entropy: bool, temperature: float, head_dtype: str,
+           rope: bool):
     """Log-probs [N] (, entropies [N]) of labels at (position seq_idx[n], row batch_idx[n]) of a forward of
-    inputs [B, S]."""
+    inputs [B, S] at position_ids (rope: RoPE at those positions, compat/megatron_rope_positions.py; else Megatron's
+    0..S-1, which they are).
+
+    Context parallelism: the model forwards this rank's columns only (context_parallel.cp_split), at their
+    positions; each token is scored on the rank holding the column that predicts it, and the [N] vectors are summed
+    over the CP ranks (context_parallel.cp_sum), so every rank returns all N."""
+    from gspo_ray.compat.megatron_rope_positions import rope_positions
+
+    split = cp_split(inputs.shape[1])
+    if split is None:
+        with rope_positions(model, position_ids) if rope else contextlib.nullcontext():
+            return _score_local(model, inner, inputs, position_ids, segs, seq_idx, batch_idx, labels, vocab_size,
+                                with_entropy, temperature, head_dtype)
+    columns = split.columns.to(inputs.device)
+    local = split.local_of.to(seq_idx.device)[seq_idx]
+    mine = (local >= 0).nonzero().flatten()
+    inputs, position_ids = inputs[:, columns], position_ids[:, columns]
+    with rope_positions(model, position_ids):  # this rank's columns keep their own positions
+        logp, entropy = _score_local(model, inner, inputs, position_ids, segs, local[mine], batch_idx[mine],
+                                     labels[mine], vocab_size, with_entropy, temperature, head_dtype)
+    n = seq_idx.shape[0]
+    logp = cp_sum(logp.new_zeros(n).index_put((mine,), logp), split)
+    if entropy is not None:
+        entropy = cp_sum(entropy.new_zeros(n).index_put((mine,), entropy.detach()), split)
+    return logp, entropy
+
+
+def _score_local(model, inner, inputs: Tensor, position_ids: Tensor, segs: Segments, seq_idx: Tensor,
+                 batch_idx: Tensor, labels: Tensor, vocab_size: int | None, with_entropy: bool, temperature: float,
+                 head_dtype: str):
+    """_score on the columns this rank forwards."""
     vocab_size = vocab_size or getattr(inner, "hf_vocab_size", inner.vocab_size)
     if _fused_head(inner):
         weights: list = []

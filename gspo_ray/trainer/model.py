@@ -33,6 +33,8 @@ from gspo_ray.trainer.model_spec import ModelSpec, read_hf_config, spec_from_hf_
 from gspo_ray.trainer.weights.param_names import LayerKinds
 from gspo_ray.trainer.attention.segment_attention import Segments, attend_rows, unsupported
 from gspo_ray.trainer.attention.te_attention import thd_attend_rows
+from gspo_ray.trainer.attention.context_split import attend_columns
+from gspo_ray.trainer.context_parallel import cp_size, cp_split, gather_columns
 from gspo_ray.trainer.recompute import checkpoint_layers, recomputed
 
 
@@ -103,7 +105,10 @@ class SegmentAttention(MegatronModule):
     Built by Megatron's SelfAttention with DotProductAttention's arguments (and `kernel` from the spec's params);
     `attention_mask` must be a segment_attention.Segments record (None: every row is one causal segment of the full
     width). kernel "sdpa": segment_attention.attend_rows (torch SDPA per segment, any device); "te_thd":
-    te_attention.thd_attend_rows with Transformer Engine's fused attention (CUDA + TE; not run here)."""
+    te_attention.thd_attend_rows with Transformer Engine's fused attention (CUDA + TE; not run here). Under context
+    parallelism (trainer.cp) the inputs are this rank's columns of the rows (attention/context_split.py): keys and
+    values are gathered over the CP group and context_split.attend_columns runs (sdpa only; recomputed as
+    attend_rows is, the gather outside the recomputed call)."""
 
     def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
                  attention_dropout: float | None = None, softmax_scale: float | None = None,
@@ -114,6 +119,7 @@ class SegmentAttention(MegatronModule):
         # the layer around it is (full). Either way the completion calls are not checkpointed again inside.
         self.recompute = recompute
         self._attend = recomputed(attend_rows) if recompute == "call" else attend_rows
+        self._attend_columns = recomputed(attend_columns) if recompute == "call" else attend_columns  # under CP
         why = unsupported(config) or ("attention dropout" if attention_dropout else None)
         if why is not None:
             raise NotImplementedError(f"SegmentAttention does not cover {why}")
@@ -145,6 +151,16 @@ class SegmentAttention(MegatronModule):
             segs = Segments.plain([query.shape[0]] * query.shape[1])
         if not isinstance(segs, Segments):
             raise TypeError(f"SegmentAttention needs a Segments record as attention_mask, not {type(segs).__name__}")
+        if cp_size() > 1:  # this rank's columns against the gathered keys (a recomputed call gathers outside)
+            if self.te_kernel is not None:
+                raise NotImplementedError("context parallelism with the te_thd kernel")
+            split = cp_split(query.shape[0] * cp_size())
+            if attention_mask is None:
+                segs = Segments.plain([split.width] * query.shape[1])
+            out = self._attend_columns(query, gather_columns(key, split), gather_columns(value, split), segs,
+                                       split.columns, self.softmax_scale,
+                                       checkpoint_completions=self.recompute == "none")
+            return out.reshape(out.shape[0], out.shape[1], -1)
         if self.te_kernel is not None:  # recompute "call": the fused call checkpointed whole as well (not run here)
             attend = recomputed(thd_attend_rows) if self.recompute == "call" else thd_attend_rows
             return attend(query, key, value, segs, self.te_kernel)

@@ -9,7 +9,9 @@
 Megatron's DDP + `finalize_model_grads` is used (not torch.optim with a hand all-reduce, which sums different
 experts' gradients under EP). DDP *averages* gradients over the data-parallel group (dense params: 1/dp; expert
 params: 1/dp as well, over the expert-data-parallel group, whose sum already includes every DP rank's tokens through
-the all-to-all); the caller scales its loss by dp so the step is that of the summed mini-batch loss.
+the all-to-all); the caller scales its loss by dp so the step is that of the summed mini-batch loss. Under context
+parallelism (trainer.cp) both reductions run over DP x CP ranks and divide by dp x cp: the caller scales by dp x cp
+(worker.py, "Loss scaling").
 
 LR schedule: the scheduler is advanced *before* each optimizer step, so optimizer step k (1-based) runs at
 `lr * k / lr_warmup_steps` during warm-up (no wasted lr=0 step), then `lr` (constant) or a cosine from `lr` at the
@@ -63,7 +65,8 @@ def mark_parallel_params(model: torch.nn.Module) -> dict[str, int]:
                 set_tensor_model_parallel_attributes(weight, True, dim, 1)
                 fixed["tensor_model_parallel"] += 1
     expert_dp = parallel_state.get_expert_data_parallel_world_size()
-    if expert_dp != parallel_state.get_data_parallel_world_size():
+    # dense grads are reduced over DP x CP (Megatron's dp_cp group): the experts' group differs from that one
+    if expert_dp != parallel_state.get_data_parallel_world_size(with_context_parallel=True):
         for name, param in model.named_parameters():
             if ".experts." in name and getattr(param, "allreduce", True):
                 param.allreduce = False

@@ -14,6 +14,10 @@ seq-mean-token-mean it is `1/N_seq * sum_i mean_t l_it` over the N_seq sequences
 by `n_seq / N_seq` (`n_tok / N_tok`); the scaled micro-batch losses of all micro-batches and all DP ranks sum to the
 mini-batch loss. Megatron DDP then *averages* grads over DP, so each rank backpropagates `dp * scaled loss`.
 N_seq and N_tok come from the full mini-batch, which every rank holds, so no extra collective is needed.
+Context parallelism (trainer.cp): the CP ranks of a DP rank take the same micro-batches, each forwarding its
+columns of the rows (trainer/context_parallel.py); the log-probs are summed over them, so the loss is the same on
+each, and a parameter's gradient is the SUM of their partial gradients. Megatron's DDP averages over DP x CP, so
+each rank backpropagates `dp * cp * scaled loss`.
 
 Shared prefixes (trainer.shared_prefix). The completions of one prompt are forwarded as one group row [prompt |
 c_1 | ... | c_G] (trainer/group_rows.py): exact, the prompt computed once. Micro-batches still carry their rows in
@@ -116,13 +120,18 @@ class TrainerWorker:
             self.ref_model.eval()
             self.ref_model.requires_grad_(False)
         self.dp_rank = parallel_state.get_data_parallel_rank()
-        self.dp_size = parallel_state.get_data_parallel_world_size()
+        self.dp_size = parallel_state.get_data_parallel_world_size()  # CP ranks excluded: they share a DP rank's rows
+        self.cp_size = parallel_state.get_context_parallel_world_size()
         self.dp_group = parallel_state.get_data_parallel_group()
         # Routing Replay, drift, the noise probe, agreement, router churn (trainer/routing/worker.py); their
         # forwards go through self._logprobs, looked up at each call
         self.routing = TrainerRouting(self.gpt, trainer_cfg, lambda *a, **kw: self._logprobs(*a, **kw),
                                       self.dp_group, world_size)
         self.replay, self.drift, self.noise = self.routing.replay, self.routing.drift, self.routing.noise
+        if self.cp_size > 1 and self.routing.recorder.routers and (trainer_cfg.routing_drift
+                                                                   or trainer_cfg.router_churn_every):
+            raise NotImplementedError("trainer.routing_drift / trainer.router_churn_every under trainer.cp > 1: "
+                                      "they record routing per token of whole rows (preflight refuses them too)")
         self.exporter = WeightExporter(rank)  # export_weights (weights/weight_export.py)
         self.forward_passes: dict[str, int] = {}  # model forwards since the last train_step returned, by kind
         self.forward_tokens: dict[str, int] = {}  # and the tokens they computed (padding included)
@@ -188,8 +197,9 @@ class TrainerWorker:
                       "Replay (or the routing-noise probe) records and replays routing per row")
             share = packed = False
         packed = packed and not r3  # R3's replay places routes by group row or padded row; packed rows not built
-        tp = parallel_state.get_tensor_model_parallel_world_size()
-        multiple = tp if self.gpt.config.sequence_parallel else 1
+        from gspo_ray.trainer.logprobs import width_multiple
+
+        multiple = width_multiple(self.gpt)  # TP under sequence parallelism, times 2 x CP
         weight = model_score_weight(self.gpt.config)
         if share:
             mbs = group_micro_batches(batch, self.dp_rank, self.dp_size, cfg.micro_batch_size,
@@ -265,8 +275,9 @@ class TrainerWorker:
         metrics |= extra
         n_units = loss_units(mb.loss_mask, a.aggregation)
         weight = n_units / totals if totals > 0 else 0.0
-        # DDP averages grads over DP: multiply by dp so the step follows the sum of the ranks' scaled losses
-        (loss * (weight * self.dp_size)).backward()
+        # DDP averages grads over DP x CP: multiply by dp x cp so the step follows the sum of the DP ranks' scaled
+        # losses (the CP ranks' partial gradients of one loss add up to its gradient)
+        (loss * (weight * self.dp_size * self.cp_size)).backward()
         acc.add(metrics, metrics["train/n_tokens"], metrics["train/n_seqs"], n_units)
         acc.add_sum("train/loss", float(loss.detach()) * weight)
 

@@ -228,3 +228,22 @@ def test_an_ep2_checkpoint_resumes_at_ep1(runs):
     r0 = runs["ranks"][0]
     assert _maxdiff(r0["ep1_resumed"], r0["ep2_logp"]) <= TOL
     assert _maxdiff(r0["ep2_logp"], r0["off"]["logp"]) > 1e-4  # the step changed the model
+
+
+def test_context_parallel_with_multi_latent_attention_is_refused_by_the_preflight(ds_dir):
+    """trainer.cp > 1 is not built for multi-latent attention: one line naming trainer.cp, before any rank starts
+    (attention/segment_attention.unsupported refuses it at construction as well)."""
+    from types import SimpleNamespace
+
+    from gspo_ray.preflight.model import PreflightError, check_context_parallel
+    from gspo_ray.trainer.attention.segment_attention import unsupported
+
+    tcfg = trainer_cfg(2, cp=2, routing_drift=False, router_churn_every=0)
+    with pytest.raises(PreflightError, match=r"multi-latent attention is not built under context parallelism "
+                                             r"\(trainer.cp=2\)") as err:
+        check_context_parallel("m", read_hf_config(ds_dir), tcfg)
+    assert "\n" not in str(err.value)
+    check_context_parallel("m", read_hf_config(ds_dir), trainer_cfg(2))  # cp 1: nothing to refuse
+    assert unsupported(SimpleNamespace(context_parallel_size=2, multi_latent_attention=True)) == \
+        "context parallelism with multi-latent attention"
+    assert unsupported(SimpleNamespace(context_parallel_size=2, multi_latent_attention=False)) is None

@@ -51,7 +51,9 @@ Megatron core-attention module that calls attend_rows. The record travels as the
 GPTModel hands to every layer's core attention and nothing else reads on the local spec. Megatron's
 `PackedSeqParams` is not used: GPTModel sizes RoPE from its max_seqlen fields and attention squeezes THD tensors,
 neither of which this layout wants. Not covered (refused at construction, and by the preflight through
-model_spec): sliding windows, attention sinks / softmax offsets, context parallelism, attention dropout.
+model_spec): sliding windows, attention sinks / softmax offsets, attention dropout, and context parallelism with
+multi-latent attention. Context parallelism (trainer.cp) splits each row's columns over the CP ranks:
+context_split.attend_columns computes the same numbers for a rank's columns against the gathered keys.
 
 Multi-latent attention (DeepSeek-V3, Kimi-K2: Megatron's MLASelfAttention with this module as its core attention)
 reaches attend_rows as plain multi-head attention over the up-projected q / k (qk_nope_head_dim + qk_rope_head_dim
@@ -229,8 +231,8 @@ def unsupported(config) -> str | None:
         return "sliding-window attention"
     if getattr(config, "softmax_type", "vanilla") != "vanilla":
         return f"softmax_type {config.softmax_type!r} (attention sinks)"
-    if getattr(config, "context_parallel_size", 1) != 1:
-        return "context parallelism"
+    if getattr(config, "context_parallel_size", 1) != 1 and getattr(config, "multi_latent_attention", False):
+        return "context parallelism with multi-latent attention"
     if getattr(config, "attention_dropout", 0.0):
         return "attention dropout"
     if getattr(config, "apply_query_key_layer_scaling", False):
