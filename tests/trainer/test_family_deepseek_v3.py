@@ -1,12 +1,14 @@
 """The DeepSeek-V3 / Kimi-K2 family (trainer/families/deepseek_v3.py: multi-latent attention of attention/mla.py
 under the DeepSeekMoE block of families/deepseek_moe.py) on a tiny random DeepseekV3ForCausalLM (models/
 tiny_deepseek.py, shrunk: kv_lora_rank 32, q/k 16 + 16, v 24, q_lora_rank 32; a dense first layer, 8 experts in 2
-groups, a shared expert, routed_scaling_factor 2.5, drawn correction biases and norm weights, weights of std 0.3).
+groups, a shared expert, routed_scaling_factor 2.5, drawn correction biases and norm weights, weights of std 0.3,
+one multi-token-prediction layer after the decoder, which every load skips and the HF export copies).
 
 One pair of spawned ranks: rank 0 first runs the 1-process checks in a world of its own (log-probs against
 transformers, the parameter names), then both ranks compute log-probs at TP 2 + SP and at EP 2 and gather the HF
 state dict back (equal to the checkpoint), and train one step on padded rows, group rows and packed rows at TP 2 +
-SP, and one at EP 2 that rank 0 resumes at EP 1. Also: the spec and refusals, every checkpoint tensor's Megatron
+SP, and one at EP 2, saved before and after, that rank 0 resumes at EP 1; here both checkpoints are exported to HF
+directories (bit-equal to the input before the step; transformers' log-probs equal the trainer's after it). Also: the spec and refusals, every checkpoint tensor's Megatron
 home, the preflight (kimi_k2, the CPU MLA latent), `models make-tiny --arch deepseek_v3`. fp32; tolerance 1e-5.
 """
 from __future__ import annotations
@@ -28,7 +30,7 @@ SMALL = dict(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_d
 def ds_dir(tmp_path_factory):
     from gspo_ray.models.tiny_deepseek import make_tiny_deepseek_v3
 
-    return str(make_tiny_deepseek_v3(tmp_path_factory.mktemp("tiny") / "deepseek_v3", seed=0, **SMALL))
+    return str(make_tiny_deepseek_v3(tmp_path_factory.mktemp("tiny") / "deepseek_v3", seed=0, mtp_layers=1, **SMALL))
 
 
 def test_the_family_reads_mla_and_deepseek_moe(ds_dir):
@@ -61,9 +63,13 @@ def test_every_checkpoint_tensor_has_one_megatron_home(ds_dir):
 
     from gspo_ray.trainer.weights.param_names import LayerKinds, params_by_hf_name
 
-    spec = spec_from_hf_config(read_hf_config(ds_dir), ds_dir, tp=2, ep=2)
+    cfg = read_hf_config(ds_dir)
+    spec = spec_from_hf_config(cfg, ds_dir, tp=2, ep=2)
     homes = params_by_hf_name(spec, LayerKinds())
-    assert set(homes) == set(load_file(f"{ds_dir}/model.safetensors"))
+    tensors = set(load_file(f"{ds_dir}/model.safetensors"))
+    mtp = {n for n in tensors if FAMILIES["deepseek_v3"].ignored_hf_tensor(cfg, n)}
+    assert set(homes) == tensors - mtp  # the multi-token-prediction layer has none: skipped on load
+    assert "model.layers.3.self_attn.kv_b_proj.weight" in mtp and all(n.startswith("model.layers.3.") for n in mtp)
     kv_norm = homes["model.layers.0.self_attn.kv_a_layernorm.weight"][1]
     assert kv_norm == "decoder.layers.0.self_attention.kv_layernorm.weight"
 
@@ -88,7 +94,7 @@ def _step(rank, world, port, ds_dir, batch, tcfg):
     return {"logp": logp, "metrics": metrics, "grads": grads}
 
 
-def _scenario(rank, world, ports, ds_dir, tokens, lengths, batch, ckpt, rdzv):
+def _scenario(rank, world, ports, ds_dir, tokens, lengths, batch, ckpts, rdzv):
     from megatron.core import parallel_state
 
     from gspo_ray.trainer.model import build_model
@@ -117,13 +123,16 @@ def _scenario(rank, world, ports, ds_dir, tokens, lengths, batch, ckpt, rdzv):
         tcfg = trainer_cfg(world, tp=2, micro_batch_size=6, grad_clip=0.0, lr=1e-3, shared_prefix=shared,
                            packed_rows=packed, use_distributed_optimizer=False)
         out[run] = _step(rank, world, ports[i], ds_dir, batch, tcfg)
-    # a 1e-3 step at EP 2, saved; rank 0 resumes it at EP 1 (the shards of MLA, experts and shared experts reshard)
+    # a 1e-3 step at EP 2, saved before and after; rank 0 resumes it at EP 1 (the shards of MLA, experts and shared
+    # experts reshard)
     from gspo_ray.trainer.worker import TrainerWorker
 
     w = TrainerWorker(rank, world, "127.0.0.1", ports[3], ds_dir, trainer_cfg(world, ep=2, lr=1e-3, grad_clip=0.0),
                       algo_cfg())
+    w.save(ckpts[0])
     w.train_step(batch)
     out["ep2_logp"] = w.compute_logprobs(batch)
+    ckpt = ckpts[1]
     w.save(ckpt)
     w.shutdown()
     if rank == 0:
@@ -142,9 +151,9 @@ def runs(ds_dir, tmp_path_factory):
     ref, entropy = hf_logprobs(ds_dir, tokens, lengths)
     batch = prompt_groups()
     root = tmp_path_factory.mktemp("ds_runs")
-    ranks = run_ranks(_scenario, 2, (ds_dir, tokens, lengths, batch, str(root / "ckpt"), str(root)),
-                      n_ports=5)
-    return {"ref": ref, "entropy": entropy, "ranks": ranks}
+    ckpts = (str(root / "ckpt_untrained"), str(root / "ckpt"))
+    ranks = run_ranks(_scenario, 2, (ds_dir, tokens, lengths, batch, ckpts, str(root)), n_ports=5)
+    return {"ref": ref, "entropy": entropy, "ranks": ranks, "ckpts": ckpts, "batch": batch, "root": root}
 
 
 def _maxdiff(a, b) -> float:
@@ -214,7 +223,9 @@ def test_the_exported_weights_at_tp2_sp_and_ep2_are_the_checkpoint(runs, ds_dir)
     kv_down, row-parallel o_proj; experts, shared experts, the correction bias)."""
     from safetensors.torch import load_file
 
-    want = load_file(f"{ds_dir}/model.safetensors")
+    cfg = read_hf_config(ds_dir)
+    want = {n: t for n, t in load_file(f"{ds_dir}/model.safetensors").items()
+            if not FAMILIES["deepseek_v3"].ignored_hf_tensor(cfg, n)}  # no multi-token-prediction layer
     for r in runs["ranks"]:
         for layout in ("tp2_sp", "ep2"):
             got = r[f"{layout}_export"]
@@ -228,3 +239,31 @@ def test_an_ep2_checkpoint_resumes_at_ep1(runs):
     r0 = runs["ranks"][0]
     assert _maxdiff(r0["ep1_resumed"], r0["ep2_logp"]) <= TOL
     assert _maxdiff(r0["ep2_logp"], r0["off"]["logp"]) > 1e-4  # the step changed the model
+
+
+def test_the_hf_export_is_complete_bit_equal_untrained_and_loads_in_transformers(runs, ds_dir):
+    """trainer/weights/hf_export.py on the EP 2 checkpoints: before the step the export is the input checkpoint
+    tensor for tensor, the multi-token-prediction layer the model skipped copied unchanged; after it,
+    DeepseekV3ForCausalLM loads the export and its log-probs are the trainer's."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from gspo_ray.trainer.weights.hf_export import export_checkpoint
+
+    want = load_file(f"{ds_dir}/model.safetensors")
+    untrained = export_checkpoint(runs["ckpts"][0], ds_dir, runs["root"] / "export_untrained")
+    got = load_file(str(untrained / "model.safetensors"))
+    assert set(got) == set(want), sorted(set(got) ^ set(want))
+    assert [n for n in want if not torch.equal(got[n], want[n])] == []
+    assert any(n.startswith("model.layers.3.") for n in got)  # the MTP layer (num_hidden_layers 3)
+    assert json.loads((untrained / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    trained = export_checkpoint(runs["ckpts"][1], ds_dir, runs["root"] / "export")
+    batch = runs["batch"]
+    ref = hf_logprobs(trained, batch.tokens, batch.lengths)[0]
+    mask = batch.loss_mask.bool()
+    assert _maxdiff(runs["ranks"][0]["ep2_logp"] * mask, ref * mask) <= TOL
+    moved = load_file(str(trained / "model.safetensors"))
+    assert not torch.equal(moved["model.layers.1.self_attn.kv_b_proj.weight"],
+                           want["model.layers.1.self_attn.kv_b_proj.weight"])  # the step moved the weights
+    assert torch.equal(moved["model.layers.3.eh_proj.weight"], want["model.layers.3.eh_proj.weight"])

@@ -20,7 +20,11 @@ config.json states them; transformers 5 does not read them); `moe_layer_freq` ot
 """
 from __future__ import annotations
 
+import re
+
 from gspo_ray.trainer.families.base import LLAMA_NAME_RULES, SHARED_EXPERT_NAME_RULES, MoEFamily, Router
+
+_LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
 
 
 class DeepSeekMoEFamily(MoEFamily):
@@ -56,6 +60,12 @@ class DeepSeekMoEFamily(MoEFamily):
                       bias_update_rate=float(spec.extra.get("router_bias_update_rate", 0.0)),
                       scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0), num_groups=groups,
                       group_topk=int(cfg.get("topk_group") or 1) if groups > 1 else 1)
+
+    def ignored_hf_tensor(self, cfg: dict, name: str) -> bool:
+        """The multi-token-prediction layers past the decoder (`num_nextn_predict_layers` of them, GLM-4.5's and
+        DeepSeek-V3's): skipped on load, copied unchanged by the HF export (trainer/weights/hf_export.py)."""
+        m = _LAYER_INDEX.match(name)
+        return m is not None and int(m.group(1)) >= int(cfg["num_hidden_layers"])
 
     # ---- the HF config keys refused -----------------------------------------------------------------------------
     def refuse_unsupported(self, cfg: dict, hf_dir) -> None:
