@@ -7,7 +7,8 @@ one multi-token-prediction layer after the decoder, which every load skips and t
 One pair of spawned ranks: rank 0 first runs the 1-process checks in a world of its own (log-probs against
 transformers, the parameter names), then both ranks compute log-probs at TP 2 + SP and at EP 2 and gather the HF
 state dict back (equal to the checkpoint), and train one step on padded rows, group rows and packed rows at TP 2 +
-SP, and one at EP 2, saved before and after, that rank 0 resumes at EP 1; here both checkpoints are exported to HF
+SP, and one at EP 2, saved before and after, that rank 0 resumes at EP 1, and one LoRA step at TP 2 + SP on the MLA
+projections, the MLPs and the shared experts; here both checkpoints are exported to HF
 directories (bit-equal to the input before the step; transformers' log-probs equal the trainer's after it). Also: the spec and refusals, every checkpoint tensor's Megatron
 home, the preflight (kimi_k2, the CPU MLA latent), `models make-tiny --arch deepseek_v3`. fp32; tolerance 1e-5.
 """
@@ -140,6 +141,36 @@ def _scenario(rank, world, ports, ds_dir, tokens, lengths, batch, ckpts, rdzv):
         w.load(ckpt)
         out["ep1_resumed"] = w.compute_logprobs(batch)
         w.shutdown()
+    out["lora"] = _lora_step(rank, world, ports[5], ds_dir, batch, ckpts[2])
+    return out
+
+
+LORA_TARGETS = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj",
+                "down_proj"]
+
+
+def _lora_step(rank, world, port, ds_dir, batch, ckpt):
+    """One LoRA step at TP 2 + SP on every target this family offers (through DDP, the optimizer and
+    finalize_model_grads), saved; the merged weights a push sends and the log-probs after the step."""
+    import dataclasses
+
+    from gspo_ray.trainer.lora.peft_io import MergedParameters
+    from gspo_ray.trainer.weights.bridge import hf_state_dict_from_megatron
+    from gspo_ray.trainer.worker import TrainerWorker
+
+    tcfg = trainer_cfg(world, tp=2, lr=3e-2, grad_clip=0.0, use_distributed_optimizer=False,
+                       lora={"rank": 4, "alpha": 8.0, "target_modules": LORA_TARGETS})
+    w = TrainerWorker(rank, world, "127.0.0.1", port, ds_dir, tcfg, algo_cfg())
+    batch = dataclasses.replace(batch)
+    logp = w.compute_logprobs(batch)
+    batch.old_logp = torch.where(batch.loss_mask.bool(), logp - 1e-3 * (torch.arange(batch.num_sequences)[:, None]
+                                                                         % 3), 0.0)
+    w.train_step(batch)
+    w.save(ckpt)
+    out = {"logp0": logp, "logp": w.compute_logprobs(batch), "pushed": hf_state_dict_from_megatron(MergedParameters(w.gpt), w.spec),
+           "moved": sorted(n for n, p in w.gpt.named_parameters() if ".lora." in n and p.detach().abs().max() > 0
+                           and n.endswith(".B"))}
+    w.shutdown()
     return out
 
 
@@ -151,8 +182,8 @@ def runs(ds_dir, tmp_path_factory):
     ref, entropy = hf_logprobs(ds_dir, tokens, lengths)
     batch = prompt_groups()
     root = tmp_path_factory.mktemp("ds_runs")
-    ckpts = (str(root / "ckpt_untrained"), str(root / "ckpt"))
-    ranks = run_ranks(_scenario, 2, (ds_dir, tokens, lengths, batch, ckpts, str(root)), n_ports=5)
+    ckpts = (str(root / "ckpt_untrained"), str(root / "ckpt"), str(root / "ckpt_lora"))
+    ranks = run_ranks(_scenario, 2, (ds_dir, tokens, lengths, batch, ckpts, str(root)), n_ports=6)
     return {"ref": ref, "entropy": entropy, "ranks": ranks, "ckpts": ckpts, "batch": batch, "root": root}
 
 
@@ -267,3 +298,43 @@ def test_the_hf_export_is_complete_bit_equal_untrained_and_loads_in_transformers
     assert not torch.equal(moved["model.layers.1.self_attn.kv_b_proj.weight"],
                            want["model.layers.1.self_attn.kv_b_proj.weight"])  # the step moved the weights
     assert torch.equal(moved["model.layers.3.eh_proj.weight"], want["model.layers.3.eh_proj.weight"])
+
+
+def test_a_lora_step_at_tp2_trains_mla_and_shared_expert_adapters_and_exports_them_merged(runs, ds_dir):
+    """After one LoRA step at TP 2 + SP every adapter's B moved from 0 (its gradient reached it: the replicated
+    kv_a_proj_with_mqa's too); both ranks push the same merged weights, equal to the merged HF export of the
+    checkpoint (trainer/lora/export.py joins the TP shards, the replicated factor once); transformers on that export
+    gives the trainer's log-probs; the PEFT adapter directory names q_a_proj ... kv_b_proj and the shared experts."""
+    from safetensors.torch import load_file
+
+    from gspo_ray.trainer.lora.export import export_adapter_dir
+    from gspo_ray.trainer.weights.hf_export import export_checkpoint
+
+    r0, r1 = (r["lora"] for r in runs["ranks"])
+    for linear in ("layers.0.self_attention.linear_q_down_proj", "linear_q_up_proj", "layers.1.self_attention."
+                   "linear_kv_down_proj", "linear_kv_up_proj", "linear_proj", "layers.0.mlp.linear_fc1",
+                   "shared_experts.linear_fc1", "shared_experts.linear_fc2", "local_experts.7.linear_fc2"):
+        assert any(f"{linear}.lora." in n for n in r0["moved"]), linear
+    assert r0["moved"] == r1["moved"]
+    assert all(torch.equal(r0["pushed"][n], r1["pushed"][n]) for n in r0["pushed"])
+    merged = export_checkpoint(runs["ckpts"][2], ds_dir, runs["root"] / "lora_merged")
+    exported = load_file(str(merged / "model.safetensors"))
+    base = load_file(f"{ds_dir}/model.safetensors")
+    assert set(exported) == set(base)  # the MTP layer too
+    assert [n for n in r0["pushed"] if not torch.allclose(exported[n], r0["pushed"][n], rtol=0, atol=1e-6)] == []
+    changed = {n for n in r0["pushed"] if not torch.equal(r0["pushed"][n], base[n])}
+    assert {"model.layers.1.self_attn.kv_a_proj_with_mqa.weight", "model.layers.1.mlp.shared_experts.up_proj.weight",
+            "model.layers.0.self_attn.q_b_proj.weight"} <= changed
+    batch = runs["batch"]
+    ref = hf_logprobs(merged, batch.tokens, batch.lengths)[0]
+    mask = batch.loss_mask.bool()
+    # W x + s B (A x) in the trainer, (W + s B A) x in transformers: rounding apart by up to 1.3e-5 at these peaked
+    # log-probs (std 0.3 weights), while the step moved them by far more
+    assert _maxdiff(r0["logp"] * mask, ref * mask) <= 5e-5
+    assert _maxdiff(r0["logp"] * mask, r0["logp0"] * mask) > 1e-2
+    adapter = load_file(str(export_adapter_dir(runs["ckpts"][2], ds_dir, runs["root"] / "lora_adapter")
+                            / "adapter_model.safetensors"))
+    prefix = "base_model.model.model.layers.1."
+    for module in ("self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa", "self_attn.kv_b_proj",
+                   "mlp.shared_experts.down_proj", "mlp.experts.7.gate_proj"):
+        assert any(k.startswith(prefix + module + ".lora_B") for k in adapter), module
