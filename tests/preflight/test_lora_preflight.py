@@ -206,3 +206,19 @@ def test_multi_latent_attention_and_shared_expert_targets_pass(tmp_path):
         report.lines()
     glm = load_config(RECIPE, [f"logging.out_dir={tmp_path}", "trainer.lora={rank: 8}"])  # the default targets
     assert any("on 26 linears" in line for line in _check(glm, hf=_hf("glm4_moe")).lines())  # 4 + 4 + 3 + 12 + 3
+
+
+def test_without_q_lora_rank_the_mla_queries_are_q_proj(tmp_path):
+    """DeepSeek-V2-Lite-style MLA (no q_lora_rank): q_proj is Megatron's linear_q_proj, H -> heads x (nope + rope)."""
+    from gspo_ray.models.tiny_deepseek import ENGINE_KEYS, deepseek_v3_config
+
+    hf = deepseek_v3_config(32, q_lora_rank=None).to_dict() | ENGINE_KEYS
+    job = load_config(RECIPE, [f"logging.out_dir={tmp_path}",
+                               "trainer.lora={rank: 8, target_modules: [q_proj, kv_a_proj_with_mqa]}"])
+    report = _check(job, hf=hf)
+    assert any("on 4 linears" in line for line in report.lines()), report.lines()
+    shapes = expected_adapter_shapes(spec_from_hf_config(hf, "m"), 8, ["q_proj"])
+    assert shapes["base_model.model.model.layers.1.self_attn.q_proj.lora_B.weight"] == (4 * (32 + 64), 8)
+    with pytest.raises(PreflightError, match=r"'q_a_proj' matches no linear of this model$"):
+        _check(load_config(RECIPE, [f"logging.out_dir={tmp_path}",
+                                    "trainer.lora={rank: 8, target_modules: [q_a_proj, o_proj]}"]), hf=hf)

@@ -8,9 +8,10 @@ One pair of spawned ranks: rank 0 first runs the 1-process checks in a world of 
 transformers, the parameter names), then both ranks compute log-probs at TP 2 + SP and at EP 2 and gather the HF
 state dict back (equal to the checkpoint), and train one step on padded rows, group rows and packed rows at TP 2 +
 SP, and one at EP 2, saved before and after, that rank 0 resumes at EP 1, and one LoRA step at TP 2 + SP on the MLA
-projections, the MLPs and the shared experts; here both checkpoints are exported to HF
-directories (bit-equal to the input before the step; transformers' log-probs equal the trainer's after it). Also: the spec and refusals, every checkpoint tensor's Megatron
-home, the preflight (kimi_k2, the CPU MLA latent), `models make-tiny --arch deepseek_v3`. fp32; tolerance 1e-5.
+projections, the MLPs and the shared experts; here the checkpoints are exported to HF directories (bit-equal to
+the input before the step; transformers' log-probs equal the trainer's after it; the LoRA one merged). Also: the
+spec and refusals, every checkpoint tensor's Megatron home, the preflight (kimi_k2, the CPU MLA latent), `models
+make-tiny --arch deepseek_v3`. fp32; tolerance 1e-5.
 """
 from __future__ import annotations
 
@@ -167,7 +168,8 @@ def _lora_step(rank, world, port, ds_dir, batch, ckpt):
                                                                          % 3), 0.0)
     w.train_step(batch)
     w.save(ckpt)
-    out = {"logp0": logp, "logp": w.compute_logprobs(batch), "pushed": hf_state_dict_from_megatron(MergedParameters(w.gpt), w.spec),
+    out = {"logp0": logp, "logp": w.compute_logprobs(batch),
+           "pushed": hf_state_dict_from_megatron(MergedParameters(w.gpt), w.spec),
            "moved": sorted(n for n, p in w.gpt.named_parameters() if ".lora." in n and p.detach().abs().max() > 0
                            and n.endswith(".B"))}
     w.shutdown()

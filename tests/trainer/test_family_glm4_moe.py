@@ -5,10 +5,10 @@ log-probs: a near-uniform model would agree with a wrong converter to 1e-3), and
 after the decoder (models/tiny_mtp.py), which every load skips and the HF export copies unchanged.
 
 One pair of spawned ranks: rank 0 first runs the 1-process checks in a world of its own (log-probs, the router's
-selection, the parameter names, bf16, R2 and R3 after the biases moved, a checkpoint with a stray tensor), then both ranks build the model at TP 2 + SP and at EP 2 (log-probs), train one step on
-padded rows, group rows and packed rows at TP 2 + SP, train a 0-lr step at EP 2 whose weights go out as pushes do
-(the bucketed export and vLLM's nccl / ipc source) and into a checkpoint, and one step with Megatron's bias update
-on; rank 0 then resumes the checkpoint at EP 1. Here, in the test process, the checkpoint is exported to a HF
+selection, the parameter names, bf16, R2 and R3 after the biases moved, a checkpoint with a stray tensor), then
+both ranks build the model at TP 2 + SP and at EP 2 (log-probs), train one step on padded rows, group rows and
+packed rows at TP 2 + SP, train a 0-lr step at EP 2 whose weights go out as pushes do (the bucketed export and
+vLLM's nccl / ipc source) and into a checkpoint, and one step with Megatron's bias update on; rank 0 then resumes the checkpoint at EP 1. Here, in the test process, the checkpoint is exported to a HF
 directory (the MTP layer copied) that transformers loads. fp32; tolerance 1e-5.
 """
 from __future__ import annotations
@@ -387,7 +387,8 @@ def test_multi_token_prediction_layers_are_skipped_and_other_strays_refused(runs
     decoder layers: skipped. A tensor of no place inside the decoder is refused by name."""
     mtp = set(_input_tensors(glm_dir)) - set(_input_tensors(glm_dir, mtp=False))
     assert {"model.layers.3.eh_proj.weight", "model.layers.3.self_attn.q_proj.weight",
-            "model.layers.3.mlp.experts.3.down_proj.weight"} <= mtp and all(n.startswith("model.layers.3.") for n in mtp)
+            "model.layers.3.mlp.experts.3.down_proj.weight"} <= mtp
+    assert all(n.startswith("model.layers.3.") for n in mtp)
     single = runs["ranks"][0]["single"]
     assert "1 tensors have no place in the Megatron model" in single["stray_error"], single["stray_error"]
     assert "model.layers.1.mlp.gate.bias" in single["stray_error"]

@@ -270,7 +270,8 @@ class ParallelLoRA(nn.Module):
         scale folded in, added by one addmm: two small matmuls a linear instead of two per target, and no
         [tokens, out] temporaries for the scale, the concatenation and the sum. Equal to out + self(x) up to
         float summation order."""
-        if not self.local or self.replica_group is not None or torch.float32 != out.dtype or x.dtype != out.dtype:
+        if (not self.local or self.replica_group is not None or out.dtype != torch.float32
+                or x.dtype != torch.float32):
             return out + self(x)
         pairs = list(self.pairs.values())
         a = pairs[0].A if len(pairs) == 1 else torch.cat([p.A for p in pairs])
