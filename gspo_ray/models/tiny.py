@@ -102,7 +102,7 @@ def make_tiny_model(arch: str, out: str | Path, seed: int = 0, alphabet: str = D
                     layers: int = 2, experts: int = 4, top_k: int = 2, heads: int = 2, init_std: float = 0.02,
                     mtp_layers: int = 0) -> Path:
     """Build tokenizer + random model and save both to `out` (HF layout, safetensors). Returns `out`.
-    `mtp_layers`: that many multi-token-prediction layers after the decoder (glm4_moe only: models/tiny_mtp.py)."""
+    `mtp_layers`: that many multi-token-prediction layers after the decoder (glm4_moe only: models/mtp.py)."""
     from transformers import AutoModelForCausalLM
 
     if arch not in ARCHS:
@@ -123,7 +123,7 @@ def make_tiny_model(arch: str, out: str | Path, seed: int = 0, alphabet: str = D
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     if mtp_layers:
-        from gspo_ray.models.tiny_mtp import add_mtp_layers
+        from gspo_ray.models.mtp import add_mtp_layers
 
         add_mtp_layers(model, out, mtp_layers)
     tokenizer.save_pretrained(out)

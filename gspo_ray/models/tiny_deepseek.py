@@ -53,7 +53,7 @@ def perturb_constants(model, std: float) -> None:
 def make_tiny_deepseek_v3(out: str | Path, seed: int = 0, init_std: float = 0.3, rope: dict | None = None,
                           mtp_layers: int = 0, **overrides) -> Path:
     """Build the tokenizer and a random DeepseekV3ForCausalLM, save both to `out` with ENGINE_KEYS in config.json;
-    `mtp_layers` multi-token-prediction layers after the decoder (models/tiny_mtp.py)."""
+    `mtp_layers` multi-token-prediction layers after the decoder (models/mtp.py)."""
     from transformers import DeepseekV3ForCausalLM
 
     out = Path(out)
@@ -65,7 +65,7 @@ def make_tiny_deepseek_v3(out: str | Path, seed: int = 0, init_std: float = 0.3,
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     if mtp_layers:
-        from gspo_ray.models.tiny_mtp import add_mtp_layers
+        from gspo_ray.models.mtp import add_mtp_layers
 
         add_mtp_layers(model, out, mtp_layers)
     tokenizer.save_pretrained(out)

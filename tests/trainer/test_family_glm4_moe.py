@@ -2,7 +2,7 @@
 random Glm4MoeForCausalLM with every part switched on: a dense first layer, a shared expert, q/k/v biases, QK-norm,
 half-rotary RoPE, routed_scaling_factor 1.5, a non-zero router correction bias, weights of std 0.3 (peaked
 log-probs: a near-uniform model would agree with a wrong converter to 1e-3), and one multi-token-prediction layer
-after the decoder (models/tiny_mtp.py), which every load skips and the HF export copies unchanged.
+after the decoder (models/mtp.py), which every load skips and the HF export copies unchanged.
 
 One pair of spawned ranks: rank 0 first runs the 1-process checks in a world of its own (log-probs, the router's
 selection, the parameter names, bf16, R2 and R3 after the biases moved, a checkpoint with a stray tensor), then

@@ -20,11 +20,8 @@ config.json states them; transformers 5 does not read them); `moe_layer_freq` ot
 """
 from __future__ import annotations
 
-import re
-
+from gspo_ray.models.mtp import is_mtp_tensor
 from gspo_ray.trainer.families.base import LLAMA_NAME_RULES, SHARED_EXPERT_NAME_RULES, MoEFamily, Router
-
-_LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
 
 
 class DeepSeekMoEFamily(MoEFamily):
@@ -63,9 +60,9 @@ class DeepSeekMoEFamily(MoEFamily):
 
     def ignored_hf_tensor(self, cfg: dict, name: str) -> bool:
         """The multi-token-prediction layers past the decoder (`num_nextn_predict_layers` of them, GLM-4.5's and
-        DeepSeek-V3's): skipped on load, copied unchanged by the HF export (trainer/weights/hf_export.py)."""
-        m = _LAYER_INDEX.match(name)
-        return m is not None and int(m.group(1)) >= int(cfg["num_hidden_layers"])
+        DeepSeek-V3's, models/mtp.py): skipped on load, copied unchanged by the HF export
+        (trainer/weights/hf_export.py)."""
+        return is_mtp_tensor(cfg, name)
 
     # ---- the HF config keys refused -----------------------------------------------------------------------------
     def refuse_unsupported(self, cfg: dict, hf_dir) -> None:

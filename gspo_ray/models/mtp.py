@@ -1,26 +1,40 @@
-"""Multi-token-prediction (MTP) layers for the tiny GLM-4.5 and DeepSeek-V3 models, as their released checkpoints
-carry them: `num_nextn_predict_layers` more layers after the decoder, under `model.layers.{num_hidden_layers + j}.`.
+"""Multi-token-prediction (MTP) layers, as the released GLM-4.5 and DeepSeek-V3 / Kimi-K2 checkpoints carry them:
+`num_nextn_predict_layers` more layers after the decoder, under `model.layers.{num_hidden_layers + j}.`.
 
-    add_mtp_layers(model, out_dir, n=1)     # after save_pretrained: tensors into model.safetensors, config.json key
+    is_mtp_tensor(cfg, name)                # a tensor of those layers (config.json dict, HF tensor name)
+    add_mtp_layers(model, out_dir, n=1)     # tiny models: after save_pretrained, tensors into model.safetensors
 
 One MTP layer (DeepSeek-V3's and GLM-4.5's layout, what vLLM's *_mtp.py models read) is a decoder layer of the
 model's own kind (its self_attn.* and MoE mlp.* tensors, its two norms) plus `embed_tokens.weight` [V, H], `enorm` /
 `hnorm` (RMSNorm weights of the embedding and of the hidden state), `eh_proj.weight` [H, 2H] (the two joined) and
 `shared_head.norm.weight` / `shared_head.head.weight` [V, H]. transformers builds none of it (it lists these layers
 as keys to ignore), neither does the trainer (families' `ignored_hf_tensor`), nor vLLM's sampler: the tensors are
-here so that a checkpoint with them loads, trains and exports complete (trainer/weights/hf_export.py copies them).
+here so that a checkpoint with them loads, trains and exports complete (trainer/weights/hf_export.py copies them),
+and an engine started from one takes the trainer's pushes, which never hold them (rollout/engine.py). The rule is
+vLLM's (`get_spec_layer_idx_from_weight_name`): layers num_hidden_layers .. + num_nextn_predict_layers - 1. No
+torch at import (the trainer's family registry, which the preflight reads, uses `is_mtp_tensor`).
 """
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
-import torch
+_LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
 
 
-def mtp_tensors(model, n: int, seed: int = 1) -> dict[str, torch.Tensor]:
+def is_mtp_tensor(cfg: dict, name: str) -> bool:
+    """Whether HF tensor `name` belongs to a multi-token-prediction layer of the config.json dict `cfg`."""
+    extra = int(cfg.get("num_nextn_predict_layers") or 0)
+    m = _LAYER_INDEX.match(name)
+    return bool(extra) and m is not None and 0 <= int(m.group(1)) - int(cfg["num_hidden_layers"]) < extra
+
+
+def mtp_tensors(model, n: int, seed: int = 1) -> dict:
     """The tensors of `n` random MTP layers for a transformers CausalLM `model` (its config's sizes, its decoder
     layer class; weights of its initializer_range std, norm weights 1 + N(0, 0.1))."""
+    import torch
+
     config = model.config
     layer_cls = type(model.model.layers[-1])
     hidden, vocab, std = config.hidden_size, config.vocab_size, config.initializer_range
@@ -40,7 +54,7 @@ def mtp_tensors(model, n: int, seed: int = 1) -> dict[str, torch.Tensor]:
     return out
 
 
-def _per_expert(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _per_expert(state: dict) -> dict:
     """transformers 5's fused experts (`mlp.experts.gate_up_proj` [E, 2F, H], `down_proj` [E, H, F]) under the
     per-expert names save_pretrained writes and released checkpoints hold (`mlp.experts.{e}.gate_proj.weight`)."""
     out = {}
@@ -56,7 +70,9 @@ def _per_expert(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _random_like(name: str, t: torch.Tensor, std: float, gen: torch.Generator) -> torch.Tensor:
+def _random_like(name: str, t, std: float, gen):
+    import torch
+
     noise = torch.randn(t.shape, generator=gen, dtype=torch.float32)
     if "norm" in name and name.endswith(".weight"):
         return 1.0 + 0.1 * noise
