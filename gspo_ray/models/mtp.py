@@ -10,7 +10,7 @@ model's own kind (its self_attn.* and MoE mlp.* tensors, its two norms) plus `em
 `shared_head.norm.weight` / `shared_head.head.weight` [V, H]. transformers builds none of it (it lists these layers
 as keys to ignore), neither does the trainer (families' `ignored_hf_tensor`), nor vLLM's sampler: the tensors are
 here so that a checkpoint with them loads, trains and exports complete (trainer/weights/hf_export.py copies them),
-and an engine started from one takes the trainer's pushes, which never hold them (rollout/engine.py). The rule is
+and an engine started from one takes the trainer's pushes, which never hold them (rollout/weight_sync.py). The rule is
 vLLM's (`get_spec_layer_idx_from_weight_name`): layers num_hidden_layers .. + num_nextn_predict_layers - 1. No
 torch at import (the trainer's family registry, which the preflight reads, uses `is_mtp_tensor`).
 """

@@ -16,8 +16,9 @@ from gspo_ray.data.records import Prompt
 from gspo_ray.models.tiny import make_tiny_model
 from gspo_ray.data.shared_weights import SharedWeightWriter, current_node_id, read_shared
 from gspo_ray.rollout.weight_sync import (MiB, PushStats, WeightProbe, WeightSyncError, build_probe_sequences,
-                                          checkpoint_tensor_names, expert_names, flatten_buckets, hf_teacher_forced_logprobs, iter_buckets,
-                                          push_route, read_checkpoint_weights)
+                                          checkpoint_tensor_names, expert_names, flatten_buckets,
+                                          hf_teacher_forced_logprobs, iter_buckets, push_route,
+                                          read_checkpoint_weights)
 from gspo_ray.rollout.worker import RolloutWorker
 
 TOL = 1e-4
