@@ -19,7 +19,9 @@ def models_make_tiny(arch: str = typer.Option("qwen3_moe", help="qwen3_moe | qwe
                      out: Path = typer.Option(..., help="output directory"),
                      seed: int = 0, hidden: int = 64, layers: int = 2, experts: int = 4, top_k: int = 2,
                      init_std: float = typer.Option(0.02, help="std of the random weights (0.3 gives peaked "
-                                                    "log-probs: a near-uniform model agrees with anything)")):
+                                                    "log-probs: a near-uniform model agrees with anything)"),
+                     mtp_layers: int = typer.Option(0, help="multi-token-prediction layers after the decoder "
+                                                    "(glm4_moe, deepseek_v3: as their checkpoints carry them)")):
     """Build a tiny random HF model + char-level tokenizer locally (safetensors, untied embeddings)."""
     from gspo_ray.models.tiny import ARCHS, make_tiny_model
 
@@ -32,14 +34,19 @@ def models_make_tiny(arch: str = typer.Option("qwen3_moe", help="qwen3_moe | qwe
             typer.echo(f"error: {fixed[0]} is not taken for deepseek_v3 (hidden 64, 8 experts in 2 groups, top-2: "
                        "models/tiny_deepseek.py)", err=True)
             raise typer.Exit(2)
-        path = make_tiny_deepseek_v3(out, seed=seed, init_std=init_std, num_hidden_layers=layers)
+        path = make_tiny_deepseek_v3(out, seed=seed, init_std=init_std, num_hidden_layers=layers,
+                                     mtp_layers=mtp_layers)
         typer.echo(f"wrote {arch} model to {path}")
         return
     if arch not in ARCHS:
         typer.echo(f"error: --arch {arch!r} unknown; valid: {', '.join(ARCHS)}, deepseek_v3", err=True)
         raise typer.Exit(2)
+    if mtp_layers and arch != "glm4_moe":
+        typer.echo(f"error: --mtp-layers {mtp_layers} is not taken for {arch} (glm4_moe and deepseek_v3 only)",
+                   err=True)
+        raise typer.Exit(2)
     path = make_tiny_model(arch, out, seed=seed, hidden=hidden, layers=layers, experts=experts, top_k=top_k,
-                           init_std=init_std)
+                           init_std=init_std, mtp_layers=mtp_layers)
     typer.echo(f"wrote {arch} model to {path}")
 
 

@@ -7,9 +7,12 @@ from pydantic import Field, field_validator
 
 from gspo_ray.config.base import Strict
 
-# HF module names an adapter can target, as PEFT and vLLM name them (Qwen2/Qwen3/Llama/Qwen3-MoE/Mixtral names;
-# on MoE models gate_proj/up_proj/down_proj also target every expert's linears).
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# HF module names an adapter can target, as PEFT and vLLM name them: the Llama-like attention and MLP (on MoE models
+# gate_proj/up_proj/down_proj also target every expert's linears, and DeepSeekMoE's shared experts), then
+# multi-latent attention's (DeepSeek-V3 / Kimi-K2; its queries are q_proj without q_lora_rank). Which a model has is
+# its family's (trainer/families: `lora_targets`), checked by the preflight.
+DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_TARGETS = DEFAULT_LORA_TARGETS + ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
 
 
 class LoRAConfig(Strict):
@@ -21,8 +24,9 @@ class LoRAConfig(Strict):
     dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter's input while training "
                            "(PEFT's lora_dropout); the preflight refuses > 0: the old log-probs have no dropout, "
                            "so the ratio would move by dropout noise alone, against GSPO's ~3e-4 sequence band")
-    target_modules: list[str] = Field(list(LORA_TARGETS), min_length=1, description="HF linears to adapt, of "
-                                      f"{', '.join(LORA_TARGETS)}; on an MoE, gate/up/down_proj adapt every expert")
+    target_modules: list[str] = Field(list(DEFAULT_LORA_TARGETS), min_length=1, description="HF linears to adapt, "
+                                      f"of {', '.join(LORA_TARGETS)} (the last four: multi-latent attention's); on "
+                                      "an MoE, gate/up/down_proj adapt every expert and the shared experts")
     init_from: str | None = Field(None, description="a PEFT adapter directory (adapter_config.json + "
                                   "adapter_model.safetensors) to start from; None = A random (PEFT's kaiming "
                                   "init), B = 0, so step 0 is exactly the base model")

@@ -99,12 +99,17 @@ def perturb_zero_and_unit_tensors(model, std: float) -> None:
 
 
 def make_tiny_model(arch: str, out: str | Path, seed: int = 0, alphabet: str = DEFAULT_ALPHABET, hidden: int = 64,
-                    layers: int = 2, experts: int = 4, top_k: int = 2, heads: int = 2, init_std: float = 0.02) -> Path:
-    """Build tokenizer + random model and save both to `out` (HF layout, safetensors). Returns `out`."""
+                    layers: int = 2, experts: int = 4, top_k: int = 2, heads: int = 2, init_std: float = 0.02,
+                    mtp_layers: int = 0) -> Path:
+    """Build tokenizer + random model and save both to `out` (HF layout, safetensors). Returns `out`.
+    `mtp_layers`: that many multi-token-prediction layers after the decoder (glm4_moe only: models/mtp.py)."""
     from transformers import AutoModelForCausalLM
 
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; valid: {', '.join(ARCHS)}")
+    if mtp_layers and arch != "glm4_moe":
+        raise ValueError(f"mtp_layers {mtp_layers}: multi-token-prediction layers are built for glm4_moe and "
+                         f"deepseek_v3 only, not {arch}")
     out = Path(out)
     tokenizer = build_tokenizer(alphabet)
     config = build_config(arch, vocab_size=len(tokenizer), hidden=hidden, layers=layers, experts=experts,
@@ -117,10 +122,14 @@ def make_tiny_model(arch: str, out: str | Path, seed: int = 0, alphabet: str = D
         perturb_zero_and_unit_tensors(model, init_std)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
+    if mtp_layers:
+        from gspo_ray.models.mtp import add_mtp_layers
+
+        add_mtp_layers(model, out, mtp_layers)
     tokenizer.save_pretrained(out)
     (out / "tiny_model.json").write_text(json.dumps(
         {"arch": arch, "seed": seed, "alphabet": alphabet, "hidden": hidden, "layers": layers, "experts": experts,
-         "top_k": top_k, "heads": heads, "init_std": init_std,
+         "top_k": top_k, "heads": heads, "init_std": init_std, "mtp_layers": mtp_layers,
          "params": sum(p.numel() for p in model.parameters())}, indent=1))
     return out
 

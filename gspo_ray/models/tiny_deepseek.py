@@ -51,8 +51,9 @@ def perturb_constants(model, std: float) -> None:
 
 
 def make_tiny_deepseek_v3(out: str | Path, seed: int = 0, init_std: float = 0.3, rope: dict | None = None,
-                          **overrides) -> Path:
-    """Build the tokenizer and a random DeepseekV3ForCausalLM, save both to `out` with ENGINE_KEYS in config.json."""
+                          mtp_layers: int = 0, **overrides) -> Path:
+    """Build the tokenizer and a random DeepseekV3ForCausalLM, save both to `out` with ENGINE_KEYS in config.json;
+    `mtp_layers` multi-token-prediction layers after the decoder (models/mtp.py)."""
     from transformers import DeepseekV3ForCausalLM
 
     out = Path(out)
@@ -63,6 +64,10 @@ def make_tiny_deepseek_v3(out: str | Path, seed: int = 0, init_std: float = 0.3,
     perturb_constants(model, init_std)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
+    if mtp_layers:
+        from gspo_ray.models.mtp import add_mtp_layers
+
+        add_mtp_layers(model, out, mtp_layers)
     tokenizer.save_pretrained(out)
     path = out / "config.json"
     path.write_text(json.dumps(json.loads(path.read_text()) | ENGINE_KEYS, indent=1))

@@ -56,9 +56,16 @@ def check_lora(cfg: JobConfig, hf_config: dict | None, report: PreflightReport) 
                                       cfg.algorithm.mismatch_correction.level)
         if problem:
             raise PreflightError(f"trainer.lora on an MoE with CPU engines (rollout.num_gpus_per_worker 0): {problem}")
+    check_targets(lora.target_modules, spec, merged_push(lora.serve, spec.is_moe, on_cuda))
     shapes = expected_adapter_shapes(spec, lora.rank, lora.target_modules)
     if not shapes:
         raise PreflightError(f"trainer.lora.target_modules {lora.target_modules}: no linear of this model matches")
+    unmatched = [t for t in lora.target_modules if not any(f".{t}.lora_A." in n for n in shapes)]
+    if unmatched:
+        mla = spec.extra.get("mla")
+        hint = ("; its queries are q_a_proj / q_b_proj (q_lora_rank is set)" if unmatched[0] == "q_proj" and mla
+                else "")
+        raise PreflightError(f"trainer.lora.target_modules: {unmatched[0]!r} matches no linear of this model{hint}")
     side, name = min((min(s), n) for n, s in shapes.items() if ".lora_A." in n)
     if lora.rank > side:
         raise PreflightError(f"trainer.lora.rank ({lora.rank}) exceeds {name.split('.')[-3]}'s smaller side "
@@ -69,6 +76,26 @@ def check_lora(cfg: JobConfig, hf_config: dict | None, report: PreflightReport) 
     report.add("lora", "ok", f"rank {lora.rank} alpha {lora.alpha:g} on {len(shapes) // 2} linears, {trainable:,} "
                              "adapter parameters" + (f"; starts from {lora.init_from}" if lora.init_from else "")
                              + ("; MoE: merged full-weight pushes" if spec.is_moe else "; adapter-only pushes"))
+
+
+def check_targets(targets: list[str], spec, merged: bool) -> None:
+    """The targets are linears of the model's family (`Family.lora_targets`); multi-latent attention's kv_b_proj
+    only when the engines get merged weights: vLLM folds kv_b_proj's weight into its MLA decode kernels at load
+    (W_UK / W_UV), so a LoRA adapter served on it would change prefill but not decoding."""
+    from gspo_ray.trainer.families import family_of
+    from gspo_ray.trainer.families.base import DENSE_LORA_TARGETS
+
+    family = family_of(spec.arch)
+    offered = family.lora_targets if family is not None else DENSE_LORA_TARGETS
+    unknown = [t for t in targets if t not in offered]
+    if unknown:
+        raise PreflightError(f"trainer.lora.target_modules: {unknown[0]!r} is not a linear of {spec.arch} models; "
+                             f"valid: {', '.join(offered)}")
+    if "kv_b_proj" in targets and not merged:
+        raise PreflightError("trainer.lora.target_modules: 'kv_b_proj' with the adapter served to the engines "
+                             "(trainer.lora.serve adapter, CUDA engines): vLLM folds kv_b_proj into its multi-latent "
+                             "attention kernels at load, so decoding would not see the adapter; set "
+                             "trainer.lora.serve merged or drop kv_b_proj")
 
 
 def check_adapter_dir(path: Path, rank: int, alpha: float, shapes: dict[str, tuple[int, int]]) -> None:

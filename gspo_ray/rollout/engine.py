@@ -82,21 +82,6 @@ class Segment:
     routes: np.ndarray | None = None  # capture_routes: int16 [max_model_len, moe_layers, k] per position, -1 = none
 
 
-def checkpoint_tensor_names(model_dir: str | Path) -> set[str]:
-    """Tensor names in a checkpoint's safetensors files (headers only), fused experts named per expert
-    (`weight_sync.expert_names`); empty if there are none."""
-    from safetensors import safe_open
-
-    from gspo_ray.rollout.weight_sync import expert_names
-
-    names: set[str] = set()
-    for path in sorted(Path(model_dir).glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                names.update(expert_names(name, tuple(f.get_slice(name).get_shape())))
-    return names
-
-
 def mix_seed(*parts: int) -> int:
     """A well-spread 63-bit seed from integers (seed, prompt index, sample index, segment...)."""
     return int(np.random.SeedSequence([p & 0xFFFFFFFF for p in parts]).generate_state(2, np.uint64)[0] >> 1)
@@ -237,6 +222,8 @@ class RolloutEngine:
         torch.set_num_threads = set_num_threads
         self.max_model_len = max_model_len
         self.worker_id = worker_id
+        from gspo_ray.rollout.weight_sync import checkpoint_tensor_names
+
         self.checkpoint_names = checkpoint_tensor_names(model_path)  # what a complete weight push contains
         self.tensor_parallel_size = tensor_parallel_size
         self._writer = None  # a multi-process engine's own shared-memory file (pushes that come as tensors)

@@ -3,6 +3,7 @@
     buckets = iter_buckets(trainer_named_tensors, bucket_mb=64)    # trainer side (lazy generator)
     stats = push_buckets(engine, buckets)                          # rollout side: bounded memory
     metrics = verify_probe(engine, probe, tol=1e-4, count_experts=True)  # teacher-forced log-probs vs trainer's
+    names = checkpoint_tensor_names(model_dir)                     # what a complete push holds (engine.py checks)
 
 A bucket is a list of (HF parameter name, unsharded tensor) of at most `bucket_mb` MiB (a single larger tensor
 gets a bucket of its own). Buckets may also be `ray.ObjectRef`s: they are fetched one at a time while the engine
@@ -18,6 +19,7 @@ the record carries as `fallback`.
 """
 from __future__ import annotations
 
+import json
 import logging
 import math
 import re
@@ -186,6 +188,25 @@ def verify_probe(engine, probe: WeightProbe, tol: float | None = None, statistic
 
 
 _FUSED_EXPERTS = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<proj>[a-z0-9_]+?)(?P<kind>\.weight|_bias|\.bias)?$")
+
+
+def checkpoint_tensor_names(model_dir: str | Path) -> set[str]:
+    """Tensor names in a checkpoint's safetensors files (headers only), fused experts named per expert
+    (`expert_names`); empty if there are none. Without the multi-token-prediction layers of a GLM-4.5 /
+    DeepSeek-V3 checkpoint (models/mtp.py): vLLM's sampler skips them on load and the trainer never pushes them."""
+    from safetensors import safe_open
+
+    from gspo_ray.models.mtp import is_mtp_tensor
+
+    config_path = Path(model_dir) / "config.json"
+    cfg = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    names: set[str] = set()
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                if not is_mtp_tensor(cfg, name):
+                    names.update(expert_names(name, tuple(f.get_slice(name).get_shape())))
+    return names
 
 
 def expert_names(name: str, shape: tuple[int, ...]) -> list[str]:

@@ -40,12 +40,12 @@ def _random_adapter(root, rank=8, alpha=16):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from gspo_ray.config.lora import LORA_TARGETS
+    from gspo_ray.config.lora import DEFAULT_LORA_TARGETS
     from gspo_ray.models.tiny import make_tiny_model
 
     base = make_tiny_model("qwen2", root / "base", seed=0)
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(base), LoraConfig(
-        r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=list(LORA_TARGETS)))
+        r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=list(DEFAULT_LORA_TARGETS)))
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -166,3 +166,59 @@ def test_merged_bf16_pushes_need_a_mismatch_correction(tmp_path):
     _check(load_config(RECIPE, corrected + ["trainer.lora={rank: 8}"]), hf=moe)
     gpu = load_config(RECIPE, base + ["trainer.lora={rank: 8}", "rollout.num_gpus_per_worker=1", "rollout.lora_rank=8"])
     _check(gpu, hf=moe)  # CUDA engines serve the MoE's adapter: no merge, no rounding; lora_rank allowed
+
+
+def _deepseek_hf():
+    from gspo_ray.models.tiny_deepseek import ENGINE_KEYS, deepseek_v3_config
+
+    return deepseek_v3_config(32).to_dict() | ENGINE_KEYS
+
+
+@pytest.mark.parametrize("arch, targets, extra, expected", [
+    ("deepseek_v3", ["q_proj", "k_proj"], [], r"^trainer\.lora\.target_modules: 'k_proj' is not a linear of "
+     r"deepseek_v3 models; valid: q_proj, q_a_proj, q_b_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj, gate_proj, "
+     r"up_proj, down_proj$"),
+    ("deepseek_v3", ["q_proj", "o_proj"], [], r"^trainer\.lora\.target_modules: 'q_proj' matches no linear of this "
+     r"model; its queries are q_a_proj / q_b_proj \(q_lora_rank is set\)$"),
+    ("deepseek_v3", ["kv_b_proj"], ["rollout.num_gpus_per_worker=1"], r"^trainer\.lora\.target_modules: 'kv_b_proj' "
+     r"with the adapter served to the engines .*set trainer\.lora\.serve merged or drop kv_b_proj$"),
+    ("glm4_moe", ["q_proj", "q_a_proj"], [], r"^trainer\.lora\.target_modules: 'q_a_proj' is not a linear of "
+     r"glm4_moe models; valid: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj$"),
+    ("qwen2", ["kv_b_proj"], [], r"'kv_b_proj' is not a linear of qwen2 models"),
+])
+def test_a_target_the_family_lacks_is_refused_by_name(tmp_path, arch, targets, extra, expected):
+    hf = _deepseek_hf() if arch == "deepseek_v3" else _hf(arch)
+    cfg = load_config(RECIPE, [f"logging.out_dir={tmp_path}", f"trainer.lora={{rank: 8, target_modules: {targets}}}",
+                               *extra])
+    with pytest.raises(PreflightError, match=expected):
+        _check(cfg, hf=hf)
+
+
+def test_multi_latent_attention_and_shared_expert_targets_pass(tmp_path):
+    """DeepSeek-V3's MLA projections and the shared experts' linears are adapter targets (CPU engines: merged
+    pushes; kv_b_proj too, merged). The count: 2 layers x 5 MLA linears, 1 dense MLP x 3, 8 experts x 3 + 1 shared
+    MLP x 3 in the MoE layer; GLM-4.5 with the default targets: its shared expert too."""
+    targets = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj",
+               "down_proj"]
+    cfg = load_config(RECIPE, [f"logging.out_dir={tmp_path}", f"trainer.lora={{rank: 8, target_modules: {targets}}}"])
+    report = _check(cfg, hf=_deepseek_hf())
+    assert any("on 40 linears" in line and "merged full-weight pushes" in line for line in report.lines()), \
+        report.lines()
+    glm = load_config(RECIPE, [f"logging.out_dir={tmp_path}", "trainer.lora={rank: 8}"])  # the default targets
+    assert any("on 26 linears" in line for line in _check(glm, hf=_hf("glm4_moe")).lines())  # 4 + 4 + 3 + 12 + 3
+
+
+def test_without_q_lora_rank_the_mla_queries_are_q_proj(tmp_path):
+    """DeepSeek-V2-Lite-style MLA (no q_lora_rank): q_proj is Megatron's linear_q_proj, H -> heads x (nope + rope)."""
+    from gspo_ray.models.tiny_deepseek import ENGINE_KEYS, deepseek_v3_config
+
+    hf = deepseek_v3_config(32, q_lora_rank=None).to_dict() | ENGINE_KEYS
+    job = load_config(RECIPE, [f"logging.out_dir={tmp_path}",
+                               "trainer.lora={rank: 8, target_modules: [q_proj, kv_a_proj_with_mqa]}"])
+    report = _check(job, hf=hf)
+    assert any("on 4 linears" in line for line in report.lines()), report.lines()
+    shapes = expected_adapter_shapes(spec_from_hf_config(hf, "m"), 8, ["q_proj"])
+    assert shapes["base_model.model.model.layers.1.self_attn.q_proj.lora_B.weight"] == (4 * (32 + 64), 8)
+    with pytest.raises(PreflightError, match=r"'q_a_proj' matches no linear of this model$"):
+        _check(load_config(RECIPE, [f"logging.out_dir={tmp_path}",
+                                    "trainer.lora={rank: 8, target_modules: [q_a_proj, o_proj]}"]), hf=hf)

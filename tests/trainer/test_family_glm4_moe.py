@@ -1,15 +1,15 @@
 """The GLM-4.5 family (trainer/families/glm4_moe.py, the DeepSeekMoE block of families/deepseek_moe.py) on a tiny
 random Glm4MoeForCausalLM with every part switched on: a dense first layer, a shared expert, q/k/v biases, QK-norm,
 half-rotary RoPE, routed_scaling_factor 1.5, a non-zero router correction bias, weights of std 0.3 (peaked
-log-probs: a near-uniform model would agree with a wrong converter to 1e-3).
+log-probs: a near-uniform model would agree with a wrong converter to 1e-3), and one multi-token-prediction layer
+after the decoder (models/mtp.py), which every load skips and the HF export copies unchanged.
 
 One pair of spawned ranks: rank 0 first runs the 1-process checks in a world of its own (log-probs, the router's
-selection, the parameter names, bf16, R2 and R3 after the biases moved, checkpoints with a multi-token-prediction
-layer or a stray tensor), then both ranks build the model at TP 2 + SP and at EP 2 (log-probs), train one step on
-padded rows, group rows and packed rows at TP 2 + SP, train a 0-lr step at EP 2 whose weights go out as pushes do
-(the bucketed export and vLLM's nccl / ipc source) and into a checkpoint, and one step with Megatron's bias update
-on; rank 0 then resumes the checkpoint at EP 1. Here, in the test process, the checkpoint is exported to a HF
-directory that transformers loads. fp32; tolerance 1e-5.
+selection, the parameter names, bf16, R2 and R3 after the biases moved, a checkpoint with a stray tensor), then
+both ranks build the model at TP 2 + SP and at EP 2 (log-probs), train one step on padded rows, group rows and
+packed rows at TP 2 + SP, train a 0-lr step at EP 2 whose weights go out as pushes do (the bucketed export and
+vLLM's nccl / ipc source) and into a checkpoint, and one step with Megatron's bias update on; rank 0 then resumes the checkpoint at EP 1. Here, in the test process, the checkpoint is exported to a HF
+directory (the MTP layer copied) that transformers loads. fp32; tolerance 1e-5.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def glm_dir(tmp_path_factory):
     from gspo_ray.models.tiny import ensure_tiny_model
 
     return str(ensure_tiny_model("glm4_moe", tmp_path_factory.mktemp("tiny") / "glm4_moe", seed=0, layers=3,
-                                 init_std=0.3))
+                                 init_std=0.3, mtp_layers=1))
 
 
 def glm_config(**over):
@@ -167,21 +167,18 @@ def _replays(glm_dir, tokens, lengths, hf_routes):
     return out
 
 
-def _checkpoint_extras(glm_dir, mtp_dir, stray_dir):
-    """A checkpoint with a multi-token-prediction layer after the decoder loads (skipped); one with a tensor of no
-    place inside the decoder is refused."""
+def _stray_error(stray_dir):
+    """A checkpoint with a tensor of no place inside the decoder is refused (the MTP layer after it is skipped)."""
     from gspo_ray.trainer.model import build_model
 
-    model, _ = build_model(mtp_dir)
     try:
         build_model(stray_dir)
-        stray = None
     except ValueError as e:
-        stray = str(e)
-    return {"mtp_loaded": model is not None, "stray_error": stray}
+        return {"stray_error": str(e)}
+    return {"stray_error": None}
 
 
-def _single(rdzv, glm_dir, tokens, lengths, hf_routes, extras):
+def _single(rdzv, glm_dir, tokens, lengths, hf_routes, stray_dir):
     from gspo_ray.trainer.model import build_model
     from gspo_ray.trainer.parallel import destroy_distributed, init_distributed
 
@@ -199,7 +196,7 @@ def _single(rdzv, glm_dir, tokens, lengths, hf_routes, extras):
     out["bf16_dtypes"] = sorted({str(p.dtype) for p in bf16.parameters()})
     out["bf16_bias_dtype"] = str(bf16.decoder.layers[1].mlp.router.expert_bias.dtype)
     out |= _replays(glm_dir, tokens, lengths, hf_routes)
-    out |= _checkpoint_extras(glm_dir, *extras)
+    out |= _stray_error(stray_dir)
     destroy_distributed()
     return out
 
@@ -218,7 +215,7 @@ def _step(rank, world, port, glm_dir, batch, tcfg):
     return {"logp": logp, "metrics": metrics, "grads": grads}
 
 
-def _scenario(rank, world, ports, glm_dir, tokens, lengths, hf_routes, extras, batch, ckpt, rdzv):
+def _scenario(rank, world, ports, glm_dir, tokens, lengths, hf_routes, stray_dir, batch, ckpt, rdzv):
     from megatron.core import parallel_state
 
     from gspo_ray.trainer.model import build_model
@@ -226,7 +223,7 @@ def _scenario(rank, world, ports, glm_dir, tokens, lengths, hf_routes, extras, b
     from gspo_ray.trainer.weights.bridge import hf_state_dict_from_megatron
     from gspo_ray.trainer.worker import TrainerWorker
 
-    out = {"single": _single(rdzv, glm_dir, tokens, lengths, hf_routes, extras) if rank == 0 else None}
+    out = {"single": _single(rdzv, glm_dir, tokens, lengths, hf_routes, stray_dir) if rank == 0 else None}
     for layout, tp, ep in (("tp2_sp", 2, 1), ("ep2", 1, 2)):
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
@@ -322,9 +319,8 @@ def runs(glm_dir, tmp_path_factory):
     batch = prompt_groups()
     root = tmp_path_factory.mktemp("glm_runs")
     hf_routes = hf_selection(glm_dir, tokens, lengths)
-    extras = with_extra_tensor(glm_dir, root / "mtp", "model.layers.3.eh_proj.weight"), \
-        with_extra_tensor(glm_dir, root / "stray", "model.layers.1.mlp.gate.bias")
-    ranks = run_ranks(_scenario, 2, (glm_dir, tokens, lengths, hf_routes, extras, batch, str(root / "ckpt"),
+    stray = with_extra_tensor(glm_dir, root / "stray", "model.layers.1.mlp.gate.bias")
+    ranks = run_ranks(_scenario, 2, (glm_dir, tokens, lengths, hf_routes, stray, batch, str(root / "ckpt"),
                                      str(root)), n_ports=6)
     return {"ref": ref, "entropy": entropy, "tokens": tokens, "lengths": lengths, "ranks": ranks, "batch": batch,
             "ckpt": str(root / "ckpt"), "root": root}
@@ -357,7 +353,7 @@ def test_every_checkpoint_tensor_has_one_megatron_home_under_both_specs(glm_dir,
     spec = spec_from_hf_config(read_hf_config(glm_dir), glm_dir, tp=2, ep=2)
     layer_kinds = LayerKinds(te=True, grouped_gemm=True) if kinds == "te_grouped" else LayerKinds()
     homes = params_by_hf_name(spec, layer_kinds)
-    assert set(homes) == set(_input_tensors(glm_dir))
+    assert set(homes) == set(_input_tensors(glm_dir, mtp=False))
     assert homes["model.layers.2.mlp.gate.e_score_correction_bias"] == (0, "decoder.layers.2.mlp.router.expert_bias", 0)
     assert homes["model.layers.1.mlp.shared_experts.up_proj.weight"][1:] == (
         "decoder.layers.1.mlp.shared_experts.linear_fc1.weight", 1)
@@ -386,9 +382,14 @@ def test_a_bf16_model_keeps_its_router_bias_fp32_and_stays_close(runs):
     assert float(diff.median()) < 0.05 and float(diff.max()) < 1.0, (float(diff.median()), float(diff.max()))
 
 
-def test_multi_token_prediction_layers_are_skipped_and_other_strays_refused(runs):
+def test_multi_token_prediction_layers_are_skipped_and_other_strays_refused(runs, glm_dir):
+    """Every model of this file loaded from a checkpoint with a whole MTP layer (model.layers.3.*) after its three
+    decoder layers: skipped. A tensor of no place inside the decoder is refused by name."""
+    mtp = set(_input_tensors(glm_dir)) - set(_input_tensors(glm_dir, mtp=False))
+    assert {"model.layers.3.eh_proj.weight", "model.layers.3.self_attn.q_proj.weight",
+            "model.layers.3.mlp.experts.3.down_proj.weight"} <= mtp
+    assert all(n.startswith("model.layers.3.") for n in mtp)
     single = runs["ranks"][0]["single"]
-    assert single["mtp_loaded"]
     assert "1 tensors have no place in the Megatron model" in single["stray_error"], single["stray_error"]
     assert "model.layers.1.mlp.gate.bias" in single["stray_error"]
 
@@ -450,16 +451,23 @@ def test_expert_load_is_the_busiest_expert_over_the_mean():
                                                     "moe/expert_load_max_over_mean": 1.5}
 
 
-def _input_tensors(glm_dir):
+def _input_tensors(glm_dir, mtp: bool = True):
+    """The checkpoint's tensors; mtp=False: those the trainer's model holds (no multi-token-prediction layer)."""
     from safetensors.torch import load_file
 
-    return load_file(f"{glm_dir}/model.safetensors")
+    from gspo_ray.trainer.model_spec import read_hf_config
+
+    cfg, tensors = read_hf_config(glm_dir), load_file(f"{glm_dir}/model.safetensors")
+    return {n: t for n, t in tensors.items() if mtp or not FAMILIES["glm4_moe"].ignored_hf_tensor(cfg, n)}
 
 
 def test_a_zero_lr_push_and_checkpoint_hold_the_input_weights_and_export_loads_in_transformers(runs, glm_dir):
+    """The push holds the model's tensors; the export of the checkpoint holds every tensor of the input, the MTP
+    layer the model skipped copied bit for bit, and transformers loads it."""
     from gspo_ray.trainer.weights.hf_export import export_checkpoint
 
-    want = _input_tensors(glm_dir)
+    want, everything = _input_tensors(glm_dir, mtp=False), _input_tensors(glm_dir)
+    assert len(everything) > len(want)
     assert any(n.endswith("e_score_correction_bias") for n in want)
     for rank, r in enumerate(runs["ranks"]):
         pushed = r["pushed"]
@@ -476,7 +484,10 @@ def test_a_zero_lr_push_and_checkpoint_hold_the_input_weights_and_export_loads_i
     exported = {}
     for f in sorted(out.glob("*.safetensors")):
         exported |= load_file(str(f))
-    assert set(exported) == set(want) and all(torch.equal(exported[n], want[n]) for n in want)
+    assert set(exported) == set(everything) and all(torch.equal(exported[n], everything[n]) for n in everything)
+    import json
+
+    assert json.loads((out / "config.json").read_text())["num_nextn_predict_layers"] == 1
     batch = runs["batch"]
     ref = hf_logprobs(out, batch.tokens, batch.lengths)[0]
     trainer = runs["ranks"][0]["ep2_logp"]

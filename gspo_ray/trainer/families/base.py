@@ -22,8 +22,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # model_spec imports this package, never the other way at import time
     from gspo_ray.trainer.model_spec import ModelSpec
 
-# The HF linears a LoRA adapter can target in every family below, as PEFT and vLLM name them (config.lora's
-# LORA_TARGETS lists the same names; the trainer's LoRA maps them to the Megatron linears that hold them).
+# The HF linears a LoRA adapter can target in the Llama-like families, as PEFT and vLLM name them (config.lora's
+# DEFAULT_LORA_TARGETS lists the same names, its LORA_TARGETS adds multi-latent attention's; the trainer's LoRA maps
+# them to the Megatron linears that hold them).
 DENSE_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 

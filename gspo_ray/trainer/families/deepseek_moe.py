@@ -20,6 +20,7 @@ config.json states them; transformers 5 does not read them); `moe_layer_freq` ot
 """
 from __future__ import annotations
 
+from gspo_ray.models.mtp import is_mtp_tensor
 from gspo_ray.trainer.families.base import LLAMA_NAME_RULES, SHARED_EXPERT_NAME_RULES, MoEFamily, Router
 
 
@@ -56,6 +57,12 @@ class DeepSeekMoEFamily(MoEFamily):
                       bias_update_rate=float(spec.extra.get("router_bias_update_rate", 0.0)),
                       scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0), num_groups=groups,
                       group_topk=int(cfg.get("topk_group") or 1) if groups > 1 else 1)
+
+    def ignored_hf_tensor(self, cfg: dict, name: str) -> bool:
+        """The multi-token-prediction layers past the decoder (`num_nextn_predict_layers` of them, GLM-4.5's and
+        DeepSeek-V3's, models/mtp.py): skipped on load, copied unchanged by the HF export
+        (trainer/weights/hf_export.py)."""
+        return is_mtp_tensor(cfg, name)
 
     # ---- the HF config keys refused -----------------------------------------------------------------------------
     def refuse_unsupported(self, cfg: dict, hf_dir) -> None:

@@ -8,18 +8,14 @@ Read: the MLA keys (`q_lora_rank` optional, `kv_lora_rank`, `qk_nope_head_dim`, 
 `rope_parameters` / 4.x `rope_scaling`); refused by name: what attention/mla.py refuses (DeepSeek-V3.2's indexer,
 `rope_interleave: false`, YaRN variants the sides compute differently, ...), an FP8 block-quantised checkpoint
 (`quantization_config`: the official DeepSeek-V3 / Kimi-K2 weights; dequantise first). Skipped on load: the
-multi-token-prediction layers past the decoder (`num_nextn_predict_layers`), as in GLM-4.5. Kimi K2.5 and later
-(`kimi_k25`, multimodal) are another model_type: no family takes it.
+multi-token-prediction layers past the decoder (`num_nextn_predict_layers`), as in GLM-4.5; the HF export copies
+them unchanged. Kimi K2.5 and later (`kimi_k25`, multimodal) are another model_type: no family takes it.
 """
 from __future__ import annotations
 
-import re
-
-from gspo_ray.trainer.attention.mla import MLA_NAME_RULES, rope_parameters
+from gspo_ray.trainer.attention.mla import MLA_LORA_TARGETS, MLA_NAME_RULES, rope_parameters
 from gspo_ray.trainer.families.base import LLAMA_NAME_RULES, SHARED_EXPERT_NAME_RULES
 from gspo_ray.trainer.families.deepseek_moe import DeepSeekMoEFamily
-
-_LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
 
 
 class DeepseekV3(DeepSeekMoEFamily):
@@ -29,18 +25,13 @@ class DeepseekV3(DeepSeekMoEFamily):
     multi_latent_attention = True
     # MLA's rules first: its q_layernorm / linear_proj names shadow the Llama-like attention's
     name_rules = MLA_NAME_RULES + LLAMA_NAME_RULES + SHARED_EXPERT_NAME_RULES
-    # the linears the trainer's LoRA maps today (the MLA projections have no LoRA mapping yet: attention/mla.py's
-    # MLA_LORA_TARGETS names them for when they do); never run on this family
-    lora_targets = ("o_proj", "gate_proj", "up_proj", "down_proj")
+    # multi-latent attention's projections (q_proj only without q_lora_rank) and the MLPs': dense, routed and shared
+    # experts (trainer/lora/adapters.py)
+    lora_targets = MLA_LORA_TARGETS + ("gate_proj", "up_proj", "down_proj")
 
     def rope_theta(self, cfg: dict) -> float:
         """The RoPE base (default RoPE or YaRN: attention/mla.py reads and checks the rest)."""
         return float(rope_parameters(cfg)["rope_theta"])
-
-    def ignored_hf_tensor(self, cfg: dict, name: str) -> bool:
-        """The multi-token-prediction layers past the decoder (`num_nextn_predict_layers` of them)."""
-        m = _LAYER_INDEX.match(name)
-        return m is not None and int(m.group(1)) >= int(cfg["num_hidden_layers"])
 
     def refuse_unsupported(self, cfg: dict, hf_dir) -> None:
         super().refuse_unsupported(cfg, hf_dir)

@@ -10,15 +10,12 @@ Read (transformers 5.19 `Glm4MoeForCausalLM`, vLLM 0.32 `Glm4MoeForCausalLM`):
 - `use_qk_norm`: RMSNorm per head on queries and keys before RoPE: Megatron's `qk_layernorm`.
 Skipped: the multi-token-prediction layers a GLM-4.5 checkpoint carries after its decoder
 (`model.layers.{num_hidden_layers + j}.*`, `num_nextn_predict_layers`), which transformers and vLLM's sampler do not
-run either; the trainer's HF export does not write them.
+run either; the trainer's HF export copies them unchanged (trainer/weights/hf_export.py), so the exported
+checkpoint keeps them.
 """
 from __future__ import annotations
 
-import re
-
 from gspo_ray.trainer.families.deepseek_moe import DeepSeekMoEFamily
-
-_LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
 
 
 class Glm4Moe(DeepSeekMoEFamily):
@@ -33,11 +30,6 @@ class Glm4Moe(DeepSeekMoEFamily):
     def rotary_percent(self, cfg: dict) -> float:
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
         return float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.5)))
-
-    def ignored_hf_tensor(self, cfg: dict, name: str) -> bool:
-        """The multi-token-prediction layers past the decoder (`num_nextn_predict_layers` of them)."""
-        m = _LAYER_INDEX.match(name)
-        return m is not None and int(m.group(1)) >= int(cfg["num_hidden_layers"])
 
     def refuse_unsupported(self, cfg: dict, hf_dir) -> None:
         super().refuse_unsupported(cfg, hf_dir)

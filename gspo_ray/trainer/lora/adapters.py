@@ -8,7 +8,12 @@ parameter names stay Megatron's (`decoder.layers.0.self_attention.linear_qkv.lor
 the optimizer and checkpoints see the adapters as ordinary parameters. Fused Megatron linears hold one adapter per HF
 target: `linear_qkv` -> q_proj / k_proj / v_proj (their outputs interleaved per query group, as the base rows
 are), `linear_fc1` -> gate_proj / up_proj ([gate; up]), `linear_proj` -> o_proj, `linear_fc2` -> down_proj; the
-same for each MoE expert's linear_fc1 / linear_fc2 (SequentialMLP, expert-TP 1, experts split over EP).
+same for each MoE expert's linear_fc1 / linear_fc2 (SequentialMLP, expert-TP 1, experts split over EP) and for
+DeepSeekMoE's shared experts (`mlp.shared_experts.linear_fc1/2`, TP-split like a dense MLP, of their own width).
+Multi-latent attention (attention/mla.py): `linear_q_proj` -> q_proj (no q_lora_rank), `linear_q_down_proj` ->
+q_a_proj, `linear_q_up_proj` -> q_b_proj, `linear_kv_up_proj` -> kv_b_proj (all column-parallel),
+`linear_kv_down_proj` -> kv_a_proj_with_mqa (replicated, compat/megatron_mla_tp_grad.py), `linear_proj` -> o_proj
+(its input heads x v_head_dim wide).
 
 Tensor parallelism (sizes per TP rank; always with sequence parallelism, which build_model sets at TP > 1; an
 adapter on a TP linear without it is refused):
@@ -20,6 +25,9 @@ adapter on a TP linear without it is refused):
   is reduce-scattered onto token shards, then B's gradient all-reduced.
 - experts: local matmuls (the dispatcher moved the tokens; expert-TP is 1), adapter grads reduced over the expert
   data-parallel group like the expert weights (`allreduce=False` copied from the base weight).
+- replicated base (MLA's kv_down: every rank the whole weight, its own sequence-parallel tokens): A and B whole,
+  local matmuls, both factors passed through `copy_to_tensor_model_parallel_region` so their gradients (each rank's
+  tokens' part) are summed over TP in the backward.
 
 Linear classes (LINEAR_CLASSES, matched by class name along the MRO: Transformer Engine does not import on a
 machine without CUDA, so its classes are never imported here): Megatron's local ColumnParallelLinear /
@@ -66,8 +74,13 @@ _LAYER = r"decoder\.layers\.(\d+)\."
 _LINEARS: list[tuple[str, tuple[str, ...], str, str]] = [
     (_LAYER + r"self_attention\.linear_qkv", ("q_proj", "k_proj", "v_proj"), "qkv", "col"),
     (_LAYER + r"self_attention\.linear_proj", ("o_proj",), "copy", "row"),
-    (_LAYER + r"mlp\.linear_fc1", ("gate_proj", "up_proj"), "gated", "col"),
-    (_LAYER + r"mlp\.linear_fc2", ("down_proj",), "copy", "row"),
+    (_LAYER + r"self_attention\.linear_q_proj", ("q_proj",), "copy", "col"),
+    (_LAYER + r"self_attention\.linear_q_down_proj", ("q_a_proj",), "copy", "col"),
+    (_LAYER + r"self_attention\.linear_q_up_proj", ("q_b_proj",), "copy", "col"),
+    (_LAYER + r"self_attention\.linear_kv_down_proj", ("kv_a_proj_with_mqa",), "copy", "rep"),
+    (_LAYER + r"self_attention\.linear_kv_up_proj", ("kv_b_proj",), "copy", "col"),
+    (_LAYER + r"mlp\.(?:shared_experts\.)?linear_fc1", ("gate_proj", "up_proj"), "gated", "col"),
+    (_LAYER + r"mlp\.(?:shared_experts\.)?linear_fc2", ("down_proj",), "copy", "row"),
     (_LAYER + r"mlp\.experts\.local_experts\.(\d+)\.linear_fc1", ("gate_proj", "up_proj"), "gated", "col"),
     (_LAYER + r"mlp\.experts\.local_experts\.(\d+)\.linear_fc2", ("down_proj",), "copy", "row"),
 ]
@@ -81,7 +94,7 @@ class LinearTarget:
     targets: tuple[str, ...]         # HF targets adapted here (a subset of the linear's, in output order)
     all_targets: tuple[str, ...]     # every HF target the fused linear holds
     layout: str                      # "qkv" | "gated" | "copy"
-    kind: str                        # "col" | "row"
+    kind: str                        # "col" | "row" | "rep" (replicated: no TP split)
     layer: int
     local_expert: int | None         # expert index on this EP rank (None: dense)
 
@@ -140,24 +153,39 @@ def adapter_tp_split(param_name: str) -> str:
     t = match_linear(m["module"], [m["target"]]) if m else None
     if t is None:
         raise KeyError(f"{param_name!r} is no adapter of a known linear")
-    if t.local_expert is not None:
+    if t.local_expert is not None or t.kind == "rep":
         return "none"
     split = (m["factor"] == "B") == (t.kind == "col")  # column: B split on rows; row: A split on columns
     return t.kind if split else "none"
 
 
+def _mlp_width(t: LinearTarget, spec: ModelSpec) -> int:
+    if t.local_expert is not None:
+        return spec.moe_ffn_hidden_size
+    return spec.shared_expert_ffn_hidden_size if ".shared_experts." in t.name else spec.ffn_hidden_size
+
+
 def full_out_sizes(t: LinearTarget, spec: ModelSpec) -> dict[str, int]:
     """Output rows of each HF target at TP 1."""
-    d = spec.head_dim
-    ffn = spec.moe_ffn_hidden_size if t.local_expert is not None else spec.ffn_hidden_size
+    d, ffn, mla = spec.head_dim, _mlp_width(t, spec), spec.extra.get("mla")
     sizes = {"q_proj": spec.num_heads * d, "k_proj": spec.num_kv_heads * d, "v_proj": spec.num_kv_heads * d,
              "o_proj": spec.hidden_size, "gate_proj": ffn, "up_proj": ffn, "down_proj": spec.hidden_size}
+    if mla:  # attention/mla.py's options: per head qk_head_dim (no rope) + qk_pos_emb_head_dim (rope), v_head_dim
+        q_head = mla["qk_head_dim"] + mla["qk_pos_emb_head_dim"]
+        sizes |= {"q_proj": spec.num_heads * q_head, "q_a_proj": mla["q_lora_rank"],
+                  "q_b_proj": spec.num_heads * q_head,
+                  "kv_a_proj_with_mqa": mla["kv_lora_rank"] + mla["qk_pos_emb_head_dim"],
+                  "kv_b_proj": spec.num_heads * (mla["qk_head_dim"] + mla["v_head_dim"])}
     return {k: sizes[k] for k in t.targets}
 
 
 def full_in_size(t: LinearTarget, spec: ModelSpec) -> int:
-    ffn = spec.moe_ffn_hidden_size if t.local_expert is not None else spec.ffn_hidden_size
-    return {"o_proj": spec.num_heads * spec.head_dim, "down_proj": ffn}.get(t.targets[0], spec.hidden_size)
+    mla = spec.extra.get("mla")
+    sizes = {"o_proj": spec.num_heads * (mla["v_head_dim"] if mla else spec.head_dim),
+             "down_proj": _mlp_width(t, spec)}
+    if mla:
+        sizes |= {"q_b_proj": mla["q_lora_rank"], "kv_b_proj": mla["kv_lora_rank"]}
+    return sizes.get(t.targets[0], spec.hidden_size)
 
 
 class LoRAPair(nn.Module):
@@ -179,7 +207,9 @@ class ParallelLoRA(nn.Module):
         self.bypass = False  # the reference policy's forward: the base linear alone (reference_adapters)
         group = getattr(base, "tp_group", None)
         tp = group.size() if group is not None else 1
-        self.local = bool(getattr(base, "explicit_expert_comm", False)) or tp == 1  # no TP collectives
+        # a replicated base at TP > 1: whole factors, their gradients summed over TP (`_replica`)
+        self.replica_group = group if t.kind == "rep" and tp > 1 else None
+        self.local = bool(getattr(base, "explicit_expert_comm", False)) or tp == 1 or t.kind == "rep"  # no shards
         self.tp, self.tp_group = (1, None) if self.local else (tp, group)
         self.sequence_parallel = bool(getattr(base, "sequence_parallel", False)) and not self.local
         if not self.local and not self.sequence_parallel:  # build_model sets SP at TP > 1; nothing else is written
@@ -196,6 +226,14 @@ class ParallelLoRA(nn.Module):
             n: LoRAPair(cfg.rank, inp if col else inp // self.tp, s // self.tp if col else s, device)
             for n, s in outs.items()})
 
+    def _replica(self, p: Tensor) -> Tensor:
+        """A factor of a replicated linear: identity forward, its gradient summed over TP (each rank's tokens)."""
+        from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+
+        if self.replica_group is not None:
+            return copy_to_tensor_model_parallel_region(p, group=self.replica_group)
+        return p
+
     def _weight(self, p: Tensor) -> Tensor:
         """A replicated factor whose gradient is a sum over TP ranks' token shards (sequence parallelism)."""
         from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
@@ -211,7 +249,9 @@ class ParallelLoRA(nn.Module):
         h_in = F.dropout(x.float(), self.dropout, self.training) if self.dropout else x.float()
         outs = {}
         for name, pair in self.pairs.items():
-            if self.target.kind == "col":
+            if self.target.kind == "rep":
+                outs[name] = ((h_in @ self._replica(pair.A).t()) @ self._replica(pair.B).t()) * self.scale
+            elif self.target.kind == "col":
                 h = h_in @ self._weight(pair.A).t()
                 if self.sequence_parallel:  # tokens split over TP: gather r numbers a token, not the hidden size
                     h = mp.gather_from_sequence_parallel_region(h, True, group=self.tp_group)
@@ -230,7 +270,8 @@ class ParallelLoRA(nn.Module):
         scale folded in, added by one addmm: two small matmuls a linear instead of two per target, and no
         [tokens, out] temporaries for the scale, the concatenation and the sum. Equal to out + self(x) up to
         float summation order."""
-        if not self.local or out.dtype != torch.float32 or x.dtype != torch.float32:
+        if (not self.local or self.replica_group is not None or out.dtype != torch.float32
+                or x.dtype != torch.float32):
             return out + self(x)
         pairs = list(self.pairs.values())
         a = pairs[0].A if len(pairs) == 1 else torch.cat([p.A for p in pairs])

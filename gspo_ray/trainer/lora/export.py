@@ -57,7 +57,8 @@ def adapter_from_checkpoint(ckpt_dir: str | Path, model_dir: str | Path) -> tupl
             for r, shard in enumerate(by_ep):
                 out[peft_names(adapter_hf_module(t, m["target"], spec, ep_rank=r))[a_or_b]] = shard[name].float()
             continue
-        split = (m["factor"] == "B") == (t.kind == "col")  # column: B split on rows; row: A split on columns
+        # column: B split on rows; row: A split on columns; replicated (MLA's kv_down): neither
+        split = t.kind != "rep" and (m["factor"] == "B") == (t.kind == "col")
         parts = [s[name] for s in by_tp] if split and spec.tp > 1 else [by_tp[0][name]]
         full = torch.cat(parts, dim=0 if t.kind == "col" else 1)
         out[peft_names(adapter_hf_module(t, m["target"], spec, ep_rank=0))[a_or_b]] = full.float()

@@ -10,7 +10,9 @@
 
 PEFT names (what `peft.PeftModel.from_pretrained` and vLLM's LoRA loader read):
 `base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight` [r, in], `...lora_B.weight` [out, r]; MoE
-experts `base_model.model.model.layers.{i}.mlp.experts.{e}.gate_proj.lora_A.weight` (global expert index e).
+experts `base_model.model.model.layers.{i}.mlp.experts.{e}.gate_proj.lora_A.weight` (global expert index e), shared
+experts `...mlp.shared_experts.gate_proj...`, multi-latent attention `...self_attn.kv_b_proj...` (q_a_proj, q_b_proj,
+kv_a_proj_with_mqa, kv_b_proj, o_proj).
 """
 from __future__ import annotations
 
@@ -176,10 +178,14 @@ def expected_adapter_shapes(spec: ModelSpec, rank: int, targets: list[str]) -> d
     what an `init_from` adapter must hold, exactly."""
     from gspo_ray.trainer.lora.adapters import full_in_size, full_out_sizes, match_linear
 
+    mla = spec.extra.get("mla")
+    attention = ["linear_qkv"] if not mla else (["linear_q_proj"] if mla["q_lora_rank"] is None else [
+        "linear_q_down_proj", "linear_q_up_proj"]) + ["linear_kv_down_proj", "linear_kv_up_proj"]
     linears = []
     for i in range(spec.num_layers):
-        linears += [f"decoder.layers.{i}.self_attention.linear_qkv", f"decoder.layers.{i}.self_attention.linear_proj"]
-        mlps = ([f"decoder.layers.{i}.mlp.experts.local_experts.{e}" for e in range(spec.num_experts)]
+        linears += [f"decoder.layers.{i}.self_attention.{n}" for n in attention + ["linear_proj"]]
+        shared = [f"decoder.layers.{i}.mlp.shared_experts"] if spec.shared_expert_ffn_hidden_size else []
+        mlps = ([f"decoder.layers.{i}.mlp.experts.local_experts.{e}" for e in range(spec.num_experts)] + shared
                 if i in spec.moe_layers else [f"decoder.layers.{i}.mlp"])
         linears += [f"{m}.{fc}" for m in mlps for fc in ("linear_fc1", "linear_fc2")]
     out = {}

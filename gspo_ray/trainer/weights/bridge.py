@@ -4,6 +4,7 @@
     export_hf_weights(model, spec, bucket_mb=64) -> Iterator[list[tuple[str, Tensor]]]   # collective
     hf_state_dict_from_megatron(model, spec) -> dict[str, Tensor]     # collective; the whole HF state dict
     save_hf_checkpoint(model, spec, out_dir, tokenizer_src_dir=None) -> None   # collective; rank 0 writes
+    skipped_hf_tensors(hf_dir, hf_config) -> Iterator[(name, Tensor)]   # the tensors the model skips (MTP layers)
     write_hf_dir(hf_state, hf_config, src_dir, out_dir) -> Path       # no process group: a full state dict in hand
 
 Export is collective: every rank of the world calls it, in the same order, and every rank yields the same full
@@ -190,6 +191,19 @@ class HFCheckpoint:
         raise KeyError(f"{self.dir}: tensor {name!r} not found in the safetensors files")
 
 
+def skipped_hf_tensors(hf_dir: str | Path, hf_config: dict) -> Iterator[tuple[str, Tensor]]:
+    """The tensors of a HF checkpoint that the trainer's model skips by design (`Family.ignored_hf_tensor`: the
+    multi-token-prediction layers GLM-4.5 and DeepSeek-V3 carry after the decoder), as stored, in name order: an
+    export copies them unchanged, so the exported checkpoint is as complete as the one trained from."""
+    family = family_of(hf_config.get("model_type"))
+    if family is None:
+        return
+    base = HFCheckpoint(hf_dir)
+    for name in sorted(base.keys()):
+        if family.ignored_hf_tensor(hf_config, name):
+            yield name, base.get(name)
+
+
 def _ranks(spec: ModelSpec) -> tuple[int, int]:
     from megatron.core import parallel_state as ps
 
@@ -305,10 +319,13 @@ def save_hf_checkpoint(model, spec: ModelSpec, out_dir: str | Path, tokenizer_sr
     """Write a HF model directory (safetensors + config.json + tokenizer files). Collective; rank 0 writes.
 
     Non-weight files (config, generation config, tokenizer) are copied from `tokenizer_src_dir` (default: the
-    directory the model was built from); config.json's dtype is set to the exported dtype."""
+    directory the model was built from); config.json's dtype is set to the exported dtype. The tensors the model
+    skips (multi-token-prediction layers) are copied from the directory it was built from, in its dtype."""
     state = hf_state_dict_from_megatron(model, spec)
     if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
         return
+    dtype = next(iter(state.values())).dtype
+    state |= {name: t.to(dtype) for name, t in skipped_hf_tensors(spec.hf_dir, spec.hf_config)}
     write_hf_dir(state, spec.hf_config, tokenizer_src_dir or spec.hf_dir, out_dir, max_shard_size=max_shard_size)
 
 

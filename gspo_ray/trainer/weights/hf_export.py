@@ -25,7 +25,13 @@ import torch
 from torch import Tensor
 
 from gspo_ray.trainer.checkpoints import checkpoint as ckpt
-from gspo_ray.trainer.weights.bridge import param_map, split_to_hf, unshard_tp, write_hf_side_files
+from gspo_ray.trainer.weights.bridge import (
+    param_map,
+    skipped_hf_tensors,
+    split_to_hf,
+    unshard_tp,
+    write_hf_side_files,
+)
 from gspo_ray.trainer.model_spec import DTYPES, ModelSpec, read_hf_config, spec_from_hf_config
 
 
@@ -132,14 +138,19 @@ def export_checkpoint(ckpt_dir: str | Path, model_dir: str | Path, out_dir: str 
 
     Streamed: model tensors are read one parameter at a time from memory-mapped rank files (never the optimizer
     state) and written in safetensors shards of `max_shard_bytes` as they come, so this process holds about one
-    shard, not the model (the LoRA merge still builds the merged state in memory, trainer/lora/export.py)."""
+    shard, not the model (the LoRA merge still builds the merged state in memory, trainer/lora/export.py).
+
+    The tensors the trainer's model skips (the multi-token-prediction layers of GLM-4.5 / DeepSeek-V3 checkpoints,
+    `Family.ignored_hf_tensor`) are copied from `model_dir` unchanged (cast only when `dtype` is given), so the
+    export is as complete as the checkpoint trained from; the LoRA merge starts from every base tensor already."""
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"export dtype {dtype!r} unknown; valid: {', '.join(DTYPES)}")
     from gspo_ray.trainer.lora.export import checkpoint_lora, merged_hf_state
 
     # a LoRA checkpoint holds adapters only: the HF model is the base with them merged (trainer/lora/export.py)
     lora = checkpoint_lora(ckpt_dir) is not None
-    tensors = iter(merged_hf_state(ckpt_dir, model_dir).items()) if lora else hf_tensors(ckpt_dir, model_dir)
+    tensors = iter(merged_hf_state(ckpt_dir, model_dir).items()) if lora else itertools.chain(
+        hf_tensors(ckpt_dir, model_dir), skipped_hf_tensors(model_dir, read_hf_config(model_dir)))
     if dtype is not None:
         tensors = ((k, v.to(DTYPES[dtype])) for k, v in tensors)
     first = next(tensors)
