@@ -17,8 +17,9 @@ class TrainerConfig(Strict):
     ep: int = Field(1, ge=1, description="expert parallel size (must divide num_workers and the expert count)")
     cp: int = Field(1, ge=1, description="context parallel size: each sequence's tokens split over cp ranks, "
                     "attention gathering keys and values over them (docs/scale.md, 'Memory')")
-    pp: int = Field(1, ge=1, description="pipeline parallel size: the layers split into pp stages, micro-batches "
-                    "flowing through them (docs/scale.md, 'Memory')")
+    pp: int = Field(1, ge=1, description="pipeline parallel size: the layers split evenly into pp stages (pp must "
+                    "divide the model's layers), micro-batches flowing through them by Megatron's 1F1B schedule; "
+                    "tp x pp divides num_workers (docs/scale.md, 'Pipeline parallelism')")
     num_cpus_per_worker: float = Field(1, gt=0, description="Ray CPUs per trainer actor")
     num_gpus_per_worker: float = Field(0, ge=0, description="Ray GPUs per trainer actor")
     num_threads: int | None = Field(None, ge=1, description="OpenMP threads of each rank; None = auto: on a local "
@@ -192,16 +193,43 @@ class TrainerConfig(Strict):
                              f"{self.recompute!r}")
         if self.num_workers % self.tp:
             raise ValueError(f"trainer.tp ({self.tp}) must divide trainer.num_workers ({self.num_workers})")
-        for field in ("cp", "pp"):
-            if getattr(self, field) > 1:  # the trainer builds neither yet
-                raise ValueError(f"trainer.{field} ({getattr(self, field)}) > 1 is not built yet; use 1")
+        if self.cp > 1:  # the trainer does not build it yet
+            raise ValueError(f"trainer.cp ({self.cp}) > 1 is not built yet; use 1")
+        if self.num_workers % (self.tp * self.pp):
+            raise ValueError(f"trainer.tp x trainer.pp ({self.tp} x {self.pp}) must divide trainer.num_workers "
+                             f"({self.num_workers})")
+        problem = self.pipeline_problem()
+        if problem:
+            raise ValueError(problem)
         if self.num_workers % self.ep:
             raise ValueError(f"trainer.ep ({self.ep}) must divide trainer.num_workers ({self.num_workers})")
         return self
 
+    def pipeline_problem(self, is_moe: bool | None = None) -> str | None:
+        """Why this config cannot run at its trainer.pp > 1 (one line naming the fields), or None. is_moe: whether
+        the model has routers (None: unknown; the MoE-only observers are then judged by the preflight and the
+        trainer, which read the model). Not built under pipeline parallelism (trainer/pipeline.py): LoRA (its
+        adapters' export and checkpoints gather no stages), recompute (not run across stage boundaries), and the
+        routing observers that run forwards or keep records outside the schedule (Routing Replay, the noise
+        probe, agreement; for an MoE also drift and router churn, on by default: set them off)."""
+        if self.pp == 1:
+            return None
+        checks = [("trainer.lora", self.lora is not None), ("trainer.recompute", self.recompute != "none"),
+                  ("trainer.routing_replay", self.routing_replay != "none"),
+                  ("trainer.routing_noise", self.routing_noise), ("trainer.routing_agreement", self.routing_agreement)]
+        if is_moe:  # Megatron: the allgather dispatcher does not take micro-batches of varying shapes
+            checks += [("trainer.moe_dispatcher allgather", self.moe_dispatcher == "allgather"),
+                       ("trainer.routing_drift", self.routing_drift),
+                       ("trainer.router_churn_every", self.router_churn_every > 0)]
+        refused = [name for name, on in checks if on]
+        if not refused:
+            return None
+        return (f"trainer.pp ({self.pp}) cannot run with {', '.join(refused)} (not built under pipeline "
+                "parallelism): turn them off or set trainer.pp: 1")
+
     @property
     def dp(self) -> int:
-        return self.num_workers // self.tp
+        return self.num_workers // (self.tp * self.pp)
 
     def resize_problem(self, num_workers: int) -> str | None:
         """Why a live pool of this config cannot be resized to `num_workers` ranks (None: the layout and the
