@@ -18,6 +18,7 @@ record of the architecture.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -212,6 +213,20 @@ def stage_layers(num_layers: int) -> range:
     return range(stage * per, (stage + 1) * per)
 
 
+def _gpt_model(spec: ModelSpec, config, block_spec):
+    """This pipeline stage's GPTModel: the first stage embeds, the last holds the final norm and the output layer
+    (the log-prob head's weight)."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+    return GPTModel(
+        config=config, transformer_layer_spec=block_spec,
+        vocab_size=spec.padded_vocab_size, max_sequence_length=spec.extra["max_position_embeddings"],
+        pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
+        parallel_output=True, share_embeddings_and_output_weights=spec.tied_embeddings,
+        position_embedding_type="rope", rotary_percent=spec.rotary_percent, rotary_base=spec.extra["rope_theta"])
+
+
 def te_grouped_gemm_available() -> bool:
     """Whether megatron-core has Transformer Engine's grouped linear (TE >= 1.9: TEColumnParallelGroupedLinear, what
     TEGroupedMLP is built from); without it Megatron would fall back to the legacy GroupedMLP, never built here."""
@@ -263,7 +278,6 @@ def build_model(hf_dir: str, *, dtype: torch.dtype = torch.float32, sequence_par
     chosen.
     """
     from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
 
     from gspo_ray.compat import megatron_cpu
     from gspo_ray.compat.megatron_mla_without_te import apply_mla_te_fix
@@ -290,14 +304,11 @@ def build_model(hf_dir: str, *, dtype: torch.dtype = torch.float32, sequence_par
         recompute_modules, use_te, grouped) else "none"}.get(recompute, "none")
     config.perform_initialization = not load_weights  # every parameter is overwritten by the loader
     config.moe_enable_routing_replay = routing_replay and spec.is_moe  # each router gets a RouterReplay
-    # pipeline stage: the first embeds, the last holds the final norm and output layer (the log-prob head's weight)
     layers = stage_layers(spec.num_layers)
-    model = GPTModel(
-        config=config, transformer_layer_spec=_block_spec(spec, grouped, attention, attention_recompute, layers),
-        vocab_size=spec.padded_vocab_size, max_sequence_length=spec.extra["max_position_embeddings"],
-        pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
-        parallel_output=True, share_embeddings_and_output_weights=spec.tied_embeddings,
-        position_embedding_type="rope", rotary_percent=spec.rotary_percent, rotary_base=spec.extra["rope_theta"])
+    # a tied embedding's last-stage copy is summed with the first stage's at construction, after a `.cuda()`
+    # (a no-op in cpu_device_mode; the loaded values are summed again by bridge.sync_tied_output)
+    with megatron_cpu.cpu_device_mode() if len(layers) < spec.num_layers else contextlib.nullcontext():
+        model = _gpt_model(spec, config, _block_spec(spec, grouped, attention, attention_recompute, layers))
     if torch.cuda.is_available():
         model = model.cuda()
     for p in model.parameters():  # the torch norm wrappers ignore params_dtype; HF keeps norms in the model dtype
