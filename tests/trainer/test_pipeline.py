@@ -3,7 +3,8 @@
 One process at PP 1 and two ranks at PP 2 (one layer per stage) take the same GSPO step on the same mini-batch in
 3 micro-batches (micro_batch_size 3 of 8 rows: the schedule's warm-up, steady 1F1B and cool-down all run, with
 micro-batches of different shapes): equal log-probs before, loss, metrics and every gradient (by global name),
-log-probs after. The HF export of the PP 2 trainer (every stage's tensors gathered) equals PP 1's. Checkpoints
+log-probs after. The HF export of the PP 2 trainer (every stage's tensors gathered) equals PP 1's, and the offline
+export of its checkpoint (`gspo-ray export`) equals it. Checkpoints
 cross PP sizes both ways with their optimizer state: PP 1's, loaded at PP 2, and PP 2's, loaded at PP 1 (DP 2),
 each take a second step equal to PP 1's own second step.
 """
@@ -80,12 +81,12 @@ def runs(tiny_llama_dir, tiny_moe_dir, tmp_path_factory):
     models = {"llama": str(tiny_llama_dir), "qwen3_moe": str(tiny_moe_dir)}
     single = run_ranks(_pp1, 1, (models, tmp), n_ports=2)[0]
     pp2 = run_ranks(_pp2, 2, (models, tmp, {a: single[a]["batch"] for a in ARCHS}), n_ports=4)
-    return single, pp2
+    return single, pp2, tmp, models
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_pp2_step_equals_pp1(runs, arch):
-    single, pp2 = runs
+    single, pp2 = runs[:2]
     one, stages = single[arch], [r[arch] for r in pp2]
     assert [s["layers"] for s in stages] == [1, 1]  # one layer per stage: the pipeline really splits the model
     assert (one["logp1"] - one["logp0"]).abs().max() > 1e-3  # the step moved the policy
@@ -109,16 +110,22 @@ def test_pp2_step_equals_pp1(runs, arch):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_pp2_export_equals_pp1(runs, arch):
-    single, pp2 = runs
+    single, pp2 = runs[:2]
     hf1, hf2 = single[arch]["hf"], pp2[0][arch]["hf"]  # rank 0 holds the export
     assert sorted(hf2) == sorted(hf1)
     for name, t in hf1.items():  # after the step: equal up to the last bits of the update (see above)
         assert hf2[name].dtype == t.dtype and (hf2[name] - t).abs().max() <= 1e-6, name
+    # the offline export of the PP 2 checkpoint (saved right after the export) reads every stage's rank files
+    from gspo_ray.trainer.weights.hf_export import hf_tensors
+
+    tmp, models = runs[2:]
+    offline = dict(hf_tensors(f"{tmp}/pp2_{arch}", models[arch]))
+    assert sorted(offline) == sorted(hf2) and all(torch.equal(offline[n], t) for n, t in hf2.items())
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_checkpoints_cross_pp_sizes(runs, arch):
-    single, pp2 = runs
+    single, pp2 = runs[:2]
     want = single[arch]["logp2"]
     assert (want - single[arch]["logp1"]).abs().max() > 1e-4  # the second step moved the policy again
     for r in pp2:
