@@ -151,3 +151,34 @@ def test_the_recomputed_anchor_in_async_one_pass_is_refused_where_it_silences_th
     assert cfg.algorithm.eps == "auto"
     # sync mode with recompute has no staleness to correct: a fixed band alone is accepted
     assert load_config(RECIPE, [*recompute, "algorithm.eps=fixed", "coordinator.mode=sync"]).coordinator.mode == "sync"
+
+
+@pytest.mark.parametrize("overrides,names", [
+    (["trainer.num_workers=3", "trainer.pp=2"], ["trainer.tp x trainer.pp"]),  # 2 stages do not divide 3 ranks
+    (["trainer.num_workers=2", "trainer.pp=2", "trainer.recompute=full"], ["trainer.recompute"]),
+    (["trainer.num_workers=2", "trainer.pp=2", "trainer.routing_agreement=true"], ["trainer.routing_agreement"]),
+    (["trainer.num_workers=2", "trainer.pp=2", "trainer.routing_replay=R2"], ["trainer.routing_replay"]),
+])
+def test_pipeline_refusals_name_the_fields(overrides, names):
+    with pytest.raises(ConfigError) as e:
+        load_config(RECIPE, overrides)
+    assert all(n in str(e.value) for n in names + ["trainer.pp"]), str(e.value)
+
+
+def test_pipeline_preflight_reads_the_model():
+    """What depends on the model is judged by the preflight (before Ray): trainer.pp must divide its layers, and
+    an MoE's drift / churn observers (on by default) must be off under PP; the recipe's tiny MoE has 2 layers."""
+    from gspo_ray.preflight.job_model import check_tiny_config
+    from gspo_ray.preflight.model import PreflightError
+
+    with pytest.raises(PreflightError, match=r"trainer\.pp \(4\) must divide the model's 2 layers"):
+        check_tiny_config(load_config(RECIPE, ["trainer.num_workers=4", "trainer.pp=4"]), on_cpu=True)
+    with pytest.raises(PreflightError, match=r"trainer\.routing_drift, trainer\.router_churn_every"):
+        check_tiny_config(load_config(RECIPE, ["trainer.num_workers=2", "trainer.pp=2"]), on_cpu=True)
+    with pytest.raises(PreflightError, match=r"rollout\.weight_transfer nccl cannot push from trainer\.pp"):
+        check_tiny_config(load_config(RECIPE, ["trainer.num_workers=2", "trainer.pp=2", "trainer.routing_drift=false",
+                                               "trainer.router_churn_every=0", "rollout.weight_transfer=nccl",
+                                               "trainer.num_gpus_per_worker=1", "rollout.num_gpus_per_worker=1"]),
+                          on_cpu=True)
+    check_tiny_config(load_config(RECIPE, ["trainer.num_workers=2", "trainer.pp=2", "trainer.routing_drift=false",
+                                           "trainer.router_churn_every=0"]), on_cpu=True)
