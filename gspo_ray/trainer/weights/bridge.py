@@ -330,13 +330,15 @@ def _hf_tensors(model, spec: ModelSpec) -> Iterator[tuple[str, Tensor]]:
     """(HF name, full tensor) of every base weight, the same on every rank (collective). Under pipeline
     parallelism stage after stage: the stage's ranks gather each tensor over TP / EP, then its rank broadcasts it
     over its pipeline group (a header object, then the tensors)."""
-    # the base weights only (MergedParameters in trainer/lora/peft_io.py folds adapters in)
-    mine = [(name, param) for name, param in named_weights(model) if not is_lora_param(name)]
+    # the base weights only (MergedParameters in trainer/lora/peft_io.py folds adapters in: one merged weight
+    # alive at a time, so at PP 1 they are read one by one)
+    weights = ((name, param) for name, param in named_weights(model) if not is_lora_param(name))
     pipeline = _pipeline()
     if pipeline is None:
-        for name, param in mine:
+        for name, param in weights:
             yield from _full_hf_tensors(name, param, spec)
         return
+    mine = list(weights)  # (no LoRA under pipeline parallelism: TrainerConfig.pipeline_problem)
     group, ranks, stage = pipeline
     device = mine[0][1].device
     counts = [None] * len(ranks)
