@@ -165,6 +165,14 @@ def test_pipeline_refusals_name_the_fields(overrides, names):
     assert all(n in str(e.value) for n in names + ["trainer.pp"]), str(e.value)
 
 
+def test_pipeline_resize_keeps_whole_stages():
+    from gspo_ray.config import TrainerConfig
+
+    cfg = TrainerConfig(num_workers=4, pp=2)
+    assert cfg.dp == 2 and cfg.resize_problem(6) is None
+    assert "trainer.tp x trainer.pp (2) must divide trainer.num_workers (3)" in cfg.resize_problem(3)
+
+
 def test_pipeline_preflight_reads_the_model():
     """What depends on the model is judged by the preflight (before Ray): trainer.pp must divide its layers, and
     an MoE's drift / churn observers (on by default) must be off under PP; the recipe's tiny MoE has 2 layers."""

@@ -12,7 +12,7 @@ from gspo_ray.config.lora import LoRAConfig
 class TrainerConfig(Strict):
     """The trainer pool: Megatron-core workers forming one process group (DP x TP, experts over EP)."""
 
-    num_workers: int = Field(1, ge=1, description="trainer actors = world size; DP = num_workers / tp")
+    num_workers: int = Field(1, ge=1, description="trainer actors = world size; DP = num_workers / (tp x pp)")
     tp: int = Field(1, ge=1, description="tensor parallel size (sequence parallelism is on when tp > 1)")
     ep: int = Field(1, ge=1, description="expert parallel size (must divide num_workers and the expert count)")
     cp: int = Field(1, ge=1, description="context parallel size: each sequence's tokens split over cp ranks, "
@@ -147,7 +147,7 @@ class TrainerConfig(Strict):
             return True
         if self.use_distributed_optimizer is not None:
             return self.use_distributed_optimizer
-        return self.num_workers // self.tp > 1
+        return self.dp > 1
 
     export_bucket_mb: float = Field(64, gt=0, description="bucket size when exporting weights to rollout")
     export_shared_memory: bool = Field(True, description="weight pushes (full or adapter) go through a "
@@ -235,7 +235,7 @@ class TrainerConfig(Strict):
         """Why a live pool of this config cannot be resized to `num_workers` ranks (None: the layout and the
         checkpoint can follow), whatever the cluster's room: the rule `gspo-ray scale trainer` and the
         autoscaler share (coordinator/recovery.py adds the cluster's room)."""
-        for name, size in (("tp", self.tp), ("ep", self.ep)):
+        for name, size in (("tp", self.tp), ("ep", self.ep), ("tp x trainer.pp", self.tp * self.pp)):
             if num_workers % size:
                 return f"trainer.{name} ({size}) must divide trainer.num_workers ({num_workers})"
         # a distributed optimizer's state reshards on load like the model (trainer/checkpoints/shards.py): not refused
