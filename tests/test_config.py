@@ -155,7 +155,7 @@ def test_the_recomputed_anchor_in_async_one_pass_is_refused_where_it_silences_th
 
 @pytest.mark.parametrize("overrides,names", [
     (["trainer.num_workers=3", "trainer.pp=2"], ["trainer.tp x trainer.pp"]),  # 2 stages do not divide 3 ranks
-    (["trainer.num_workers=2", "trainer.pp=2", "trainer.recompute=full"], ["trainer.recompute"]),
+    (["trainer.num_workers=2", "trainer.pp=2", "trainer.lora.rank=4"], ["trainer.lora"]),
     (["trainer.num_workers=2", "trainer.pp=2", "trainer.routing_agreement=true"], ["trainer.routing_agreement"]),
     (["trainer.num_workers=2", "trainer.pp=2", "trainer.routing_replay=R2"], ["trainer.routing_replay"]),
 ])

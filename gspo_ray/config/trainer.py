@@ -209,12 +209,12 @@ class TrainerConfig(Strict):
         """Why this config cannot run at its trainer.pp > 1 (one line naming the fields), or None. is_moe: whether
         the model has routers (None: unknown; the MoE-only observers are then judged by the preflight and the
         trainer, which read the model). Not built under pipeline parallelism (trainer/pipeline.py): LoRA (its
-        adapters' export and checkpoints gather no stages), recompute (not run across stage boundaries), and the
+        adapters' export and checkpoints gather no stages), and the
         routing observers that run forwards or keep records outside the schedule (Routing Replay, the noise
         probe, agreement; for an MoE also drift and router churn, on by default: set them off)."""
         if self.pp == 1:
             return None
-        checks = [("trainer.lora", self.lora is not None), ("trainer.recompute", self.recompute != "none"),
+        checks = [("trainer.lora", self.lora is not None),
                   ("trainer.routing_replay", self.routing_replay != "none"),
                   ("trainer.routing_noise", self.routing_noise), ("trainer.routing_agreement", self.routing_agreement)]
         if is_moe:  # Megatron: the allgather dispatcher does not take micro-batches of varying shapes

@@ -134,21 +134,24 @@ def test_checkpoints_cross_pp_sizes(runs, arch):
 
 
 def _pp2_tp2_ep2(rank, world, ports, model_dir, tmp, batch):
-    """The MoE on 4 ranks: 2 stages x TP 2 (sequence parallel), experts over EP 2 within each stage."""
-    cfg = _cfg(4, "qwen3_moe", pp=2, tp=2, ep=2)
+    """The MoE on 4 ranks: 2 stages x TP 2 (sequence parallel), experts over EP 2 within each stage, and every
+    stage's layer recomputed in its backward (trainer.recompute full: bit for bit the step without)."""
+    cfg = _cfg(4, "qwen3_moe", pp=2, tp=2, ep=2, recompute="full")
     w, out = _first_step(rank, world, ports[0], model_dir, batch, cfg, f"{tmp}/pp2tp2ep2")
     out["layout"] = w.layout()
+    out["recomputed"] = all("forward" in vars(layer) for layer in w.gpt.decoder.layers)  # checkpoint_layers' wrap
     out["pp1_to_here"] = _second_step(w, batch, f"{tmp}/pp1_qwen3_moe")
     w.shutdown()
     return {k: v for k, v in out.items() if k not in ("grads", "hf", "batch")}
 
 
-def test_pp2_tp2_ep2_step_equals_pp1(runs):
+def test_pp2_tp2_ep2_recomputed_step_equals_pp1(runs):
     single, tmp, models = runs[0], runs[2], runs[3]
     one = single["qwen3_moe"]
     ranks = run_ranks(_pp2_tp2_ep2, 4, (models["qwen3_moe"], tmp, one["batch"]))
     assert sorted((r["layout"]["pp_rank"], r["layout"]["tp_rank"]) for r in ranks) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     for r in ranks:
+        assert r["recomputed"]
         assert (r["logp0"] - one["logp0"]).abs().max() <= 1e-5
         assert (r["logp1"] - one["logp1"]).abs().max() <= 1e-5
         assert r["metrics"]["train/loss"] == pytest.approx(one["metrics"]["train/loss"], rel=1e-4, abs=1e-6)
