@@ -210,17 +210,16 @@ class TrainerConfig(Strict):
         the model has routers (None: unknown; the MoE-only observers are then judged by the preflight and the
         trainer, which read the model). Not built under pipeline parallelism (trainer/pipeline.py): LoRA (its
         adapters' export and checkpoints gather no stages), and the
-        routing observers that run forwards or keep records outside the schedule (Routing Replay, the noise
-        probe, agreement; for an MoE also drift and router churn, on by default: set them off)."""
+        routing observers that keep per-row records across forwards or compare with the engine's routes (Routing
+        Replay, the noise probe, agreement; drift and router churn run per stage: trainer/routing/worker.py); for
+        an MoE Megatron's allgather dispatcher, which does not take micro-batches of varying shapes."""
         if self.pp == 1:
             return None
         checks = [("trainer.lora", self.lora is not None),
                   ("trainer.routing_replay", self.routing_replay != "none"),
                   ("trainer.routing_noise", self.routing_noise), ("trainer.routing_agreement", self.routing_agreement)]
         if is_moe:  # Megatron: the allgather dispatcher does not take micro-batches of varying shapes
-            checks += [("trainer.moe_dispatcher allgather", self.moe_dispatcher == "allgather"),
-                       ("trainer.routing_drift", self.routing_drift),
-                       ("trainer.router_churn_every", self.router_churn_every > 0)]
+            checks += [("trainer.moe_dispatcher allgather", self.moe_dispatcher == "allgather")]
         refused = [name for name, on in checks if on]
         if not refused:
             return None

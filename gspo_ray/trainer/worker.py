@@ -231,8 +231,11 @@ class TrainerWorker:
         mbs = self._plan(batch, policy_routing=sampler)
         kind = "reference" if reference else purpose
         if self.pp > 1:  # forward only through the stages; the last one's log-probs reach every stage below
-            lps = run_pipeline(model, mbs, lambda mb: self._logprobs(model, mb, kind, temperature=temperature),
-                               lambda mb, lp: (lp.sum() * 0.0, lp.cpu()), forward_only=True)
+            def forward(mb):
+                with self.routing.records(mb, sampler=True) if sampler else contextlib.nullcontext():
+                    return self._logprobs(model, mb, kind, temperature=temperature)
+
+            lps = run_pipeline(model, mbs, forward, lambda mb, lp: (lp.sum() * 0.0, lp.cpu()), forward_only=True)
         else:
             passes = self.routing.fetch(batch, mbs) if sampler else [(False, False)] * len(mbs)
             lps = []
@@ -301,7 +304,7 @@ class TrainerWorker:
         return loss * (weight * self.dp_size)
 
     def _pipeline_micro_steps(self, mbs: list[MicroBatch], totals: float, norm_len: float, acc: MetricAccumulator,
-                              eps: tuple[float, float]) -> None:
+                              churn: bool, eps: tuple[float, float]) -> None:
         """The micro-batches' forwards and backwards through the pipeline's 1F1B schedule (trainer/pipeline.py):
         the loss of each on the last stage, as _micro_step computes it. A reference model's log-probs come first,
         from a forward-only pass of its own."""
@@ -314,9 +317,11 @@ class TrainerWorker:
             refs = [r if r is not None or not computed else c for r, c in zip(refs, computed or refs)]
         ref_of = {id(mb): ref for mb, ref in zip(mbs, refs)}
 
-        def forward(micro):
-            return self._logprobs(self.gpt, micro, "train", with_entropy=True,
-                                  loss_tokens_only=bool(micro.batch.loss_mask.any()))
+        def forward(micro):  # the routing observers built under PP (drift, churn) watch this stage's routers
+            capture = self.routing.churn_capture(micro, "before") if churn else contextlib.nullcontext()
+            with self.routing.records(micro), capture:
+                return self._logprobs(self.gpt, micro, "train", with_entropy=True,
+                                      loss_tokens_only=bool(micro.batch.loss_mask.any()))
 
         def loss(micro, output):
             logp, entropy = output
@@ -341,7 +346,7 @@ class TrainerWorker:
         self.routing.recorder.clear()
         eps = tuple(eps) if eps is not None else (self.eps_low, self.eps_high)
         if self.pp > 1:
-            self._pipeline_micro_steps(mbs, totals, norm_len, acc, eps)
+            self._pipeline_micro_steps(mbs, totals, norm_len, acc, churn, eps)
         else:
             for mb, extra in zip(mbs, passes):
                 self._micro_step(mb, totals, norm_len, acc, churn, eps, extra)

@@ -16,8 +16,10 @@ import torch
 from _spawn import algo_cfg, make_batch, run_ranks, trainer_cfg, with_old_logp
 
 ARCHS = ("llama", "qwen3_moe")
-# MoE observers that are not built under PP (pipeline.pipeline_problem) are off in every run, PP 1 too
-MOE_OFF = dict(routing_drift=False, router_churn_every=0)
+# the MoE's routing metrics (drift since the old log-probs, churn of the step's update: on, as by default; each
+# stage watches its own layer's router, the metrics joined over the stages), equal to PP 1's
+MOE_METRICS = ("moe/drift_churn", "moe/drift_churn_l0", "moe/drift_churn_l1", "moe/router_churn",
+               "moe/router_churn_l0", "moe/router_churn_l1", "moe/expert_load_max_over_mean_l1", "moe/drift_tokens")
 
 
 def _grads(w) -> dict[str, torch.Tensor]:
@@ -40,17 +42,18 @@ def _first_step(rank, world, port, model_dir, batch, cfg, ckpt_dir):
     return w, out
 
 
-def _second_step(w, batch, ckpt_dir) -> torch.Tensor:
+def _second_step(w, batch, ckpt_dir) -> tuple[torch.Tensor, dict]:
+    """Log-probs after a step from the checkpoint, and its metrics."""
     w.load(ckpt_dir)
-    w.train_step(batch)
-    return w.compute_logprobs(batch)
+    metrics = w.train_step(batch)
+    return w.compute_logprobs(batch), metrics
 
 
 def _pp1(rank, world, ports, models, tmp):
     out = {}
     for i, (arch, model_dir) in enumerate(models.items()):
         w, out[arch] = _first_step(rank, world, ports[i], model_dir, make_batch(8), _cfg(1, arch), f"{tmp}/pp1_{arch}")
-        out[arch]["logp2"] = _second_step(w, out[arch]["batch"], f"{tmp}/pp1_{arch}")
+        out[arch]["logp2"], out[arch]["metrics2"] = _second_step(w, out[arch]["batch"], f"{tmp}/pp1_{arch}")
         w.shutdown()
     return out
 
@@ -63,16 +66,16 @@ def _pp2(rank, world, ports, models, tmp, batches):
         w, out[arch] = _first_step(rank, world, ports[2 * i], model_dir, batches[arch], _cfg(2, arch, pp=2),
                                    f"{tmp}/pp2_{arch}")
         out[arch]["layers"] = len(w.gpt.decoder.layers)
-        out[arch]["pp1_to_pp2"] = _second_step(w, batches[arch], f"{tmp}/pp1_{arch}")
+        out[arch]["pp1_to_pp2"], out[arch]["metrics2"] = _second_step(w, batches[arch], f"{tmp}/pp1_{arch}")
         w.shutdown()
         w = TrainerWorker(rank, world, "127.0.0.1", ports[2 * i + 1], model_dir, _cfg(2, arch), algo_cfg())
-        out[arch]["pp2_to_pp1"] = _second_step(w, batches[arch], f"{tmp}/pp2_{arch}")
+        out[arch]["pp2_to_pp1"] = _second_step(w, batches[arch], f"{tmp}/pp2_{arch}")[0]
         w.shutdown()
     return out
 
 
 def _cfg(world, arch, **kw):
-    return trainer_cfg(world, micro_batch_size=3, **(MOE_OFF if arch == "qwen3_moe" else {}), **kw)
+    return trainer_cfg(world, micro_batch_size=3, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +98,8 @@ def test_pp2_step_equals_pp1(runs, arch):
         # after the update: the grad norm is summed over the stages in another order (a last-bit difference at most
         # in the clip factor, which Adam's normalised step can carry into more bits)
         assert (s["logp1"] - one["logp1"]).abs().max() <= 1e-5
-        for key in ("train/loss", "train/pg_loss", "train/grad_norm", "train/entropy", "train/n_tokens"):
+        for key in ("train/loss", "train/pg_loss", "train/grad_norm", "train/entropy", "train/n_tokens") + (
+                MOE_METRICS if arch == "qwen3_moe" else ()):
             assert s["metrics"][key] == pytest.approx(one["metrics"][key], rel=1e-6, abs=1e-7), key
     # global names: the same as PP 1's, each layer on one stage; with tied embeddings (llama) the last stage's
     # copy of the embedding is named as the embedding and has its gradient (both stages' contributions summed)
@@ -131,6 +135,11 @@ def test_checkpoints_cross_pp_sizes(runs, arch):
     for r in pp2:
         assert (r[arch]["pp1_to_pp2"] - want).abs().max() <= 1e-5
         assert (r[arch]["pp2_to_pp1"] - want).abs().max() <= 1e-5
+    if arch == "qwen3_moe":  # the second step's drift (since the first old log-probs, weights moved): per stage
+        one, two = single[arch]["metrics2"], pp2[0][arch]["metrics2"]
+        assert one["moe/drift_churn"] > 0.05
+        for key in MOE_METRICS:
+            assert two[key] == pytest.approx(one[key], abs=1e-6), key
 
 
 def _pp2_tp2_ep2(rank, world, ports, model_dir, tmp, batch):
@@ -140,7 +149,7 @@ def _pp2_tp2_ep2(rank, world, ports, model_dir, tmp, batch):
     w, out = _first_step(rank, world, ports[0], model_dir, batch, cfg, f"{tmp}/pp2tp2ep2")
     out["layout"] = w.layout()
     out["recomputed"] = all("forward" in vars(layer) for layer in w.gpt.decoder.layers)  # checkpoint_layers' wrap
-    out["pp1_to_here"] = _second_step(w, batch, f"{tmp}/pp1_qwen3_moe")
+    out["pp1_to_here"] = _second_step(w, batch, f"{tmp}/pp1_qwen3_moe")[0]
     w.shutdown()
     return {k: v for k, v in out.items() if k not in ("grads", "hf", "batch")}
 
