@@ -175,18 +175,17 @@ def test_pipeline_resize_keeps_whole_stages():
 
 def test_pipeline_preflight_reads_the_model():
     """What depends on the model is judged by the preflight (before Ray): trainer.pp must divide its layers, and
-    an MoE's drift / churn observers (on by default) must be off under PP; the recipe's tiny MoE has 2 layers."""
+    an MoE's token dispatcher must take micro-batches of varying shapes; the recipe's tiny MoE has 2 layers."""
     from gspo_ray.preflight.job_model import check_tiny_config
     from gspo_ray.preflight.model import PreflightError
 
     with pytest.raises(PreflightError, match=r"trainer\.pp \(4\) must divide the model's 2 layers"):
         check_tiny_config(load_config(RECIPE, ["trainer.num_workers=4", "trainer.pp=4"]), on_cpu=True)
-    with pytest.raises(PreflightError, match=r"trainer\.routing_drift, trainer\.router_churn_every"):
-        check_tiny_config(load_config(RECIPE, ["trainer.num_workers=2", "trainer.pp=2"]), on_cpu=True)
+    with pytest.raises(PreflightError, match=r"trainer\.moe_dispatcher allgather"):
+        check_tiny_config(load_config(RECIPE, ["trainer.num_workers=2", "trainer.pp=2",
+                                               "trainer.moe_dispatcher=allgather"]), on_cpu=True)
     with pytest.raises(PreflightError, match=r"rollout\.weight_transfer nccl cannot push from trainer\.pp"):
-        check_tiny_config(load_config(RECIPE, ["trainer.num_workers=2", "trainer.pp=2", "trainer.routing_drift=false",
-                                               "trainer.router_churn_every=0", "rollout.weight_transfer=nccl",
+        check_tiny_config(load_config(RECIPE, ["trainer.num_workers=2", "trainer.pp=2", "rollout.weight_transfer=nccl",
                                                "trainer.num_gpus_per_worker=1", "rollout.num_gpus_per_worker=1"]),
                           on_cpu=True)
-    check_tiny_config(load_config(RECIPE, ["trainer.num_workers=2", "trainer.pp=2", "trainer.routing_drift=false",
-                                           "trainer.router_churn_every=0"]), on_cpu=True)
+    check_tiny_config(load_config(RECIPE, ["trainer.num_workers=2", "trainer.pp=2"]), on_cpu=True)

@@ -19,8 +19,6 @@ def _run(tmp_path, pp: int):
                                "logging.plot=false", "logging.tensorboard=false", "coordinator.steps=3",
                                "coordinator.mode=sync", "algorithm.eps=fixed", "coordinator.eval_every=0",
                                "coordinator.checkpoint_every=0", "data.num_eval=0", "rollout.verify_every=1",
-                               # MoE observers not built under PP (off in both runs, so they compare)
-                               "trainer.routing_drift=false", "trainer.router_churn_every=0",
                                f"trainer.num_workers={pp}", f"trainer.pp={pp}"])
     summary = run_job(cfg)
     rows = [r for r in read_metrics(summary.run_dir / "metrics.jsonl") if "train/loss" in r]
@@ -31,10 +29,13 @@ def test_three_steps_at_pp2_and_pp1_agree(tmp_path):
     pp2_rows, pp2_w = _run(tmp_path, 2)
     pp1_rows, pp1_w = _run(tmp_path, 1)
     assert len(pp2_rows) == len(pp1_rows) == 3
+    assert "moe/router_churn" in pp2_rows[0]  # router churn measured at step 1 (trainer.router_churn_every)
     for a, b in zip(pp2_rows, pp1_rows):
         assert a["rollout/reward_mean"] == b["rollout/reward_mean"]  # the same samples (the same policy)
         for key in ("train/loss", "train/ratio_mean", "train/n_tokens", "train/entropy", "train/grad_norm"):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+        for key in ("moe/router_churn", "moe/drift_churn"):  # routing watched per stage, joined (when measured)
+            assert (key in a) == (key in b) and a.get(key, 0.0) == pytest.approx(b.get(key, 0.0), abs=1e-6), key
         assert a["sync/verify_max_abs_diff"] < 1e-4  # the engine agrees with the PP 2 trainer after its push
     assert set(pp2_w) == set(pp1_w)
     for name, w in pp1_w.items():
