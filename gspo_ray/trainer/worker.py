@@ -230,19 +230,18 @@ class TrainerWorker:
         sampler = purpose == "old_logprobs" and not reference  # the policy that sampled: R2 and drift record
         mbs = self._plan(batch, policy_routing=sampler)
         kind = "reference" if reference else purpose
-        if self.pp > 1:  # forward only through the stages; the last one's log-probs reach every stage below
-            def forward(mb):
-                with self.routing.records(mb, sampler=True) if sampler else contextlib.nullcontext():
-                    return self._logprobs(model, mb, kind, temperature=temperature)
+        passes = self.routing.fetch(batch, mbs) if sampler else [(False, False)] * len(mbs)
+        first = {id(mb): record_first for mb, (record_first, _) in zip(mbs, passes)}
 
+        def forward(mb):
+            with self.routing.records(mb, sampler=True, record_first=first[id(mb)]) if sampler else \
+                    self._reference() if reference else contextlib.nullcontext():
+                return self._logprobs(model, mb, kind, temperature=temperature)
+
+        if self.pp > 1:  # forward only through the stages; the last one's log-probs reach every stage below
             lps = run_pipeline(model, mbs, forward, lambda mb, lp: (lp.sum() * 0.0, lp.cpu()), forward_only=True)
         else:
-            passes = self.routing.fetch(batch, mbs) if sampler else [(False, False)] * len(mbs)
-            lps = []
-            for mb, (record_first, _) in zip(mbs, passes):
-                with self.routing.records(mb, sampler=True, record_first=record_first) if sampler else \
-                        self._reference() if reference else contextlib.nullcontext():
-                    lps.append(self._logprobs(model, mb, kind, temperature=temperature).cpu())
+            lps = [forward(mb).cpu() for mb in mbs]
         for mb, lp in zip(mbs, lps):
             real = [i for i, r in enumerate(mb.rows) if r >= 0]  # padding rows and dummies are dropped
             out[[mb.rows[i] for i in real], :lp.shape[1]] = lp[real]
