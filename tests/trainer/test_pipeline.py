@@ -2,8 +2,9 @@
 
 One process at PP 1 and two ranks at PP 2 (one layer per stage) take the same GSPO step on the same mini-batch in
 3 micro-batches (micro_batch_size 3 of 8 rows: the schedule's warm-up, steady 1F1B and cool-down all run, with
-micro-batches of different shapes): equal log-probs before, loss, metrics and every gradient (by global name),
-log-probs after. The HF export of the PP 2 trainer (every stage's tensors gathered) equals PP 1's, and the offline
+micro-batches of different shapes): equal log-probs before, loss, metrics (the MoE's routing metrics too) and every
+gradient (by global name), log-probs after. The dense model (Llama, tied embeddings) trains with a KL term to a
+frozen reference, whose log-probs come from a forward-only pass of the schedule. The HF export of the PP 2 trainer (every stage's tensors gathered) equals PP 1's, and the offline
 export of its checkpoint (`gspo-ray export`) equals it. Checkpoints
 cross PP sizes both ways with their optimizer state: PP 1's, loaded at PP 2, and PP 2's, loaded at PP 1 (DP 2),
 each take a second step equal to PP 1's own second step.
@@ -28,10 +29,15 @@ def _grads(w) -> dict[str, torch.Tensor]:
     return {names[id(p)]: p.main_grad.detach().clone() for p in w.gpt.parameters()}
 
 
-def _first_step(rank, world, port, model_dir, batch, cfg, ckpt_dir):
+def _algo(arch):
+    """The dense runs keep a KL term to a frozen reference (its log-probs a forward-only pass of the schedule)."""
+    return algo_cfg(beta=0.04) if arch == "llama" else algo_cfg()
+
+
+def _first_step(rank, world, port, model_dir, batch, cfg, ckpt_dir, arch):
     from gspo_ray.trainer.worker import TrainerWorker
 
-    w = TrainerWorker(rank, world, "127.0.0.1", port, model_dir, cfg, algo_cfg())
+    w = TrainerWorker(rank, world, "127.0.0.1", port, model_dir, cfg, _algo(arch))
     out = {"logp0": w.compute_logprobs(batch)}
     if not batch.old_logp.any():
         batch = with_old_logp(batch, out["logp0"])
@@ -52,7 +58,8 @@ def _second_step(w, batch, ckpt_dir) -> tuple[torch.Tensor, dict]:
 def _pp1(rank, world, ports, models, tmp):
     out = {}
     for i, (arch, model_dir) in enumerate(models.items()):
-        w, out[arch] = _first_step(rank, world, ports[i], model_dir, make_batch(8), _cfg(1, arch), f"{tmp}/pp1_{arch}")
+        w, out[arch] = _first_step(rank, world, ports[i], model_dir, make_batch(8), _cfg(1, arch), f"{tmp}/pp1_{arch}",
+                                   arch)
         out[arch]["logp2"], out[arch]["metrics2"] = _second_step(w, out[arch]["batch"], f"{tmp}/pp1_{arch}")
         w.shutdown()
     return out
@@ -64,11 +71,11 @@ def _pp2(rank, world, ports, models, tmp, batches):
     out = {}
     for i, (arch, model_dir) in enumerate(models.items()):
         w, out[arch] = _first_step(rank, world, ports[2 * i], model_dir, batches[arch], _cfg(2, arch, pp=2),
-                                   f"{tmp}/pp2_{arch}")
+                                   f"{tmp}/pp2_{arch}", arch)
         out[arch]["layers"] = len(w.gpt.decoder.layers)
         out[arch]["pp1_to_pp2"], out[arch]["metrics2"] = _second_step(w, batches[arch], f"{tmp}/pp1_{arch}")
         w.shutdown()
-        w = TrainerWorker(rank, world, "127.0.0.1", ports[2 * i + 1], model_dir, _cfg(2, arch), algo_cfg())
+        w = TrainerWorker(rank, world, "127.0.0.1", ports[2 * i + 1], model_dir, _cfg(2, arch), _algo(arch))
         out[arch]["pp2_to_pp1"] = _second_step(w, batches[arch], f"{tmp}/pp2_{arch}")[0]
         w.shutdown()
     return out
@@ -135,18 +142,21 @@ def test_checkpoints_cross_pp_sizes(runs, arch):
     for r in pp2:
         assert (r[arch]["pp1_to_pp2"] - want).abs().max() <= 1e-5
         assert (r[arch]["pp2_to_pp1"] - want).abs().max() <= 1e-5
+    one, two = single[arch]["metrics2"], pp2[0][arch]["metrics2"]
     if arch == "qwen3_moe":  # the second step's drift (since the first old log-probs, weights moved): per stage
-        one, two = single[arch]["metrics2"], pp2[0][arch]["metrics2"]
         assert one["moe/drift_churn"] > 0.05
         for key in MOE_METRICS:
             assert two[key] == pytest.approx(one[key], abs=1e-6), key
+    else:  # the policy has left its reference: the KL term of the second step, from the reference's pass
+        assert one["train/kl"] > 1e-4
+        assert two["train/kl"] == pytest.approx(one["train/kl"], rel=1e-4)
 
 
 def _pp2_tp2_ep2(rank, world, ports, model_dir, tmp, batch):
     """The MoE on 4 ranks: 2 stages x TP 2 (sequence parallel), experts over EP 2 within each stage, and every
     stage's layer recomputed in its backward (trainer.recompute full: bit for bit the step without)."""
     cfg = _cfg(4, "qwen3_moe", pp=2, tp=2, ep=2, recompute="full")
-    w, out = _first_step(rank, world, ports[0], model_dir, batch, cfg, f"{tmp}/pp2tp2ep2")
+    w, out = _first_step(rank, world, ports[0], model_dir, batch, cfg, f"{tmp}/pp2tp2ep2", "qwen3_moe")
     out["layout"] = w.layout()
     out["recomputed"] = all("forward" in vars(layer) for layer in w.gpt.decoder.layers)  # checkpoint_layers' wrap
     out["pp1_to_here"] = _second_step(w, batch, f"{tmp}/pp1_qwen3_moe")[0]
