@@ -340,6 +340,11 @@ def _break_model(kind: str, d: Path, ws: Workspace, draw) -> list[str]:
         ws.set("trainer.num_workers", tp)
         ws.set("trainer.tp", tp)
         return [f"tp={tp} must divide num_attention_heads=2"]
+    if kind == "pipeline_layers":  # pipeline stages that do not divide the model's 2 layers
+        pp = draw(st.sampled_from([3, 4]))
+        ws.set("trainer.num_workers", pp)
+        ws.set("trainer.pp", pp)
+        return [f"trainer.pp ({pp}) must divide the model's 2 layers"]
     if kind == "tokenizer_max_length":  # vLLM caps the context at the tokenizer's model_max_length too
         _edit_json(d / "tokenizer_config.json", model_max_length=draw(st.integers(8, 63)))
         return ["rollout.max_model_len (64)", "tokenizer_config.json model_max_length"]
@@ -350,7 +355,7 @@ def _break_model(kind: str, d: Path, ws: Workspace, draw) -> list[str]:
 MODEL_BREAKAGES = ["bin_weights_only", "truncated_weights", "missing_shard", "no_config",
                    "config_not_json", "model_type", "architectures", "vocab_size", "tokenizer_missing",
                    "tokenizer_mismatch", "no_eos", "rope", "hidden_act", "head_size", "tensor_parallel",
-                   "tokenizer_max_length", "max_model_len", "gpt2"]
+                   "pipeline_layers", "tokenizer_max_length", "max_model_len", "gpt2"]
 
 
 @pytest.mark.parametrize("kind", MODEL_BREAKAGES)

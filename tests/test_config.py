@@ -160,7 +160,8 @@ def test_the_recomputed_anchor_in_async_one_pass_is_refused_where_it_silences_th
     (["trainer.num_workers=2", "trainer.cp=2", "trainer.routing_noise=true", "trainer.routing_agreement=true"],
      r"trainer\.cp \(2\) > 1 does not run beside trainer\.routing_noise, trainer\.routing_agreement"),
     (["trainer.num_workers=2", "trainer.cp=2", "trainer.routing_replay=R3"], r"beside trainer\.routing_replay"),
-    (["trainer.num_workers=2", "trainer.pp=2"], r"trainer\.pp \(2\) > 1 is not built yet"),
+    (["trainer.num_workers=4", "trainer.cp=2", "trainer.pp=2"], r"trainer\.cp \(2\) and trainer\.pp \(2\) > 1 "
+                                                                  r"together are not built"),
 ])
 def test_context_parallel_layouts_and_features_refused_by_name(overrides, words):
     """trainer.cp: tp x cp divides the ranks, micro_batch_tokens splits into 2 x cp chunks, and the features not
@@ -175,3 +176,41 @@ def test_a_context_parallel_layout_loads_with_dp_over_tp_x_cp():
     assert (good.trainer.cp, good.trainer.dp) == (2, 2)
     assert good.trainer.resize_problem(5) == "trainer.tp x trainer.cp (2) must divide trainer.num_workers (5)"
     assert good.trainer.resize_problem(6) is None
+
+
+@pytest.mark.parametrize("overrides,names", [
+    (["trainer.num_workers=3", "trainer.pp=2"], ["trainer.tp x trainer.pp"]),  # 2 stages do not divide 3 ranks
+    (["trainer.num_workers=2", "trainer.pp=2", "trainer.lora.rank=4"], ["trainer.lora"]),
+    (["trainer.num_workers=2", "trainer.pp=2", "trainer.routing_agreement=true"], ["trainer.routing_agreement"]),
+    (["trainer.num_workers=2", "trainer.pp=2", "trainer.routing_replay=R2"], ["trainer.routing_replay"]),
+])
+def test_pipeline_refusals_name_the_fields(overrides, names):
+    with pytest.raises(ConfigError) as e:
+        load_config(RECIPE, overrides)
+    assert all(n in str(e.value) for n in names + ["trainer.pp"]), str(e.value)
+
+
+def test_pipeline_resize_keeps_whole_stages():
+    from gspo_ray.config import TrainerConfig
+
+    cfg = TrainerConfig(num_workers=4, pp=2)
+    assert cfg.dp == 2 and cfg.resize_problem(6) is None
+    assert "trainer.tp x trainer.pp (2) must divide trainer.num_workers (3)" in cfg.resize_problem(3)
+
+
+def test_pipeline_preflight_reads_the_model():
+    """What depends on the model is judged by the preflight (before Ray): trainer.pp must divide its layers, and
+    an MoE's token dispatcher must take micro-batches of varying shapes; the recipe's tiny MoE has 2 layers."""
+    from gspo_ray.preflight.job_model import check_tiny_config
+    from gspo_ray.preflight.model import PreflightError
+
+    with pytest.raises(PreflightError, match=r"trainer\.pp \(4\) must divide the model's 2 layers"):
+        check_tiny_config(load_config(RECIPE, ["trainer.num_workers=4", "trainer.pp=4"]), on_cpu=True)
+    with pytest.raises(PreflightError, match=r"trainer\.moe_dispatcher allgather"):
+        check_tiny_config(load_config(RECIPE, ["trainer.num_workers=2", "trainer.pp=2",
+                                               "trainer.moe_dispatcher=allgather"]), on_cpu=True)
+    with pytest.raises(PreflightError, match=r"rollout\.weight_transfer nccl cannot push from trainer\.pp"):
+        check_tiny_config(load_config(RECIPE, ["trainer.num_workers=2", "trainer.pp=2", "rollout.weight_transfer=nccl",
+                                               "trainer.num_gpus_per_worker=1", "rollout.num_gpus_per_worker=1"]),
+                          on_cpu=True)
+    check_tiny_config(load_config(RECIPE, ["trainer.num_workers=2", "trainer.pp=2"]), on_cpu=True)

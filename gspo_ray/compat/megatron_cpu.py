@@ -26,6 +26,9 @@ process:
 6. `torch_norm_sequence_parallel`: the torch LayerNorm/RMSNorm wrapper asserts `not sequence_parallel`; the norm
    maths does not care, so allow it and mark the weights `sequence_parallel` so their gradients get all-reduced
    across TP by `finalize_model_grads`.
+8. `cuda_synchronize`: the pipeline schedules' point-to-point exchange (`p2p_communication`: the tensor shapes of
+   `variable_seq_lengths`, and `batch_p2p_sync`) calls `torch.cuda.synchronize()` unconditionally -> a no-op (CPU
+   work and gloo's waited requests are already synchronous).
 7. `cpu_device_mode()`: Megatron's DDP buffers and optimizers hard-code `device='cuda'`, `.cuda()` and
    `param.type() == 'torch.cuda.FloatTensor'` checks -> a `TorchFunctionMode` rewrites cuda devices to CPU, makes
    `.cuda()` a no-op and reports CPU tensor types under their CUDA names.
@@ -218,6 +221,11 @@ def _patch_torch_norm_sequence_parallel() -> None:
     _set(torch_norm.WrappedTorchNorm, "__new__", staticmethod(new_allowing_sp))
 
 
+# ---- 8. torch.cuda.synchronize in the pipeline's point-to-point exchange ------------------------------------------
+def _patch_cuda_synchronize() -> None:
+    _set(torch.cuda, "synchronize", lambda device=None: None)
+
+
 WORKAROUNDS: dict[str, Callable[[], None]] = {
     "current_device": _patch_current_device,
     "rng_tracker": _patch_rng_tracker,
@@ -225,6 +233,7 @@ WORKAROUNDS: dict[str, Callable[[], None]] = {
     "cuda_streams": _patch_cuda_streams,
     "alltoall_split_sizes": _patch_alltoall_split_sizes,
     "torch_norm_sequence_parallel": _patch_torch_norm_sequence_parallel,
+    "cuda_synchronize": _patch_cuda_synchronize,
 }
 
 

@@ -12,13 +12,14 @@ from gspo_ray.config.lora import LoRAConfig
 class TrainerConfig(Strict):
     """The trainer pool: Megatron-core workers forming one process group (DP x TP, experts over EP)."""
 
-    num_workers: int = Field(1, ge=1, description="trainer actors = world size; DP = num_workers / (tp x cp)")
+    num_workers: int = Field(1, ge=1, description="trainer actors = world size; DP = num_workers / (tp x cp x pp)")
     tp: int = Field(1, ge=1, description="tensor parallel size (sequence parallelism is on when tp > 1)")
     ep: int = Field(1, ge=1, description="expert parallel size (must divide num_workers and the expert count)")
     cp: int = Field(1, ge=1, description="context parallel size: each sequence's tokens split over cp ranks, "
                     "attention gathering keys and values over them (docs/scale.md, 'Context parallelism')")
-    pp: int = Field(1, ge=1, description="pipeline parallel size: the layers split into pp stages, micro-batches "
-                    "flowing through them (docs/scale.md, 'Memory')")
+    pp: int = Field(1, ge=1, description="pipeline parallel size: the layers split evenly into pp stages (pp must "
+                    "divide the model's layers), micro-batches flowing through them by Megatron's 1F1B schedule; "
+                    "tp x cp x pp divides num_workers (docs/scale.md, 'Pipeline parallelism')")
     num_cpus_per_worker: float = Field(1, gt=0, description="Ray CPUs per trainer actor")
     num_gpus_per_worker: float = Field(0, ge=0, description="Ray GPUs per trainer actor")
     num_threads: int | None = Field(None, ge=1, description="OpenMP threads of each rank; None = auto: on a local "
@@ -151,7 +152,7 @@ class TrainerConfig(Strict):
             return True
         if self.use_distributed_optimizer is not None:
             return self.use_distributed_optimizer
-        return self.num_workers // self.tp > 1
+        return self.dp > 1
 
     export_bucket_mb: float = Field(64, gt=0, description="bucket size when exporting weights to rollout")
     export_shared_memory: bool = Field(True, description="weight pushes (full or adapter) go through a "
@@ -197,9 +198,16 @@ class TrainerConfig(Strict):
                              f"{self.recompute!r}")
         if self.num_workers % self.tp:
             raise ValueError(f"trainer.tp ({self.tp}) must divide trainer.num_workers ({self.num_workers})")
-        if self.pp > 1:  # the trainer does not build it yet
-            raise ValueError(f"trainer.pp ({self.pp}) > 1 is not built yet; use 1")
+        if self.num_workers % (self.tp * self.pp):
+            raise ValueError(f"trainer.tp x trainer.pp ({self.tp} x {self.pp}) must divide trainer.num_workers "
+                             f"({self.num_workers})")
+        problem = self.pipeline_problem()
+        if problem:
+            raise ValueError(problem)
         self._context_parallel()
+        if self.cp > 1 and self.pp > 1:  # each is tested against its own size 1; together never
+            raise ValueError(f"trainer.cp ({self.cp}) and trainer.pp ({self.pp}) > 1 together are not built: set "
+                             "one of them to 1")
         if self.num_workers % self.ep:
             raise ValueError(f"trainer.ep ({self.ep}) must divide trainer.num_workers ({self.num_workers})")
         return self
@@ -223,16 +231,38 @@ class TrainerConfig(Strict):
             raise ValueError(f"trainer.cp ({self.cp}) > 1 does not run beside {', '.join('trainer.' + n for n in on)} "
                              "(not built under context parallelism); turn them off or use cp 1")
 
+    def pipeline_problem(self, is_moe: bool | None = None) -> str | None:
+        """Why this config cannot run at its trainer.pp > 1 (one line naming the fields), or None. is_moe: whether
+        the model has routers (None: unknown; the MoE-only observers are then judged by the preflight and the
+        trainer, which read the model). Not built under pipeline parallelism (trainer/pipeline.py): LoRA (its
+        adapters' export and checkpoints gather no stages), and the
+        routing observers that keep per-row records across forwards or compare with the engine's routes (Routing
+        Replay, the noise probe, agreement; drift and router churn run per stage: trainer/routing/worker.py); for
+        an MoE Megatron's allgather dispatcher, which does not take micro-batches of varying shapes."""
+        if self.pp == 1:
+            return None
+        checks = [("trainer.lora", self.lora is not None),
+                  ("trainer.routing_replay", self.routing_replay != "none"),
+                  ("trainer.routing_noise", self.routing_noise), ("trainer.routing_agreement", self.routing_agreement)]
+        if is_moe:  # Megatron: the allgather dispatcher does not take micro-batches of varying shapes
+            checks += [("trainer.moe_dispatcher allgather", self.moe_dispatcher == "allgather")]
+        refused = [name for name, on in checks if on]
+        if not refused:
+            return None
+        return (f"trainer.pp ({self.pp}) cannot run with {', '.join(refused)} (not built under pipeline "
+                "parallelism): turn them off or set trainer.pp: 1")
+
     @property
     def dp(self) -> int:
-        """Data-parallel ranks: the CP ranks of one share its rows."""
-        return self.num_workers // (self.tp * self.cp)
+        """Data-parallel ranks: the TP, CP and PP ranks of one share its rows."""
+        return self.num_workers // (self.tp * self.cp * self.pp)
 
     def resize_problem(self, num_workers: int) -> str | None:
         """Why a live pool of this config cannot be resized to `num_workers` ranks (None: the layout and the
         checkpoint can follow), whatever the cluster's room: the rule `gspo-ray scale trainer` and the
         autoscaler share (coordinator/recovery.py adds the cluster's room)."""
-        for name, size in (("tp", self.tp), ("ep", self.ep), ("tp x trainer.cp", self.tp * self.cp)):
+        for name, size in (("tp", self.tp), ("ep", self.ep), ("tp x trainer.cp", self.tp * self.cp),
+                           ("tp x trainer.pp", self.tp * self.pp)):
             if num_workers % size:
                 return f"trainer.{name} ({size}) must divide trainer.num_workers ({num_workers})"
         # a distributed optimizer's state reshards on load like the model (trainer/checkpoints/shards.py): not refused

@@ -61,11 +61,36 @@ def check_tiny_config(cfg: JobConfig, on_cpu: bool) -> dict:
     except ValueError as e:
         raise PreflightError(f"{where}: {one_line(e)}") from None
     check_architecture(where, hf)
-    check_converter_spec(where, hf, cfg.trainer.tp, cfg.trainer.ep)
-    check_context_parallel(where, hf, cfg.trainer)
+    check_trainer_layout(cfg, where, hf)
     check_engine_limits(where, hf, cfg.rollout.max_model_len, on_cpu)
     check_rollout_parallel(cfg, where, hf)
     return hf
+
+
+def check_trainer_layout(cfg: JobConfig, where, hf_config: dict) -> None:
+    """The converter's TP x EP check, trainer.cp against the model (preflight/model.check_context_parallel), and
+    trainer.pp against the model: it must divide the layers, the features
+    not built under pipeline parallelism are off (TrainerConfig.pipeline_problem, here with the model's experts
+    known), and pushes go by a transport that gathers every stage (the nccl / ipc senders plan per rank)."""
+    from gspo_ray.rollout.weight_transfer import job_weight_transfer
+    from gspo_ray.trainer.model_spec import spec_from_hf_config
+
+    t = cfg.trainer
+    check_converter_spec(where, hf_config, t.tp, t.ep)
+    check_context_parallel(where, hf_config, t)
+    if t.pp == 1:
+        return
+    spec = spec_from_hf_config(hf_config, str(where), tp=t.tp, ep=t.ep)
+    if spec.num_layers % t.pp:
+        raise PreflightError(f"{where}: trainer.pp ({t.pp}) must divide the model's {spec.num_layers} layers "
+                             "(num_hidden_layers)")
+    problem = t.pipeline_problem(spec.is_moe)
+    if problem:
+        raise PreflightError(f"{where}: {problem}")
+    transfer = job_weight_transfer(cfg)
+    if transfer in ("nccl", "ipc"):
+        raise PreflightError(f"rollout.weight_transfer {transfer} cannot push from trainer.pp ({t.pp}) > 1 (its "
+                             "sender gathers no pipeline stages): set rollout.weight_transfer: object_store")
 
 
 def check_rollout_parallel(cfg: JobConfig, where, hf_config: dict) -> None:
@@ -92,8 +117,7 @@ def checked_tokenizer(cfg: JobConfig, facts, report: PreflightReport) -> tuple[A
         check_tokenizer(tok, len(tok), f"model.tiny ({cfg.model.tiny.arch})", chat)
         report.add("tokenizer", "ok", f"the tiny model's character tokenizer ({len(tok)} tokens)")
         return tok, len(tok)
-    check_converter_spec(facts.path, facts.hf_config, cfg.trainer.tp, cfg.trainer.ep)
-    check_context_parallel(facts.path, facts.hf_config, cfg.trainer)
+    check_trainer_layout(cfg, facts.path, facts.hf_config)
     tok, notes = load_checked_tokenizer(facts, chat)
     template = ", chat template" if getattr(tok, "chat_template", None) else ""
     report.add("tokenizer", "ok", f"{type(tok).__name__}, {len(tok)} tokens, eos {tok.eos_token!r}{template}")

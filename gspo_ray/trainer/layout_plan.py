@@ -7,7 +7,8 @@ fit a device (`gspo-ray plan`, the preflight's refusal, the scale model's memory
 Candidates (`candidate_layouts`): TP 1-8 dividing the heads and kv heads, CP 1-8, TP x CP within a node (8 GPUs:
 both run collectives every layer, TP's on every linear, CP's all-gather of keys and values, and need NVLink), EP
 dividing the experts, PP 1-16 (at most the layers; across nodes, point-to-point only), TP x CP x PP and EP x PP
-dividing the ranks (Megatron's rank layout, expert-TP 1), each recompute, micro_batch_tokens halved down to an
+dividing the ranks (Megatron's rank layout, expert-TP 1), CP or PP but not both (trainer.cp and trainer.pp > 1
+together are refused: never tested), each recompute, micro_batch_tokens halved down to an
 eighth of the configured and one sequence (`min_tokens`: a sequence is never split over micro-batches; CP splits
 it over ranks instead), optimizer offload and bf16 gradient buffers in bf16.
 
@@ -90,7 +91,7 @@ def candidate_layouts(shape: MemoryShape, base: Layout, world: int, min_tokens: 
     for tp in tps:
         for cp in (c for c in CP_SIZES if tp * c <= NODE_GPUS):
             for pp in (p for p in PP_SIZES if p <= shape.layers):
-                if world % (tp * cp * pp):
+                if world % (tp * cp * pp) or cp > 1 and pp > 1:  # the trainer builds CP and PP, not both at once
                     continue
                 for ep in (e for e in eps if world % (e * pp) == 0):
                     for recompute in RECOMPUTE:

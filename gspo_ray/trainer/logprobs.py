@@ -29,6 +29,11 @@ way. Under a vocabulary split the fp32 head hands Megatron's own output layer fp
 this rank's [V/tp, H] weight slice (its gradient flows back to the bf16 weight through the cast); under sequence
 parallelism its all-gather of the position shards then moves fp32.
 
+Pipeline stages. On a stage before the last (trainer.pp; the model built without its output layer) both functions
+return the stage's output hidden states [S, B, H] instead, what Megatron's schedule sends to the next stage
+(trainer/pipeline.py); a stage after the first reads its input from the schedule (`set_input_tensor`), the tokens
+only shaping the layout (segments, positions), which every stage rebuilds from its micro-batch.
+
 Shared prefixes and packed rows. `forward_group_logprobs(model, tokens, lengths, layout)` returns the same [B, L]
 numbers from one forward of the rows' `group_rows.GroupLayout`: group rows (each prompt once per group row, its
 completions as segments that attend to the prompt and to themselves), or one packed row [s_1 | s_2 | .. | tail]
@@ -314,6 +319,8 @@ def _score_local(model, inner, inputs: Tensor, position_ids: Tensor, segs: Segme
                  batch_idx: Tensor, labels: Tensor, vocab_size: int | None, with_entropy: bool, temperature: float,
                  head_dtype: str):
     """_score on the columns this rank forwards."""
+    if not getattr(inner, "post_process", True):  # a pipeline stage before the last: its hidden states go on
+        return model(inputs, position_ids, segs)
     vocab_size = vocab_size or getattr(inner, "hf_vocab_size", inner.vocab_size)
     if _fused_head(inner):
         weights: list = []
@@ -351,7 +358,10 @@ def _logits_logprobs(logits: Tensor, labels: Tensor, vocab_size: int, with_entro
 
 def _scatter(scored: tuple[Tensor, Tensor | None], b_idx: Tensor, t_idx: Tensor, shape: tuple[int, int],
              with_entropy: bool):
-    """Per-token log-probs [N] (, entropies [N]) put at (b_idx, t_idx) of zeros of `shape`."""
+    """Per-token log-probs [N] (, entropies [N]) put at (b_idx, t_idx) of zeros of `shape`; a pipeline stage's
+    hidden states (a tensor, not a pair: the stage before the last) pass through."""
+    if isinstance(scored, Tensor):
+        return scored
     logp_n, ent_n = scored
     device = logp_n.device
     logp = torch.zeros(*shape, device=device, dtype=logp_n.dtype).index_put((b_idx, t_idx), logp_n)

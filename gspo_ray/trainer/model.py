@@ -18,6 +18,7 @@ record of the architecture.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -64,10 +65,13 @@ def recompute_options(recompute: str = "none", modules=None, te: bool = False, g
     return {}
 
 
-def build_transformer_config(spec: ModelSpec, grouped_gemm: bool = False, recompute: dict | None = None):
+def build_transformer_config(spec: ModelSpec, grouped_gemm: bool = False, recompute: dict | None = None,
+                             pp: int = 1):
     """ModelSpec -> Megatron TransformerConfig: the family's maths (`Family.transformer_options`: norms,
     activation, biases, QK-norm, router), every fused kernel off (none exist on CPU); grouped_gemm: MoE experts by
-    grouped GEMM (TEGroupedMLP; CUDA and Transformer Engine only); recompute: recompute_options()' keywords."""
+    grouped GEMM (TEGroupedMLP; CUDA and Transformer Engine only); recompute: recompute_options()' keywords.
+    pp: pipeline stages (trainer/pipeline.py runs Megatron's 1F1B schedule over them): micro-batches of any shape
+    (variable_seq_lengths: each send is preceded by its shape), stage activations in the model dtype."""
     from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
     family = family_of(spec.arch)
@@ -94,7 +98,10 @@ def build_transformer_config(spec: ModelSpec, grouped_gemm: bool = False, recomp
         tensor_model_parallel_size=spec.tp, expert_model_parallel_size=spec.ep, expert_tensor_parallel_size=1,
         sequence_parallel=spec.sequence_parallel, use_cpu_initialization=not torch.cuda.is_available(),
         params_dtype=spec.dtype, bf16=spec.dtype == torch.bfloat16, fp16=spec.dtype == torch.float16,
-        pipeline_dtype=spec.dtype, **moe, **(recompute or {}))
+        pipeline_dtype=spec.dtype, pipeline_model_parallel_size=pp, variable_seq_lengths=pp > 1,
+        # Megatron refuses its (default, unused without experts) allgather dispatcher beside variable_seq_lengths
+        **({"moe_token_dispatcher_type": "alltoall"} if pp > 1 and not spec.is_moe else {}),
+        **moe, **(recompute or {}))
 
 
 ATTENTION_KERNELS = ("sdpa", "te_thd")
@@ -196,15 +203,44 @@ def _layer_spec(spec: ModelSpec, grouped_gemm: bool, moe: bool, attention: str, 
     return layer
 
 
-def _block_spec(spec: ModelSpec, grouped_gemm: bool, attention: str, recompute: str = "none"):
-    """Per-layer specs: an MoE layer where the HF config has one (spec.moe_layers), a dense MLP elsewhere (Qwen3-MoE's
-    mlp_only_layers / decoder_sparse_step; one spec for every layer would make them all MoE). The final norm is the
-    one Megatron's block picks for a single layer spec (transformer_block.LayerNormImpl)."""
+def _block_spec(spec: ModelSpec, grouped_gemm: bool, attention: str, recompute: str = "none",
+                stage_layers: range | None = None):
+    """Per-layer specs of this pipeline stage's layers (`stage_layers`, global indices; None: all): an MoE layer
+    where the HF config has one (spec.moe_layers), a dense MLP elsewhere (Qwen3-MoE's mlp_only_layers /
+    decoder_sparse_step; one spec for every layer would make them all MoE). The final norm is the one Megatron's
+    block picks for a single layer spec (transformer_block.LayerNormImpl)."""
     from megatron.core.transformer.transformer_block import LayerNormImpl, TransformerBlockSubmodules
 
-    is_moe = [i in spec.moe_layers for i in range(spec.num_layers)]
+    is_moe = [i in spec.moe_layers for i in (stage_layers or range(spec.num_layers))]
     layers = {moe: _layer_spec(spec, grouped_gemm, moe, attention, recompute) for moe in set(is_moe)}
     return TransformerBlockSubmodules(layer_specs=[layers[moe] for moe in is_moe], layer_norm=LayerNormImpl)
+
+
+def stage_layers(num_layers: int) -> range:
+    """The global layer indices this pipeline stage builds: Megatron's even split, stage s holding layers
+    [s * n / pp, (s + 1) * n / pp) (trainer.pp must divide the layer count: config / preflight refuse otherwise)."""
+    from megatron.core import parallel_state
+
+    pp, stage = (parallel_state.get_pipeline_model_parallel_world_size(),
+                 parallel_state.get_pipeline_model_parallel_rank())
+    if num_layers % pp:
+        raise ValueError(f"trainer.pp ({pp}) must divide the model's {num_layers} layers")
+    per = num_layers // pp
+    return range(stage * per, (stage + 1) * per)
+
+
+def _gpt_model(spec: ModelSpec, config, block_spec):
+    """This pipeline stage's GPTModel: the first stage embeds, the last holds the final norm and the output layer
+    (the log-prob head's weight)."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+    return GPTModel(
+        config=config, transformer_layer_spec=block_spec,
+        vocab_size=spec.padded_vocab_size, max_sequence_length=spec.extra["max_position_embeddings"],
+        pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
+        parallel_output=True, share_embeddings_and_output_weights=spec.tied_embeddings,
+        position_embedding_type="rope", rotary_percent=spec.rotary_percent, rotary_base=spec.extra["rope_theta"])
 
 
 def te_grouped_gemm_available() -> bool:
@@ -258,7 +294,6 @@ def build_model(hf_dir: str, *, dtype: torch.dtype = torch.float32, sequence_par
     chosen.
     """
     from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
 
     from gspo_ray.compat import megatron_cpu
     from gspo_ray.compat.megatron_mla_without_te import apply_mla_te_fix
@@ -280,22 +315,22 @@ def build_model(hf_dir: str, *, dtype: torch.dtype = torch.float32, sequence_par
         raise ValueError(f"attention kernel {attention!r}: valid {ATTENTION_KERNELS}, te_thd with use_te only")
     grouped = spec.is_moe and use_te and (te_grouped_gemm_available() if grouped_gemm is None else grouped_gemm)
     config = build_transformer_config(spec, grouped_gemm=grouped, recompute=recompute_options(
-        recompute, recompute_modules, use_te, grouped))
+        recompute, recompute_modules, use_te, grouped), pp=parallel_state.get_pipeline_model_parallel_world_size())
     attention_recompute = {"full": "layer", "selective": "call" if "core_attn" in selective_modules(
         recompute_modules, use_te, grouped) else "none"}.get(recompute, "none")
     config.perform_initialization = not load_weights  # every parameter is overwritten by the loader
     config.moe_enable_routing_replay = routing_replay and spec.is_moe  # each router gets a RouterReplay
-    model = GPTModel(
-        config=config, transformer_layer_spec=_block_spec(spec, grouped, attention, attention_recompute),
-        vocab_size=spec.padded_vocab_size,
-        max_sequence_length=spec.extra["max_position_embeddings"], pre_process=True, post_process=True,
-        parallel_output=True, share_embeddings_and_output_weights=spec.tied_embeddings,
-        position_embedding_type="rope", rotary_percent=spec.rotary_percent, rotary_base=spec.extra["rope_theta"])
+    layers = stage_layers(spec.num_layers)
+    # a tied embedding's last-stage copy is summed with the first stage's at construction, after a `.cuda()`
+    # (a no-op in cpu_device_mode; the loaded values are summed again by bridge.sync_tied_output)
+    with megatron_cpu.cpu_device_mode() if len(layers) < spec.num_layers else contextlib.nullcontext():
+        model = _gpt_model(spec, config, _block_spec(spec, grouped, attention, attention_recompute, layers))
     if torch.cuda.is_available():
         model = model.cuda()
     for p in model.parameters():  # the torch norm wrappers ignore params_dtype; HF keeps norms in the model dtype
         p.data = p.data.to(dtype)
     model.hf_vocab_size = spec.vocab_size  # forward_logprobs normalises over the real vocabulary only
+    model.layer_offset = layers.start  # decoder.layers.{i} is stage-local: global index i + layer_offset
     if load_weights:
         load_hf_weights(model, spec, hf_dir)
     if recompute == "full":

@@ -65,8 +65,17 @@ from gspo_ray.trainer.heap import release_free_heap
 from gspo_ray.trainer.lora.worker import TrainerLoRA, check_checkpoint_kind, load_model, model_state
 from gspo_ray.trainer.metric_accumulator import MetricAccumulator, dp_token_metrics
 from gspo_ray.trainer.pg_weights import build_pg_weight
+from gspo_ray.trainer.pipeline import (
+    from_last_stage,
+    is_last_stage,
+    pipeline_size,
+    run_pipeline,
+    tensor_from_last_stage,
+)
 from gspo_ray.trainer.routing.churn import comm_device
 from gspo_ray.trainer.routing.worker import TrainerRouting
+from gspo_ray.trainer.weights.bridge import is_tied_output_copy, sync_tied_output
+from gspo_ray.trainer.weights.stage_names import global_layer_name, local_layer_name
 from gspo_ray.trainer.weights.weight_export import WeightExport, WeightExporter
 
 log = logging.getLogger(__name__)
@@ -138,6 +147,11 @@ class TrainerWorker:
         self._version = 0
         self.skipped = SkippedSteps(trainer_cfg.max_skipped_steps)  # non-finite steps: skipped, then fatal
         self.temperature = temperature  # the rollout's sampling temperature: log-probs of logits / T
+        # pipeline parallelism (trainer/pipeline.py): the loss and metrics live on the last stage
+        self.pp, self.last_stage = pipeline_size(), is_last_stage()
+        problem = trainer_cfg.pipeline_problem(self.spec.is_moe)
+        if problem:
+            raise ValueError(problem)
 
     # ---- queries -------------------------------------------------------------------------------------------------
     def version(self) -> int:
@@ -172,6 +186,8 @@ class TrainerWorker:
             out = forward_logprobs(model, rows.tokens, rows.lengths, **kw)
         else:
             out = forward_group_logprobs(model, rows.tokens, rows.lengths, mb.layout, **kw)
+        if not self.last_stage:  # a pipeline stage's hidden states, for the next stage (trainer/pipeline.py)
+            return out
         if not with_entropy:
             return out.float()
         logp, entropy = out
@@ -224,14 +240,24 @@ class TrainerWorker:
         out = torch.zeros(batch.num_sequences, width)
         sampler = purpose == "old_logprobs" and not reference  # the policy that sampled: R2 and drift record
         mbs = self._plan(batch, policy_routing=sampler)
+        kind = "reference" if reference else purpose
         passes = self.routing.fetch(batch, mbs) if sampler else [(False, False)] * len(mbs)
-        for mb, (record_first, _) in zip(mbs, passes):
-            with self.routing.records(mb, sampler=True, record_first=record_first) if sampler else \
+        first = {id(mb): record_first for mb, (record_first, _) in zip(mbs, passes)}
+
+        def forward(mb):
+            with self.routing.records(mb, sampler=True, record_first=first[id(mb)]) if sampler else \
                     self._reference() if reference else contextlib.nullcontext():
-                lp = self._logprobs(model, mb, "reference" if reference else purpose,
-                                    temperature=temperature).cpu()
+                return self._logprobs(model, mb, kind, temperature=temperature)
+
+        if self.pp > 1:  # forward only through the stages; the last one's log-probs reach every stage below
+            lps = run_pipeline(model, mbs, forward, lambda mb, lp: (lp.sum() * 0.0, lp.cpu()), forward_only=True)
+        else:
+            lps = [forward(mb).cpu() for mb in mbs]
+        for mb, lp in zip(mbs, lps):
             real = [i for i, r in enumerate(mb.rows) if r >= 0]  # padding rows and dummies are dropped
             out[[mb.rows[i] for i in real], :lp.shape[1]] = lp[real]
+        if self.pp > 1:
+            out = tensor_from_last_stage(out.to(comm_device(self.dp_group))).cpu()
         model.train(was_training)
         valid = torch.arange(width)[None, :] < batch.lengths.reshape(-1, 1)
         if self.dp_size > 1:  # each row was computed by exactly one DP rank; the others hold 0 there
@@ -258,13 +284,20 @@ class TrainerWorker:
             # every token, so its loss (times weight 0) still has a graph and its backward runs the same all-to-alls
             logp, entropy = self._logprobs(self.gpt, micro, "train", with_entropy=True,
                                            loss_tokens_only=bool(mb.loss_mask.any()))
-        a = self.algo
-        old_logp, adv, mask = mb.old_logp.to(logp), mb.adv.to(logp), mb.loss_mask.bool().to(logp.device)
         if self.noise is not None:  # the same rows with their recorded routing; on every micro-batch (EP in step)
             scored = bool(mb.loss_mask.any())
             self.noise.measure(self.routing.row_keys(micro), mb.lengths,
                                lambda: self._logprobs(self.gpt, micro, "routing_noise", loss_tokens_only=scored),
-                               logp, old_logp, adv, mask, record_first=passes[1])
+                               logp, mb.old_logp.to(logp), mb.adv.to(logp), mb.loss_mask.bool().to(logp.device),
+                               record_first=passes[1])
+        self._micro_loss(micro, logp, entropy, ref_logp, totals, norm_len, acc, eps).backward()
+
+    def _micro_loss(self, micro: MicroBatch, logp, entropy, ref_logp, totals: float, norm_len: float,
+                    acc: MetricAccumulator, eps: tuple[float, float]) -> torch.Tensor:
+        """The scaled loss of one micro-batch, what its backward starts from (module doc, "Loss scaling"); its
+        metrics go into `acc`."""
+        mb, a = micro.batch, self.algo
+        old_logp, adv, mask = mb.old_logp.to(logp), mb.adv.to(logp), mb.loss_mask.bool().to(logp.device)
         # dilution mask / mismatch correction (None when both are off); their metrics join the loss's
         rollout_logp = None if mb.rollout_logp is None else mb.rollout_logp.to(logp)
         pg_weight, extra = build_pg_weight(logp, old_logp, rollout_logp, adv, mask, a, *eps)
@@ -275,11 +308,37 @@ class TrainerWorker:
         metrics |= extra
         n_units = loss_units(mb.loss_mask, a.aggregation)
         weight = n_units / totals if totals > 0 else 0.0
-        # DDP averages grads over DP x CP: multiply by dp x cp so the step follows the sum of the DP ranks' scaled
-        # losses (the CP ranks' partial gradients of one loss add up to its gradient)
-        (loss * (weight * self.dp_size * self.cp_size)).backward()
         acc.add(metrics, metrics["train/n_tokens"], metrics["train/n_seqs"], n_units)
         acc.add_sum("train/loss", float(loss.detach()) * weight)
+        # DDP averages grads over DP x CP: multiply by dp x cp so the step follows the sum of the DP ranks' scaled
+        # losses (the CP ranks' partial gradients of one loss add up to its gradient)
+        return loss * (weight * self.dp_size * self.cp_size)
+
+    def _pipeline_micro_steps(self, mbs: list[MicroBatch], totals: float, norm_len: float, acc: MetricAccumulator,
+                              churn: bool, eps: tuple[float, float]) -> None:
+        """The micro-batches' forwards and backwards through the pipeline's 1F1B schedule (trainer/pipeline.py):
+        the loss of each on the last stage, as _micro_step computes it. A reference model's log-probs come first,
+        from a forward-only pass of its own."""
+        refs = [mb.batch.ref_logp for mb in mbs]
+        if self.ref_model is not None and any(r is None for r in refs):
+            with torch.no_grad():
+                computed = run_pipeline(self.ref_model, mbs, lambda mb: self._logprobs(
+                    self.ref_model, mb, "reference", loss_tokens_only=True), lambda mb, lp: (lp.sum() * 0.0, lp),
+                    forward_only=True)
+            refs = [r if r is not None or not computed else c for r, c in zip(refs, computed or refs)]
+        ref_of = {id(mb): ref for mb, ref in zip(mbs, refs)}
+
+        def forward(micro):  # the routing observers built under PP (drift, churn) watch this stage's routers
+            capture = self.routing.churn_capture(micro, "before") if churn else contextlib.nullcontext()
+            with self.routing.records(micro), capture:
+                return self._logprobs(self.gpt, micro, "train", with_entropy=True,
+                                      loss_tokens_only=bool(micro.batch.loss_mask.any()))
+
+        def loss(micro, output):
+            logp, entropy = output
+            return self._micro_loss(micro, logp, entropy, ref_of[id(micro)], totals, norm_len, acc, eps), None
+
+        run_pipeline(self.gpt, mbs, forward, loss)
 
     def train_step(self, batch: TrainBatch, eps: tuple[float, float] | None = None) -> dict[str, float]:
         """One optimizer step on one mini-batch (collective). Returns mini-batch metrics, equal on every rank.
@@ -297,8 +356,12 @@ class TrainerWorker:
         zero_grads(self.ddp, self.optimizer)
         self.routing.recorder.clear()
         eps = tuple(eps) if eps is not None else (self.eps_low, self.eps_high)
-        for mb, extra in zip(mbs, passes):
-            self._micro_step(mb, totals, norm_len, acc, churn, eps, extra)
+        if self.pp > 1:
+            self._pipeline_micro_steps(mbs, totals, norm_len, acc, churn, eps)
+        else:
+            for mb, extra in zip(mbs, passes):
+                self._micro_step(mb, totals, norm_len, acc, churn, eps, extra)
+        # at PP > 1 only the last stage has a loss: the others' "finite" is joined to its in grads_finite
         loss_finite = math.isfinite(acc.sums.get("train/loss", 0.0))
         grad_norm, lr, ok = optimizer_step(self.ddp, self.optimizer, self.scheduler, loss_finite)
         if ok:
@@ -307,6 +370,8 @@ class TrainerWorker:
             log.warning("skipped step (non-finite loss or gradients); policy version stays %d", self._version)
         self.skipped.record(ok, self._version)  # raises after trainer.max_skipped_steps in a row
         metrics = acc.reduce(self.dp_group)
+        if self.pp > 1:  # the loss's metrics are the last stage's
+            metrics = from_last_stage(metrics)
         metrics |= self.routing.step_metrics(mbs, churn)  # router churn (a re-forward), drift, probe, agreement
         metrics |= {"train/eps_low": eps[0], "train/eps_high": eps[1]}  # the band this step trained with
         metrics |= {f"train/forward_passes_{k}": float(v) for k, v in self.forward_passes.items()}
@@ -365,7 +430,7 @@ class TrainerWorker:
         owners = shards.Owners(layouts, self.rank)
         fp32 = torch_dtype(self.cfg.dtype) == torch.float32
         payload = {
-            "model": shards.owned_model_state(model_state(self.gpt, self.lora), owners),  # adapters only with LoRA
+            "model": shards.owned_model_state(self._global_state(), owners),  # adapters only with LoRA
             "optimizer": shards.optimizer_pieces(self.optimizer, self._param_names(), owners, fp32),
             "scheduler": self.scheduler.state_dict(),
             "version": self._version,
@@ -375,8 +440,34 @@ class TrainerWorker:
         meta = {"format": shards.FORMAT, "world_size": self.world_size, "tp": self.cfg.tp, "ep": self.cfg.ep,
                 "dtype": self.cfg.dtype, "version": self._version, "layouts": layouts,
                 "distributed_optimizer": self.cfg.distributed_optimizer,
-                "lora": self.lora.meta() if self.lora is not None else None, "layers": self._layers()}
+                "lora": self.lora.meta() if self.lora is not None else None, "layers": self._layers(),
+                "pp": self.pp, "pp_layers": self._stage_layers()}
         return str(ckpt.save_checkpoint(ckpt_dir, self.rank, payload, meta))
+
+    def _stage_layers(self) -> list[list[int]]:
+        """[first, end) global layer indices of each pipeline stage, in stage order (checkpoint meta: which saved
+        stage holds a layer; collective over the pipeline group at PP > 1)."""
+        mine = [self.gpt.layer_offset, self.gpt.layer_offset + len(self.gpt.decoder.layers)]
+        if self.pp == 1:
+            return [mine]
+        stages = [None] * self.pp
+        dist.all_gather_object(stages, mine, group=parallel_state.get_pipeline_model_parallel_group())
+        return stages
+
+    def _global_state(self) -> dict:
+        """The checkpoint's model state under global names (stage_names.py), without the last stage's copy of a
+        tied embedding (the first stage's is the tensor; `_load_global_state` restores the copy from it)."""
+        offset = self.gpt.layer_offset
+        return {global_layer_name(k, offset): v for k, v in model_state(self.gpt, self.lora).items()
+                if not is_tied_output_copy(self.gpt, k)}
+
+    def _load_global_state(self, state: dict, where: str) -> None:
+        offset = self.gpt.layer_offset
+        local = {local_layer_name(k, offset): v for k, v in state.items()}
+        if self.lora is None:  # the tied copy: its current value, then the first stage's embedding
+            local |= {k: v for k, v in self.gpt.state_dict().items() if is_tied_output_copy(self.gpt, k)}
+        load_model(self.gpt, local, self.lora, where)
+        sync_tied_output(self.gpt)
 
     def _layers(self) -> dict:
         from gspo_ray.trainer.model import layer_kinds
@@ -385,7 +476,11 @@ class TrainerWorker:
         return {"te": kinds.te, "grouped_gemm": kinds.grouped_gemm}
 
     def _param_names(self) -> dict[int, str]:
-        return {id(p): name for name, p in self.gpt.named_parameters()}
+        """id(param) -> its checkpoint name: global (stage_names.py); a tied embedding's last-stage copy, whose
+        optimizer state equals the embedding's (same values, gradients summed over both), under the embedding's."""
+        offset = self.gpt.layer_offset
+        return {id(p): "embedding.word_embeddings.weight" if is_tied_output_copy(self.gpt, name)
+                else global_layer_name(name, offset) for name, p in self.gpt.named_parameters()}
 
     def load(self, ckpt_dir: str | Path, load_optimizer: bool = True) -> int:
         """Restore a checkpoint written by `save` (collective). Returns the restored policy version.
@@ -402,11 +497,14 @@ class TrainerWorker:
         lay, fp32 = self.layout(), torch_dtype(self.cfg.dtype) == torch.float32
         if meta.get("format") == shards.FORMAT:
             saved = shards.SavedShards(ckpt_dir, meta, self.spec, lambda d, r: ckpt.load_rank_payload(d, r, mmap=True))
-            state = saved.model_state(lay, model_state(self.gpt, self.lora))  # read whole before anything changes
+            state = saved.model_state(lay, self._global_state())  # read whole before anything changes
             if load_optimizer:
                 saved.load_optimizer(self.optimizer, self._param_names(), lay, fp32)
             payload = saved.payload(ckpt.state_source(meta, lay))
         else:  # the older layout: a full replica per rank (same TP/EP; see ckpt.legacy_problem for the optimizer)
+            if self.pp > 1:
+                raise ValueError(f"checkpoint {ckpt_dir} has the older layout (every rank a full replica): it loads "
+                                 "at trainer.pp 1 only")
             problem = ckpt.legacy_problem(meta, self.cfg.tp, self.cfg.ep, self.world_size,
                                           self.cfg.distributed_optimizer, ckpt.legacy_was_distributed(ckpt_dir),
                                           str(ckpt_dir)) if load_optimizer else None
@@ -416,7 +514,7 @@ class TrainerWorker:
             payload = ckpt.load_rank_payload(ckpt_dir, ckpt.state_source(meta, lay))
             if load_optimizer:
                 ckpt.load_optimizer_state(self.optimizer, payload["optimizer"])
-        load_model(self.gpt, state, self.lora, str(ckpt_dir))
+        self._load_global_state(state, str(ckpt_dir))
         if load_optimizer:
             self.scheduler.num_steps = 0  # config values stay; only the position in the schedule is restored
             self.scheduler.step(payload["scheduler"]["num_steps"])

@@ -28,6 +28,8 @@ NEEDED = {
     "torch_norm_sequence_parallel": ("AssertionError", "sequence parallel not supported by torch LayerNorm",
                                      "transformer/torch_norm.py"),
     "cpu_device_mode": ("AssertionError", "Torch not compiled with CUDA enabled", "optimizer/optimizer.py"),
+    "cuda_synchronize": ("AssertionError", "Torch not compiled with CUDA enabled",
+                         "pipeline_parallel/p2p_communication.py"),
 }
 
 
@@ -152,6 +154,15 @@ def _check_optimizer_step(qwen2_dir: str, rank: int) -> dict:
             "moved": max((p.detach() - before[n][0]).abs().max().item() for n, p in model.named_parameters())}
 
 
+def _exchange_shapes(config):
+    """The pipeline's shape exchange of variable_seq_lengths (here with no neighbour to exchange with)."""
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+    communicator = P2PCommunicator(pp_group=parallel_state.get_pipeline_model_parallel_group(), config=config)
+    return communicator._communicate_shapes(None, None, False, False)
+
+
 def _scenario(rank, world_size, ports, moe_dir, qwen2_dir, rdzv):
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
@@ -184,6 +195,9 @@ def _scenario(rank, world_size, ports, moe_dir, qwen2_dir, rdzv):
     MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = shared_stream
     with compat.unapplied("torch_norm_sequence_parallel"):
         out["needed"]["torch_norm_sequence_parallel"] = _failure(lambda: WrappedTorchNorm(_sp_config(), 8))
+    with compat.unapplied("cuda_synchronize"):  # the pipeline's shape exchange (nothing to send at PP 1)
+        out["needed"]["cuda_synchronize"] = _failure(lambda: _exchange_shapes(model.config))
+    out["shapes_exchanged"] = _failure(lambda: _exchange_shapes(model.config))
     qwen2, _ = build_model(qwen2_dir)
     out["needed"]["cpu_device_mode"] = _failure(lambda: _optimizer(qwen2, distributed=False))
     out["forward_after"] = _failure(forward)  # every patch is back in place
@@ -202,7 +216,7 @@ def test_all_patches_applied_and_model_runs(ranks):
 
     for r in ranks:
         assert r["applied"] == sorted(WORKAROUNDS)
-        assert r["forward_with_all"] is None and r["forward_after"] is None
+        assert r["forward_with_all"] is None and r["forward_after"] is None and r["shapes_exchanged"] is None
 
 
 @pytest.mark.parametrize("name", sorted(NEEDED))

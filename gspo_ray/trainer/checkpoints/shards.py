@@ -30,6 +30,11 @@ expert j's `weight{j}` is SequentialMLP's expert j, same shape, same values. Mod
 TE's, a uint8 tensor, empty or its pickled FP8 scaling state; Megatron's local linears', None) is no tensor to
 split or rename: it is kept as saved where this rank's module is the saved one (same layers, same TP for dense
 modules, same EP for experts), else this trainer's own is kept (an FP8 scaling history restarts).
+Pipeline stages: names are global (trainer/weights/stage_names.py: the layer index a tensor has at PP 1) and meta
+"pp_layers" says which saved stage held which layers, so a tensor is read from its saved stage's owner whatever
+this trainer's PP size (`saved_stage`); the embedding lives on the first stage, the final norm and output layer on
+the last.
+
 Megatron's own dist_checkpointing (torch_dist) was not used: see docs/async-and-failures.md ("Checkpoint layout").
 """
 from __future__ import annotations
@@ -100,10 +105,24 @@ class Owners:
     def owns(self, name: str) -> bool:
         return self.expert if is_expert(name) else self.dense
 
-    def holders(self, name: str, tp_rank: int, ep_rank: int) -> list[int]:
+    def holders(self, name: str, tp_rank: int, ep_rank: int, pp_rank: int = 0) -> list[int]:
         """Saved ranks whose files may hold slices of `name` at these coordinates (its DP group)."""
         key, value = ("ep_rank", ep_rank) if is_expert(name) else ("tp_rank", tp_rank)
-        return [r for r, lay in enumerate(self.layouts) if lay[key] == value and lay.get("pp_rank", 0) == 0]
+        return [r for r, lay in enumerate(self.layouts) if lay[key] == value and lay.get("pp_rank", 0) == pp_rank]
+
+
+def saved_stage(name: str, stage_layers: list[list[int]]) -> int:
+    """The pipeline stage of a checkpoint that holds global `name`: the embedding on the first, a decoder layer on
+    the stage whose [first, end) holds its index (meta "pp_layers"), the final norm and output layer on the last."""
+    from gspo_ray.trainer.weights.stage_names import layer_index
+
+    index = layer_index(name)
+    if index is None:
+        return 0 if name.startswith("embedding.") else len(stage_layers) - 1
+    for stage, (first, end) in enumerate(stage_layers):
+        if first <= index < end:
+            return stage
+    raise MissingShardError(f"layer {index} ({name}) is in no saved pipeline stage {stage_layers}")
 
 
 def owned_model_state(state: dict, owners: Owners) -> dict:
@@ -163,6 +182,7 @@ class SavedShards:
     def __init__(self, ckpt_dir: str | Path, meta: dict, spec, load_payload):
         self.dir, self.meta, self.spec = Path(ckpt_dir), meta, spec
         self.owners = Owners(meta["layouts"], 0)
+        self.stage_layers = meta.get("pp_layers") or [[0, 1 << 30]]  # older checkpoints: one stage
         self._load, self._payloads = load_payload, {}
         self._keys: dict[int, dict] = {}  # saved rank -> {param_key: saved name}, for names other layers gave
 
@@ -185,7 +205,9 @@ class SavedShards:
         return with_local_expert(name, glob % per_saved), glob // per_saved
 
     def _owner(self, name: str, tp_rank: int, ep_rank: int) -> int:
-        return self.owners.expert_owner(ep_rank) if is_expert(name) else self.owners.dense_owner(tp_rank)
+        stage = saved_stage(name, self.stage_layers)
+        return (self.owners.expert_owner(ep_rank, 0, stage) if is_expert(name)
+                else self.owners.dense_owner(tp_rank, stage))
 
     def _saved_name(self, name: str, owner: int) -> str:
         """The name saved rank `owner` gave the tensor this trainer names `name`: the same name, or under other
@@ -217,7 +239,7 @@ class SavedShards:
         """[(start, flat tensor)] of `key` (exp_avg, exp_avg_sq, main, step) of `name` in its saved DP group."""
         out = []
         name = self._saved_name(name, self._owner(name, tp_rank, ep_rank))
-        for r in self.owners.holders(name, tp_rank, ep_rank):
+        for r in self.owners.holders(name, tp_rank, ep_rank, saved_stage(name, self.stage_layers)):
             piece = self.payload(r)["optimizer"]["params"].get(name)
             if piece is not None:
                 out.append((piece, piece.get(key)))
@@ -378,12 +400,14 @@ def full_state(ckpt_dir: str | Path, model_dir: str | Path, load_payload,
     spec = spec_from_hf_config(read_hf_config(model_dir), str(model_dir), tp=1, ep=1)
     saved = SavedShards(ckpt_dir, meta, spec, load_payload)
     lay = dict(rank=0, tp_rank=0, ep_rank=0, etp_rank=0, pp_rank=0)
-    names = [n for n, v in saved.payload(saved.owners.dense_owner(0))["model"].items()
-             if isinstance(v, Tensor) and not is_expert(n) and not n.endswith(EXTRA_STATE)]
-    for e in range(meta["ep"]):  # expert j of saved EP rank e is expert e * local + j at EP 1
-        local = spec.num_experts // meta["ep"] if spec.num_experts else 0
-        for n, v in saved.payload(saved.owners.expert_owner(e))["model"].items():
-            j = local_expert(n)
-            if isinstance(v, Tensor) and is_expert(n) and j is not None:
-                names.append(with_local_expert(n, e * local + j))
+    names = []
+    for stage in range(len(saved.stage_layers)):  # global names: each stage's own
+        names += [n for n, v in saved.payload(saved.owners.dense_owner(0, stage))["model"].items()
+                  if isinstance(v, Tensor) and not is_expert(n) and not n.endswith(EXTRA_STATE)]
+        for e in range(meta["ep"]):  # expert j of saved EP rank e is expert e * local + j at EP 1
+            local = spec.num_experts // meta["ep"] if spec.num_experts else 0
+            for n, v in saved.payload(saved.owners.expert_owner(e, 0, stage))["model"].items():
+                j = local_expert(n)
+                if isinstance(v, Tensor) and is_expert(n) and j is not None:
+                    names.append(with_local_expert(n, e * local + j))
     return {n: {k: saved.tensor(k, n, lay, None) for k in keys} for n in names}

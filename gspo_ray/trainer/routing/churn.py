@@ -34,19 +34,21 @@ from megatron.core import parallel_state
 from megatron.core.transformer.moe.router import TopKRouter
 
 from gspo_ray.trainer.recompute import in_recompute
+from gspo_ray.trainer.weights.stage_names import layer_offset
 
 _LAYER_RE = re.compile(r"layers\.(\d+)\.")
 
 
 def find_routers(model: torch.nn.Module) -> list[tuple[int, TopKRouter]]:
-    """(layer index, router) for every TopKRouter under `model`, in layer order."""
-    found = []
+    """(global layer index, router) for every TopKRouter under `model`, in layer order (a pipeline stage's layers
+    numbered as at PP 1: weights/stage_names.py)."""
+    found, offset = [], layer_offset(model)
     for name, module in model.named_modules():
         if isinstance(module, TopKRouter):
             m = _LAYER_RE.search(name)
             if m is None:
                 raise ValueError(f"cannot tell the layer of router {name!r}")
-            found.append((int(m.group(1)), module))
+            found.append((int(m.group(1)) + offset, module))
     return sorted(found, key=lambda x: x[0])
 
 

@@ -13,6 +13,12 @@ Replay, only on a model with routers).
 `forward(model, mb, purpose, **kw)` is the worker's counted log-prob forward (TrainerWorker._logprobs): the
 recording forwards of Replay ("routing_record") and churn's re-forward ("router_churn") go through it, so they
 count in the worker's `forward_passes` like every other forward.
+
+Pipeline parallelism (trainer.pp > 1): each stage watches its own layers' routers (global layer numbers), the
+worker enters `records` / `churn_capture` around each micro-batch's forward inside the schedule, churn's re-forward
+is a forward-only pass of the schedule, and the drift and churn counts are summed over the stage's ranks, then the
+stages' per-layer metrics joined (the means over layers taken again over all of them). Replay, the noise probe and
+agreement are not built there (TrainerConfig.pipeline_problem).
 """
 from __future__ import annotations
 
@@ -27,6 +33,7 @@ from megatron.core import parallel_state
 from gspo_ray.data.records import TrainBatch
 from gspo_ray.trainer.batch_layout import MicroBatch, routing_keys
 from gspo_ray.trainer.group_rows import shard_token_order
+from gspo_ray.trainer.pipeline import pipeline_size, run_pipeline
 from gspo_ray.trainer.routing.agreement import RoutingAgreement, position_lags
 from gspo_ray.trainer.routing.churn import RouterRecorder, comm_device
 from gspo_ray.trainer.routing.drift import RoutingDrift
@@ -47,6 +54,13 @@ class TrainerRouting:
         # trainer top-k vs the engine's per trained token, by version lag (where batches carry the engine's routes)
         self.agreement = RoutingAgreement(gpt) if self.recorder.routers and (
             trainer_cfg.routing_agreement or trainer_cfg.routing_replay == "R3") else None
+        # under PP a stage may hold no router (a dense first layer): whether the model has any, agreed by all
+        self.pp = pipeline_size()
+        self.any_routers = bool(self.recorder.routers)
+        if self.pp > 1:
+            flag = torch.tensor([float(self.any_routers)], device=comm_device())
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            self.any_routers = bool(flag.item())
 
     # ---- per-row records (R2, drift, probe) ----------------------------------------------------------------------
     def stores(self) -> list:
@@ -137,7 +151,7 @@ class TrainerRouting:
     def churn_now(self, version: int) -> bool:
         """Whether the step that starts at policy `version` measures router churn (trainer.router_churn_every)."""
         every = self.churn_every
-        return bool(every) and bool(self.recorder.routers) and version % every == 0
+        return bool(every) and self.any_routers and version % every == 0
 
     @contextlib.contextmanager
     def churn_capture(self, mb: MicroBatch, phase: str):
@@ -164,13 +178,27 @@ class TrainerRouting:
     def router_churn(self, mbs: list[MicroBatch]) -> dict[str, float]:
         """Re-run the step's micro-batches with the new weights and compare top-k choices (see routing.churn)."""
         self.gpt.eval()
-        for mb in mbs:
+
+        def forward(mb):
             with self.replayed(mb), self.churn_capture(mb, "after"):
-                self.forward(self.gpt, mb, "router_churn")
+                return self.forward(self.gpt, mb, "router_churn")
+
+        if self.pp > 1:
+            run_pipeline(self.gpt, mbs, forward, lambda mb, out: (out.sum() * 0.0, None), forward_only=True)
+        else:
+            for mb in mbs:
+                forward(mb)
         self.gpt.train()
-        metrics = self.recorder.churn_metrics()  # all ranks: DP rows and SP shards are disjoint token sets
+        # all ranks (of the stage): DP rows and SP shards are disjoint token sets
+        metrics = self.recorder.churn_metrics(self._stage_group())
         self.recorder.clear()
         return metrics
+
+    def _stage_group(self):
+        """The ranks that hold this rank's layers (None: all ranks, at PP 1)."""
+        if self.pp == 1:
+            return None
+        return parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)
 
     def step_metrics(self, mbs: list[MicroBatch], churn: bool) -> dict[str, float]:
         """After a step's optimizer update (collective): router churn (when `churn`, re-forwarding `mbs`), drift,
@@ -179,7 +207,9 @@ class TrainerRouting:
         if churn:
             metrics |= self.router_churn(mbs)
         if self.drift is not None:
-            metrics |= self.drift.metrics()  # all ranks, like churn
+            metrics |= self.drift.metrics(self._stage_group())  # all ranks (of the stage), like churn
+        if self.pp > 1:
+            metrics = join_stage_metrics(metrics)
         if self.noise is not None:
             metrics |= self.noise.metrics(self.dp_group)
         if self.agreement is not None:
@@ -189,3 +219,21 @@ class TrainerRouting:
     def close(self) -> None:
         """Remove the router hooks."""
         self.recorder.remove()
+
+
+# per-layer metric prefix -> the mean over layers it feeds (routing/churn.py, routing/drift.py)
+LAYER_MEANS = {"moe/router_churn_l": "moe/router_churn", "moe/drift_churn_l": "moe/drift_churn",
+               "moe/expert_load_max_over_mean_l": "moe/expert_load_max_over_mean"}
+
+
+def join_stage_metrics(metrics: dict[str, float]) -> dict[str, float]:
+    """Every pipeline stage's routing metrics joined (collective over the pipeline group): the per-layer values
+    side by side (each layer on one stage), each mean over layers taken again over all the stages' layers."""
+    parts = [None] * pipeline_size()
+    dist.all_gather_object(parts, metrics, group=parallel_state.get_pipeline_model_parallel_group())
+    joined = {k: v for part in parts for k, v in part.items()}
+    for prefix, mean in LAYER_MEANS.items():
+        values = [v for k, v in joined.items() if k.startswith(prefix)]
+        if values:
+            joined[mean] = sum(values) / len(values)
+    return joined

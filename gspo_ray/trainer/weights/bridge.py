@@ -41,6 +41,7 @@ from torch import Tensor
 from gspo_ray.trainer.families import family_of
 from gspo_ray.trainer.families.base import Family
 from gspo_ray.trainer.model_spec import ModelSpec
+from gspo_ray.trainer.weights.stage_names import global_layer_name, layer_offset
 
 @dataclass(frozen=True)
 class ParamMap:
@@ -86,12 +87,32 @@ CARRIED_BUFFERS = (".router.expert_bias",)
 
 def named_weights(model) -> Iterator[tuple[str, Tensor]]:
     """Every tensor the HF checkpoint holds, as this rank has it: the parameters, then the carried buffers (in
-    module order). `model` may be anything with `named_parameters()` (lora.peft_io.MergedParameters)."""
-    yield from model.named_parameters()
+    module order), under their global names (a pipeline stage's layers renumbered: stage_names.py). `model` may be
+    anything with `named_parameters()` (lora.peft_io.MergedParameters). With tied embeddings the last pipeline
+    stage's copy of the embedding (`output_layer.weight`, which Megatron keeps equal to the first stage's) is no
+    HF tensor and is left out: `tied_output_copy` loads it."""
+    offset = layer_offset(model)
+    for name, param in model.named_parameters():
+        if not is_tied_output_copy(model, name):
+            yield global_layer_name(name, offset), param
     if hasattr(model, "named_buffers"):
         for name, buf in model.named_buffers():
             if name.endswith(CARRIED_BUFFERS):
-                yield name, buf
+                yield global_layer_name(name, offset), buf
+
+
+def is_tied_output_copy(model, name: str) -> bool:
+    """`output_layer.weight` of a last pipeline stage whose output layer shares the first stage's embedding (PP > 1
+    with tied embeddings): Megatron holds it as a copy, its gradients summed with the embedding's."""
+    return name.endswith("output_layer.weight") and bool(getattr(_gpt(model), "share_embeddings_and_output_weights",
+                                                                   False)) and not getattr(_gpt(model), "pre_process",
+                                                                                           True)
+
+
+def _gpt(model):
+    while not hasattr(model, "share_embeddings_and_output_weights") and hasattr(model, "module"):
+        model = model.module
+    return model
 
 
 def is_lora_param(name: str) -> bool:
@@ -225,9 +246,25 @@ def _hf_names_of_model(model, spec: ModelSpec) -> set[str]:
     return names
 
 
+def _pipeline():
+    """(pipeline group, its global ranks in stage order, this rank's stage), or None at PP 1."""
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized() or ps.get_pipeline_model_parallel_world_size() == 1:
+        return None
+    group = ps.get_pipeline_model_parallel_group()
+    return group, torch.distributed.get_process_group_ranks(group), ps.get_pipeline_model_parallel_rank()
+
+
 def _check_all_used(ckpt: HFCheckpoint, model, spec: ModelSpec) -> None:
-    """A checkpoint tensor nobody reads means a feature the converter does not know (a bias, a shared expert)."""
+    """A checkpoint tensor nobody reads means a feature the converter does not know (a bias, a shared expert).
+    Under pipeline parallelism the names every stage reads count (gathered over the pipeline group)."""
     used, family = _hf_names_of_model(model, spec), family_of(spec.arch)
+    pipeline = _pipeline()
+    if pipeline is not None:
+        per_stage = [None] * len(pipeline[1])
+        torch.distributed.all_gather_object(per_stage, sorted(used), group=pipeline[0])
+        used = set().union(*per_stage)
     fused_experts = re.compile(r"model\.layers\.\d+\.mlp\.experts\.(gate_up_proj|down_proj)")
     unused = sorted(n for n in ckpt.keys() - used if not fused_experts.fullmatch(n)
                     and not (spec.tied_embeddings and n == "lm_head.weight")
@@ -256,6 +293,24 @@ def load_hf_weights(model, spec: ModelSpec, hf_dir: str | Path) -> None:
                 raise ValueError(f"{name}: HF {hf_names} give shape {tuple(local.shape)} on this rank, "
                                  f"Megatron expects {tuple(param.shape)}")
             param.copy_(local.to(param.dtype))
+    sync_tied_output(model)
+
+
+def sync_tied_output(model) -> None:
+    """Under pipeline parallelism with tied embeddings: the last stage's output-layer copy set to the first stage's
+    (loaded) embedding, as Megatron does at construction (zeros there, summed over the embedding group). Collective
+    over the pipeline ranks; a no-op elsewhere. Call after every load of the weights."""
+    from megatron.core import parallel_state as ps
+
+    gpt = _gpt(model)
+    if (_pipeline() is None or not getattr(gpt, "share_embeddings_and_output_weights", False)
+            or not ps.is_rank_in_embedding_group()):
+        return
+    weight = gpt.shared_embedding_or_output_weight()
+    with torch.no_grad():
+        if not gpt.pre_process:
+            weight.zero_()
+        torch.distributed.all_reduce(weight.data, group=ps.get_embedding_group())
 
 
 # ---- export ----------------------------------------------------------------------------------------------------------
@@ -285,22 +340,50 @@ def _full_hf_tensors(name: str, param: Tensor, spec: ModelSpec) -> list[tuple[st
     return list(zip(pm.hf_names, split_to_hf(unshard_tp(shards, pm, spec), pm.merge, spec)))
 
 
+def _hf_tensors(model, spec: ModelSpec) -> Iterator[tuple[str, Tensor]]:
+    """(HF name, full tensor) of every base weight, the same on every rank (collective). Under pipeline
+    parallelism stage after stage: the stage's ranks gather each tensor over TP / EP, then its rank broadcasts it
+    over its pipeline group (a header object, then the tensors)."""
+    # the base weights only (MergedParameters in trainer/lora/peft_io.py folds adapters in: one merged weight
+    # alive at a time, so at PP 1 they are read one by one)
+    weights = ((name, param) for name, param in named_weights(model) if not is_lora_param(name))
+    pipeline = _pipeline()
+    if pipeline is None:
+        for name, param in weights:
+            yield from _full_hf_tensors(name, param, spec)
+        return
+    mine = list(weights)  # (no LoRA under pipeline parallelism: TrainerConfig.pipeline_problem)
+    group, ranks, stage = pipeline
+    device = mine[0][1].device
+    counts = [None] * len(ranks)
+    torch.distributed.all_gather_object(counts, len(mine), group=group)
+    for src_stage, src in enumerate(ranks):
+        for k in range(counts[src_stage]):
+            full = None
+            if src_stage == stage:
+                full = [(n, t.contiguous()) for n, t in _full_hf_tensors(*mine[k], spec)]
+            header = [[(n, tuple(t.shape), t.dtype) for n, t in full] if full is not None else None]
+            torch.distributed.broadcast_object_list(header, src=src, group=group)
+            if full is None:
+                full = [(n, torch.empty(shape, dtype=dtype, device=device)) for n, shape, dtype in header[0]]
+            for _, t in full:
+                torch.distributed.broadcast(t, src=src, group=group)
+            yield from full
+
+
 def export_hf_weights(model, spec: ModelSpec, bucket_mb: float = 64) -> Iterator[list[tuple[str, Tensor]]]:
     """Yield buckets of full HF tensors (<= bucket_mb each, a larger single tensor travels alone). Collective:
     every rank must iterate it to the end; every rank yields the same tensors. Order: the model's parameter order,
-    experts of one layer grouped by local index."""
+    experts of one layer grouped by local index (under pipeline parallelism: stage by stage, the same order)."""
     limit, bucket, size = bucket_mb * 2**20, [], 0
-    for name, param in named_weights(model):
-        if is_lora_param(name):  # the base weights only (MergedParameters in trainer/lora/peft_io.py folds adapters in)
-            continue
-        for hf_name, tensor in _full_hf_tensors(name, param, spec):
-            nbytes = tensor.numel() * tensor.element_size()
-            if bucket and size + nbytes > limit:
-                yield bucket
-                bucket, size = [], 0
-            # an owned copy: never a view of a parameter the optimizer will change, nor of a larger gathered tensor
-            bucket.append((hf_name, tensor.clone(memory_format=torch.contiguous_format)))
-            size += nbytes
+    for hf_name, tensor in _hf_tensors(model, spec):
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > limit:
+            yield bucket
+            bucket, size = [], 0
+        # an owned copy: never a view of a parameter the optimizer will change, nor of a larger gathered tensor
+        bucket.append((hf_name, tensor.clone(memory_format=torch.contiguous_format)))
+        size += nbytes
     if bucket:
         yield bucket
 

@@ -66,17 +66,26 @@ def hf_tensors(ckpt_dir: str | Path, model_dir: str | Path,
     meta = ckpt.read_meta(ckpt_dir)
     spec = checkpoint_spec(ckpt_dir, model_dir)
     reader = _ModelReader(ckpt_dir)
-    tp_src = [ckpt.find_rank(meta, tp_rank=r, pp_rank=0) for r in range(spec.tp)]
-    ep_src = [ckpt.find_rank(meta, ep_rank=r, pp_rank=0) for r in range(spec.ep)] if spec.is_moe else []
-    names = [n for n, v in reader.model(tp_src[0]).items() if isinstance(v, Tensor)]
-    seen = set(names)
-    names += [n for n, v in (reader.model(ep_src[0]) if ep_src else {}).items()
-              if isinstance(v, Tensor) and ckpt.EXPERT_KEY in n and n not in seen]
     read = 0
+    for stage in range(int(meta.get("pp", 1))):  # pipeline stages in order, each its own (global) names
+        tp_src = [ckpt.find_rank(meta, tp_rank=r, pp_rank=stage) for r in range(spec.tp)]
+        ep_src = [ckpt.find_rank(meta, ep_rank=r, pp_rank=stage) for r in range(spec.ep)] if spec.is_moe else []
+        names = [n for n, v in reader.model(tp_src[0]).items() if isinstance(v, Tensor)]
+        seen = set(names)
+        names += [n for n, v in (reader.model(ep_src[0]) if ep_src else {}).items()
+                  if isinstance(v, Tensor) and ckpt.EXPERT_KEY in n and n not in seen]
+        for n, t in _stage_tensors(reader, spec, names, tp_src, ep_src):
+            read += t.numel() * t.element_size()
+            yield n, t
+            if read > release_bytes:  # unmap what was read so far: its pages leave this process's resident memory
+                reader.release()
+                read = 0
+
+
+def _stage_tensors(reader, spec: ModelSpec, names: list[str], tp_src: list[int], ep_src: list[int]):
+    """(HF name, owned contiguous copy) of the Megatron tensors `names` of one pipeline stage, read from the saved
+    ranks of its TP (dense) / EP (experts) coordinates."""
     for name in names:
-        if read > release_bytes:  # unmap what was read so far: its pages leave this process's resident memory
-            reader.release()
-            read = 0
         if name.endswith("._extra_state"):
             continue  # Megatron's per-module extra state (None for the local layer spec)
         if spec.tied_embeddings and name == "output_layer.weight":
@@ -86,13 +95,11 @@ def hf_tensors(ckpt_dir: str | Path, model_dir: str | Path,
             for r, src in enumerate(ep_src):
                 hf = pm.for_expert(r * spec.num_local_experts + pm.local_expert)
                 for n, t in zip(hf, split_to_hf(reader.model(src)[name], pm.merge, spec)):
-                    read += t.numel() * t.element_size()
                     # owned, contiguous copies: safetensors refuses views that share storage (fused q/k/v split)
                     yield n, t.clone(memory_format=torch.contiguous_format)
             continue
         full = unshard_tp([reader.model(src)[name] for src in tp_src], pm, spec)
         for n, t in zip(pm.hf_names, split_to_hf(full, pm.merge, spec)):
-            read += t.numel() * t.element_size()
             yield n, t.clone(memory_format=torch.contiguous_format)
 
 
