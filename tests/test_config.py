@@ -180,6 +180,7 @@ def test_a_context_parallel_layout_loads_with_dp_over_tp_x_cp():
 
 @pytest.mark.parametrize("overrides,names", [
     (["trainer.num_workers=3", "trainer.pp=2"], ["trainer.tp x trainer.pp"]),  # 2 stages do not divide 3 ranks
+    (["trainer.num_workers=2", "trainer.pp=2", "trainer.ep=2"], ["trainer.ep x trainer.pp"]),  # 1 rank a stage
     (["trainer.num_workers=2", "trainer.pp=2", "trainer.lora.rank=4"], ["trainer.lora"]),
     (["trainer.num_workers=2", "trainer.pp=2", "trainer.routing_agreement=true"], ["trainer.routing_agreement"]),
     (["trainer.num_workers=2", "trainer.pp=2", "trainer.routing_replay=R2"], ["trainer.routing_replay"]),

@@ -210,6 +210,9 @@ class TrainerConfig(Strict):
                              "one of them to 1")
         if self.num_workers % self.ep:
             raise ValueError(f"trainer.ep ({self.ep}) must divide trainer.num_workers ({self.num_workers})")
+        if self.num_workers % (self.ep * self.pp):  # Megatron: each stage's ranks hold every expert once over EP
+            raise ValueError(f"trainer.ep x trainer.pp ({self.ep} x {self.pp}) must divide trainer.num_workers "
+                             f"({self.num_workers})")
         return self
 
     def _context_parallel(self) -> None:
@@ -262,7 +265,7 @@ class TrainerConfig(Strict):
         checkpoint can follow), whatever the cluster's room: the rule `gspo-ray scale trainer` and the
         autoscaler share (coordinator/recovery.py adds the cluster's room)."""
         for name, size in (("tp", self.tp), ("ep", self.ep), ("tp x trainer.cp", self.tp * self.cp),
-                           ("tp x trainer.pp", self.tp * self.pp)):
+                           ("tp x trainer.pp", self.tp * self.pp), ("ep x trainer.pp", self.ep * self.pp)):
             if num_workers % size:
                 return f"trainer.{name} ({size}) must divide trainer.num_workers ({num_workers})"
         # a distributed optimizer's state reshards on load like the model (trainer/checkpoints/shards.py): not refused

@@ -67,8 +67,8 @@ def check_layout(world_size: int, tp: int, ep: int, cp: int = 1, pp: int = 1) ->
         raise ValueError(f"world_size={world_size} is not divisible by tp x cp x pp = {tp} x {cp} x {pp}")
     if world_size % tp:
         raise ValueError(f"world_size={world_size} is not divisible by tp={tp}")
-    if world_size % ep:
-        raise ValueError(f"world_size={world_size} is not divisible by ep={ep} (expert-TP is 1)")
+    if world_size % (ep * pp):  # each pipeline stage's ranks hold every expert once over EP
+        raise ValueError(f"world_size={world_size} is not divisible by ep x pp = {ep} x {pp} (expert-TP is 1)")
 
 
 def init_distributed(rank: int, world_size: int, master_addr: str, master_port: int, *, tp: int = 1, ep: int = 1,
