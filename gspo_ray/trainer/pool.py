@@ -173,20 +173,39 @@ class TrainerPool:
                 raise TrainerRankDied(rank, method, e) from e
             except Exception as e:  # an error inside a rank: the others may be stuck in a collective on it
                 rank = refs.index(done[0])
-                killed = self._stop_after_error(refs, waiting, keep_if_idle)
+                killed, dead = self._stop_after_error(refs, waiting, keep_if_idle)
+                if dead is not None:  # the error was a collective's with a rank that died (gloo: connection reset)
+                    rank, cause = dead
+                    log.warning("trainer rank %d died during %s: killed the other %d ranks", rank, method,
+                                len(refs) - 1)
+                    raise TrainerRankDied(rank, method, cause) from cause
                 log.warning("trainer rank %d failed during %s%s: %s", rank, method,
                             ": killed the pool's ranks" if killed else "", e)
                 raise TrainerRankFailed(rank, method, e, killed) from e
         return ray.get(refs)
 
-    def _stop_after_error(self, refs: list, waiting: list, keep_if_idle: bool = False) -> bool:
+    def _stop_after_error(self, refs: list, waiting: list, keep_if_idle: bool = False
+                          ) -> tuple[bool, tuple[int, RayActorError] | None]:
         """After one rank's error: unless every rank raises within ERROR_GRACE_S (an error all ranks hit alike,
         e.g. a bad argument, leaves them all idle and in step), kill them all. keep_if_idle: every rank having
-        returned (raised or not) within ERROR_GRACE_S is enough. Returns whether they were killed."""
+        returned (raised or not) within ERROR_GRACE_S is enough. Returns whether they were killed, and (rank, error)
+        of a rank whose actor died meanwhile: a rank killed from outside makes its peers' collectives fail (gloo's
+        "connection reset by peer"), and that error may arrive before Ray reports the death; the death is the
+        cause."""
         if waiting:
             _, waiting = ray.wait(waiting, num_returns=len(waiting), timeout=ERROR_GRACE_S)
+        for rank, ref in enumerate(refs):
+            if ref in waiting:
+                continue
+            try:
+                ray.get(ref, timeout=0)
+            except RayActorError as died:
+                self._kill_workers()
+                return True, (rank, died)
+            except Exception:  # noqa: BLE001 - a rank's own error: counted below
+                pass
         if not waiting and keep_if_idle:
-            return False
+            return False, None
         if not waiting:
             failed = 0
             for ref in refs:
@@ -195,9 +214,9 @@ class TrainerPool:
                 except Exception:  # noqa: BLE001 - counting the ranks that raised
                     failed += 1
             if failed == len(refs):
-                return False
+                return False, None
         self._kill_workers()
-        return True
+        return True, None
 
     def _rank0(self, method: str, *args, **kwargs):
         return self._all(method, *args, **kwargs)[0]

@@ -76,6 +76,31 @@ def test_an_error_in_one_rank_fails_the_call_at_once_with_that_error(pool):
 
 
 
+@ray.remote(num_cpus=0)
+class _StandInRank:
+    """A rank of a pool call (`call_ranks`, whose idle ranks would keep the pool up): rank 0 fails as gloo fails a collective whose peer is gone; rank 1 dies a moment later
+    (the order Ray may report them in when a rank is killed during a step: the peer's error first)."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+
+    def train_step(self):
+        if self.rank == 0:
+            raise RuntimeError("gloo/transport/tcp/pair.cc: Read error: Connection reset by peer")
+        time.sleep(0.5)
+        os._exit(1)
+
+
+def test_a_peers_collective_error_before_the_death_is_still_the_death(local_ray):
+    """The death is reported even when a peer's collective error reaches the pool first (seen under load: a
+    SIGKILLed rank 1, and rank 0's "connection reset by peer" returned before Ray saw rank 1 die)."""
+    pool = TrainerPool.__new__(TrainerPool)  # stand-in ranks: only the pool's call path runs
+    pool.workers = [_StandInRank.remote(r) for r in range(2)]
+    with pytest.raises(TrainerRankDied) as info:
+        pool.call_ranks(lambda rank: rank.train_step())
+    assert info.value.rank == 1
+
+
 def test_a_rank_out_of_disk_space_is_still_a_full_disk():
     from gspo_ray.trainer.checkpoints.durable import is_disk_full
 
