@@ -292,12 +292,10 @@ class EpisodeRunner:
         for turn in itertools.count():
             live = []
             for e in episodes:
-                if e.finish is not None or (budget is not None and e.round_tokens >= budget):
-                    continue  # ended, or waits for the next round
-                if e.turns >= self.max_turns and not e.open_turn:
-                    e.end(FINISH_LENGTH)  # out of turns
-                    continue
-                live.append(e)
+                if e.finish is None and ((e.turns >= self.max_turns and not e.open_turn) or self._turn_cap(e) <= 0):
+                    e.end(FINISH_LENGTH)  # out of turns or tokens: ended now, not left open for another round
+                if e.finish is None and (budget is None or e.round_tokens < budget):
+                    live.append(e)  # others ended, or wait for the next round
             if not live:
                 return
             if stop_event is not None and stop_event.is_set():
@@ -421,8 +419,7 @@ class EpisodeRunner:
         round's budget (or, resident, by a pause) stays open: no env step until it ends in a later round."""
         requests, owners, calls, cut = {}, {}, {}, set()
         for k, e in enumerate(live):
-            cap = min(self.max_tokens_per_turn - e.turn_tokens, self.max_total_tokens - len(e.ids),
-                      self.engine.max_model_len - len(e.context))
+            cap = self._turn_cap(e)
             if cap <= 0:
                 e.end(FINISH_LENGTH)
                 continue
@@ -461,6 +458,11 @@ class EpisodeRunner:
                 e.open_turn = True
             else:  # stopped by a pause before its turn ended
                 e.end(FINISH_INTERRUPTED, INTERRUPTED_REASON)
+
+    def _turn_cap(self, e: Episode) -> int:
+        """Model tokens the episode's current turn may still take (turn, episode and context limits)."""
+        return min(self.max_tokens_per_turn - e.turn_tokens, self.max_total_tokens - len(e.ids),
+                   self.engine.max_model_len - len(e.context))
 
     def _metrics(self, samples: list[Sample], seconds: float) -> dict[str, float]:
         model = sum(sum(s.loss_mask) for s in samples)
