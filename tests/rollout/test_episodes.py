@@ -6,7 +6,9 @@
   processes the same, bar a hang, whose kill also ends its process's other episodes: see test_env_hosts.py);
 - envs in child processes (the default) give exactly the episodes that envs in this process give;
 - a completion generated in 3 segments equals one uninterrupted (greedy) generation, carries the versions it was
-  sampled under, and, with real weights pushed between segments, each token's log-prob is that of its version.
+  sampled under, and, with real weights pushed between segments, each token's log-prob is that of its version;
+- multi-turn episodes under partial rollouts: turns cut by a round continue under the next pushed policy, each
+  token keeps its version and log-prob, and a runner that does not hold an episode rebuilds it by replaying its env.
 """
 from __future__ import annotations
 
