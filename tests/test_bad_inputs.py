@@ -132,7 +132,6 @@ BAD_COMBINATIONS = [
     {"data.source": "builtin", "data.task": "guess"},
     {"model.tiny.top_k": 8},
     {"rollout.partial.segment_tokens": 8},
-    {"rollout.partial.segment_tokens": 2, "rollout.multi_turn.max_turns": 2},
     {"data.eval_path": "/nonexistent/eval.jsonl"},
     {"trainer.micro_batch_tokens": 16},
 ]

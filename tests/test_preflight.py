@@ -206,6 +206,14 @@ def test_hanging_plugin_import_times_out(tmp_path, plugins):
     assert time.perf_counter() - start < 3
 
 
+def test_partial_rollouts_refuse_an_env_that_is_not_declared_replayable(tmp_path, plugins):
+    job = write_job(tmp_path, {"rollout": {"multi_turn": {"env": "pf_plugins:ListEnv"},
+                                           "partial": {"segment_tokens": 2}}})
+    result, _ = invoke("config", "validate", job)
+    assert_clean_user_error(result, "rollout.multi_turn.env:", "'pf_plugins:ListEnv' does not declare "
+                            "`replayable = True`, which rollout.partial needs")
+
+
 def test_env_reset_return_type_is_checked(tmp_path, plugins):
     job = write_job(tmp_path, {"rollout": {"multi_turn": {"env": "pf_plugins:ListEnv"}}})
     result, _ = invoke("config", "validate", job)

@@ -88,9 +88,6 @@ class JobConfig(Strict):
                              "row's prompt text)")
         partial = self.rollout.partial
         if partial is not None:
-            if self.rollout.multi_turn is not None:
-                raise ValueError("rollout.partial cannot be combined with rollout.multi_turn: an episode waits on "
-                                 "its environment and is not resumable from token ids")
             default_staleness = type(self.coordinator).model_fields["max_staleness"].default
             if self.coordinator.max_staleness != default_staleness:  # would be silently ignored
                 raise ValueError(f"coordinator.max_staleness ({self.coordinator.max_staleness}) is not used with "

@@ -128,9 +128,9 @@ class RolloutPool:
         return pending
 
     def _owners(self, chunk: RolloutChunk) -> dict[int, RolloutChunk]:
-        """Episodes (agent episodes under partial rollouts) live in the worker that ran them: a carried group goes
-        back to the worker its samples name while it serves; a group whose worker is gone goes to any worker, which
-        starts its episodes again from their records. Empty for single-turn chunks (any worker continues them)."""
+        """Episodes (agent or native multi-turn episodes under partial rollouts) live in the worker that ran them:
+        a carried group goes back to the worker its samples name while it serves; a group whose worker is gone goes
+        to any worker, which starts its episodes again from their records (agents) or replays their envs. Empty for single-turn chunks (any worker continues them)."""
         if not self.multi_turn or chunk.carried is None:
             return {}
         owner = {s.prompt_uid: s.worker_id for s in chunk.carried}
@@ -367,7 +367,7 @@ class RolloutPool:
         if chunk.carried is not None:
             ref = worker.continue_samples.remote(chunk.carried, budget=chunk.budget, prompts=chunk.prompts)
         elif self.multi_turn:
-            budget = {} if chunk.budget is None else {"budget": chunk.budget}  # agent episodes, partial rollouts
+            budget = {} if chunk.budget is None else {"budget": chunk.budget}  # episodes under partial rollouts
             ref = worker.run_episodes.remote(chunk.prompts, pending.n, **budget, **pending.sampling)
         else:
             ref = worker.generate.remote(chunk.prompts, pending.n, budget=chunk.budget, **pending.sampling)

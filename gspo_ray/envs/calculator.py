@@ -56,6 +56,8 @@ def compute_expression(expr: str) -> int | None:
 class CalculatorEnv:
     """An arithmetic question; the model may call a calculator tool before answering (see module doc)."""
 
+    replayable = True  # reset and step depend only on (prompt, seed, actions): partial rollouts may replay it
+
     def __init__(self, tokenizer: Any, max_calls: int = 2, correct_reward: float = 1.0, call_reward: float = 0.0):
         self.tokenizer = load_tokenizer(tokenizer)
         self.eos_id = self.tokenizer.eos_token_id

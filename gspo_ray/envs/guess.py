@@ -36,6 +36,8 @@ def parse_guess(action_text: str, eos_found: bool, low: int, high: int) -> int |
 class GuessNumberEnv:
     """Secret number in [low, high]; the model guesses, the env answers higher/lower/correct (see module doc)."""
 
+    replayable = True  # reset and step depend only on (prompt, seed, actions): partial rollouts may replay it
+
     def __init__(self, tokenizer: Any, low: int = 0, high: int = 9, correct_reward: float = 1.0,
                  wrong_reward: float = 0.0, invalid_reward: float = 0.0):
         if not 0 <= low <= high:

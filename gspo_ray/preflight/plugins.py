@@ -38,8 +38,15 @@ def import_env(cfg: JobConfig, import_timeout_s: float) -> type | None:
         return None
     if "tokenizer" in mt.kwargs:
         raise PreflightError("rollout.multi_turn.kwargs: may not set 'tokenizer'; the runner passes the model's")
-    return call_with_timeout(lambda: check_env(mt.env, "rollout.multi_turn.env"), import_timeout_s,
-                             f"rollout.multi_turn.env: importing {mt.env!r}")
+    env_cls = call_with_timeout(lambda: check_env(mt.env, "rollout.multi_turn.env"), import_timeout_s,
+                                f"rollout.multi_turn.env: importing {mt.env!r}")
+    if cfg.rollout.partial is not None and getattr(env_cls, "replayable", False) is not True:
+        raise PreflightError(f"rollout.multi_turn.env: {mt.env!r} does not declare `replayable = True`, which "
+                             "rollout.partial needs: an episode carried to a worker that does not hold it is rebuilt "
+                             "by replaying its env (reset with the same seed, then the recorded actions), so reset "
+                             "and step must be deterministic given them; declare it if they are, or drop "
+                             "rollout.partial")
+    return env_cls
 
 
 # What the dry calls feed the reward besides the reference answer: what models really write. (label, text,

@@ -108,6 +108,7 @@ class RolloutWorker:
         self._lock = threading.Lock()  # one engine operation at a time
         self._paused = threading.Event()
         self._env_host, self._env_host_key = None, None  # multi-turn env processes, built on first use
+        self._episode_runner = None  # rollout.multi_turn with rollout.partial: training's resident runner
         self._agent_runners: dict = {}  # rollout.agent's endpoint and processes per sampling, built on first use
         # prompts of aborted samples, to score them when continued here without `prompts`; bounded, because a
         # pool may continue a group on another worker and this entry is then never claimed
@@ -155,6 +156,8 @@ class RolloutWorker:
         if self.cfg.agent is not None:
             return self._run_agent_episodes(list(prompts or []), self.cfg.group_size, version, None, None,
                                             budget=budget, carried=samples)
+        if self.cfg.multi_turn is not None:
+            return self.run_episodes(list(prompts or []), version=version, budget=budget, carried=samples)
         with self._lock:
             self._check_usable()
             self._wake(["weights", "kv_cache"])
@@ -178,14 +181,16 @@ class RolloutWorker:
 
     def run_episodes(self, prompts: list[Prompt], n: int | None = None, env_spec: Any = None,
                      version: int | None = None, seed: int | None = None,
-                     temperature: float | None = None, budget: int | None = None) -> list[Sample]:
+                     temperature: float | None = None, budget: int | None = None,
+                     carried: list[Sample] | None = None) -> list[Sample]:
         """n (default group_size) multi-turn episodes per prompt (gspo_ray.rollout.episodes), as Samples ready
         for the buffer: reward and token_rewards come from the environment (the reward runner is not used);
         an env failure marks only its episode failed (finish_reason "env_error"). env_spec: a MultiTurnConfig
         or its dict (default: cfg.multi_turn). A pause interrupts running episodes (finish_reason "interrupted",
-        failed set): unlike single-turn samples they are not resumable. budget: rollout.agent with rollout.partial
-        only: at most this many new model tokens per episode now; unfinished episodes come back "aborted" and are
-        continued by `continue_samples`."""
+        failed set). With rollout.partial, training's episodes (no env_spec, no temperature) run on a resident
+        runner: budget = at most this many new model tokens per episode now; unfinished episodes come back
+        "aborted", stay here (their envs alive) and are continued by `continue_samples` (`carried`), or rebuilt
+        from their records where this worker does not hold them; a pause ends the round early instead."""
         from gspo_ray.config import MultiTurnConfig
         from gspo_ray.data.prompts import load_tokenizer
         from gspo_ray.rollout.episodes import EpisodeRunner
@@ -193,9 +198,10 @@ class RolloutWorker:
         if env_spec is None and self.cfg.agent is not None:
             return self._run_agent_episodes(prompts, n or self.cfg.group_size, version, seed, temperature,
                                             budget=budget)
-        if budget is not None:
-            raise ValueError("run_episodes: a token budget needs rollout.agent (native multi-turn episodes wait on "
-                             "their environment and are not continued across rounds)")
+        resident = self.cfg.partial is not None and env_spec is None and temperature is None
+        if (budget is not None or carried) and not resident:
+            raise ValueError("run_episodes: a token budget or carried episodes need rollout.partial (training's "
+                             "env and sampling)")
         spec = env_spec if env_spec is not None else self.cfg.multi_turn
         if spec is None:
             raise ValueError("rollout.multi_turn is not set: run_episodes needs an environment")
@@ -204,13 +210,20 @@ class RolloutWorker:
                                                                                    temperature=temperature)
         if getattr(self, "_env_tokenizer", None) is None:  # loaded once, on first use
             self._env_tokenizer = load_tokenizer(self.model_path)
-        runner = EpisodeRunner.from_config(self.engine, spec, self._env_tokenizer, self._env_host_for(spec))
-        with self._lock:
+        with self._lock:  # the resident runner is built under the lock: a round's fresh and carried calls arrive
+            # together (max_concurrency 2) and must find the same runner, which holds the live episodes
+            if resident:
+                if self._episode_runner is None:  # its own env host: evaluation's env spec may replace the shared one
+                    self._episode_runner = EpisodeRunner.from_config(self.engine, spec, self._env_tokenizer,
+                                                                     resident=True)
+                runner = self._episode_runner
+            else:
+                runner = EpisodeRunner.from_config(self.engine, spec, self._env_tokenizer, self._env_host_for(spec))
             self._check_usable()
             self._wake(["weights", "kv_cache"])
             version = self._version if version is None else version
             samples = runner.run(prompts, n or self.cfg.group_size, sampling, version=version, seed=seed,
-                                 stop_event=self._paused)
+                                 stop_event=self._paused, budget=budget, carried=carried)
         self._metrics = dict(runner.metrics)
         return samples
 
@@ -438,4 +451,6 @@ class RolloutWorker:
                 self._env_host.close()
             for runner in self._agent_runners.values():
                 runner.close()
+            if self._episode_runner is not None:
+                self._episode_runner.close()
             self.engine.shutdown()

@@ -6,7 +6,9 @@
   processes the same, bar a hang, whose kill also ends its process's other episodes: see test_env_hosts.py);
 - envs in child processes (the default) give exactly the episodes that envs in this process give;
 - a completion generated in 3 segments equals one uninterrupted (greedy) generation, carries the versions it was
-  sampled under, and, with real weights pushed between segments, each token's log-prob is that of its version.
+  sampled under, and, with real weights pushed between segments, each token's log-prob is that of its version;
+- multi-turn episodes under partial rollouts: turns cut by a round continue under the next pushed policy, each
+  token keeps its version and log-prob, and a runner that does not hold an episode rebuilds it by replaying its env.
 """
 from __future__ import annotations
 
@@ -19,12 +21,12 @@ import time
 import pytest
 import torch
 
-from gspo_ray.config import PartialRolloutConfig, RolloutConfig
+from gspo_ray.config import MultiTurnConfig, PartialRolloutConfig, RolloutConfig
 from gspo_ray.data.prompts import PromptSource, load_tokenizer
 from gspo_ray.data.records import Prompt, Sample
 from gspo_ray.envs.calculator import CalculatorEnv
 from gspo_ray.envs.guess import GuessNumberEnv, build_guess_prompts
-from gspo_ray.envs.multiturn import StepResult, encode_text
+from gspo_ray.envs.multiturn import StepResult, decode_action, encode_text
 from gspo_ray.models.tiny import make_tiny_model
 from gspo_ray.rollout.engine import SamplingSettings
 from gspo_ray.algo.advantages import compute_ragged_token_advantages
@@ -376,3 +378,118 @@ def test_partial_versions_follow_real_weight_pushes(setup, tmp_path):
                 moved = max(moved, abs(refs[1][t] - refs[0][t]))
     assert moved > 1e-2, "the perturbation did not change log-probs: the check above would prove nothing"
     assert len({v for s in spanning for v in s.versions}) == 3
+
+
+class _DriftingGuess(GuessNumberEnv):
+    """Declares itself replayable but, once `drift[0]` is set, answers every step with another hint than it would:
+    not deterministic under replay."""
+
+    replayable = True
+    drift = [False]
+
+    def step(self, action_ids, action_text):
+        r = super().step(action_ids, action_text)
+        other = "-" if r.observation == encode_text(self.tokenizer, "*") else "*"
+        return StepResult(other, r.reward, False, r.info) if _DriftingGuess.drift[0] else r
+
+
+def _replay_env_transcript(s: Sample, prompt: Prompt, tok) -> None:
+    """A fresh env stepped with the episode's recorded actions says exactly the recorded observations and
+    rewards (the env side of the record is intact, whatever versions its actions span)."""
+    from gspo_ray.rollout.episode_replay import recorded_turns
+
+    env = GuessNumberEnv(tok)
+    assert env.reset(prompt, 0) == s.completion_ids[:s.turn_starts[0]]
+    turns, _ = recorded_turns(s)
+    for t in turns:
+        action = s.completion_ids[t.start:t.end]
+        r = env.step(action, decode_action(tok, action, {EOS})[0])
+        obs = encode_text(tok, r.observation) if isinstance(r.observation, str) else list(r.observation)
+        assert s.completion_ids[t.end:t.next] == obs[:t.next - t.end]
+        assert s.token_rewards[t.end - 1] == r.reward
+        assert s.loss_mask[t.end:t.next] == [0] * (t.next - t.end) and s.logprobs[t.end:t.next] == [0.0] * (
+            t.next - t.end)
+
+
+def test_multi_turn_partial_episodes_span_weight_pushes_and_replay(setup, tmp_path):
+    """Guessing-game episodes in rounds of 2 model tokens under v0, pushed v1 (perturbed), v2 (originals back):
+    turns are cut by a round and continued under the next policy; each model token keeps the version that sampled
+    it and the engine's log-prob under that version's weights; env tokens stay mask 0 and are what the env says to
+    the recorded actions. A second runner that holds nothing (a dead worker, a resumed job) rebuilds the episodes
+    from the round-1 records by replaying their envs and ends with the same tokens as the live ones; an env that
+    answers differently on replay starts its episode again. The worker routes carried episodes to its resident
+    runner (continue_samples)."""
+    from transformers import AutoModelForCausalLM
+
+    worker, hf, tok, model_dir = setup
+    pert_dir, pert_weights = _perturbed(model_dir, tmp_path / "perturbed")
+    hf_pert = AutoModelForCausalLM.from_pretrained(pert_dir, dtype=torch.float32).eval()
+    original = list(read_checkpoint_weights(model_dir))
+    prompts = build_guess_prompts(tok, 3, seed=11)
+    sampling = SamplingSettings(temperature=1.0)
+    limits = dict(max_turns=4, max_tokens_per_turn=3, max_total_tokens=24, isolation="thread")
+    live = EpisodeRunner(worker.engine, GuessNumberEnv, tok, resident=True, **limits)
+    rebuilt = EpisodeRunner(worker.engine, GuessNumberEnv, tok, resident=True, **limits)
+    drifting = EpisodeRunner(worker.engine, _DriftingGuess, tok, resident=True, **limits)
+    try:
+        r0 = live.run(prompts, 2, sampling, version=0, seed=3, budget=2)
+        assert sum(s.finish_reason == "aborted" for s in r0) == 6 and len(live.live) == 6
+        assert all(s.reward is None and sum(s.loss_mask) <= 2 for s in r0)
+        worker.update_weights(1, iter_buckets(pert_weights, bucket_mb=1))
+        r1 = live.run(prompts, 2, sampling, version=1, seed=3, budget=2, carried=r0)
+        worker.update_weights(2, iter_buckets(original, bucket_mb=1))
+        # the rebuilt runner first (it reads r1's records), then the live one continues the same episodes
+        again = rebuilt.run(prompts, 2, sampling, version=2, seed=3, carried=r1)
+        done = live.run(prompts, 2, sampling, version=2, seed=3, carried=r1)
+        assert rebuilt.metrics["rollout/env_replayed_episodes"] == sum(s.finish_reason == "aborted" for s in r1)
+        _DriftingGuess.drift[0] = False
+        d0 = drifting.run(prompts[:2], 2, sampling, version=1, seed=3, budget=3)
+        _DriftingGuess.drift[0] = True
+        d1 = EpisodeRunner(worker.engine, _DriftingGuess, tok, resident=True, **limits).run(
+            prompts[:2], 2, sampling, version=2, seed=3, carried=d0)
+    finally:
+        _DriftingGuess.drift[0] = False
+        worker.update_weights(0, iter_buckets(original, bucket_mb=1))
+        for r in (live, rebuilt, drifting):
+            r.close()
+    assert not live.live and all(s.finish_reason != "aborted" and s.failed is None for s in done)
+    by_uid = {p.uid: p for p in prompts}
+    models = {0: hf, 1: hf_pert, 2: hf}
+    spans, cut_turns = 0, 0
+    for s, a in zip(done, again):
+        assert (a.completion_ids, a.versions, a.loss_mask, a.token_rewards) == (
+            s.completion_ids, s.versions, s.loss_mask, s.token_rewards)
+        assert max(abs(x - y) for x, y in zip(a.logprobs, s.logprobs)) <= TOL
+        _replay_env_transcript(s, by_uid[s.prompt_uid], tok)
+        seq = [s.prompt_ids + s.completion_ids]
+        refs = {v: hf_teacher_forced_logprobs(m, seq)[0][len(s.prompt_ids) - 1:] for v, m in models.items()}
+        for t, (v, m) in enumerate(zip(s.versions, s.loss_mask)):
+            if m:
+                assert abs(s.logprobs[t] - refs[v][t]) <= TOL, (s.prompt_uid, t, v)
+        spans += len({v for v, m in zip(s.versions, s.loss_mask) if m}) == 3
+        ends = s.turn_starts[1:] + [s.num_tokens]
+        cut_turns += sum(len({s.versions[t] for t in range(a_, b) if s.loss_mask[t]}) > 1
+                         for a_, b in zip(s.turn_starts, ends))
+        assert s.segments == 3
+    assert spans >= 1, "no episode's model tokens span the three policy versions"
+    assert cut_turns >= 1, "no turn was cut by a round and continued under the next policy"
+    restarted = [s for s in d1 if s.reward_info.get("env_replay_diverged") == 1.0]
+    assert restarted and all(s.versions and set(s.versions) == {2} for s in restarted), \
+        "a diverged replay must start its episode again (every token sampled now), not keep the record"
+
+    # the worker: fresh episodes in rounds (run_episodes with a budget), carried ones through continue_samples
+    cfg = worker.cfg
+    worker.cfg = cfg.model_copy(update={"group_size": 2, "multi_turn": MultiTurnConfig(
+        env="gspo_ray.envs.guess:GuessNumberEnv", **limits), "partial": PartialRolloutConfig(segment_tokens=2)})
+    try:
+        first = worker.run_episodes(prompts[:2], budget=2)
+        held = worker._episode_runner
+        out = worker.continue_samples(first, prompts=prompts[:2])
+    finally:
+        worker.cfg = cfg
+        worker._episode_runner.close()
+        worker._episode_runner = None
+    assert any(s.finish_reason == "aborted" for s in first) and not held.live
+    assert [(s.prompt_uid, s.sample_index) for s in out] == [(s.prompt_uid, s.sample_index) for s in first]
+    assert all(s.finish_reason != "aborted" and s.completion_ids[:len(f.completion_ids)] == f.completion_ids
+               for s, f in zip(out, first))
