@@ -7,6 +7,8 @@
     llama.py  qwen2.py  qwen3.py  qwen3_moe.py  mixtral.py  glm4_moe.py  deepseek_v3.py (alias kimi_k2)
     deepseek_moe.py  DeepSeekMoEFamily: shared experts, the biased sigmoid router, dense first layers (no family of
                      its own: GLM-4.5's, and DeepSeek-V3's, MoE block)
+    hybrid.py      the config checks of hybrid Gated DeltaNet / softmax models (qwen3_next, qwen3_5_moe), which no
+                   family takes yet: the preflight checks their keys, then refuses them by name
 
 A family states the HF config keys it reads and refuses, its Megatron TransformerConfig options and router, its HF
 tensor names (beside weights.bridge's Qwen-style rules), its LoRA targets and the class vLLM loads for it; the
