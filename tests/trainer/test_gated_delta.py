@@ -163,3 +163,27 @@ def test_group_row_equals_its_separate_rows_with_the_prefix_state_shared():
     for r in keep:
         assert torch.equal(moved[r.start:r.stop], group[r.start:r.stop])
     assert not torch.allclose(moved[prefix + 5:prefix + 75], group[prefix + 5:prefix + 75])
+
+
+def test_varlen_packing_of_many_sequences():
+    """The CUDA path's packing (delta_rule.run_varlen: concatenation, cu_seqlens, stacked initial states, outputs
+    split back) through a kernel with flash-linear-attention's varlen API built from the torch rule (fla itself is
+    not installed here): equal to the torch rule per sequence, initial states where given."""
+    from gspo_ray.trainer.gated_delta.delta_rule import run_varlen
+
+    def varlen_kernel(q, k, v, g, beta, initial_state, output_final_state, cu_seqlens):
+        bounds = cu_seqlens.tolist()
+        runs = [chunk_gated_delta_rule(q[0, a:z], k[0, a:z], v[0, a:z], g[0, a:z], beta[0, a:z], initial_state[i])
+                for i, (a, z) in enumerate(zip(bounds, bounds[1:]))]
+        return torch.cat([o for o, _ in runs])[None], torch.stack([s for _, s in runs])
+
+    torch.manual_seed(4)
+    h, dk, dv = 2, 8, 4
+    pieces = [(l2norm(torch.randn(n, h, dk)), l2norm(torch.randn(n, h, dk)), torch.randn(n, h, dv),
+               -torch.rand(n, h), torch.rand(n, h)) for n in (5, 70, 1)]
+    states = [None, torch.randn(h, dk, dv), torch.randn(h, dk, dv)]
+    got = run_varlen(pieces, states, varlen_kernel)
+    for (out, final), piece, state in zip(got, pieces, states):
+        want, want_final = chunk_gated_delta_rule(*piece, initial_state=state)
+        assert torch.equal(out, want) and torch.equal(final, want_final)
+    assert [o.shape[0] for o, _ in got] == [5, 70, 1]

@@ -89,8 +89,8 @@ def fla_available(device: torch.device) -> bool:
 def run_sequences(pieces: list[tuple[Tensor, ...]], initial_states: list[Tensor | None]) -> list[tuple[Tensor, Tensor]]:
     """Many sequences, each (query, key, value, log_decay, beta) as chunk_gated_delta_rule takes them, and each its
     initial state (None: zero) -> [(output, final state)] in order. On CUDA with flash-linear-attention: one
-    `chunk_gated_delta_rule` call over them concatenated, `cu_seqlens` at their boundaries and `initial_state`
-    stacked [N, H, Dk, Dv] (its varlen API; no state crosses a boundary). Elsewhere: the torch rule per sequence."""
+    varlen call of its `chunk_gated_delta_rule` over them all (run_varlen). Elsewhere: the torch rule per
+    sequence."""
     if not pieces:
         return []
     if any(p[0].shape[0] == 0 for p in pieces):  # empty sequences: their state passes through (no kernel call)
@@ -102,14 +102,21 @@ def run_sequences(pieces: list[tuple[Tensor, ...]], initial_states: list[Tensor 
         return [chunk_gated_delta_rule(*p, initial_state=s) for p, s in zip(pieces, initial_states)]
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk_gated_delta_rule
 
+    return run_varlen(pieces, initial_states, fla_chunk_gated_delta_rule)
+
+
+def run_varlen(pieces: list[tuple[Tensor, ...]], initial_states: list[Tensor | None],
+               kernel) -> list[tuple[Tensor, Tensor]]:
+    """Non-empty sequences through one call of a kernel with flash-linear-attention's varlen API
+    (`kernel(q, k, v, g, beta, initial_state=[N, H, Dk, Dv], output_final_state=True, cu_seqlens=[N + 1])`, inputs
+    [1, sum T, H, D]: the sequences concatenated, no state crossing a boundary; the scale its default 1 / sqrt(Dk)):
+    cu_seqlens at the boundaries, the initial states stacked (zero where None), the outputs split back."""
     q, k, v, g, b = (torch.cat([p[i] for p in pieces])[None] for i in range(5))
     q, k = q.to(v.dtype), k.to(v.dtype)  # the kernels take q / k / v of one dtype (l2norm returned fp32)
     heads, key_dim, value_dim = k.shape[2], k.shape[3], v.shape[3]
-    lengths = torch.tensor([0] + [p[0].shape[0] for p in pieces], device=q.device)
-    cu_seqlens = lengths.cumsum(0)
+    lengths = [p[0].shape[0] for p in pieces]
+    cu_seqlens = torch.tensor([0] + lengths, device=q.device).cumsum(0)
     zero = q.new_zeros(heads, key_dim, value_dim, dtype=torch.float32)
     h0 = torch.stack([s.float() if s is not None else zero for s in initial_states])
-    out, final = fla_chunk_gated_delta_rule(q, k, v, g.float(), b, initial_state=h0, output_final_state=True,
-                                            cu_seqlens=cu_seqlens)
-    outs = out[0].split(lengths[1:].tolist())
-    return list(zip(outs, final.unbind(0)))
+    out, final = kernel(q, k, v, g.float(), b, initial_state=h0, output_final_state=True, cu_seqlens=cu_seqlens)
+    return list(zip(out[0].split(lengths), final.unbind(0)))
