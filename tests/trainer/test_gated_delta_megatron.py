@@ -1,10 +1,13 @@
-"""Gated DeltaNet inside Megatron (trainer/gated_delta/megatron_layer.py): a TransformerLayer of the local spec with
+"""Qwen3-Next's layers inside Megatron, one spawned process: Gated DeltaNet (trainer/gated_delta/megatron_layer.py): a TransformerLayer of the local spec with
 GatedDeltaAttention as its self_attention, HF weights loaded by name, equals transformers' Qwen3NextDecoderLayer
 (a linear_attention layer with a dense MLP) per sequence, fp32, 1e-5: padded rows, and a group row
 [prefix | c_1 | c_2] beside a sequence packed into one row (the Segments record travels as Megatron's
 attention_mask). Qwen3-Next's norms are zero-centred (output x (1 + weight)): Megatron's RMSNorm gets 1 + weight.
-trainer.tp 2 / trainer.cp 2 refused at construction, naming the field. One spawned process (Megatron stays out of
-the pytest process)."""
+trainer.tp 2 / trainer.cp 2 refused at construction, naming the field. And the gated softmax attention
+(trainer/attention/gated_attention.py): Megatron's SelfAttention with attention_output_gate, SegmentAttention,
+zero-centred QK-norm and RoPE over a quarter of each head, q_proj merged into linear_qkv by merge_gated_qkv, equals
+transformers' Qwen3NextAttention (eager, causal) per padded row, relative 1e-5. (Megatron stays out of the pytest
+process.)"""
 from __future__ import annotations
 
 import pytest
@@ -30,6 +33,69 @@ def hf_decoder_layer():
         for p in layer.parameters():
             p.normal_(0, 0.3)
     return cfg, layer
+
+
+HEADS, GROUPS, HEAD_DIM, ROTARY = 4, 2, 16, 0.25
+
+
+def hf_attention():
+    """transformers' Qwen3NextAttention (std-0.3 weights, norms included) and its rotary embedding."""
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextAttention, Qwen3NextRotaryEmbedding
+
+    cfg, _ = hf_decoder_layer()
+    cfg.head_dim, cfg._attn_implementation = HEAD_DIM, "eager"
+    cfg.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": ROTARY}
+    torch.manual_seed(2)
+    attn = Qwen3NextAttention(cfg, 0).eval()
+    with torch.no_grad():
+        for p in attn.parameters():
+            p.normal_(0, 0.3)
+    return attn, Qwen3NextRotaryEmbedding(cfg)
+
+
+def _build_attention(hf_state: dict):
+    """Megatron's SelfAttention with the output gate, SegmentAttention and zero-centred QK-norm, HF weights."""
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+
+    from gspo_ray.trainer.attention.gated_attention import ZeroCenteredRMSNorm, merge_gated_qkv
+    from gspo_ray.trainer.model import SegmentAttention
+
+    config = TransformerConfig(
+        num_layers=1, hidden_size=HIDDEN, num_attention_heads=HEADS, num_query_groups=GROUPS, kv_channels=HEAD_DIM,
+        ffn_hidden_size=FFN, normalization="RMSNorm", layernorm_epsilon=1e-6, add_bias_linear=False,
+        attention_output_gate=True, qk_layernorm=True, hidden_dropout=0.0, attention_dropout=0.0,
+        apply_rope_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False, persist_layer_norm=False, use_cpu_initialization=True,
+        params_dtype=torch.float32)
+    spec = specs.get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm").submodules.self_attention
+    spec.submodules.core_attention = ModuleSpec(module=SegmentAttention, params={"kernel": "sdpa"})
+    spec.submodules.q_layernorm = spec.submodules.k_layernorm = ModuleSpec(module=ZeroCenteredRMSNorm)
+    module = build_module(spec, config=config, layer_number=1)
+    with torch.no_grad():
+        module.linear_qkv.weight.copy_(merge_gated_qkv(hf_state["q_proj.weight"], hf_state["k_proj.weight"],
+                                                       hf_state["v_proj.weight"], HEADS, GROUPS, HEAD_DIM))
+        module.linear_proj.weight.copy_(hf_state["o_proj.weight"])
+        module.q_layernorm.weight.copy_(hf_state["q_norm.weight"])
+        module.k_layernorm.weight.copy_(hf_state["k_norm.weight"])
+    return module
+
+
+def _attention_outputs(hf_attn_state: dict, attn_rows: list):
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    from gspo_ray.trainer.attention.segment_attention import Segments
+
+    module = _build_attention(hf_attn_state)
+    width = max(r.shape[0] for r in attn_rows)
+    x = torch.zeros(width, len(attn_rows), HIDDEN)
+    for b, r in enumerate(attn_rows):
+        x[:r.shape[0], b] = r
+    rope = RotaryEmbedding(kv_channels=HEAD_DIM, rotary_percent=ROTARY, rotary_base=10000.0)(width)
+    with torch.no_grad():
+        out, _ = module(x, Segments.plain([r.shape[0] for r in attn_rows]), rotary_pos_emb=rope)
+    return out
 
 
 def _build(hf_state: dict, tp: int = 1, cp: int = 1):
@@ -68,7 +134,7 @@ def _build(hf_state: dict, tp: int = 1, cp: int = 1):
     return layer
 
 
-def _scenario(rank, world_size, ports, hf_state, x_rows, rdzv):
+def _scenario(rank, world_size, ports, hf_state, x_rows, hf_attn_state, attn_rows, rdzv):
     from gspo_ray.trainer.attention.segment_attention import Segments
     from gspo_ray.trainer.parallel import destroy_distributed, init_distributed
 
@@ -92,6 +158,7 @@ def _scenario(rank, world_size, ports, hf_state, x_rows, rdzv):
         except NotImplementedError as e:
             refusals[(tp, cp)] = str(e)
     out["refusals"] = refusals
+    out["attention"] = _attention_outputs(hf_attn_state, attn_rows)
     destroy_distributed()
     return out
 
@@ -107,7 +174,16 @@ def results(tmp_path_factory):
         for name, row in (("c1", torch.cat([prefix, c1])), ("c2", torch.cat([prefix, c2])), ("seq", seq)):
             hf[name] = layer(row[None], position_embeddings=None)[0]
     state = {k: v.clone() for k, v in layer.state_dict().items()}
-    got = run_ranks(_scenario, world_size=1, args=(state, x_rows, str(tmp_path_factory.mktemp("gdn_rdzv"))))[0]
+    attn, rope = hf_attention()
+    attn_rows = [torch.randn(n, HIDDEN) for n in (9, 4)]
+    with torch.no_grad():
+        for i, row in enumerate(attn_rows):
+            n = row.shape[0]
+            mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
+            hf[("attention", i)] = attn(row[None], rope(row[None], torch.arange(n)[None]), mask)[0][0]
+    attn_state = {k: v.clone() for k, v in attn.state_dict().items()}
+    got = run_ranks(_scenario, world_size=1, args=(state, x_rows, attn_state, attn_rows,
+                                                    str(tmp_path_factory.mktemp("gdn_rdzv"))))[0]
     return got, hf
 
 
@@ -133,3 +209,22 @@ def test_megatron_layer_equals_transformers_decoder_layer(results):
 def test_tp_and_cp_refused_by_name(results):
     refusals = results[0]["refusals"]
     assert "trainer.tp 2" in refusals[(2, 1)] and "trainer.cp 2" in refusals[(1, 2)]
+
+
+def test_gated_attention_equals_transformers(results):
+    got, hf = results
+    out = got["attention"]
+    diffs = [rel_diff(out[:n, i], hf[("attention", i)]) for i, n in enumerate((9, 4))]
+    print("gated attention relative differences", diffs)
+    assert max(diffs) < 1e-5, diffs
+
+
+def test_gated_qkv_layout_round_trips():
+    from gspo_ray.trainer.attention.gated_attention import merge_gated_qkv, split_gated_qkv
+
+    q, k, v = torch.randn(HEADS * 2 * HEAD_DIM, 8), torch.randn(GROUPS * HEAD_DIM, 8), torch.randn(GROUPS * HEAD_DIM, 8)
+    fused = merge_gated_qkv(q, k, v, HEADS, GROUPS, HEAD_DIM)
+    assert all(torch.equal(a, b) for a, b in zip(split_gated_qkv(fused, HEADS, GROUPS, HEAD_DIM), (q, k, v)))
+    # group 0's rows: its 2 query heads' q (HF rows 0..15, 32..47), then their gates (16..31, 48..63), then k_0, v_0
+    assert torch.equal(fused[:HEAD_DIM], q[:HEAD_DIM]) and torch.equal(fused[2 * HEAD_DIM:3 * HEAD_DIM],
+                                                                      q[HEAD_DIM:2 * HEAD_DIM])
