@@ -72,7 +72,7 @@ def check_architecture(where: str | Path, cfg: dict) -> None:
     """The converter and the engine both support this model type, and `architectures` names the engine's class."""
     model_type = cfg.get("model_type")
     family = family_of(model_type)  # an alias (Kimi-K2's kimi_k2) resolves to its family
-    if family is None and model_type in HYBRID_MODEL_TYPES:  # its own keys checked first, then refused by name
+    if model_type in HYBRID_MODEL_TYPES:  # its own keys checked first, then refused by name (engine not shown)
         try:
             refuse_hybrid(cfg, "config.json")
         except ValueError as e:

