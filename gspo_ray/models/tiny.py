@@ -89,8 +89,8 @@ def build_config(arch: str, vocab_size: int, hidden: int = 64, layers: int = 2, 
                                moe_intermediate_size=hidden, shared_expert_intermediate_size=hidden,
                                num_experts=experts, num_experts_per_tok=top_k, norm_topk_prob=True,
                                decoder_sparse_step=1, mlp_only_layers=[], full_attention_interval=2,
-                               linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-                               linear_value_head_dim=16, linear_conv_kernel_dim=4, output_router_logits=False,
+                               linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=128,
+                               linear_value_head_dim=128, linear_conv_kernel_dim=4, output_router_logits=False,
                                router_aux_loss_coef=0.0)
     raise ValueError(f"unknown arch {arch!r}; valid: {', '.join(ARCHS)}")
 
