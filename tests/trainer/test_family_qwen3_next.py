@@ -1,11 +1,11 @@
 """The Qwen3-Next family (trainer/families/qwen3_next.py) on a tiny random Qwen3NextForCausalLM
 (`make_tiny_model("qwen3_next")`: 4 layers alternating Gated DeltaNet and gated softmax attention, RoPE over a
 quarter of each head, QK-norm, zero-centred norms, every MLP an MoE of 4 experts with a gated shared expert; weights
-of std 0.3, norms, A_log and dt_bias perturbed), at 1 process in one spawned rank: the layers built are the
-pattern's; every HF tensor is read once and the trainer's HF tensors equal the checkpoint's (the export's names and
+of std 0.3, norms, A_log and dt_bias perturbed), in one pair of spawned ranks: at 1 process the layers built are
+the pattern's; every HF tensor is read once and the trainer's HF tensors equal the checkpoint's (the export's names and
 layouts: the gated q_proj merge, the shared expert and its gate, linear_attn.*); the trainer's log-probs equal
-transformers' for padded rows (fp32, 1e-5 relative to the largest |log-prob|, measured ~1e-6). trainer.tp 2 is
-refused naming the field. The preflight still refuses the family (tests/preflight/test_hybrid_preflight.py): the
+transformers' for padded rows (fp32, 1e-5 relative to the largest |log-prob|, measured ~1e-6); at EP 2 (gloo, 2
+processes) too. trainer.tp 2 / trainer.cp 2 are refused naming the field (TP of Gated DeltaNet is not built). The preflight still refuses the family (tests/preflight/test_hybrid_preflight.py): the
 engine's parity, TP / EP, checkpoints and pushes are not shown."""
 from __future__ import annotations
 
@@ -25,23 +25,39 @@ def next_dir(tmp_path_factory):
     return make_tiny_model("qwen3_next", tmp_path_factory.mktemp("qwen3_next") / "model", layers=4, init_std=0.3)
 
 
+def _logp(model, tokens, lengths):
+    from gspo_ray.trainer.logprobs import forward_logprobs
+
+    with torch.no_grad():
+        logp = forward_logprobs(model, tokens, lengths)
+    return (logp[0] if isinstance(logp, tuple) else logp).detach()
+
+
 def _scenario(rank, world, ports, model_dir, tokens, lengths, rdzv):
+    """Rank 0 alone first (a world of its own): the layers, log-probs, the export; then both ranks at EP 2."""
+    from megatron.core import parallel_state
     from safetensors.torch import load_file
 
-    from gspo_ray.trainer.logprobs import forward_logprobs
     from gspo_ray.trainer.model import build_model
     from gspo_ray.trainer.parallel import destroy_distributed, init_distributed
     from gspo_ray.trainer.weights.bridge import hf_state_dict_from_megatron
 
-    init_distributed(0, 1, "", 0, init_method=f"file://{rdzv}/single")
-    model, spec = build_model(model_dir)
-    out = {"layers": [type(layer.self_attention).__name__ for layer in model.decoder.layers]}
-    with torch.no_grad():
-        logp = forward_logprobs(model, tokens, lengths)
-    out["logp"] = (logp[0] if isinstance(logp, tuple) else logp).detach()
-    exported, stored = hf_state_dict_from_megatron(model, spec), load_file(f"{model_dir}/model.safetensors")
-    out["export_names"] = (sorted(exported), sorted(stored))
-    out["export_equal"] = all(torch.equal(exported[n].float(), stored[n].float()) for n in stored if n in exported)
+    out = {}
+    if rank == 0:
+        init_distributed(0, 1, "", 0, init_method=f"file://{rdzv}/single")
+        model, spec = build_model(model_dir)
+        out["layers"] = [type(layer.self_attention).__name__ for layer in model.decoder.layers]
+        out["logp"] = _logp(model, tokens, lengths)
+        exported, stored = hf_state_dict_from_megatron(model, spec), load_file(f"{model_dir}/model.safetensors")
+        out["export_names"] = (sorted(exported), sorted(stored))
+        out["export_equal"] = all(torch.equal(exported[n].float(), stored[n].float()) for n in stored
+                                  if n in exported)
+        destroy_distributed()
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    init_distributed(rank, world, "", 0, ep=2, init_method=f"file://{rdzv}/pair")
+    model, _ = build_model(model_dir)
+    out["ep2"] = _logp(model, tokens, lengths)
     destroy_distributed()
     return out
 
@@ -50,9 +66,9 @@ def _scenario(rank, world, ports, model_dir, tokens, lengths, rdzv):
 def results(next_dir, tmp_path_factory):
     tokens, lengths = random_batch(VOCAB)
     ref, _ = hf_logprobs(next_dir, tokens, lengths)
-    got = run_ranks(_scenario, world_size=1, args=(str(next_dir), tokens, lengths,
-                                                   str(tmp_path_factory.mktemp("next_rdzv"))))[0]
-    return got, ref
+    ranks = run_ranks(_scenario, world_size=2, args=(str(next_dir), tokens, lengths,
+                                                     str(tmp_path_factory.mktemp("next_rdzv"))))
+    return ranks[0] | {"ep2_ranks": [r["ep2"] for r in ranks]}, ref
 
 
 def test_the_layer_pattern_is_built(results):
@@ -64,6 +80,8 @@ def test_trainer_logprobs_equal_transformers(results):
     diff = float((got["logp"] - ref).abs().max() / max(1.0, float(ref.abs().max())))
     print("relative log-prob difference", diff, "largest |log-prob|", float(ref.abs().max()))
     assert diff < 1e-5
+    for logp in got["ep2_ranks"]:  # EP 2: each rank holds 2 of the 4 experts; every rank's log-probs the same
+        assert float((logp - ref).abs().max() / max(1.0, float(ref.abs().max()))) < 1e-5
 
 
 def test_the_exported_tensors_equal_the_checkpoint(results):
