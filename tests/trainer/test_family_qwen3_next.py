@@ -12,8 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _spawn import run_ranks
+from _spawn import algo_cfg, run_ranks, trainer_cfg
 from conftest import hf_logprobs, random_batch
+from test_family_glm4_moe import prompt_groups
 
 VOCAB = 22
 
@@ -33,8 +34,10 @@ def _logp(model, tokens, lengths):
     return (logp[0] if isinstance(logp, tuple) else logp).detach()
 
 
-def _scenario(rank, world, ports, model_dir, tokens, lengths, rdzv):
-    """Rank 0 alone first (a world of its own): the layers, log-probs, the export; then both ranks at EP 2."""
+def _scenario(rank, world, ports, model_dir, tokens, lengths, batch, ckpt, rdzv):
+    """Rank 0 alone first (a world of its own): the layers, log-probs, the export; then both ranks at EP 2: the
+    model's log-probs, and a 0-lr training step on group rows packed into one row (the Gated DeltaNet backward
+    through the trainer), its push and its checkpoint; rank 0 resumes that checkpoint at EP 1."""
     from megatron.core import parallel_state
     from safetensors.torch import load_file
 
@@ -59,6 +62,22 @@ def _scenario(rank, world, ports, model_dir, tokens, lengths, rdzv):
     model, _ = build_model(model_dir)
     out["ep2"] = _logp(model, tokens, lengths)
     destroy_distributed()
+    from gspo_ray.trainer.weights.weight_send import MegatronWeightSource
+    from gspo_ray.trainer.worker import TrainerWorker
+
+    w = TrainerWorker(rank, world, "127.0.0.1", ports[0], model_dir,
+                      trainer_cfg(world, ep=2, lr=0.0, grad_clip=0.0, shared_prefix=True, packed_rows=True,
+                                  router_churn_every=0), algo_cfg())
+    out["step"] = w.train_step(batch)
+    out["sent"] = {n: t.clone() for n, t in MegatronWeightSource(w.gpt, w.spec, bucket_bytes=2**16)}
+    out["ep2_logp"] = w.compute_logprobs(batch)
+    w.save(ckpt)
+    w.shutdown()
+    if rank == 0:
+        w = TrainerWorker(0, 1, "127.0.0.1", ports[1], model_dir, trainer_cfg(1, lr=0.0), algo_cfg())
+        w.load(ckpt)
+        out["ep1_resumed"] = w.compute_logprobs(batch)
+        w.shutdown()
     return out
 
 
@@ -66,9 +85,12 @@ def _scenario(rank, world, ports, model_dir, tokens, lengths, rdzv):
 def results(next_dir, tmp_path_factory):
     tokens, lengths = random_batch(VOCAB)
     ref, _ = hf_logprobs(next_dir, tokens, lengths)
-    ranks = run_ranks(_scenario, world_size=2, args=(str(next_dir), tokens, lengths,
-                                                     str(tmp_path_factory.mktemp("next_rdzv"))))
-    return ranks[0] | {"ep2_ranks": [r["ep2"] for r in ranks]}, ref
+    root = tmp_path_factory.mktemp("next_run")
+    batch = prompt_groups()
+    ranks = run_ranks(_scenario, world_size=2, n_ports=2,
+                      args=(str(next_dir), tokens, lengths, batch, str(root / "ckpt"), str(root)))
+    return ranks[0] | {"ep2_ranks": [r["ep2"] for r in ranks], "ranks": ranks, "batch": batch,
+                       "ckpt": str(root / "ckpt"), "root": root}, ref
 
 
 def test_the_layer_pattern_is_built(results):
@@ -94,3 +116,31 @@ def test_tp_2_is_refused_by_name(next_dir):
     from gspo_ray.trainer.gated_delta.megatron_layer import refusal
 
     assert "trainer.tp 2" in refusal(2, 1) and "trainer.cp 2" in refusal(1, 2) and refusal(1, 1) is None
+
+
+def test_a_zero_lr_step_push_checkpoint_and_export_keep_the_input_weights(results, next_dir):
+    """A 0-lr step at EP 2 on packed group rows trains (a loss), its push holds the checkpoint's tensors, its
+    log-probs equal transformers' on the batch; the checkpoint resumed at EP 1 gives the same log-probs; its HF
+    export holds the input's tensors and transformers loads it."""
+    from safetensors.torch import load_file
+
+    from gspo_ray.trainer.weights.hf_export import export_checkpoint
+
+    got, _ = results
+    want = load_file(f"{next_dir}/model.safetensors")
+    for r in got["ranks"]:
+        assert r["step"]["train/loss"] != 0.0
+        assert set(r["sent"]) == set(want) and all(torch.equal(r["sent"][n], want[n]) for n in want)
+    batch, trainer = got["batch"], got["ranks"][0]["ep2_logp"]
+    mask = batch.loss_mask.bool()
+    ref = hf_logprobs(next_dir, batch.tokens, batch.lengths)[0]
+    scale = max(1.0, float(ref.abs().max()))
+    assert float((trainer * mask - ref * mask).abs().max()) / scale < 1e-5
+    assert float((got["ranks"][0]["ep1_resumed"] - trainer).abs().max()) / scale < 1e-5
+    out = got["root"] / "export"
+    export_checkpoint(got["ckpt"], next_dir, out)
+    exported = {}
+    for f in sorted(out.glob("*.safetensors")):
+        exported |= load_file(str(f))
+    assert set(exported) == set(want) and all(torch.equal(exported[n], want[n]) for n in want)
+    assert float((hf_logprobs(out, batch.tokens, batch.lengths)[0] * mask - ref * mask).abs().max()) == 0.0
