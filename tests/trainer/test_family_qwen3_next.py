@@ -2,11 +2,13 @@
 (`make_tiny_model("qwen3_next")`: 4 layers alternating Gated DeltaNet and gated softmax attention, RoPE over a
 quarter of each head, QK-norm, zero-centred norms, every MLP an MoE of 4 experts with a gated shared expert; weights
 of std 0.3, norms, A_log and dt_bias perturbed), in one pair of spawned ranks: at 1 process the layers built are
-the pattern's; every HF tensor is read once and the trainer's HF tensors equal the checkpoint's (the export's names and
-layouts: the gated q_proj merge, the shared expert and its gate, linear_attn.*); the trainer's log-probs equal
-transformers' for padded rows (fp32, 1e-5 relative to the largest |log-prob|, measured ~1e-6); at EP 2 (gloo, 2
-processes) too. trainer.tp 2 / trainer.cp 2 are refused naming the field (TP of Gated DeltaNet is not built). The preflight still refuses the family (tests/preflight/test_hybrid_preflight.py): the
-engine's parity, TP / EP, checkpoints and pushes are not shown."""
+the pattern's, every HF tensor is read once and the trainer's HF tensors equal the checkpoint's (the gated q_proj
+merge, the shared expert and its gate, linear_attn.*); the trainer's log-probs equal transformers' for padded rows
+(fp32, 1e-5 relative to the largest |log-prob|, measured ~1e-6), at EP 2 (gloo, 2 processes) too; a 0-lr step at
+EP 2 on packed group rows, its push, its checkpoint (resumed at EP 1) and its HF export keep the input weights.
+trainer.tp 2 / trainer.cp 2 are refused naming the field (TP of Gated DeltaNet is not built). The preflight still
+refuses the family (tests/preflight/test_hybrid_preflight.py: the engine in bf16 only, no TP, routing records and
+LoRA not shown)."""
 from __future__ import annotations
 
 import pytest

@@ -86,5 +86,5 @@ def refuse_hybrid(cfg: dict, where: str) -> None:
             raise ValueError(f"{where}: partial_rotary_factor {factor!r} rotates {rotated} of head_dim {head_dim} "
                              "dimensions (must be a positive even number, factor in (0, 1])")
     raise ValueError(f"{where}: model_type {cfg.get('model_type')!r} (hybrid Gated DeltaNet / softmax attention) "
-                     "is not supported yet: the trainer builds it (1 process, EP 2), the engine runs it in bf16 only, TP, "
-                     "routing records and LoRA are not shown; docs/real-models.md")
+                     "is not supported yet: the trainer builds it (1 process, EP 2), the engine runs it in bf16 "
+                     "only, TP, routing records and LoRA are not shown; docs/real-models.md")
