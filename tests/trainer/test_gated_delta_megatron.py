@@ -1,11 +1,11 @@
-"""Qwen3-Next's layers inside Megatron, one spawned process. Gated DeltaNet (trainer/gated_delta/megatron_layer.py):
-a TransformerLayer of the local spec with GatedDeltaAttention as its self_attention, HF weights loaded by name,
-equals transformers' Qwen3NextDecoderLayer (a linear_attention layer with a dense MLP) per sequence, fp32, 1e-5: padded rows, and a group row
-[prefix | c_1 | c_2] beside a sequence packed into one row (the Segments record travels as Megatron's
-attention_mask). Qwen3-Next's norms are zero-centred (output x (1 + weight)): Megatron's RMSNorm gets 1 + weight.
-trainer.tp 2 / trainer.cp 2 refused at construction, naming the field. And the gated softmax attention
-(trainer/attention/gated_attention.py): Megatron's SelfAttention with attention_output_gate, SegmentAttention,
-zero-centred QK-norm and RoPE over a quarter of each head, q_proj merged into linear_qkv by merge_gated_qkv, equals
+"""Qwen3-Next's layers inside Megatron, one spawned process. Gated DeltaNet (trainer/gated_delta/megatron_layer.py): a
+TransformerLayer of the local spec with GatedDeltaAttention as its self_attention, HF weights loaded by name, equals
+transformers' Qwen3NextDecoderLayer (a linear_attention layer with a dense MLP) per sequence, fp32, 1e-5: padded
+rows, and a group row [prefix | c_1 | c_2] beside a sequence packed into one row (the Segments record travels as
+Megatron's attention_mask). Qwen3-Next's norms are zero-centred (output x (1 + weight)): Megatron's RMSNorm gets 1 +
+weight. trainer.tp 2 / trainer.cp 2 refused at construction, naming the field. And the gated softmax attention
+(trainer/attention/gated_attention.py): Megatron's SelfAttention with attention_output_gate, SegmentAttention, zero-
+centred QK-norm and RoPE over a quarter of each head, q_proj merged into linear_qkv by merge_gated_qkv, equals
 transformers' Qwen3NextAttention (eager, causal) per padded row, relative 1e-5. (Megatron stays out of the pytest
 process.)"""
 from __future__ import annotations
