@@ -118,6 +118,7 @@ def test_tp_2_is_refused_by_name(next_dir):
     from gspo_ray.trainer.gated_delta.megatron_layer import refusal
 
     assert "trainer.tp 2" in refusal(2, 1) and "trainer.cp 2" in refusal(1, 2) and refusal(1, 1) is None
+    assert all("layer_types" in refusal(*layout) for layout in ((2, 1), (1, 2)))  # both fields named
 
 
 def test_a_zero_lr_step_push_checkpoint_and_export_keep_the_input_weights(results, next_dir):

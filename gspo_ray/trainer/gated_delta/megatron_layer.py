@@ -29,11 +29,12 @@ from gspo_ray.trainer.gated_delta.layer import GatedDeltaNet
 def refusal(tp: int, cp: int) -> str | None:
     """Why a Gated DeltaNet layer cannot run in this layout (None: it can), naming the trainer fields."""
     if tp > 1:
-        return (f"trainer.tp {tp} with Gated DeltaNet layers is not built (its heads and convolution channels "
-                "would shard by key-head group); use trainer.tp 1")
+        return (f"trainer.tp {tp} with Gated DeltaNet layers (config.json layer_types 'linear_attention') is not "
+                "built (their heads and convolution channels would shard by key-head group); use trainer.tp 1")
     if cp > 1:
-        return (f"trainer.cp {cp} with Gated DeltaNet layers is not supported (a rank's columns need the "
-                "recurrent and convolution states of the columns before them); use trainer.cp 1")
+        return (f"trainer.cp {cp} with Gated DeltaNet layers (config.json layer_types 'linear_attention') is not "
+                "supported (a rank's columns need the recurrent and convolution states of the columns before "
+                "them); use trainer.cp 1")
     return None
 
 
