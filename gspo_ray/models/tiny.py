@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-ARCHS = ("qwen3_moe", "qwen2", "glm4_moe")
+ARCHS = ("qwen3_moe", "qwen2", "glm4_moe", "qwen3_next")
 # Enough for the built-in tasks ("copy:4821=" -> "4821", "12+34=" -> "46"); a small vocabulary is what lets a
 # randomly initialised model stumble on right answers often enough for RL to start from scratch.
 DEFAULT_ALPHABET = "0123456789copy:=+-*"
@@ -81,6 +81,17 @@ def build_config(arch: str, vocab_size: int, hidden: int = 64, layers: int = 2, 
                              n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
                              norm_topk_prob=True, routed_scaling_factor=1.5, attention_bias=True, use_qk_norm=True,
                              num_nextn_predict_layers=0, output_router_logits=False)
+    if arch == "qwen3_next":  # Gated DeltaNet and gated attention layers alternating (full_attention_interval 2)
+        from transformers import Qwen3NextConfig
+
+        common["rope_parameters"] = common["rope_parameters"] | {"partial_rotary_factor": 0.25}
+        return Qwen3NextConfig(**common, head_dim=hidden // heads, intermediate_size=2 * hidden,
+                               moe_intermediate_size=hidden, shared_expert_intermediate_size=hidden,
+                               num_experts=experts, num_experts_per_tok=top_k, norm_topk_prob=True,
+                               decoder_sparse_step=1, mlp_only_layers=[], full_attention_interval=2,
+                               linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=128,
+                               linear_value_head_dim=128, linear_conv_kernel_dim=4, output_router_logits=False,
+                               router_aux_loss_coef=0.0)
     raise ValueError(f"unknown arch {arch!r}; valid: {', '.join(ARCHS)}")
 
 
@@ -118,7 +129,7 @@ def make_tiny_model(arch: str, out: str | Path, seed: int = 0, alphabet: str = D
     config.initializer_range = init_std
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    if arch == "glm4_moe":
+    if arch in ("glm4_moe", "qwen3_next"):
         perturb_zero_and_unit_tensors(model, init_std)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from gspo_ray.trainer.families import FAMILIES, family_of
+from gspo_ray.trainer.families.hybrid import HYBRID_MODEL_TYPES, refuse_hybrid
 
 
 class PreflightError(ValueError):
@@ -71,6 +72,11 @@ def check_architecture(where: str | Path, cfg: dict) -> None:
     """The converter and the engine both support this model type, and `architectures` names the engine's class."""
     model_type = cfg.get("model_type")
     family = family_of(model_type)  # an alias (Kimi-K2's kimi_k2) resolves to its family
+    if model_type in HYBRID_MODEL_TYPES:  # its own keys checked first, then refused by name (engine not shown)
+        try:
+            refuse_hybrid(cfg, "config.json")
+        except ValueError as e:
+            raise _fail(where, str(e)) from None
     if family is None:  # the same keys as the converter's SUPPORTED_ARCHS (tested)
         raise _fail(where, f"config.json model_type {model_type!r} is not supported by the trainer's converter "
                            f"and engine; valid: {', '.join(ENGINE_ARCHITECTURES)}")

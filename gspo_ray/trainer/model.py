@@ -37,6 +37,7 @@ from gspo_ray.trainer.attention.te_attention import thd_attend_rows
 from gspo_ray.trainer.attention.context_split import attend_columns
 from gspo_ray.trainer.context_parallel import cp_size, cp_split, gather_columns
 from gspo_ray.trainer.recompute import checkpoint_layers, recomputed
+from gspo_ray.trainer.hybrid_spec import final_norm, hybrid_layer
 
 
 RECOMPUTE_MODES = ("none", "selective", "full")
@@ -176,7 +177,8 @@ class SegmentAttention(MegatronModule):
         return out.reshape(out.shape[0], out.shape[1], -1)
 
 
-def _layer_spec(spec: ModelSpec, grouped_gemm: bool, moe: bool, attention: str, recompute: str = "none"):
+def _layer_spec(spec: ModelSpec, grouped_gemm: bool, moe: bool, attention: str, recompute: str = "none",
+                linear: bool = False):
     """One layer's spec: Megatron's local spec, or with use_te its Transformer Engine spec (fused linears and norms,
     named `linear_qkv.layer_norm_weight` / `linear_fc1.layer_norm_weight`: param_names.py), with our
     SegmentAttention as core attention either way. MoE experts: SequentialMLP, or with grouped_gemm TEGroupedMLP
@@ -200,7 +202,7 @@ def _layer_spec(spec: ModelSpec, grouped_gemm: bool, moe: bool, attention: str, 
                                                                                    "recompute": recompute})
     if mla:  # the column-parallel kv_down loses part of the rope key's gradient at TP > 1
         replicate_kv_down_projection(layer.submodules.self_attention.submodules)
-    return layer
+    return hybrid_layer(layer, spec, linear) if family.layer_types(spec.hf_config) is not None else layer
 
 
 def _block_spec(spec: ModelSpec, grouped_gemm: bool, attention: str, recompute: str = "none",
@@ -211,9 +213,13 @@ def _block_spec(spec: ModelSpec, grouped_gemm: bool, attention: str, recompute: 
     block picks for a single layer spec (transformer_block.LayerNormImpl)."""
     from megatron.core.transformer.transformer_block import LayerNormImpl, TransformerBlockSubmodules
 
-    is_moe = [i in spec.moe_layers for i in (stage_layers or range(spec.num_layers))]
-    layers = {moe: _layer_spec(spec, grouped_gemm, moe, attention, recompute) for moe in set(is_moe)}
-    return TransformerBlockSubmodules(layer_specs=[layers[moe] for moe in is_moe], layer_norm=LayerNormImpl)
+    indices = stage_layers or range(spec.num_layers)
+    types = family_of(spec.arch).layer_types(spec.hf_config)
+    kinds = [(i in spec.moe_layers, types is not None and types[i] == "linear_attention") for i in indices]
+    layers = {kind: _layer_spec(spec, grouped_gemm, *kind[:1], attention, recompute, linear=kind[1])
+              for kind in set(kinds)}
+    norm = final_norm(spec) if types is not None else LayerNormImpl
+    return TransformerBlockSubmodules(layer_specs=[layers[kind] for kind in kinds], layer_norm=norm)
 
 
 def stage_layers(num_layers: int) -> range:

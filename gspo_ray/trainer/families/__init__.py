@@ -5,8 +5,12 @@
 
     base.py        Family / MoEFamily: the Llama-like defaults every family starts from, and what a family states
     llama.py  qwen2.py  qwen3.py  qwen3_moe.py  mixtral.py  glm4_moe.py  deepseek_v3.py (alias kimi_k2)
+    qwen3_next.py  the hybrid (Gated DeltaNet + gated attention); built for the trainer at 1 process, refused by
+                   the preflight (hybrid.py) until the engine's parity is shown
     deepseek_moe.py  DeepSeekMoEFamily: shared experts, the biased sigmoid router, dense first layers (no family of
                      its own: GLM-4.5's, and DeepSeek-V3's, MoE block)
+    hybrid.py      the config checks of hybrid Gated DeltaNet / softmax models (qwen3_next, qwen3_5_moe): the
+                   preflight checks their keys, then refuses them by name
 
 A family states the HF config keys it reads and refuses, its Megatron TransformerConfig options and router, its HF
 tensor names (beside weights.bridge's Qwen-style rules), its LoRA targets and the class vLLM loads for it; the
@@ -15,10 +19,10 @@ here, its line in FAMILY_MODULES below, and its tests (docs/real-models.md). No 
 """
 from __future__ import annotations
 
-from gspo_ray.trainer.families import deepseek_v3, glm4_moe, llama, mixtral, qwen2, qwen3, qwen3_moe
+from gspo_ray.trainer.families import deepseek_v3, glm4_moe, llama, mixtral, qwen2, qwen3, qwen3_moe, qwen3_next
 from gspo_ray.trainer.families.base import Family
 
-FAMILY_MODULES = (qwen2, qwen3, qwen3_moe, llama, mixtral, glm4_moe, deepseek_v3)
+FAMILY_MODULES = (qwen2, qwen3, qwen3_moe, llama, mixtral, glm4_moe, deepseek_v3, qwen3_next)
 FAMILIES: dict[str, Family] = {m.FAMILY.model_type: m.FAMILY for m in FAMILY_MODULES}
 ALIASES: dict[str, str] = {alias: f.model_type for f in FAMILIES.values() for alias in f.aliases}
 if set(ALIASES) & set(FAMILIES) or len(ALIASES) != sum(len(f.aliases) for f in FAMILIES.values()):

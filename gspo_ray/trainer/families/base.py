@@ -141,6 +141,7 @@ class Family:
     reads_attention_bias: bool = False         # config.json `attention_bias` turns the q/k/v biases on (GLM)
     reads_partial_rotary: bool = False         # config.json `partial_rotary_factor` rotates that share of each head
     normalization: str = "RMSNorm"
+    zero_centered_norms: bool = False          # norms compute x * (1 + weight) (Qwen3-Next: ZeroCenteredRMSNorm)
     moe: bool = False                          # has routed experts (MoE layers where moe_layers says)
     router_has_expert_bias: bool = False       # its router selects on score + a per-expert bias (a buffer)
     multi_latent_attention: bool = False       # reads kv_lora_rank / q_lora_rank (attention/mla.py), others refuse
@@ -189,6 +190,11 @@ class Family:
         """The share of each head's dimensions RoPE rotates (its first ones, rotate-half pairing; Megatron's
         `rotary_percent`)."""
         return 1.0
+
+    def layer_types(self, cfg: dict) -> tuple[str, ...] | None:
+        """Per layer "full_attention" or "linear_attention" (Gated DeltaNet) for a hybrid family; None: every
+        layer softmax attention."""
+        return None
 
     def ignored_hf_tensor(self, cfg: dict, name: str) -> bool:
         """A checkpoint tensor the trainer's model has no place for by design (not a feature it lacks)."""

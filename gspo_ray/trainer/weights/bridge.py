@@ -38,6 +38,7 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
+from gspo_ray.trainer.attention.gated_attention import merge_gated_qkv, split_gated_qkv
 from gspo_ray.trainer.families import family_of
 from gspo_ray.trainer.families.base import Family
 from gspo_ray.trainer.model_spec import ModelSpec
@@ -48,7 +49,7 @@ class ParamMap:
     """How one Megatron parameter relates to HF tensors. `local_expert` is set for expert params (EP-sharded)."""
 
     hf_names: tuple[str, ...]
-    merge: str                       # "copy" | "qkv" | "gated"
+    merge: str                       # "copy" | "qkv" | "qkv_gate" | "gated"
     shard: str                       # "none" | "col" (dim 0) | "row" (dim 1) | "vocab" (dim 0, padded)
     local_expert: int | None = None
 
@@ -128,6 +129,8 @@ def merge_hf(tensors: list[Tensor], merge: str, spec: ModelSpec) -> Tensor:
         return tensors[0]
     if merge == "gated":
         return torch.cat(tensors, dim=0)
+    if merge == "qkv_gate":  # q_proj holds [q | gate] per head (trainer/attention/gated_attention.py)
+        return merge_gated_qkv(*tensors, spec.num_heads, spec.num_kv_heads, spec.head_dim)
     q, k, v = tensors  # [heads*d, ...], [groups*d, ...], [groups*d, ...]
     groups, rest = spec.num_kv_heads, q.shape[1:]
     fused = torch.cat([q.reshape(groups, -1, *rest), k.reshape(groups, -1, *rest), v.reshape(groups, -1, *rest)], 1)
@@ -140,6 +143,8 @@ def split_to_hf(full: Tensor, merge: str, spec: ModelSpec) -> list[Tensor]:
         return [full]
     if merge == "gated":
         return list(full.chunk(2, dim=0))
+    if merge == "qkv_gate":
+        return list(split_gated_qkv(full, spec.num_heads, spec.num_kv_heads, spec.head_dim))
     groups, rest, d = spec.num_kv_heads, full.shape[1:], spec.head_dim
     per_group = full.reshape(groups, -1, *rest)
     q, k, v = per_group.split([spec.num_heads // groups * d, d, d], dim=1)
