@@ -138,6 +138,19 @@ class SegmentAttention(MegatronModule):
                               else 1.0 / math.sqrt(k_channels or config.kv_channels))
         if kernel == "te_thd" and getattr(config, "multi_latent_attention", False):
             raise NotImplementedError("attention kernel te_thd with multi-latent attention (never run here; use sdpa)")
+        # this layer's window (Megatron's window_size (left, 0) on the layers window_attn_skip_freq picks; layer_number
+        # is global and 1-based) as the reach of attend_rows: left + 1 keys, the query's own included
+        from megatron.core.transformer.utils import is_layer_window_attention
+
+        self.window = (config.window_size[0] + 1 if is_layer_window_attention(
+            config.window_size, config.window_attn_skip_freq, layer_number) else None)
+        # learned sinks: one logit per query head of this TP rank, Megatron's name and TP split (dim 0)
+        self.softmax_offset = None
+        if getattr(config, "softmax_type", "vanilla") == "learnable":
+            heads = config.num_attention_heads // config.tensor_model_parallel_size
+            self.softmax_offset = torch.nn.Parameter(torch.zeros(heads, dtype=config.params_dtype))
+        if kernel == "te_thd" and (self.window is not None or self.softmax_offset is not None):
+            raise NotImplementedError("attention kernel te_thd with sliding windows / attention sinks (use sdpa)")
         self.kernel = kernel
         self.te_kernel = None
         if kernel == "te_thd":
@@ -172,7 +185,8 @@ class SegmentAttention(MegatronModule):
             attend = recomputed(thd_attend_rows) if self.recompute == "call" else thd_attend_rows
             return attend(query, key, value, segs, self.te_kernel)
         out = self._attend(query, key, value, segs, self.softmax_scale,
-                           checkpoint_completions=self.recompute == "none")
+                           checkpoint_completions=self.recompute == "none", window=self.window,
+                           sinks=self.softmax_offset)
         return out.reshape(out.shape[0], out.shape[1], -1)
 
 
