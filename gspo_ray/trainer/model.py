@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from gspo_ray.compat.megatron_import import megatron_core  # noqa: F401  (first: megatron without torch.compile)
+from gspo_ray.compat.megatron_expert_fc2_bias import clone_expert_fc2_outputs
 from gspo_ray.compat.megatron_mla_tp_grad import replicate_kv_down_projection
 from megatron.core.transformer.module import MegatronModule  # noqa: E402  (after the guarded import)
 
@@ -347,6 +348,7 @@ def build_model(hf_dir: str, *, dtype: torch.dtype = torch.float32, sequence_par
     model.layer_offset = layers.start  # decoder.layers.{i} is stage-local: global index i + layer_offset
     if load_weights:
         load_hf_weights(model, spec, hf_dir)
+    clone_expert_fc2_outputs(model)  # experts with biases under sequence parallelism (gpt-oss)
     if recompute == "full":
         checkpoint_layers(model, recompute_num_layers)
     return model, spec

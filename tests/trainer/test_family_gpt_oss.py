@@ -1,0 +1,176 @@
+"""The gpt-oss family (trainer/families/gpt_oss.py) on a tiny random GptOssForCausalLM: sliding windows of 4 on the
+even layers, learned sinks, q/k/v/o biases, router and expert biases, the clamped SwiGLU (limit 1.5, so the clamp
+bites at weights of std 0.3), interleaved gate_up in HF's fused expert tensors. fp32; tolerance 1e-5 (2e-5 at TP 2).
+
+One pair of spawned ranks: rank 0 first runs the 1-process checks in a world of its own (log-probs; the same model
+with its windows or its sinks switched off disagrees, so both are exercised), then both ranks build the model at
+TP 2 + SP and at EP 2 (log-probs), and train one step at TP 2 + SP on padded rows, group rows and packed rows
+(windows restart per sequence: packed and group rows must equal padded ones, log-probs and gradients)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _spawn import run_ranks, trainer_cfg
+from conftest import hf_logprobs, random_batch
+from gspo_ray.trainer.families import FAMILIES, family_of
+from gspo_ray.trainer.model_spec import spec_from_hf_config
+from test_family_glm4_moe import _maxdiff, _step, prompt_groups
+
+TOL = 1e-5
+TOL_TP = 2e-5  # TP 2's fp32 reductions in another order, on log-probs down to -10 (measured 1.24e-5)
+VOCAB = 22
+
+
+@pytest.fixture(scope="module")
+def oss_dir(tmp_path_factory):
+    from gspo_ray.models.tiny import ensure_tiny_model
+
+    return str(ensure_tiny_model("gpt_oss", tmp_path_factory.mktemp("tiny") / "gpt_oss", seed=0, layers=3,
+                                 init_std=0.3))
+
+
+def oss_config(**over):
+    base = dict(model_type="gpt_oss", hidden_size=64, intermediate_size=64, num_attention_heads=2,
+                num_key_value_heads=2, head_dim=32, num_hidden_layers=3, vocab_size=VOCAB, num_local_experts=4,
+                num_experts_per_tok=2, sliding_window=4, swiglu_limit=1.5, attention_bias=True,
+                layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    return base | over
+
+
+# ---- what the family reads and refuses (no process group) -----------------------------------------------------------
+def test_the_family_states_gpt_oss_as_megatron_options():
+    spec = spec_from_hf_config(oss_config(), "m")
+    assert family_of("gpt_oss") is FAMILIES["gpt_oss"]
+    assert (spec.moe_layers, spec.qkv_bias, spec.moe_ffn_hidden_size, spec.top_k, spec.expert_bias) == (
+        (0, 1, 2), True, 64, 2, False)
+    options = FAMILIES["gpt_oss"].transformer_options(spec)
+    assert options.pop("activation_func").__name__ == "quick_gelu"
+    assert options == dict(normalization="RMSNorm", layernorm_epsilon=1e-6, gated_linear_unit=True,
+                           add_bias_linear=True, add_qkv_bias=True, qk_layernorm=False,
+                           activation_func_clamp_value=1.5, glu_linear_offset=1.0, softmax_type="learnable",
+                           window_size=(3, 0), window_attn_skip_freq=[1, 0, 1], moe_router_score_function="softmax",
+                           moe_router_pre_softmax=False)
+    # transformers' default alternation when layer_types is absent: windows on even layers
+    bare = {k: v for k, v in oss_config().items() if k != "layer_types"}
+    assert FAMILIES["gpt_oss"].transformer_options(spec_from_hf_config(bare, "m"))["window_attn_skip_freq"] == [1, 0, 1]
+    full = FAMILIES["gpt_oss"].transformer_options(spec_from_hf_config(oss_config(layer_types=["full_attention"] * 3),
+                                                                       "m"))
+    assert "window_size" not in full and full["softmax_type"] == "learnable"
+
+
+@pytest.mark.parametrize("over,message", [
+    (dict(layer_types=["sliding_attention", "chunked_attention", "full_attention"]),
+     r"layer_types \['chunked_attention'\] is not supported"),
+    (dict(layer_types=["full_attention"]), r"layer_types \['full_attention'\] is not supported \(one entry per"),
+    (dict(sliding_window=None), r"sliding_window None must be a positive integer"),
+    (dict(swiglu_alpha=1.5), r"swiglu_alpha 1.5 is not supported"),
+    (dict(quantization_config={"quant_method": "mxfp4"}), r"quantization_config 'mxfp4' is not supported"),
+    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1.5e5, "factor": 32.0}), r"rope type 'yarn'"),
+    (dict(attention_dropout=0.1), r"attention_dropout 0.1 is not supported"),
+])
+def test_what_gpt_oss_cannot_be_is_refused_by_key(over, message):
+    with pytest.raises(ValueError, match=message) as err:
+        spec_from_hf_config(oss_config(**over), "m")
+    assert "config.json" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_other_families_still_refuse_layer_types_and_sinks():
+    base = dict(model_type="qwen3", hidden_size=64, intermediate_size=128, num_attention_heads=2,
+                num_key_value_heads=2, num_hidden_layers=2, vocab_size=VOCAB)
+    with pytest.raises(ValueError, match=r"^m/config.json: layer_types \(per-layer attention types"):
+        spec_from_hf_config(base | dict(layer_types=["sliding_attention", "full_attention"]), "m")
+
+
+# ---- the spawned scenario ------------------------------------------------------------------------------------------
+def _logprobs(model, tokens, lengths):
+    from gspo_ray.trainer.logprobs import forward_logprobs
+
+    with torch.no_grad():
+        return forward_logprobs(model, tokens, lengths).detach()
+
+
+def _single(rdzv, oss_dir, tokens, lengths):
+    from gspo_ray.trainer.model import SegmentAttention, build_model
+    from gspo_ray.trainer.parallel import destroy_distributed, init_distributed
+
+    init_distributed(0, 1, "", 0, init_method=f"file://{rdzv}/single")
+    model, _ = build_model(oss_dir)
+    attention = [m for m in model.modules() if isinstance(m, SegmentAttention)]
+    out = {"logp": _logprobs(model, tokens, lengths), "windows": [a.window for a in attention]}
+    for a in attention:
+        a.window = None
+    out["no_windows"] = _logprobs(model, tokens, lengths)
+    model, _ = build_model(oss_dir)
+    for a in model.modules():
+        if isinstance(a, SegmentAttention):
+            a.softmax_offset.data.fill_(-1e4)
+    out["no_sinks"] = _logprobs(model, tokens, lengths)
+    destroy_distributed()
+    return out
+
+
+def _scenario(rank, world, ports, oss_dir, tokens, lengths, batch, rdzv):
+    from megatron.core import parallel_state
+
+    from gspo_ray.trainer.model import build_model
+    from gspo_ray.trainer.parallel import destroy_distributed, init_distributed
+
+    out = {"single": _single(rdzv, oss_dir, tokens, lengths) if rank == 0 else None}
+    for layout, tp, ep in (("tp2_sp", 2, 1), ("ep2", 1, 2)):
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        init_distributed(rank, world, "", 0, tp=tp, ep=ep, init_method=f"file://{rdzv}/pair")
+        model, _ = build_model(oss_dir)
+        rows = slice(None) if tp > 1 else slice(rank, None, world)
+        out[layout] = _logprobs(model, tokens[rows], lengths[rows])
+    destroy_distributed()
+    for i, (run, shared, packed) in enumerate((("off", False, False), ("on", True, True), ("packed", False, True))):
+        tcfg = trainer_cfg(world, tp=2, micro_batch_size=6, grad_clip=0.0, lr=1e-3, shared_prefix=shared,
+                           packed_rows=packed, use_distributed_optimizer=False)
+        out[run] = _step(rank, world, ports[i], oss_dir, batch, tcfg)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(oss_dir, tmp_path_factory):
+    tokens, lengths = random_batch(VOCAB, seed=5)
+    ref, _ = hf_logprobs(oss_dir, tokens, lengths)
+    root = tmp_path_factory.mktemp("oss_runs")
+    ranks = run_ranks(_scenario, 2, (oss_dir, tokens, lengths, prompt_groups(), str(root)), n_ports=3)
+    return {"ref": ref, "tokens": tokens, "lengths": lengths, "ranks": ranks}
+
+
+def test_one_process_logprobs_equal_transformers_and_need_windows_and_sinks(runs):
+    single = runs["ranks"][0]["single"]
+    assert int(runs["lengths"].max()) > 4  # rows longer than the window
+    assert single["windows"] == [4, None, 4]
+    assert _maxdiff(single["logp"], runs["ref"]) <= TOL
+    assert _maxdiff(single["no_windows"], runs["ref"]) > 1e-3
+    assert _maxdiff(single["no_sinks"], runs["ref"]) > 1e-3
+
+
+def test_tp2_sp_and_ep2_logprobs_equal_transformers(runs):
+    ref, world = runs["ref"], 2
+    for rank, r in enumerate(runs["ranks"]):
+        assert _maxdiff(r["tp2_sp"], ref) <= TOL_TP, rank
+        assert _maxdiff(r["ep2"], ref[rank::world]) <= TOL, rank
+
+
+@pytest.mark.parametrize("run", ["on", "packed"])
+def test_group_rows_and_packed_rows_equal_padded_rows(runs, run):
+    """Windows restart per sequence and never cross into another completion: the same numbers as padded rows."""
+    for rank, r in enumerate(runs["ranks"]):
+        off, on = r["off"], r[run]
+        assert _maxdiff(on["logp"], off["logp"]) <= TOL_TP, (rank, "logp")  # both at TP 2
+        for key in ("train/loss", "train/pg_loss", "train/n_tokens"):
+            assert on["metrics"][key] == pytest.approx(off["metrics"][key], rel=TOL, abs=1e-9), (rank, key)
+        assert on["metrics"]["train/forward_tokens"] < off["metrics"]["train/forward_tokens"]
+        assert set(on["grads"]) == set(off["grads"])
+        assert any(n.endswith("softmax_offset") for n in off["grads"]) and any(
+            n.endswith("router.bias") for n in off["grads"])
+        for name, g in off["grads"].items():
+            assert g.abs().max() > 0 or "local_experts" in name, name
+            rel = _maxdiff(on["grads"][name], g) / float(g.abs().max().clamp(min=1e-12))
+            assert rel <= TOL, (rank, name, rel)
