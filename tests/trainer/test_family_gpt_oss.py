@@ -174,3 +174,26 @@ def test_group_rows_and_packed_rows_equal_padded_rows(runs, run):
             assert g.abs().max() > 0 or "local_experts" in name, name
             rel = _maxdiff(on["grads"][name], g) / float(g.abs().max().clamp(min=1e-12))
             assert rel <= TOL, (rank, name, rel)
+
+
+def test_context_parallelism_with_windows_or_sinks_is_refused_naming_both():
+    """The preflight names trainer.cp and the config.json keys; SegmentAttention's check refuses it at construction
+    too; a right-sided window or off-by-one softmax is refused by name."""
+    from types import SimpleNamespace
+
+    from gspo_ray.preflight.model import PreflightError, check_context_parallel
+    from gspo_ray.trainer.attention.segment_attention import unsupported
+
+    tcfg = trainer_cfg(2, cp=2, routing_drift=False, router_churn_every=0)
+    with pytest.raises(PreflightError, match=r"^m: sliding windows / attention sinks \(config.json layer_types, "
+                                             r"sliding_window, sinks\) are not built under context parallelism "
+                                             r"\(trainer.cp=2\)$"):
+        check_context_parallel("m", oss_config(), tcfg)
+    check_context_parallel("m", oss_config(), trainer_cfg(2))  # cp 1: nothing to refuse
+    assert unsupported(SimpleNamespace(context_parallel_size=2, window_size=(3, 0))) == \
+        "context parallelism with sliding windows / attention sinks"
+    assert unsupported(SimpleNamespace(context_parallel_size=2, softmax_type="learnable")) == \
+        "context parallelism with sliding windows / attention sinks"
+    assert unsupported(SimpleNamespace(window_size=(3, 2))).startswith("window_size (3, 2)")
+    assert unsupported(SimpleNamespace(softmax_type="off-by-one")).startswith("softmax_type 'off-by-one'")
+    assert unsupported(SimpleNamespace(window_size=(3, 0), softmax_type="learnable")) is None
