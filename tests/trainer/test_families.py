@@ -32,14 +32,14 @@ def spec_of(model_type, **extra):
 
 def test_the_registry_maps_the_five_model_types_to_their_families_and_nothing_else(monkeypatch):
     assert tuple(FAMILIES) == SUPPORTED_ARCHS == ("qwen2", "qwen3", "qwen3_moe", "llama", "mixtral", "glm4_moe",
-                                                  "deepseek_v3")
+                                                  "deepseek_v3", "gpt_oss")
     assert all(family_of(t) is f and f.model_type == t for t, f in FAMILIES.items())
     assert [family_of(t) for t in (None, "gpt2", "Llama", ["llama"])] == [None] * 4
     # the classes vLLM loads, as the preflight's table had them
     assert ENGINE_ARCHITECTURES == {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                                     "qwen3_moe": "Qwen3MoeForCausalLM", "llama": "LlamaForCausalLM",
                                     "mixtral": "MixtralForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
-                                    "deepseek_v3": "DeepseekV3ForCausalLM"}
+                                    "deepseek_v3": "DeepseekV3ForCausalLM", "gpt_oss": "GptOssForCausalLM"}
     assert family_of("kimi_k2") is FAMILIES["deepseek_v3"]  # Kimi-K2 checkpoints: DeepseekV3ForCausalLM
     monkeypatch.setitem(families.ALIASES, "my_llama", "llama")  # an alias resolves to its family
     assert family_of("my_llama") is FAMILIES["llama"]
