@@ -85,7 +85,9 @@ def test_hf_names_are_the_familys():
 
 
 def test_lora_targets_are_the_configs_and_a_target_the_family_lacks_is_refused(monkeypatch):
-    assert all(f.lora_targets == DEFAULT_LORA_TARGETS for t, f in FAMILIES.items() if t != "deepseek_v3")
+    assert all(f.lora_targets == DEFAULT_LORA_TARGETS for t, f in FAMILIES.items()
+               if t not in ("deepseek_v3", "gpt_oss"))
+    assert FAMILIES["gpt_oss"].lora_targets == ("q_proj", "k_proj", "v_proj", "o_proj")  # no per-expert names
     assert set(FAMILIES["deepseek_v3"].lora_targets) < set(LORA_TARGETS)  # no k / v: multi-latent attention
     assert set(LORA_TARGETS) == {t for f in FAMILIES.values() for t in f.lora_targets}  # each one some family's
     monkeypatch.setattr(FAMILIES["llama"], "lora_targets", ("q_proj", "k_proj"))

@@ -11,11 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _spawn import run_ranks, trainer_cfg
+from _spawn import algo_cfg, run_ranks, trainer_cfg
 from conftest import hf_logprobs, random_batch
 from gspo_ray.trainer.families import FAMILIES, family_of
 from gspo_ray.trainer.model_spec import spec_from_hf_config
-from test_family_glm4_moe import _maxdiff, _step, prompt_groups
+from test_family_glm4_moe import _maxdiff, prompt_groups
+from test_family_glm4_moe import _step as glm_step
 
 TOL = 1e-5
 TOL_TP = 2e-5  # TP 2's fp32 reductions in another order, on log-probs down to -10 (measured 1.24e-5)
@@ -94,11 +95,14 @@ def _logprobs(model, tokens, lengths):
 def _single(rdzv, oss_dir, tokens, lengths):
     from gspo_ray.trainer.model import SegmentAttention, build_model
     from gspo_ray.trainer.parallel import destroy_distributed, init_distributed
+    from gspo_ray.trainer.weights.bridge import hf_state_dict_from_megatron, save_hf_checkpoint
 
     init_distributed(0, 1, "", 0, init_method=f"file://{rdzv}/single")
-    model, _ = build_model(oss_dir)
+    model, spec = build_model(oss_dir)
     attention = [m for m in model.modules() if isinstance(m, SegmentAttention)]
-    out = {"logp": _logprobs(model, tokens, lengths), "windows": [a.window for a in attention]}
+    out = {"logp": _logprobs(model, tokens, lengths), "windows": [a.window for a in attention],
+           "exported": hf_state_dict_from_megatron(model, spec)}
+    save_hf_checkpoint(model, spec, f"{rdzv}/hf_export", tokenizer_src_dir=oss_dir)
     for a in attention:
         a.window = None
     out["no_windows"] = _logprobs(model, tokens, lengths)
@@ -116,21 +120,42 @@ def _scenario(rank, world, ports, oss_dir, tokens, lengths, batch, rdzv):
 
     from gspo_ray.trainer.model import build_model
     from gspo_ray.trainer.parallel import destroy_distributed, init_distributed
+    from gspo_ray.trainer.weights.bridge import hf_state_dict_from_megatron
 
     out = {"single": _single(rdzv, oss_dir, tokens, lengths) if rank == 0 else None}
     for layout, tp, ep in (("tp2_sp", 2, 1), ("ep2", 1, 2)):
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
         init_distributed(rank, world, "", 0, tp=tp, ep=ep, init_method=f"file://{rdzv}/pair")
-        model, _ = build_model(oss_dir)
+        model, spec = build_model(oss_dir)
         rows = slice(None) if tp > 1 else slice(rank, None, world)
         out[layout] = _logprobs(model, tokens[rows], lengths[rows])
+        out[f"{layout}_pushed"] = hf_state_dict_from_megatron(model, spec)  # what a push sends (collective)
     destroy_distributed()
     for i, (run, shared, packed) in enumerate((("off", False, False), ("on", True, True), ("packed", False, True))):
         tcfg = trainer_cfg(world, tp=2, micro_batch_size=6, grad_clip=0.0, lr=1e-3, shared_prefix=shared,
                            packed_rows=packed, use_distributed_optimizer=False)
-        out[run] = _step(rank, world, ports[i], oss_dir, batch, tcfg)
+        out[run] = _step(rank, world, ports[i], oss_dir, batch, tcfg, save=f"{rdzv}/ckpt" if run == "off" else None)
     return out
+
+
+def _step(rank, world, port, oss_dir, batch, tcfg, save=None):
+    """test_family_glm4_moe's step; `save`: the trained weights as a push sends them, and a checkpoint there."""
+    from gspo_ray.trainer.weights.bridge import hf_state_dict_from_megatron
+    from gspo_ray.trainer.worker import TrainerWorker
+
+    if save is None:
+        return glm_step(rank, world, port, oss_dir, batch, tcfg)
+    w = TrainerWorker(rank, world, "127.0.0.1", port, oss_dir, tcfg, algo_cfg())
+    logp = w.compute_logprobs(batch)
+    shift = 1e-3 * (torch.arange(batch.num_sequences)[:, None] % 3)
+    batch.old_logp = torch.where(batch.loss_mask.bool(), logp - shift, 0.0)
+    metrics = w.train_step(batch)
+    grads = {n: p.main_grad.detach().clone() for n, p in w.gpt.named_parameters()}
+    pushed = hf_state_dict_from_megatron(w.gpt, w.spec)
+    w.save(save)
+    w.shutdown()
+    return {"logp": logp, "metrics": metrics, "grads": grads, "pushed": pushed}
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +164,37 @@ def runs(oss_dir, tmp_path_factory):
     ref, _ = hf_logprobs(oss_dir, tokens, lengths)
     root = tmp_path_factory.mktemp("oss_runs")
     ranks = run_ranks(_scenario, 2, (oss_dir, tokens, lengths, prompt_groups(), str(root)), n_ports=3)
-    return {"ref": ref, "tokens": tokens, "lengths": lengths, "ranks": ranks}
+    return {"ref": ref, "tokens": tokens, "lengths": lengths, "ranks": ranks, "root": root}
+
+
+def _input_tensors(oss_dir):
+    from safetensors.torch import load_file
+
+    return load_file(f"{oss_dir}/model.safetensors")
+
+
+def test_export_and_pushes_hold_the_input_tensors_fused_and_transformers_loads_the_export(runs, oss_dir):
+    """No update: the HF export at 1 process and the pushes at TP 2 + SP and EP 2 hold exactly the input's tensors,
+    names and shapes (gpt-oss's fused, interleaved experts), and the saved export loads in transformers with the
+    input's log-probs. After a step at TP 2: the offline export of its checkpoint equals what a push sent."""
+    from gspo_ray.trainer.weights.hf_export import export_checkpoint
+
+    want = _input_tensors(oss_dir)
+    assert "model.layers.0.mlp.experts.gate_up_proj" in want and "model.layers.0.self_attn.sinks" in want
+    got = [runs["ranks"][0]["single"]["exported"]] + [r[f"{k}_pushed"] for r in runs["ranks"] for k in ("tp2_sp", "ep2")]
+    for state in got:
+        assert set(state) == set(want)
+        for name, t in want.items():
+            assert torch.equal(state[name], t), name
+    ref, _ = hf_logprobs(runs["root"] / "hf_export", runs["tokens"], runs["lengths"])
+    assert _maxdiff(ref, runs["ref"]) == 0.0
+    out = export_checkpoint(runs["root"] / "ckpt", oss_dir, runs["root"] / "offline")
+    from safetensors.torch import load_file
+
+    offline, pushed = load_file(str(out / "model.safetensors")), runs["ranks"][0]["off"]["pushed"]
+    assert set(offline) == set(want) and any(not torch.equal(pushed[n], want[n]) for n in want)
+    for name, t in pushed.items():
+        assert torch.equal(offline[name], t), name
 
 
 def test_one_process_logprobs_equal_transformers_and_need_windows_and_sinks(runs):

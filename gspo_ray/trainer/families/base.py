@@ -265,6 +265,11 @@ class Family:
             name = name.replace(old, new)
         return name
 
+    def hf_tensors_out(self, tensors, spec: ModelSpec):
+        """The (HF name, tensor) pairs an export or a push yields, per-expert names as weights.bridge's rules give
+        them -> this family's checkpoint layout (unchanged here; gpt-oss fuses its experts)."""
+        return tensors
+
     # ---- the engine -----------------------------------------------------------------------------------------------
     def engine_routes_shape(self, config) -> tuple[int, int, int] | None:
         """(MoE layers, top-k, experts) of the routes a vLLM engine returns, from transformers' config object of

@@ -27,9 +27,12 @@ its windows / sinks (preflight).
 """
 from __future__ import annotations
 
+import re
+
 from gspo_ray.trainer.families.base import LAYER, LLAMA_NAME_RULES, MoEFamily, Router
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
+PER_EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|bias)")
 QUICK_GELU_ALPHA = 1.702  # megatron.core.activations.quick_gelu: x * sigmoid(1.702 x)
 
 # gpt-oss's additions to the Llama-like names: o_proj's bias, the sinks, the router's bias and the experts' biases
@@ -52,6 +55,9 @@ class GptOss(MoEFamily):
     reads_attention_bias = True
     name_rules = GPT_OSS_NAME_RULES + LLAMA_NAME_RULES
     hf_renames = ((".mlp.gate.weight", ".mlp.router.weight"),)
+    # attention only: an expert's gate / up are interleaved columns of one fused HF tensor, where a PEFT adapter
+    # of per-expert linears has no name (the preflight refuses gate_proj / up_proj / down_proj by name)
+    lora_targets = ("q_proj", "k_proj", "v_proj", "o_proj")
 
     # ---- the HF config keys read --------------------------------------------------------------------------------
     def num_experts(self, cfg: dict) -> int:
@@ -121,6 +127,44 @@ class GptOss(MoEFamily):
         if any(windowed):
             options |= dict(window_size=(int(cfg["sliding_window"]) - 1, 0), window_attn_skip_freq=windowed)
         return options
+
+    # ---- HF names -----------------------------------------------------------------------------------------------
+    def hf_tensors_out(self, tensors, spec):
+        """Per-expert tensors -> gpt-oss's fused ones, emitted once a layer's E experts are all in (an export
+        yields them grouped by layer; one layer's experts are held at a time):
+
+            gate_up_proj [E, H, 2F]: [:, :, 0::2] = gate_e^T, [:, :, 1::2] = up_e^T   (interleaved, transposed)
+            gate_up_proj_bias [E, 2F] interleaved alike; down_proj [E, F, H] = down_e^T; down_proj_bias [E, H]
+        Everything else passes as it comes."""
+        import torch
+
+        held: dict[str, dict] = {}
+        for name, tensor in tensors:
+            m = PER_EXPERT.fullmatch(name)
+            if m is None:
+                yield name, tensor
+                continue
+            prefix, expert, proj, kind = m.group(1), int(m.group(2)), m.group(3), m.group(4)
+            pieces = held.setdefault(f"{prefix}|{kind}|{proj == 'down_proj'}", {})
+            pieces[(expert, proj)] = tensor
+            per_expert = 1 if proj == "down_proj" else 2
+            if len(pieces) < spec.num_experts * per_expert:
+                continue
+            del held[f"{prefix}|{kind}|{proj == 'down_proj'}"]
+            suffix = "_bias" if kind == "bias" else ""
+            experts = range(spec.num_experts)
+            if proj == "down_proj":
+                fused = torch.stack([pieces[(e, "down_proj")] if kind == "bias" else pieces[(e, "down_proj")].T
+                                     for e in experts])
+                yield f"{prefix}.down_proj{suffix}", fused.contiguous()
+                continue
+            gate = torch.stack([pieces[(e, "gate_proj")] for e in experts])   # [E, F] or [E, F, H]
+            up = torch.stack([pieces[(e, "up_proj")] for e in experts])
+            if kind == "weight":
+                gate, up = gate.transpose(1, 2), up.transpose(1, 2)              # [E, H, F]
+            yield f"{prefix}.gate_up_proj{suffix}", torch.stack((gate, up), dim=-1).flatten(-2).contiguous()
+        if held:
+            raise ValueError(f"gpt_oss export: experts missing from {sorted(held)[:3]}")
 
     # ---- the engine -----------------------------------------------------------------------------------------------
     def engine_routes_shape(self, config) -> tuple[int, int, int]:

@@ -394,7 +394,9 @@ def export_hf_weights(model, spec: ModelSpec, bucket_mb: float = 64) -> Iterator
     every rank must iterate it to the end; every rank yields the same tensors. Order: the model's parameter order,
     experts of one layer grouped by local index (under pipeline parallelism: stage by stage, the same order)."""
     limit, bucket, size = bucket_mb * 2**20, [], 0
-    for hf_name, tensor in _hf_tensors(model, spec):
+    family = family_of(spec.arch)
+    tensors = _hf_tensors(model, spec)
+    for hf_name, tensor in (family.hf_tensors_out(tensors, spec) if family is not None else tensors):
         nbytes = tensor.numel() * tensor.element_size()
         if bucket and size + nbytes > limit:
             yield bucket
