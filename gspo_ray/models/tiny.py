@@ -81,9 +81,12 @@ def build_config(arch: str, vocab_size: int, hidden: int = 64, layers: int = 2, 
                              n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
                              norm_topk_prob=True, routed_scaling_factor=1.5, attention_bias=True, use_qk_norm=True,
                              num_nextn_predict_layers=0, output_router_logits=False)
-    if arch == "gpt_oss":  # windows of 4 on even layers, sinks, biases everywhere; default RoPE (YaRN: not built)
+    if arch == "gpt_oss":  # windows of 4 on even layers, sinks, biases everywhere; YaRN as gpt-oss ships it (its
+        # truncate false), of factor 4 (vLLM's gpt-oss takes YaRN only)
         from transformers import GptOssConfig
 
+        common["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0,
+                                     "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64}
         return GptOssConfig(**common, head_dim=hidden // heads, intermediate_size=hidden, num_local_experts=experts,
                             num_experts_per_tok=top_k, sliding_window=4, swiglu_limit=1.5, attention_bias=True,
                             layer_types=["sliding_attention" if i % 2 == 0 else "full_attention"

@@ -289,6 +289,23 @@ def resolve_use_te(use_te) -> bool:
     return te_missing() is None if use_te == "auto" else bool(use_te)
 
 
+def apply_rotary_override(model, spec: ModelSpec) -> None:
+    """A family's own rotary frequencies (gpt-oss's YaRN: `Family.rotary_override`) into the model's
+    RotaryEmbedding, before its first (cached) forward, and their attention factor a squared into every core
+    attention's softmax scale (transformers scales cos and sin by a: every score q.k by a^2)."""
+    override = family_of(spec.arch).rotary_override(spec)
+    if override is None:
+        return
+    inv_freq, factor = override
+    rotary = getattr(model, "rotary_pos_emb", None)
+    if rotary is None or rotary.inv_freq.shape != inv_freq.shape:
+        raise ValueError(f"{spec.arch}: no rotary embedding of {tuple(inv_freq.shape)} frequencies to override")
+    rotary.inv_freq = inv_freq.to(device=rotary.inv_freq.device, dtype=rotary.inv_freq.dtype)
+    for module in model.modules():
+        if isinstance(module, SegmentAttention):
+            module.softmax_scale *= factor ** 2
+
+
 def build_model(hf_dir: str, *, dtype: torch.dtype = torch.float32, sequence_parallel: bool | None = None,
                 moe_dispatcher: str = "alltoall", load_weights: bool = True, use_te: bool = False,
                 routing_replay: bool = False, grouped_gemm: bool | None = None, attention: str = "sdpa",
@@ -344,6 +361,7 @@ def build_model(hf_dir: str, *, dtype: torch.dtype = torch.float32, sequence_par
         model = model.cuda()
     for p in model.parameters():  # the torch norm wrappers ignore params_dtype; HF keeps norms in the model dtype
         p.data = p.data.to(dtype)
+    apply_rotary_override(model, spec)
     model.hf_vocab_size = spec.vocab_size  # forward_logprobs normalises over the real vocabulary only
     model.layer_offset = layers.start  # decoder.layers.{i} is stage-local: global index i + layer_offset
     if load_weights:

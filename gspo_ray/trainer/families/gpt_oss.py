@@ -19,9 +19,10 @@ What it is, and how Megatron states it (no module of our own was needed: megatro
   is Megatron's gated MLP with activation quick_gelu (x * sigmoid(1.702 x): alpha must be 1.702, refused otherwise),
   `activation_func_clamp_value` L (`swiglu_limit`) and `glu_linear_offset` 1; fc2 = glu W_d^T + b_d, its bias
   weighted by the routing weight as HF does (Megatron adds an expert's fc2 bias times the token's probability).
-- RMSNorm, untied embeddings.
+- RMSNorm, untied embeddings; default RoPE or YaRN (attention/yarn_rope.py).
 Refused by name: a `layer_types` entry other than sliding_attention / full_attention; a `swiglu_alpha` other than
-1.702; RoPE other than default (gpt-oss's released checkpoints use YaRN: not built for this attention yet);
+1.702; RoPE other than default or YaRN (attention/yarn_rope.py: the released checkpoints' YaRN, factor 32,
+`truncate: false`), YaRN's `attention_factor` / `mscale` / `mscale_all_dim` (vLLM's gpt-oss reads none);
 `quantization_config` (the released checkpoints' MXFP4 experts: not dequantised here yet); context parallelism with
 its windows / sinks (preflight).
 """
@@ -78,6 +79,20 @@ class GptOss(MoEFamily):
     def sliding_window(self, cfg: dict) -> bool:
         return False  # read per layer below (layer_types), not refused
 
+    def rope_theta(self, cfg: dict) -> float:
+        """The RoPE base: default RoPE or YaRN (what gpt-oss ships; `rotary_override` states it)."""
+        return float((cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta", 10000.0)))
+
+    def rotary_override(self, spec):
+        """(inv_freq, attention factor) of YaRN (attention/yarn_rope.py), None for default RoPE: the built model's
+        rotary embedding takes the frequencies and its softmax scale the factor squared (model.build_model)."""
+        rope = spec.hf_config.get("rope_parameters") or {}
+        if rope.get("rope_type", "default") != "yarn":
+            return None
+        from gspo_ray.trainer.attention.yarn_rope import yarn_parameters
+
+        return yarn_parameters(spec.head_dim, rope)
+
     def windowed_layers(self, cfg: dict) -> list[int]:
         """1 for each layer whose attention is windowed (`layer_types`; transformers' default: even layers)."""
         types = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention"
@@ -107,8 +122,21 @@ class GptOss(MoEFamily):
                              "(MXFP4 experts: dequantise the checkpoint first)")
         if cfg.get("attention_dropout"):
             raise ValueError(f"{where}: attention_dropout {cfg['attention_dropout']!r} is not supported (only 0)")
-        # the base refusals less the per-layer attention keys read above
-        super().refuse_unsupported({k: v for k, v in cfg.items() if k not in ("layer_types", "attention_bias")},
+        rope = dict(cfg.get("rope_parameters") or {})
+        kind = rope.get("rope_type", "default")
+        if kind not in ("default", "yarn"):
+            raise ValueError(f"{where}: rope_parameters.rope_type {kind!r} is not supported (default or yarn)")
+        if kind == "yarn":
+            for key in ("factor", "original_max_position_embeddings"):
+                if not rope.get(key):
+                    raise ValueError(f"{where}: rope_parameters.rope_type 'yarn' without rope_parameters.{key}")
+            for key in ("attention_factor", "mscale", "mscale_all_dim"):  # vLLM's gpt-oss reads none of them
+                if rope.get(key) is not None:
+                    raise ValueError(f"{where}: rope_parameters.{key} {rope[key]!r} is not supported with gpt_oss "
+                                     "(its YaRN attention factor is 0.1 ln(factor) + 1)")
+        # the base refusals less the per-layer attention keys and the YaRN read above
+        super().refuse_unsupported({k: v for k, v in cfg.items()
+                                    if k not in ("layer_types", "attention_bias", "rope_parameters", "rope_scaling")},
                                    hf_dir)
 
     # ---- Megatron ---------------------------------------------------------------------------------------------
