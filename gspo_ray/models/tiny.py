@@ -88,7 +88,7 @@ def build_config(arch: str, vocab_size: int, hidden: int = 64, layers: int = 2, 
         common["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0,
                                      "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64}
         return GptOssConfig(**common, head_dim=hidden // heads, intermediate_size=hidden, num_local_experts=experts,
-                            num_experts_per_tok=top_k, sliding_window=4, swiglu_limit=1.5, attention_bias=True,
+                            num_experts_per_tok=top_k, sliding_window=4, swiglu_limit=7.0, attention_bias=True,
                             layer_types=["sliding_attention" if i % 2 == 0 else "full_attention"
                                          for i in range(layers)], output_router_logits=False)
     raise ValueError(f"unknown arch {arch!r}; valid: {', '.join(ARCHS)}")

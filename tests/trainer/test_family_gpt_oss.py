@@ -1,6 +1,6 @@
 """The gpt-oss family (trainer/families/gpt_oss.py) on a tiny random GptOssForCausalLM: sliding windows of 4 on the
-even layers, learned sinks, q/k/v/o biases, router and expert biases, the clamped SwiGLU (limit 1.5, so the clamp
-bites at weights of std 0.3), interleaved gate_up in HF's fused expert tensors, YaRN RoPE (factor 4, truncate
+even layers, learned sinks, q/k/v/o biases, router and expert biases, the clamped SwiGLU (limit 7, what vLLM
+computes), interleaved gate_up in HF's fused expert tensors, YaRN RoPE (factor 4, truncate
 false). fp32; tolerance 2e-5 (log-probs), 1e-4 relative (gradients): see TOL.
 
 One pair of spawned ranks: rank 0 first runs the 1-process checks in a world of its own (log-probs; the same model
@@ -39,7 +39,7 @@ def oss_dir(tmp_path_factory):
 def oss_config(**over):
     base = dict(model_type="gpt_oss", hidden_size=64, intermediate_size=64, num_attention_heads=2,
                 num_key_value_heads=2, head_dim=32, num_hidden_layers=3, vocab_size=VOCAB, num_local_experts=4,
-                num_experts_per_tok=2, sliding_window=4, swiglu_limit=1.5, attention_bias=True,
+                num_experts_per_tok=2, sliding_window=4, swiglu_limit=7.0, attention_bias=True,
                 layer_types=["sliding_attention", "full_attention", "sliding_attention"],
                 rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0,
                                  "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64})
@@ -56,21 +56,21 @@ def test_the_family_states_gpt_oss_as_megatron_options():
     assert options.pop("activation_func").__name__ == "quick_gelu"
     assert options == dict(normalization="RMSNorm", layernorm_epsilon=1e-6, gated_linear_unit=True,
                            add_bias_linear=True, add_qkv_bias=True, qk_layernorm=False,
-                           activation_func_clamp_value=1.5, glu_linear_offset=1.0, softmax_type="learnable",
+                           activation_func_clamp_value=7.0, glu_linear_offset=1.0, softmax_type="learnable",
                            window_size=(3, 0), window_attn_skip_freq=[1, 0, 1], moe_router_score_function="softmax",
                            moe_router_pre_softmax=False)
     # transformers' default alternation when layer_types is absent: windows on even layers
     bare = {k: v for k, v in oss_config().items() if k != "layer_types"}
     assert FAMILIES["gpt_oss"].transformer_options(spec_from_hf_config(bare, "m"))["window_attn_skip_freq"] == [1, 0, 1]
-    full = FAMILIES["gpt_oss"].transformer_options(spec_from_hf_config(oss_config(layer_types=["full_attention"] * 3),
-                                                                       "m"))
-    assert "window_size" not in full and full["softmax_type"] == "learnable"
 
 
 @pytest.mark.parametrize("over,message", [
     (dict(layer_types=["sliding_attention", "chunked_attention", "full_attention"]),
      r"layer_types \['chunked_attention'\] is not supported"),
     (dict(layer_types=["full_attention"]), r"layer_types \['full_attention'\] is not supported \(one entry per"),
+    (dict(layer_types=["full_attention"] * 3), r"layer_types \['full_attention', 'full_attention', 'full_attention'\] "
+     r"is not supported \(vLLM's gpt-oss windows exactly the even layers"),
+    (dict(swiglu_limit=1.5), r"swiglu_limit 1.5 is not supported \(only 7.0"),
     (dict(sliding_window=None), r"sliding_window None must be a positive integer"),
     (dict(swiglu_alpha=1.5), r"swiglu_alpha 1.5 is not supported"),
     (dict(quantization_config={"quant_method": "mxfp4"}), r"quantization_config 'mxfp4' is not supported"),

@@ -20,8 +20,9 @@ What it is, and how Megatron states it (no module of our own was needed: megatro
   `activation_func_clamp_value` L (`swiglu_limit`) and `glu_linear_offset` 1; fc2 = glu W_d^T + b_d, its bias
   weighted by the routing weight as HF does (Megatron adds an expert's fc2 bias times the token's probability).
 - RMSNorm, untied embeddings; default RoPE or YaRN (attention/yarn_rope.py).
-Refused by name: a `layer_types` entry other than sliding_attention / full_attention; a `swiglu_alpha` other than
-1.702; RoPE other than default or YaRN (attention/yarn_rope.py: the released checkpoints' YaRN, factor 32,
+Refused by name: a `layer_types` entry other than sliding_attention / full_attention, or any pattern but the
+even layers windowed, and a `swiglu_limit` other than 7 (vLLM 0.32's gpt-oss reads neither key: it windows the
+even layers and clamps at 7; the trainer computes any); a `swiglu_alpha` other than 1.702; RoPE other than default or YaRN (attention/yarn_rope.py: the released checkpoints' YaRN, factor 32,
 `truncate: false`), YaRN's `attention_factor` / `mscale` / `mscale_all_dim` (vLLM's gpt-oss reads none);
 `quantization_config` (the released checkpoints' MXFP4 experts: not dequantised here yet); context parallelism with
 its windows / sinks (preflight).
@@ -108,6 +109,16 @@ class GptOss(MoEFamily):
             if unknown or len(types) != int(cfg["num_hidden_layers"]):
                 raise ValueError(f"{where}: layer_types {unknown or types!r} is not supported (one entry per layer, "
                                  f"each of {', '.join(LAYER_TYPES)})")
+        # vLLM 0.32's gpt-oss windows the even layers whatever layer_types says, and clamps at 7 whatever
+        # swiglu_limit says (SwigluOAIAndMul's defaults): the engine would sample another model
+        alternation = ["sliding_attention" if i % 2 == 0 else "full_attention"
+                       for i in range(int(cfg["num_hidden_layers"]))]
+        if types is not None and list(types) != alternation:
+            raise ValueError(f"{where}: layer_types {types!r} is not supported (vLLM's gpt-oss windows exactly the "
+                             "even layers: sliding_attention, full_attention, ...)")
+        if float(cfg.get("swiglu_limit", 7.0)) != 7.0:
+            raise ValueError(f"{where}: swiglu_limit {cfg['swiglu_limit']!r} is not supported (only 7.0: vLLM's "
+                             "gpt-oss clamps at 7)")
         window = cfg.get("sliding_window")
         if any(self.windowed_layers(cfg)) and not (isinstance(window, int) and window >= 1):
             raise ValueError(f"{where}: sliding_window {window!r} must be a positive integer where layer_types has "
