@@ -130,7 +130,7 @@ class GptOss(MoEFamily):
         quant = cfg.get("quantization_config")
         if quant:
             raise ValueError(f"{where}: quantization_config {quant.get('quant_method', quant)!r} is not supported "
-                             "(MXFP4 experts: dequantise the checkpoint first)")
+                             "(MXFP4 experts: dequantise the checkpoint first, gspo-ray models dequantize-mxfp4)")
         if cfg.get("attention_dropout"):
             raise ValueError(f"{where}: attention_dropout {cfg['attention_dropout']!r} is not supported (only 0)")
         rope = dict(cfg.get("rope_parameters") or {})
