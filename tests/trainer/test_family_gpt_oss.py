@@ -121,6 +121,30 @@ def _logprobs(model, tokens, lengths):
         return forward_logprobs(model, tokens, lengths).detach()
 
 
+def _selection_check(model, tokens, lengths):
+    """Per MoE layer: (tokens where routing.selection's top-k differs from the routing map Megatron's router used,
+    tokens where the top-k of the logits without the router bias does, tokens)."""
+    from gspo_ray.trainer.logprobs import forward_logprobs
+    from gspo_ray.trainer.routing.churn import find_routers
+    from gspo_ray.trainer.routing.selection import router_topk
+
+    seen = []
+
+    def hook(module, args, output):
+        x, used = args[0], output[1].reshape(-1, output[1].shape[-1])
+        as_map = lambda idx: torch.zeros_like(used).scatter(1, idx.reshape(-1, module.topk), True)  # noqa: E731
+        unbiased = torch.topk(torch.nn.functional.linear(x.float(), module.weight.float()), module.topk, -1).indices
+        seen.append((int((as_map(router_topk(module, x)) != used).any(-1).sum()),
+                     int((as_map(unbiased) != used).any(-1).sum()), used.shape[0]))
+
+    handles = [r.register_forward_hook(hook) for _, r in find_routers(model)]
+    with torch.no_grad():
+        forward_logprobs(model, tokens, lengths)
+    for h in handles:
+        h.remove()
+    return seen
+
+
 def _single(rdzv, oss_dir, tokens, lengths):
     from gspo_ray.trainer.model import SegmentAttention, build_model
     from gspo_ray.trainer.parallel import destroy_distributed, init_distributed
@@ -130,7 +154,7 @@ def _single(rdzv, oss_dir, tokens, lengths):
     model, spec = build_model(oss_dir)
     attention = [m for m in model.modules() if isinstance(m, SegmentAttention)]
     out = {"logp": _logprobs(model, tokens, lengths), "windows": [a.window for a in attention],
-           "exported": hf_state_dict_from_megatron(model, spec)}
+           "exported": hf_state_dict_from_megatron(model, spec), "selection": _selection_check(model, tokens, lengths)}
     save_hf_checkpoint(model, spec, f"{rdzv}/hf_export", tokenizer_src_dir=oss_dir)
     for a in attention:
         a.window = None
@@ -233,6 +257,14 @@ def test_one_process_logprobs_equal_transformers_and_need_windows_and_sinks(runs
     assert _maxdiff(single["logp"], runs["ref"]) <= TOL
     assert _maxdiff(single["no_windows"], runs["ref"]) > 1e-3
     assert _maxdiff(single["no_sinks"], runs["ref"]) > 1e-3
+
+
+def test_routing_selection_includes_the_router_bias(runs):
+    """routing.selection (R3's free positions, routing agreement and drift) selects as Megatron's router does, on
+    logits with the router's bias; without the bias the selection would differ somewhere."""
+    seen = runs["ranks"][0]["single"]["selection"]
+    assert len(seen) == 3
+    assert all(ours == 0 for ours, _, _ in seen) and sum(unbiased for _, unbiased, _ in seen) > 0
 
 
 def test_tp2_sp_and_ep2_logprobs_equal_transformers(runs):
