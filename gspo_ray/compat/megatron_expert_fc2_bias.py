@@ -1,11 +1,12 @@
-"""Workaround for megatron-core 0.16.1's expert MLP with biases under sequence parallelism (gpt-oss's experts).
+"""Workaround for megatron-core 0.16.1's expert MLP with biases (gpt-oss's experts).
 
 The bug. An expert's MLP.forward adds its fc2 bias weighted by the token's routing probability in place
 (`output += output_bias.unsqueeze(0) * per_token_scale.unsqueeze(-1)`, megatron/core/transformer/mlp.py). The
-expert's linear_fc2 is a RowParallelLinear over the expert-TP group (size 1 here) with sequence_parallel set, whose
-reduce-scatter over one rank returns its input as is from a custom autograd Function: a view, and torch refuses
-the in-place add under grad ("Output 0 of _ReduceScatterToSequenceParallelRegion is a view and is being modified
-inplace"). Without sequence parallelism the same line runs on a plain tensor.
+expert's linear_fc2 is a RowParallelLinear over the expert-TP group (size 1 here), whose reduction over one rank
+(a reduce-scatter with sequence parallelism, an all-reduce without) returns its input as is from a custom autograd
+Function: a view, and torch refuses the in-place add under grad ("Output 0 of
+_ReduceScatterToSequenceParallelRegion / _ReduceFromModelParallelRegion is a view and is being modified
+inplace").
 
 The workaround. A forward hook on each expert's linear_fc2 returns a clone of its output (one [tokens, H] copy per
 expert and layer, under grad only), so the in-place add runs on a tensor of its own; the values are unchanged.
@@ -33,7 +34,7 @@ def _clone_output(module, args, output):
 
 
 def clone_expert_fc2_outputs(model) -> int:
-    """Hook every local expert's linear_fc2 that has a bias under sequence parallelism; returns how many."""
+    """Hook every local expert's linear_fc2 that has a bias; returns how many."""
     import megatron.core
 
     version = getattr(megatron.core, "__version__", "unknown")
@@ -42,8 +43,7 @@ def clone_expert_fc2_outputs(model) -> int:
                     "tests/compat/test_megatron_expert_fc2_bias.py", ", ".join(TESTED_VERSIONS), version)
     hooked = 0
     for name, module in model.named_modules():
-        if ".local_experts." in name and name.endswith("linear_fc2") and getattr(module, "bias", None) is not None \
-                and getattr(module, "sequence_parallel", False):
+        if ".local_experts." in name and name.endswith("linear_fc2") and getattr(module, "bias", None) is not None:
             module.register_forward_hook(_clone_output)
             hooked += 1
     return hooked

@@ -366,7 +366,7 @@ def build_model(hf_dir: str, *, dtype: torch.dtype = torch.float32, sequence_par
     model.layer_offset = layers.start  # decoder.layers.{i} is stage-local: global index i + layer_offset
     if load_weights:
         load_hf_weights(model, spec, hf_dir)
-    clone_expert_fc2_outputs(model)  # experts with biases under sequence parallelism (gpt-oss)
+    clone_expert_fc2_outputs(model)  # experts with biases (gpt-oss): Megatron adds their fc2 bias in place
     if recompute == "full":
         checkpoint_layers(model, recompute_num_layers)
     return model, spec

@@ -1,5 +1,5 @@
 """compat/megatron_expert_fc2_bias.py: still needed while Megatron's MLP adds an expert's weighted fc2 bias in place
-(the TP 2 + SP steps of tests/trainer/test_family_gpt_oss.py fail without the hook)."""
+(the 1-process backward and the TP 2 + SP steps of tests/trainer/test_family_gpt_oss.py fail without the hook)."""
 import inspect
 
 

@@ -156,6 +156,10 @@ def _single(rdzv, oss_dir, tokens, lengths):
     out = {"logp": _logprobs(model, tokens, lengths), "windows": [a.window for a in attention],
            "exported": hf_state_dict_from_megatron(model, spec), "selection": _selection_check(model, tokens, lengths)}
     save_hf_checkpoint(model, spec, f"{rdzv}/hf_export", tokenizer_src_dir=oss_dir)
+    from gspo_ray.trainer.logprobs import forward_logprobs
+
+    forward_logprobs(model, tokens, lengths).sum().backward()  # at 1 process: the experts' fc2 bias add under grad
+    out["sink_grad"] = float(attention[0].softmax_offset.grad.abs().sum())
     for a in attention:
         a.window = None
     out["no_windows"] = _logprobs(model, tokens, lengths)
@@ -253,7 +257,7 @@ def test_export_and_pushes_hold_the_input_tensors_fused_and_transformers_loads_t
 def test_one_process_logprobs_equal_transformers_and_need_windows_and_sinks(runs):
     single = runs["ranks"][0]["single"]
     assert int(runs["lengths"].max()) > 4  # rows longer than the window
-    assert single["windows"] == [4, None, 4]
+    assert single["windows"] == [4, None, 4] and single["sink_grad"] > 0
     assert _maxdiff(single["logp"], runs["ref"]) <= TOL
     assert _maxdiff(single["no_windows"], runs["ref"]) > 1e-3
     assert _maxdiff(single["no_sinks"], runs["ref"]) > 1e-3
