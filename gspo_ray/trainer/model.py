@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from gspo_ray.compat.megatron_import import megatron_core  # noqa: F401  (first: megatron without torch.compile)
+from gspo_ray.compat.megatron_expert_fc2_bias import clone_expert_fc2_outputs
 from gspo_ray.compat.megatron_mla_tp_grad import replicate_kv_down_projection
 from megatron.core.transformer.module import MegatronModule  # noqa: E402  (after the guarded import)
 
@@ -139,6 +140,19 @@ class SegmentAttention(MegatronModule):
                               else 1.0 / math.sqrt(k_channels or config.kv_channels))
         if kernel == "te_thd" and getattr(config, "multi_latent_attention", False):
             raise NotImplementedError("attention kernel te_thd with multi-latent attention (never run here; use sdpa)")
+        # this layer's window (Megatron's window_size (left, 0) on the layers window_attn_skip_freq picks; layer_number
+        # is global and 1-based) as the reach of attend_rows: left + 1 keys, the query's own included
+        from megatron.core.transformer.utils import is_layer_window_attention
+
+        self.window = (config.window_size[0] + 1 if is_layer_window_attention(
+            config.window_size, config.window_attn_skip_freq, layer_number) else None)
+        # learned sinks: one logit per query head of this TP rank, Megatron's name and TP split (dim 0)
+        self.softmax_offset = None
+        if getattr(config, "softmax_type", "vanilla") == "learnable":
+            heads = config.num_attention_heads // config.tensor_model_parallel_size
+            self.softmax_offset = torch.nn.Parameter(torch.zeros(heads, dtype=config.params_dtype))
+        if kernel == "te_thd" and (self.window is not None or self.softmax_offset is not None):
+            raise NotImplementedError("attention kernel te_thd with sliding windows / attention sinks (use sdpa)")
         self.kernel = kernel
         self.te_kernel = None
         if kernel == "te_thd":
@@ -173,7 +187,8 @@ class SegmentAttention(MegatronModule):
             attend = recomputed(thd_attend_rows) if self.recompute == "call" else thd_attend_rows
             return attend(query, key, value, segs, self.te_kernel)
         out = self._attend(query, key, value, segs, self.softmax_scale,
-                           checkpoint_completions=self.recompute == "none")
+                           checkpoint_completions=self.recompute == "none", window=self.window,
+                           sinks=self.softmax_offset)
         return out.reshape(out.shape[0], out.shape[1], -1)
 
 
@@ -280,6 +295,23 @@ def resolve_use_te(use_te) -> bool:
     return te_missing() is None if use_te == "auto" else bool(use_te)
 
 
+def apply_rotary_override(model, spec: ModelSpec) -> None:
+    """A family's own rotary frequencies (gpt-oss's YaRN: `Family.rotary_override`) into the model's
+    RotaryEmbedding, before its first (cached) forward, and their attention factor a squared into every core
+    attention's softmax scale (transformers scales cos and sin by a: every score q.k by a^2)."""
+    override = family_of(spec.arch).rotary_override(spec)
+    if override is None:
+        return
+    inv_freq, factor = override
+    rotary = getattr(model, "rotary_pos_emb", None)
+    if rotary is None or rotary.inv_freq.shape != inv_freq.shape:
+        raise ValueError(f"{spec.arch}: no rotary embedding of {tuple(inv_freq.shape)} frequencies to override")
+    rotary.inv_freq = inv_freq.to(device=rotary.inv_freq.device, dtype=rotary.inv_freq.dtype)
+    for module in model.modules():
+        if isinstance(module, SegmentAttention):
+            module.softmax_scale *= factor ** 2
+
+
 def build_model(hf_dir: str, *, dtype: torch.dtype = torch.float32, sequence_parallel: bool | None = None,
                 moe_dispatcher: str = "alltoall", load_weights: bool = True, use_te: bool = False,
                 routing_replay: bool = False, grouped_gemm: bool | None = None, attention: str = "sdpa",
@@ -335,10 +367,12 @@ def build_model(hf_dir: str, *, dtype: torch.dtype = torch.float32, sequence_par
         model = model.cuda()
     for p in model.parameters():  # the torch norm wrappers ignore params_dtype; HF keeps norms in the model dtype
         p.data = p.data.to(dtype)
+    apply_rotary_override(model, spec)
     model.hf_vocab_size = spec.vocab_size  # forward_logprobs normalises over the real vocabulary only
     model.layer_offset = layers.start  # decoder.layers.{i} is stage-local: global index i + layer_offset
     if load_weights:
         load_hf_weights(model, spec, hf_dir)
+    clone_expert_fc2_outputs(model)  # experts with biases (gpt-oss): Megatron adds their fc2 bias in place
     if recompute == "full":
         checkpoint_layers(model, recompute_num_layers)
     return model, spec

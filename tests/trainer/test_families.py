@@ -32,14 +32,15 @@ def spec_of(model_type, **extra):
 
 def test_the_registry_maps_the_five_model_types_to_their_families_and_nothing_else(monkeypatch):
     assert tuple(FAMILIES) == SUPPORTED_ARCHS == ("qwen2", "qwen3", "qwen3_moe", "llama", "mixtral", "glm4_moe",
-                                                  "deepseek_v3", "qwen3_next")
+                                                  "deepseek_v3", "qwen3_next", "gpt_oss")
     assert all(family_of(t) is f and f.model_type == t for t, f in FAMILIES.items())
     assert [family_of(t) for t in (None, "gpt2", "Llama", ["llama"])] == [None] * 4
     # the classes vLLM loads, as the preflight's table had them
     assert ENGINE_ARCHITECTURES == {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                                     "qwen3_moe": "Qwen3MoeForCausalLM", "llama": "LlamaForCausalLM",
                                     "mixtral": "MixtralForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
-                                    "deepseek_v3": "DeepseekV3ForCausalLM", "qwen3_next": "Qwen3NextForCausalLM"}
+                                    "deepseek_v3": "DeepseekV3ForCausalLM", "qwen3_next": "Qwen3NextForCausalLM",
+                                    "gpt_oss": "GptOssForCausalLM"}
     assert family_of("kimi_k2") is FAMILIES["deepseek_v3"]  # Kimi-K2 checkpoints: DeepseekV3ForCausalLM
     monkeypatch.setitem(families.ALIASES, "my_llama", "llama")  # an alias resolves to its family
     assert family_of("my_llama") is FAMILIES["llama"]
@@ -86,8 +87,9 @@ def test_hf_names_are_the_familys():
 
 def test_lora_targets_are_the_configs_and_a_target_the_family_lacks_is_refused(monkeypatch):
     assert all(f.lora_targets == DEFAULT_LORA_TARGETS for t, f in FAMILIES.items()
-               if t not in ("deepseek_v3", "qwen3_next"))
+               if t not in ("deepseek_v3", "qwen3_next", "gpt_oss"))
     assert FAMILIES["qwen3_next"].lora_targets == ()  # no adapter layout for its gated q_proj yet
+    assert FAMILIES["gpt_oss"].lora_targets == ("q_proj", "k_proj", "v_proj", "o_proj")  # no per-expert names
     assert set(FAMILIES["deepseek_v3"].lora_targets) < set(LORA_TARGETS)  # no k / v: multi-latent attention
     assert set(LORA_TARGETS) == {t for f in FAMILIES.values() for t in f.lora_targets}  # each one some family's
     monkeypatch.setattr(FAMILIES["llama"], "lora_targets", ("q_proj", "k_proj"))

@@ -51,9 +51,9 @@ Megatron core-attention module that calls attend_rows. The record travels as the
 GPTModel hands to every layer's core attention and nothing else reads on the local spec. Megatron's
 `PackedSeqParams` is not used: GPTModel sizes RoPE from its max_seqlen fields and attention squeezes THD tensors,
 neither of which this layout wants. Not covered (refused at construction, and by the preflight through
-model_spec): sliding windows, attention sinks / softmax offsets, attention dropout, and context parallelism with
-multi-latent attention. Context parallelism (trainer.cp) splits each row's columns over the CP ranks:
-context_split.attend_columns computes the same numbers for a rank's columns against the gathered keys.
+model_spec): attention dropout, context parallelism with multi-latent attention, and with sliding windows or
+attention sinks. Sliding windows and learned sinks (gpt-oss) are windows.py's: `attend_rows(..., window=,
+sinks=)`. Context parallelism (trainer.cp) splits each row's columns over the CP ranks: context_split.attend_columns computes the same numbers for a rank's columns against the gathered keys.
 
 Multi-latent attention (DeepSeek-V3, Kimi-K2: Megatron's MLASelfAttention with this module as its core attention)
 reaches attend_rows as plain multi-head attention over the up-projected q / k (qk_nope_head_dim + qk_rope_head_dim
@@ -69,6 +69,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
+
+from gspo_ray.trainer.attention.windows import attend_windowed_unit, with_sink_dimension
 
 
 @dataclass(frozen=True)
@@ -121,7 +123,8 @@ def row_pairs(prefix: int, completions) -> int:
 
 
 def attend_rows(query: Tensor, key: Tensor, value: Tensor, segs: Segments, scale: float | None = None, *,
-                checkpoint_completions: bool = True) -> Tensor:
+                checkpoint_completions: bool = True, window: int | None = None,
+                sinks: Tensor | None = None) -> Tensor:
     """query / key [S, B, Hq / Hkv, D], value [S, B, Hkv, Dv] (Megatron's layout) -> context [S, B, Hq, Dv] of
     `segs` (see the module docstring); Hq a multiple of Hkv (GQA); scale None: 1 / sqrt(D). checkpoint_completions
     False: completion calls are not checkpointed here, for a caller whose attention is recomputed whole already
@@ -133,7 +136,26 @@ def attend_rows(query: Tensor, key: Tensor, value: Tensor, segs: Segments, scale
     to the output; zero columns of q and k add nothing to a score (the scale is fixed before padding).
 
     Rows and segments are taken with unbind / split, whose backward concatenates the pieces' gradients once (a
-    slice's backward would fill a zero tensor of the whole input per slice)."""
+    slice's backward would fill a zero tensor of the whole input per slice).
+
+    window W (None: none): a query sees itself and the W - 1 keys before it in its unit; sinks [Hq] (None: none): a
+    learned logit per query head joins each softmax (windows.py: both exact, one extra key per head)."""
+    dim, value_dim = query.shape[-1], value.shape[-1]
+    if window is not None or sinks is not None:
+        if value_dim != dim:
+            raise NotImplementedError("sliding windows / attention sinks with value width != query width")
+        if window is not None and window < 1:
+            raise ValueError(f"sliding window {window}: must be >= 1")
+        scale = scale if scale is not None else dim ** -0.5
+        query, key, value = with_sink_dimension(query, key, value, sinks, scale)
+        return _attend_rows(query, key, value, segs, scale, checkpoint_completions, window, True,
+                            sinks is not None)[..., :dim]
+    return _attend_rows(query, key, value, segs, scale, checkpoint_completions, None, False, False)
+
+
+def _attend_rows(query: Tensor, key: Tensor, value: Tensor, segs: Segments, scale: float | None,
+                 checkpoint_completions: bool, window: int | None, windowed: bool, sink: bool) -> Tensor:
+    """attend_rows once the widths are settled (windowed: windows.py's calls; sink: the sink dimension is in)."""
     dim, value_dim = query.shape[-1], value.shape[-1]
     if value_dim != dim:
         scale = scale if scale is not None else dim ** -0.5
@@ -158,13 +180,26 @@ def attend_rows(query: Tensor, key: Tensor, value: Tensor, segs: Segments, scale
         pieces, first = [], 0
         for u in units:
             n = 1 + len(segs.completions[u])
-            pieces += _attend_unit(qs[first:first + n], ks[first:first + n], vs[first:first + n], scale, gqa,
-                                   checkpoint_completions)
+            if windowed:
+                pieces += attend_windowed_unit(qs[first:first + n], ks[first:first + n], vs[first:first + n], scale,
+                                               gqa, window, sink, _recompute if checkpoint_completions else _call)
+            else:
+                pieces += _attend_unit(qs[first:first + n], ks[first:first + n], vs[first:first + n], scale, gqa,
+                                       checkpoint_completions)
             first += n
         if pad:
             pieces.append(query.new_zeros(1, heads, pad, dim))
         rows.append(torch.cat(pieces, dim=2)[0].transpose(0, 1))  # [S, H, D]
     return torch.stack(rows, dim=1)
+
+
+def _recompute(fn, *args):
+    """fn(*args) under non-reentrant activation checkpointing where a backward will follow."""
+    return checkpoint(fn, *args, use_reentrant=False) if torch.is_grad_enabled() else fn(*args)
+
+
+def _call(fn, *args):
+    return fn(*args)
 
 
 def _attend_unit(qs, ks, vs, scale: float | None, gqa: bool, checkpoint_completions: bool = True) -> list[Tensor]:
@@ -226,11 +261,17 @@ def kernel_kv(q: Tensor, k: Tensor, v: Tensor, gqa: bool) -> tuple[Tensor, Tenso
 
 
 def unsupported(config) -> str | None:
-    """Why a Megatron TransformerConfig's attention is not what attend_rows computes (None: it is)."""
-    if getattr(config, "window_size", None) is not None:
-        return "sliding-window attention"
-    if getattr(config, "softmax_type", "vanilla") != "vanilla":
-        return f"softmax_type {config.softmax_type!r} (attention sinks)"
+    """Why a Megatron TransformerConfig's attention is not what attend_rows computes (None: it is). Windows are
+    Megatron's `window_size` (left, 0) (a reach of left + 1 keys, windows.py) on the layers `window_attn_skip_freq`
+    picks; sinks its softmax_type 'learnable' (`softmax_offset`); neither under context parallelism (not built)."""
+    window = getattr(config, "window_size", None)
+    if window is not None and (len(window) != 2 or window[1] != 0 or window[0] < 0):
+        return f"window_size {tuple(window)!r} (only (left, 0): a causal window)"
+    if getattr(config, "softmax_type", "vanilla") not in ("vanilla", "learnable"):
+        return f"softmax_type {config.softmax_type!r} (only vanilla, or learnable: attention sinks)"
+    if getattr(config, "context_parallel_size", 1) != 1 and (
+            window is not None or getattr(config, "softmax_type", "vanilla") != "vanilla"):
+        return "context parallelism with sliding windows / attention sinks"
     if getattr(config, "context_parallel_size", 1) != 1 and getattr(config, "multi_latent_attention", False):
         return "context parallelism with multi-latent attention"
     if getattr(config, "attention_dropout", 0.0):

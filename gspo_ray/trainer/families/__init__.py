@@ -4,7 +4,7 @@
     FAMILIES                               # {model_type: Family}, canonical names, in the order errors list them
 
     base.py        Family / MoEFamily: the Llama-like defaults every family starts from, and what a family states
-    llama.py  qwen2.py  qwen3.py  qwen3_moe.py  mixtral.py  glm4_moe.py  deepseek_v3.py (alias kimi_k2)
+    llama.py  qwen2.py  qwen3.py  qwen3_moe.py  mixtral.py  glm4_moe.py  deepseek_v3.py (alias kimi_k2)  gpt_oss.py
     qwen3_next.py  the hybrid (Gated DeltaNet + gated attention); built for the trainer at 1 process, refused by
                    the preflight (hybrid.py) until the engine's parity is shown
     deepseek_moe.py  DeepSeekMoEFamily: shared experts, the biased sigmoid router, dense first layers (no family of
@@ -19,10 +19,11 @@ here, its line in FAMILY_MODULES below, and its tests (docs/real-models.md). No 
 """
 from __future__ import annotations
 
-from gspo_ray.trainer.families import deepseek_v3, glm4_moe, llama, mixtral, qwen2, qwen3, qwen3_moe, qwen3_next
+from gspo_ray.trainer.families import (deepseek_v3, glm4_moe, gpt_oss, llama, mixtral, qwen2, qwen3, qwen3_moe,
+                                       qwen3_next)
 from gspo_ray.trainer.families.base import Family
 
-FAMILY_MODULES = (qwen2, qwen3, qwen3_moe, llama, mixtral, glm4_moe, deepseek_v3, qwen3_next)
+FAMILY_MODULES = (qwen2, qwen3, qwen3_moe, llama, mixtral, glm4_moe, deepseek_v3, qwen3_next, gpt_oss)
 FAMILIES: dict[str, Family] = {m.FAMILY.model_type: m.FAMILY for m in FAMILY_MODULES}
 ALIASES: dict[str, str] = {alias: f.model_type for f in FAMILIES.values() for alias in f.aliases}
 if set(ALIASES) & set(FAMILIES) or len(ALIASES) != sum(len(f.aliases) for f in FAMILIES.values()):

@@ -208,6 +208,11 @@ class Family:
             raise ValueError(f"config.json rope type {kind!r} is not supported (only default RoPE)")
         return float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
 
+    def rotary_override(self, spec: ModelSpec):
+        """(inv_freq, attention factor) replacing the default RoPE of the built model (model.apply_rotary_override);
+        None: Megatron's own from rope_theta."""
+        return None
+
     def sliding_window(self, cfg: dict) -> bool:
         """Whether the config turns sliding-window attention on (Qwen's configs carry `sliding_window` unused)."""
         return bool(cfg.get("use_sliding_window"))
@@ -270,6 +275,11 @@ class Family:
         for old, new in self.hf_renames:
             name = name.replace(old, new)
         return name
+
+    def hf_tensors_out(self, tensors, spec: ModelSpec):
+        """The (HF name, tensor) pairs an export or a push yields, per-expert names as weights.bridge's rules give
+        them -> this family's checkpoint layout (unchanged here; gpt-oss fuses its experts)."""
+        return tensors
 
     # ---- the engine -----------------------------------------------------------------------------------------------
     def engine_routes_shape(self, config) -> tuple[int, int, int] | None:

@@ -8,7 +8,7 @@ DeepSeek-V3: families/deepseek_moe.py) selects on `sigmoid(logits) + expert_bias
 never see, optionally group-limited (Megatron's `group_limited_topk`, which the family only lets run where it
 ranks groups as transformers and vLLM do): the same maths as megatron.core's `topk_routing_with_score_function`,
 whose weights (the unbiased scores of the selected experts) replay keeps by gathering them at the replayed ids.
-Router logits are computed in fp32 (Megatron's `moe_router_dtype` fp32, the DeepSeekMoE families' setting).
+A router with a bias of its own (gpt-oss) adds it to the logits. Router logits are computed in fp32 (Megatron's `moe_router_dtype` fp32, the DeepSeekMoE families' setting).
 """
 from __future__ import annotations
 
@@ -19,7 +19,10 @@ from megatron.core.transformer.moe.moe_utils import group_limited_topk
 
 def selection_scores(router, hidden: torch.Tensor) -> torch.Tensor:
     """[..., E] fp32 scores whose top-k is the router's selection (softmax routers: the logits)."""
-    logits = torch.nn.functional.linear(hidden.detach().float(), router.weight.detach().float())
+    # a router with a bias of its own (gpt-oss: Megatron's router.bias with add_bias_linear) adds it to the logits
+    bias = getattr(router, "bias", None)
+    logits = torch.nn.functional.linear(hidden.detach().float(), router.weight.detach().float(),
+                                        bias.detach().float() if bias is not None else None)
     if router.config.moe_router_score_function == "softmax":
         return logits if not router.config.moe_router_group_topk else torch.softmax(logits, dim=-1)
     if router.config.moe_router_score_function != "sigmoid":

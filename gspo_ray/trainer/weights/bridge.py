@@ -187,9 +187,14 @@ class HFCheckpoint:
 
     Also accepts experts stored fused (`mlp.experts.gate_up_proj` [E, 2F, H], `mlp.experts.down_proj` [E, H, F], the
     in-memory layout of transformers 5) and serves them under per-expert names.
+
+    Also gpt-oss's fused layout (a `gate_up_proj_bias` beside them): `gate_up_proj` [E, H, 2F] transposed with
+    gate and up INTERLEAVED (columns 0, 2, ..: gate), `down_proj` [E, F, H] transposed, `gate_up_proj_bias` [E, 2F]
+    interleaved alike, `down_proj_bias` [E, H]: served as per-expert `gate_proj` / `up_proj` / `down_proj` weights
+    ([F, H], [H, F]) and biases.
     """
 
-    _EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+    _EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|bias)")
 
     def __init__(self, hf_dir: str | Path):
         from safetensors import safe_open
@@ -210,11 +215,24 @@ class HFCheckpoint:
         m = self._EXPERT.fullmatch(name)
         if m:
             prefix, e, proj = m.group(1), int(m.group(2)), m.group(3)
+            if f"{prefix}.gate_up_proj_bias" in self._where:  # gpt-oss
+                return self._gpt_oss_expert(prefix, e, proj, m.group(4))
+            if m.group(4) == "bias":
+                raise KeyError(f"{self.dir}: tensor {name!r} not found in the safetensors files")
             if proj == "down_proj" and f"{prefix}.down_proj" in self._where:
                 return self.get(f"{prefix}.down_proj")[e]
             if proj != "down_proj" and f"{prefix}.gate_up_proj" in self._where:
                 return self.get(f"{prefix}.gate_up_proj")[e].chunk(2, dim=0)[proj == "up_proj"]
         raise KeyError(f"{self.dir}: tensor {name!r} not found in the safetensors files")
+
+
+    def _gpt_oss_expert(self, prefix: str, e: int, proj: str, kind: str) -> Tensor:
+        suffix = "_bias" if kind == "bias" else ""
+        if proj == "down_proj":
+            t = self.get(f"{prefix}.down_proj{suffix}")[e]
+            return t if kind == "bias" else t.T.contiguous()
+        t = self.get(f"{prefix}.gate_up_proj{suffix}")[e][..., int(proj == "up_proj")::2]
+        return t if kind == "bias" else t.T.contiguous()
 
 
 def skipped_hf_tensors(hf_dir: str | Path, hf_config: dict) -> Iterator[tuple[str, Tensor]]:
@@ -270,7 +288,7 @@ def _check_all_used(ckpt: HFCheckpoint, model, spec: ModelSpec) -> None:
         per_stage = [None] * len(pipeline[1])
         torch.distributed.all_gather_object(per_stage, sorted(used), group=pipeline[0])
         used = set().union(*per_stage)
-    fused_experts = re.compile(r"model\.layers\.\d+\.mlp\.experts\.(gate_up_proj|down_proj)")
+    fused_experts = re.compile(r"model\.layers\.\d+\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?")
     unused = sorted(n for n in ckpt.keys() - used if not fused_experts.fullmatch(n)
                     and not (spec.tied_embeddings and n == "lm_head.weight")
                     and not (family is not None and family.ignored_hf_tensor(spec.hf_config, n)))
@@ -381,7 +399,9 @@ def export_hf_weights(model, spec: ModelSpec, bucket_mb: float = 64) -> Iterator
     every rank must iterate it to the end; every rank yields the same tensors. Order: the model's parameter order,
     experts of one layer grouped by local index (under pipeline parallelism: stage by stage, the same order)."""
     limit, bucket, size = bucket_mb * 2**20, [], 0
-    for hf_name, tensor in _hf_tensors(model, spec):
+    family = family_of(spec.arch)
+    tensors = _hf_tensors(model, spec)
+    for hf_name, tensor in (family.hf_tensors_out(tensors, spec) if family is not None else tensors):
         nbytes = tensor.numel() * tensor.element_size()
         if bucket and size + nbytes > limit:
             yield bucket

@@ -32,6 +32,7 @@ from gspo_ray.trainer.weights.bridge import (
     unshard_tp,
     write_hf_side_files,
 )
+from gspo_ray.trainer.families import family_of
 from gspo_ray.trainer.model_spec import DTYPES, ModelSpec, read_hf_config, spec_from_hf_config
 
 
@@ -74,7 +75,8 @@ def hf_tensors(ckpt_dir: str | Path, model_dir: str | Path,
         seen = set(names)
         names += [n for n, v in (reader.model(ep_src[0]) if ep_src else {}).items()
                   if isinstance(v, Tensor) and ckpt.EXPERT_KEY in n and n not in seen]
-        for n, t in _stage_tensors(reader, spec, names, tp_src, ep_src):
+        family = family_of(spec.arch)  # its checkpoint layout (gpt-oss fuses its experts)
+        for n, t in family.hf_tensors_out(_stage_tensors(reader, spec, names, tp_src, ep_src), spec):
             read += t.numel() * t.element_size()
             yield n, t
             if read > release_bytes:  # unmap what was read so far: its pages leave this process's resident memory

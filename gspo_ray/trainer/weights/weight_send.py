@@ -67,6 +67,9 @@ class MegatronWeightSource(WeightSource):
         else:
             self._params = dict(named_weights(model) if hasattr(model, "named_parameters") else model.items())
             meta = [(n, tuple(t.shape), t.dtype) for n, t in self._params.items()]
+        if spec.arch == "gpt_oss":  # its fused expert tensors are made by export_hf_weights, not planned per bucket
+            raise NotImplementedError("gpt_oss pushes through vLLM's nccl / ipc weight transfer (fused experts) are "
+                                      "not built; its pushes go through export_hf_weights")
         self.spec = spec
         self.plan: list[WeightBucket] = plan_buckets(meta, spec, bucket_bytes)
         if (spec.tp > 1 and tp_group is None) or (spec.ep > 1 and ep_group is None):
