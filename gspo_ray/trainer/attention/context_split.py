@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from gspo_ray.trainer.attention.segment_attention import Segments, kernel_kv
+from gspo_ray.trainer.attention.segment_attention import Segments, equal_widths, kernel_kv
 
 
 def width_multiple(cp: int) -> int:
@@ -105,13 +105,9 @@ def attend_columns(query: Tensor, key: Tensor, value: Tensor, segs: Segments, co
     """query [n, B, Hq, D] at row columns `columns` ([n] long, this rank's); key [W, B, Hkv, D], value
     [W, B, Hkv, Dv], the whole rows in column order -> context [n, B, Hq, Dv]: for each held column exactly what
     attend_rows gives that column of the whole row (module docstring). Dv != D: padded as attend_rows does."""
-    dim, value_dim = query.shape[-1], value.shape[-1]
-    if value_dim != dim:
-        scale = scale if scale is not None else dim ** -0.5
-        if value_dim < dim:
-            value = F.pad(value, (0, dim - value_dim))
-        else:
-            query, key = F.pad(query, (0, value_dim - dim)), F.pad(key, (0, value_dim - dim))
+    value_dim = value.shape[-1]
+    if value_dim != query.shape[-1]:
+        query, key, value, scale = equal_widths(query, key, value, scale)
         return attend_columns(query, key, value, segs, columns, scale,
                               checkpoint_completions=checkpoint_completions)[..., :value_dim]
     width, batch, heads = key.shape[0], query.shape[1], query.shape[2]

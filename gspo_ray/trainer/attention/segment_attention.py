@@ -153,17 +153,25 @@ def attend_rows(query: Tensor, key: Tensor, value: Tensor, segs: Segments, scale
     return _attend_rows(query, key, value, segs, scale, checkpoint_completions, None, False, False)
 
 
+def equal_widths(query: Tensor, key: Tensor, value: Tensor, scale: float | None
+                 ) -> tuple[Tensor, Tensor, Tensor, float]:
+    """(query, key, value, scale) with the narrower of D (query / key) and Dv (value) zero-padded to the wider, the
+    scale fixed at D's first (attend_rows' docstring says why the output is the same, sliced back to Dv)."""
+    dim, value_dim = query.shape[-1], value.shape[-1]
+    scale = scale if scale is not None else dim ** -0.5
+    if value_dim < dim:
+        return query, key, F.pad(value, (0, dim - value_dim)), scale
+    return F.pad(query, (0, value_dim - dim)), F.pad(key, (0, value_dim - dim)), value, scale
+
+
 def _attend_rows(query: Tensor, key: Tensor, value: Tensor, segs: Segments, scale: float | None,
                  checkpoint_completions: bool, window: int | None, windowed: bool, sink: bool) -> Tensor:
     """attend_rows once the widths are settled (windowed: windows.py's calls; sink: the sink dimension is in)."""
-    dim, value_dim = query.shape[-1], value.shape[-1]
-    if value_dim != dim:
-        scale = scale if scale is not None else dim ** -0.5
-        if value_dim < dim:
-            value = F.pad(value, (0, dim - value_dim))
-        else:
-            query, key = F.pad(query, (0, value_dim - dim)), F.pad(key, (0, value_dim - dim))
-        return attend_rows(query, key, value, segs, scale)[..., :value_dim]
+    value_dim = value.shape[-1]
+    if value_dim != query.shape[-1]:
+        query, key, value, scale = equal_widths(query, key, value, scale)
+        return _attend_rows(query, key, value, segs, scale, checkpoint_completions, window, windowed,
+                            sink)[..., :value_dim]
     width, batch, heads, dim = query.shape
     if segs.num_rows != batch:
         raise ValueError(f"Segments of {segs.num_rows} rows for a micro-batch of {batch}")
