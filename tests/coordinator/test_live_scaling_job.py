@@ -55,7 +55,11 @@ class KilledMidBatchWorker(RolloutWorker):
         self.arm = Path(arm)
 
     def generate(self, prompts, n=None, **kwargs):
-        if not (self.arm.exists() and self.arm.read_text() == str(self.worker_id)):
+        try:  # read once: the armed worker removes the file while the other may be looking
+            armed = self.arm.read_text() == str(self.worker_id)
+        except FileNotFoundError:
+            armed = False
+        if not armed:
             return super().generate(prompts, n, **kwargs)
         self.arm.unlink()
         super().generate(prompts[: len(prompts) // 2], n, **kwargs)  # work the kill throws away
