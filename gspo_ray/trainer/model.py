@@ -36,7 +36,7 @@ from gspo_ray.trainer.weights.param_names import LayerKinds
 from gspo_ray.trainer.attention.segment_attention import Segments, attend_rows, unsupported
 from gspo_ray.trainer.attention.te_attention import thd_attend_rows
 from gspo_ray.trainer.attention.context_split import attend_columns
-from gspo_ray.trainer.context_parallel import cp_size, cp_split, gather_columns
+from gspo_ray.trainer.context_parallel import cp_size, cp_split, gather_columns, layer_cp_size
 from gspo_ray.trainer.recompute import checkpoint_layers, recomputed
 from gspo_ray.trainer.hybrid_spec import final_norm, hybrid_layer
 
@@ -129,7 +129,8 @@ class SegmentAttention(MegatronModule):
         self.recompute = recompute
         self._attend = recomputed(attend_rows) if recompute == "call" else attend_rows
         self._attend_columns = recomputed(attend_columns) if recompute == "call" else attend_columns  # under CP
-        why = unsupported(config) or ("attention dropout" if attention_dropout else None)
+        # CP from the process groups: the config Megatron is given keeps context_parallel_size 1
+        why = unsupported(config, cp=layer_cp_size(config)) or ("attention dropout" if attention_dropout else None)
         if why is not None:
             raise NotImplementedError(f"SegmentAttention does not cover {why}")
         if kernel not in ATTENTION_KERNELS:

@@ -268,19 +268,23 @@ def kernel_kv(q: Tensor, k: Tensor, v: Tensor, gqa: bool) -> tuple[Tensor, Tenso
     return k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1), False
 
 
-def unsupported(config) -> str | None:
+def unsupported(config, cp: int | None = None) -> str | None:
     """Why a Megatron TransformerConfig's attention is not what attend_rows computes (None: it is). Windows are
     Megatron's `window_size` (left, 0) (a reach of left + 1 keys, windows.py) on the layers `window_attn_skip_freq`
-    picks; sinks its softmax_type 'learnable' (`softmax_offset`); neither under context parallelism (not built)."""
+    picks; sinks its softmax_type 'learnable' (`softmax_offset`); neither, nor multi-latent attention, under
+    context parallelism (not built). cp: the context-parallel size the layer runs at (the model reads it from the
+    process groups: context_parallel.layer_cp_size); None: the config's context_parallel_size."""
+    if cp is None:
+        cp = getattr(config, "context_parallel_size", 1)
     window = getattr(config, "window_size", None)
     if window is not None and (len(window) != 2 or window[1] != 0 or window[0] < 0):
         return f"window_size {tuple(window)!r} (only (left, 0): a causal window)"
     if getattr(config, "softmax_type", "vanilla") not in ("vanilla", "learnable"):
         return f"softmax_type {config.softmax_type!r} (only vanilla, or learnable: attention sinks)"
-    if getattr(config, "context_parallel_size", 1) != 1 and (
+    if cp != 1 and (
             window is not None or getattr(config, "softmax_type", "vanilla") != "vanilla"):
         return "context parallelism with sliding windows / attention sinks"
-    if getattr(config, "context_parallel_size", 1) != 1 and getattr(config, "multi_latent_attention", False):
+    if cp != 1 and getattr(config, "multi_latent_attention", False):
         return "context parallelism with multi-latent attention"
     if getattr(config, "attention_dropout", 0.0):
         return "attention dropout"
