@@ -171,7 +171,7 @@ class Layout:
     recompute: str = "none"
     recompute_layers: int | None = None   # full: the first N layers of each stage (None: all)
     dtype: str = "bfloat16"
-    distributed_optimizer: bool | None = None  # None: on when world / TP > 1 (trainer.use_distributed_optimizer)
+    distributed_optimizer: bool | None = None  # None: on when DP x CP > 1 (trainer.use_distributed_optimizer)
     offload: bool = False            # trainer.optimizer_cpu_offload
     scored_share: float = 1.0        # share of a micro-batch's tokens that are scored (the output layer's rows)
     engine_bytes: int = 0            # what a colocated engine keeps on the device
@@ -192,7 +192,7 @@ class Layout:
     def distributed(self) -> bool:
         if self.offload:
             return True
-        return self.world // self.tp > 1 if self.distributed_optimizer is None else self.distributed_optimizer
+        return self.dp * self.cp > 1 if self.distributed_optimizer is None else self.distributed_optimizer
 
     def describe(self) -> str:
         """E.g. "TP 4 x EP 8 x CP 2 (DP 1), recompute none, micro_batch_tokens 33024": CP and PP named when > 1."""
