@@ -24,7 +24,8 @@ parallelism those of the busiest stage):
                recompute; under PP x the micro-batches 1F1B keeps in flight on the stage (min(pp - stage,
                micro-batches): the first stage the most); under CP also the keys and values all-gathered over
                the CP ranks (2 x tokens x kv heads x head dim a layer: one layer's live while it runs, and kept
-               by each layer whose attention is not recomputed, an upper bound)
+               by each layer outside full recompute, an upper bound: a selectively recomputed attention call keeps
+               them as its checkpoint's inputs, an attention not recomputed as what its SDPA calls saved)
   logits       the output layer's fp32 [tokens scored, vocab / tp] buffer kept for the backward (logprob_head), the
                rank's CP columns, on the last stage
   backward     the layers' backward's working set (a quarter of a layer's activations; with full recompute that
@@ -321,16 +322,18 @@ def gathered_kv_bytes(shape: MemoryShape, layout: Layout) -> int:
 def activation_bytes(shape: MemoryShape, layout: Layout, stage: Stage | None = None) -> int:
     """The activations one rank of `stage` (default: the whole model) keeps from forward to backward: its layers'
     elements a token (the module docstring) x its tokens (local_tokens: / TP / CP) x the micro-batches in flight
-    (in_flight: 1F1B), the final norm on the last stage. Under CP each layer whose attention is not recomputed
-    also keeps the gathered keys and values its SDPA calls saved (an upper bound: a completion call with a prefix
-    keeps none; gathered_kv_bytes), and one layer's gather is live while it runs."""
+    (in_flight: 1F1B), the final norm on the last stage. Under CP each layer outside full recompute also keeps
+    the gathered keys and values (gathered_kv_bytes): as what its SDPA calls saved (an upper bound: a completion
+    call with a prefix keeps none), or, with selective recompute of core_attn, as the inputs of the checkpointed
+    attention call (the gather runs outside it); a fully recomputed layer keeps its input only and gathers again
+    in the backward. One layer's gather is live while it runs."""
     stage = stage or whole_model(shape)
     b = DTYPE_BYTES[layout.dtype]
     dense, moe, dense_r, moe_r = stage_layer_counts(shape, stage, recomputed_layers(shape, layout))
     recompute = layout.recompute
     per_token = ((dense - dense_r) * shape.layer_act(False, recompute) + (moe - moe_r) * shape.layer_act(True, recompute)
                  + (dense_r + moe_r) * shape.hidden + (2 * shape.hidden if stage.last else 0))
-    attention_kept = 0 if recompute == "full" or recompute == "selective" else stage.layers - dense_r - moe_r
+    attention_kept = stage.layers - dense_r - moe_r  # layers outside full recompute (dense_r, moe_r: 0 otherwise)
     gathered = gathered_kv_bytes(shape, layout)
     return int(b * local_tokens(layout) * per_token + gathered * attention_kept) * in_flight(layout, stage) + gathered
 

@@ -57,14 +57,24 @@ def test_context_parallel_splits_activations_not_the_state_and_the_optimizer_ove
     # the distributed optimizer shards dense state over DP x CP (megatron-core's dp_cp group): 4 ranks either way
     for term in ("weights", "grads", "main_params", "optimizer"):
         assert two[term] == one[term], term
-    gathered = gathered_kv_bytes(QWEN3_30B, cp)  # one layer's all-gathered keys and values (attention recomputed)
+    gathered = gathered_kv_bytes(QWEN3_30B, cp)  # one layer's all-gathered keys and values
     assert gathered == 2 * 32768 * (4 // 2) * 128 * DTYPE_BYTES["bfloat16"]
-    assert two["activations"] - gathered == pytest.approx(one["activations"] / 2, rel=1e-3)
+    # selective: each layer keeps its gathered keys and values (the recomputed attention call's checkpoint inputs)
+    # besides one layer's live gather
+    layers = QWEN3_30B.layers
+    assert two["activations"] - (layers + 1) * gathered == pytest.approx(one["activations"] / 2, rel=1e-3)
     assert two["logits"] == one["logits"] // 2
     # recompute none: every layer's attention keeps the gathered keys and values it attended (an upper bound)
     kept = activation_bytes(QWEN3_30B, replace(cp, recompute="none"))
     halved = activation_bytes(QWEN3_30B, replace(base, recompute="none")) / 2
-    assert kept == pytest.approx(halved + (QWEN3_30B.layers + 1) * gathered, rel=1e-3)
+    assert kept == pytest.approx(halved + (layers + 1) * gathered, rel=1e-3)
+    # full: a layer keeps its input only and gathers again in its backward; the first 12 layers only: the rest keep
+    full = activation_bytes(QWEN3_30B, replace(cp, recompute="full"))
+    assert full == pytest.approx(activation_bytes(QWEN3_30B, replace(base, recompute="full")) / 2 + gathered,
+                                 rel=1e-3)
+    part = activation_bytes(QWEN3_30B, replace(cp, recompute="full", recompute_layers=12))
+    assert part - activation_bytes(QWEN3_30B, replace(base, recompute="full", recompute_layers=12)) / 2 == \
+        pytest.approx((layers - 12 + 1) * gathered, rel=1e-3)
     # CP changes no FLOP; PP adds 1F1B's bubble (M + pp - 1) / M
     batch = 32 * 16 * 33792
     assert step_seconds(QWEN3_30B, cp, batch) == step_seconds(QWEN3_30B, base, batch)
