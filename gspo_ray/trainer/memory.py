@@ -246,18 +246,20 @@ class Stage:
     last: bool
 
 
+def stage_layer_range(num_layers: int, pp: int, stage: int) -> range:
+    """The global layer indices pipeline stage `stage` of `pp` holds: Megatron's even split, [s n / pp,
+    (s + 1) n / pp). pp must divide the layers (ValueError otherwise): uneven stages are not built (the config's
+    preflight, the planner and trainer/model.stage_layers all read this)."""
+    if pp < 1 or num_layers % pp:
+        raise ValueError(f"trainer.pp ({pp}) must divide the model's {num_layers} layers")
+    per = num_layers // pp
+    return range(stage * per, (stage + 1) * per)
+
+
 def pipeline_stages(num_layers: int, pp: int) -> list[Stage]:
-    """The layers over pp stages, as even as can be (counts differ by at most one); where pp does not divide them,
-    the extra layers go to the inner stages first (the first and last stages hold the embeddings and the output
-    layer), then the first. Megatron gives uneven stages through num_layers_in_first / last_pipeline_stage."""
-    base, extra = divmod(num_layers, pp)
-    order = list(range(1, pp - 1)) + [0, pp - 1] if pp > 2 else list(range(pp))
-    counts = [base + (1 if s in order[:extra] else 0) for s in range(pp)]
-    out, start = [], 0
-    for s, n in enumerate(counts):
-        out.append(Stage(s, start, n, s == 0, s == pp - 1))
-        start += n
-    return out
+    """The layers over pp stages (stage_layer_range: pp divides them, each stage n / pp)."""
+    stages = [stage_layer_range(num_layers, pp, s) for s in range(pp)]
+    return [Stage(s, r.start, len(r), s == 0, s == pp - 1) for s, r in enumerate(stages)]
 
 
 def stage_layer_counts(shape: MemoryShape, stage: Stage, recompute_layers: int) -> tuple[int, int, int, int]:
@@ -379,15 +381,15 @@ def logits_bytes(shape: MemoryShape, layout: Layout, stage: Stage | None = None)
 
 
 def check_layout(shape: MemoryShape, layout: Layout) -> None:
-    """ValueError for a layout Megatron cannot build: TP x CP x PP and EP x PP must divide the ranks (expert-TP 1),
-    PP at most the layers, recompute one of RECOMPUTE."""
+    """ValueError for a layout the trainer cannot build: TP x CP x PP and EP x PP must divide the ranks (expert-TP
+    1), PP the layers (stage_layer_range), recompute one of RECOMPUTE."""
     if layout.recompute not in RECOMPUTE:
         raise ValueError(f"recompute {layout.recompute!r}; valid: {', '.join(RECOMPUTE)}")
     if layout.world % (layout.tp * layout.cp * layout.pp) or layout.world % (layout.ep * layout.pp):
         raise ValueError(f"tp {layout.tp} x cp {layout.cp} x pp {layout.pp} and ep {layout.ep} x pp {layout.pp} "
                          f"must divide the {layout.world} trainer ranks")
-    if layout.pp > shape.layers:
-        raise ValueError(f"pp {layout.pp} is more than the model's {shape.layers} layers")
+    if shape.layers % layout.pp:
+        raise ValueError(f"pp {layout.pp} does not divide the model's {shape.layers} layers")
 
 
 def stage_memory(shape: MemoryShape, layout: Layout, stage: Stage) -> MemoryTerms:
@@ -414,10 +416,9 @@ def stage_memory(shape: MemoryShape, layout: Layout, stage: Stage) -> MemoryTerm
 
 def rank_memory(shape: MemoryShape, layout: Layout) -> MemoryTerms:
     """Every term on the busiest rank, bytes: without PP the one rank shape; with PP the stage whose total is
-    largest (the first: most micro-batches in flight and the embeddings; the last: the output layer and the
-    logits; the first inner stage: the most layers with the most in flight among the inner ones)."""
+    largest, the first (the most micro-batches in flight and the embeddings) or the last (the output layer and
+    the logits): the stages hold as many layers each, and an inner one fewer in flight than the first."""
     check_layout(shape, layout)
     stages = pipeline_stages(shape.layers, layout.pp)
-    candidates = {stages[0], stages[-1]} | ({stages[1]} if layout.pp > 2 else set())
-    return max((stage_memory(shape, layout, s) for s in sorted(candidates, key=lambda s: s.index)),
+    return max((stage_memory(shape, layout, s) for s in dict.fromkeys((stages[0], stages[-1]))),
                key=lambda t: t.total)

@@ -39,6 +39,7 @@ from gspo_ray.trainer.attention.context_split import attend_columns
 from gspo_ray.trainer.context_parallel import cp_size, cp_split, gather_columns, layer_cp_size
 from gspo_ray.trainer.recompute import checkpoint_layers, recomputed
 from gspo_ray.trainer.hybrid_spec import final_norm, hybrid_layer
+from gspo_ray.trainer.memory import stage_layer_range
 
 
 RECOMPUTE_MODES = ("none", "selective", "full")
@@ -239,16 +240,12 @@ def _block_spec(spec: ModelSpec, grouped_gemm: bool, attention: str, recompute: 
 
 
 def stage_layers(num_layers: int) -> range:
-    """The global layer indices this pipeline stage builds: Megatron's even split, stage s holding layers
-    [s * n / pp, (s + 1) * n / pp) (trainer.pp must divide the layer count: config / preflight refuse otherwise)."""
+    """The global layer indices this pipeline stage builds (memory.stage_layer_range: Megatron's even split; the
+    memory model and the planner count the same stages)."""
     from megatron.core import parallel_state
 
-    pp, stage = (parallel_state.get_pipeline_model_parallel_world_size(),
-                 parallel_state.get_pipeline_model_parallel_rank())
-    if num_layers % pp:
-        raise ValueError(f"trainer.pp ({pp}) must divide the model's {num_layers} layers")
-    per = num_layers // pp
-    return range(stage * per, (stage + 1) * per)
+    return stage_layer_range(num_layers, parallel_state.get_pipeline_model_parallel_world_size(),
+                             parallel_state.get_pipeline_model_parallel_rank())
 
 
 def _gpt_model(spec: ModelSpec, config, block_spec):
