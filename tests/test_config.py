@@ -191,6 +191,20 @@ def test_pipeline_refusals_name_the_fields(overrides, names):
     assert all(n in str(e.value) for n in names + ["trainer.pp"]), str(e.value)
 
 
+@pytest.mark.parametrize("layout,on", [(dict(num_workers=2, cp=2), True), (dict(num_workers=2), True),
+                                       (dict(num_workers=2, pp=2), False), (dict(num_workers=2, tp=2), False),
+                                       (dict(num_workers=8, tp=2, pp=2), True)])
+def test_distributed_optimizer_is_on_by_default_exactly_when_dp_x_cp_is_above_one(layout, on):
+    """Megatron shards the distributed optimizer over the data-and-context-parallel group: DP 1 x CP 2 has two
+    ranks to shard over. The memory model's default (trainer/memory.Layout) is the config's."""
+    from gspo_ray.config import TrainerConfig
+    from gspo_ray.trainer.memory import Layout
+
+    cfg = TrainerConfig(**layout)
+    assert cfg.distributed_optimizer is on
+    assert Layout(world=cfg.num_workers, tp=cfg.tp, cp=cfg.cp, pp=cfg.pp).distributed is on
+
+
 def test_pipeline_resize_keeps_whole_stages():
     from gspo_ray.config import TrainerConfig
 

@@ -81,6 +81,25 @@ def test_review_job_is_refused_with_a_layout_that_fits(q30):
     assert rank_memory(plan.shape, layout).total <= USABLE_SHARE * plan.device_bytes and plan.hard
 
 
+def test_the_plan_offers_only_layouts_the_job_could_run_at(q30):
+    """At the defaults an MoE records routing drift and router churn, which the preflight refuses under CP, and a
+    GPU pool pushes by nccl, which it refuses under PP: the plan offers neither (the memory alone would offer
+    both); with those off it offers both."""
+    from gspo_ray.config import load_config
+    from gspo_ray.preflight.memory import job_memory_plan
+
+    root, model = q30
+    plan = job_memory_plan(load_config(job_file(root, model)), QWEN3_30B_A3B)
+    offered = plan.fitting(100)
+    assert offered and all(lay.cp == lay.pp == 1 for lay, _ in offered), [lay.describe() for lay, _ in offered]
+    by_memory = [lay for lay, _ in replace(plan, accepts=None).fitting(100)]
+    assert any(lay.cp > 1 for lay in by_memory) and any(lay.pp > 1 for lay in by_memory)
+    free = load_config(job_file(root, model, routing_drift=False, router_churn_every=0),
+                       ["rollout.weight_transfer=object_store"])
+    offered = [lay for lay, _ in job_memory_plan(free, QWEN3_30B_A3B).fitting(200)]
+    assert any(lay.cp > 1 for lay in offered) and any(lay.pp > 1 for lay in offered)
+
+
 def test_plan_prints_terms_and_fitting_layouts(q30):
     root, model = q30
     result = CliRunner().invoke(app, ["plan", job_file(root, model), "--gpus", "16", "--gpu-memory", "80"])

@@ -71,8 +71,9 @@ class TrainerConfig(Strict):
                               "for the policy forwards they record")
     use_distributed_optimizer: bool | None = Field(
         None, description="shard the optimizer state (fp32 main params, Adam moments) over the data-parallel ranks "
-        "(Megatron's distributed optimizer, ZeRO-1): each rank holds and checkpoints 1/DP of it. None = auto: on "
-        "when DP = num_workers / tp > 1, off at DP 1 (where it shards nothing). Checkpoints load into any DP / TP / "
+        "(Megatron's distributed optimizer, ZeRO-1; it shards over the data- and context-parallel ranks): each rank "
+        "holds and checkpoints 1/(DP x CP) of it. None = auto: on when DP x CP = num_workers / (tp x pp) > 1, off "
+        "at 1 (where it shards nothing). Checkpoints load into any DP / TP / "
         "EP layout either way, and live `scale trainer N` and in-job recovery reshard it")
     recompute: Literal["none", "selective", "full"] = Field(
         "none", description="activation recomputation, trading compute for memory (docs/scale.md, 'Memory'): "
@@ -147,12 +148,13 @@ class TrainerConfig(Strict):
                                     "full fine-tuning")
     @property
     def distributed_optimizer(self) -> bool:
-        """`use_distributed_optimizer` resolved: None means on exactly when DP > 1."""
+        """`use_distributed_optimizer` resolved: None means on exactly when DP x CP > 1 (Megatron shards the state
+        over the data-and-context-parallel group: at DP 1 x CP 2 over 2 ranks)."""
         if self.optimizer_cpu_offload:  # Megatron offloads the distributed optimizer's state only
             return True
         if self.use_distributed_optimizer is not None:
             return self.use_distributed_optimizer
-        return self.dp > 1
+        return self.dp * self.cp > 1
 
     export_bucket_mb: float = Field(64, gt=0, description="bucket size when exporting weights to rollout")
     export_shared_memory: bool = Field(True, description="weight pushes (full or adapter) go through a "

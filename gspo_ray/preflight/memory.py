@@ -15,14 +15,19 @@ engine (both pools on fractions of a GPU) keeps rollout.gpu_memory_utilization o
 The refusal: one line with the per-rank GiB, the largest term and the cheapest layout that fits on as many
 ranks (trainer/layout_plan.fitting_layouts: TP, EP, CP, PP, recompute, micro_batch_tokens, offload; CP and PP
 named where the layout has them), or that none does (more ranks needed). With trainer.pp the terms are the busiest
-pipeline stage's.
+pipeline stage's. A layout is offered only where the job could run at it (`job_layout_check`: the trainer
+section's validators and the preflight's model checks on the job with the layout's fields), e.g. no CP for an MoE
+that keeps routing_drift on, no PP for a model whose layers it does not divide.
 """
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from gspo_ray.config import JobConfig
+from pydantic import ValidationError
+
+from gspo_ray.config import JobConfig, TrainerConfig
 from gspo_ray.config.rollout import gpu_colocated, resolve_gpu_memory_utilization
 from gspo_ray.preflight.model import PreflightError
 from gspo_ray.trainer.layout_plan import USABLE_SHARE, fitting_layouts, step_seconds
@@ -40,11 +45,13 @@ class MemoryPlan:
     batch_tokens: int             # tokens a step trains (the step-time estimate)
     attention_pairs: float        # query-key pairs a step's attention computes (the step-time estimate)
     min_tokens: int               # the smallest micro_batch_tokens a layout may have (rollout.max_model_len)
+    accepts: Callable[[Layout], bool] | None = None  # whether the job could run at a layout (job_layout_check)
 
     def fitting(self, limit: int = 5):
-        """The cheapest `limit` layouts of as many ranks that fit the device (trainer/layout_plan.fitting_layouts)."""
+        """The cheapest `limit` layouts of as many ranks that fit the device and that the job could run at
+        (trainer/layout_plan.fitting_layouts, `accepts`)."""
         return fitting_layouts(self.shape, self.layout, self.layout.world, self.device_bytes, self.batch_tokens,
-                               limit, self.min_tokens, self.attention_pairs)
+                               limit, self.min_tokens, self.attention_pairs, accepts=self.accepts)
 
     def step_s(self, layout: Layout | None = None) -> float:
         return step_seconds(self.shape, layout or self.layout, self.batch_tokens, self.attention_pairs)
@@ -68,6 +75,37 @@ def job_layout(cfg: JobConfig, world: int | None = None) -> Layout:
                   recompute=t.recompute, recompute_layers=t.recompute_num_layers, dtype=job_dtype(cfg),
                   distributed_optimizer=t.use_distributed_optimizer, offload=t.optimizer_cpu_offload,
                   grads_fp32=t.grad_reduce_in_fp32)
+
+
+def job_layout_check(cfg: JobConfig, hf_config: dict, where: str = "config.json") -> Callable[[Layout], bool]:
+    """Whether the job could run at a layout: its trainer section with the layout's fields (ranks, TP, EP, CP, PP,
+    recompute, micro_batch_tokens, offload, gradient buffers) passes TrainerConfig's validators and the preflight's
+    model checks (job_model.check_trainer_layout: the converter's TP x EP, CP against the model, PP dividing the
+    layers and the features PP does not build). Answers are cached by those fields."""
+    from gspo_ray.preflight.job_model import check_trainer_layout
+    from gspo_ray.preflight.model import PreflightError
+
+    answers: dict[tuple, bool] = {}
+    base = cfg.trainer.model_dump()
+
+    def accepts(layout: Layout) -> bool:
+        fields = dict(num_workers=layout.world, tp=layout.tp, ep=layout.ep, cp=layout.cp, pp=layout.pp,
+                      recompute=layout.recompute, micro_batch_tokens=layout.micro_batch_tokens,
+                      optimizer_cpu_offload=layout.offload, grad_reduce_in_fp32=layout.grads_fp32,
+                      use_distributed_optimizer=layout.distributed_optimizer)
+        if layout.recompute != "selective":  # read with selective only: another recompute drops it
+            fields["recompute_modules"] = None
+        key = tuple(sorted((k, str(v)) for k, v in fields.items()))
+        if key not in answers:
+            try:
+                trainer = TrainerConfig(**(base | fields))
+                check_trainer_layout(cfg.model_copy(update={"trainer": trainer}), where, hf_config)
+                answers[key] = True
+            except (ValidationError, PreflightError):
+                answers[key] = False
+        return answers[key]
+
+    return accepts
 
 
 def device_memory(cfg: JobConfig) -> tuple[int | None, str, bool]:
@@ -108,7 +146,7 @@ def job_memory_plan(cfg: JobConfig, hf_config: dict, world: int | None = None,
     prompt, new = max(r.max_model_len - r.max_new_tokens, 0), r.max_new_tokens
     pairs = cfg.coordinator.prompts_per_step * prompt * (prompt + 1) / 2 + rows * new * (prompt + (new + 1) / 2)
     return MemoryPlan(shape, layout, rank_memory(shape, layout), device, source, hard, rows * r.max_model_len,
-                      pairs, r.max_model_len)
+                      pairs, r.max_model_len, accepts=job_layout_check(cfg, hf_config))
 
 
 def refusal_line(plan: MemoryPlan) -> str:

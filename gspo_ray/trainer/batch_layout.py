@@ -54,9 +54,9 @@ from gspo_ray.trainer.group_rows import (
 
 
 # A group row costing more than 1 / SPLIT_SHARE of a rank's share of the mini-batch is split (its completions over
-# several group rows, each repeating the prompt). At DP 256 (bench/scale.py, packed rows) 4 rather than 2 brings
-# the busiest rank's tokens from 1.11-1.12 to 1.02-1.04 x the mean and its step 2-5% shorter, at 2.8-2.9% more
-# tokens forwarded in all (the prompt copies)
+# several group rows, each repeating the prompt). 4 rather than 2: finer pieces let the deal even the ranks out at
+# large DP, at the cost of more prompt copies forwarded (the scale model's numbers, with the cost-and-token deal
+# beside it: docs/scale.md, "What it shows")
 SPLIT_SHARE = 4
 
 

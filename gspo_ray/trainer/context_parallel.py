@@ -50,6 +50,13 @@ def cp_size() -> int:
     return parallel_state.get_context_parallel_world_size()
 
 
+def layer_cp_size(config) -> int:
+    """The context-parallel size a layer is built to run at: the process groups' (build_transformer_config leaves
+    Megatron's context_parallel_size at 1, which keeps Megatron's own CP code paths, its rotary and layer ones,
+    off: the split is ours), or a hand-built config's own where it names a larger one."""
+    return max(cp_size(), getattr(config, "context_parallel_size", 1))
+
+
 def cp_split(width: int) -> CPSplit | None:
     """This rank's CPSplit of rows of `width` (a multiple of 2 cp), or None at CP 1."""
     from megatron.core import parallel_state

@@ -6,7 +6,7 @@ fit a device (`gspo-ray plan`, the preflight's refusal, the scale model's memory
 
 Candidates (`candidate_layouts`): TP 1-8 dividing the heads and kv heads, CP 1-8, TP x CP within a node (8 GPUs:
 both run collectives every layer, TP's on every linear, CP's all-gather of keys and values, and need NVLink), EP
-dividing the experts, PP 1-16 (at most the layers; across nodes, point-to-point only), TP x CP x PP and EP x PP
+dividing the experts, PP 1-16 (dividing the layers: even stages; across nodes, point-to-point only), TP x CP x PP and EP x PP
 dividing the ranks (Megatron's rank layout, expert-TP 1), CP or PP but not both (trainer.cp and trainer.pp > 1
 together are refused: never tested), each recompute, micro_batch_tokens halved down to an
 eighth of the configured and one sequence (`min_tokens`: a sequence is never split over micro-batches; CP splits
@@ -24,6 +24,7 @@ those fit without it. Communication time itself is not predicted.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import replace
 
 from gspo_ray.trainer.memory import RECOMPUTE, Layout, MemoryShape, MemoryTerms, rank_memory
@@ -90,7 +91,7 @@ def candidate_layouts(shape: MemoryShape, base: Layout, world: int, min_tokens: 
     grad_buffers = (True, False) if bf16_grads and base.dtype != "float32" and base.grads_fp32 else (base.grads_fp32,)
     for tp in tps:
         for cp in (c for c in CP_SIZES if tp * c <= NODE_GPUS):
-            for pp in (p for p in PP_SIZES if p <= shape.layers):
+            for pp in (p for p in PP_SIZES if shape.layers % p == 0):  # even stages (memory.stage_layer_range)
                 if world % (tp * cp * pp) or cp > 1 and pp > 1:  # the trainer builds CP and PP, not both at once
                     continue
                 for ep in (e for e in eps if world % (e * pp) == 0):
@@ -118,12 +119,15 @@ def layout_cost(shape: MemoryShape, layout: Layout, batch_tokens: int, attention
 
 
 def fitting_layouts(shape: MemoryShape, base: Layout, world: int, device_bytes: int, batch_tokens: int,
-                    limit: int = 5, min_tokens: int = 1, attention_pairs: float = 0.0, bf16_grads: bool = True
-                    ) -> list[tuple[Layout, MemoryTerms]]:
+                    limit: int = 5, min_tokens: int = 1, attention_pairs: float = 0.0, bf16_grads: bool = True,
+                    accepts: Callable[[Layout], bool] | None = None) -> list[tuple[Layout, MemoryTerms]]:
     """The cheapest `limit` layouts over `world` ranks whose busiest rank fits USABLE_SHARE of `device_bytes`
-    (layout_cost)."""
+    (layout_cost). accepts: whether the job could run at a layout beyond its shape (the job's config and model
+    checks: preflight/memory.job_layout_check); None: every candidate."""
     fits = []
     for layout in candidate_layouts(shape, base, world, min_tokens, batch_tokens, bf16_grads):
+        if accepts is not None and not accepts(layout):
+            continue
         terms = rank_memory(shape, layout)
         if terms.total <= USABLE_SHARE * device_bytes:
             fits.append((layout, terms))

@@ -24,7 +24,8 @@ parallelism those of the busiest stage):
                recompute; under PP x the micro-batches 1F1B keeps in flight on the stage (min(pp - stage,
                micro-batches): the first stage the most); under CP also the keys and values all-gathered over
                the CP ranks (2 x tokens x kv heads x head dim a layer: one layer's live while it runs, and kept
-               by each layer whose attention is not recomputed, an upper bound)
+               by each layer outside full recompute, an upper bound: a selectively recomputed attention call keeps
+               them as its checkpoint's inputs, an attention not recomputed as what its SDPA calls saved)
   logits       the output layer's fp32 [tokens scored, vocab / tp] buffer kept for the backward (logprob_head), the
                rank's CP columns, on the last stage
   backward     the layers' backward's working set (a quarter of a layer's activations; with full recompute that
@@ -171,7 +172,7 @@ class Layout:
     recompute: str = "none"
     recompute_layers: int | None = None   # full: the first N layers of each stage (None: all)
     dtype: str = "bfloat16"
-    distributed_optimizer: bool | None = None  # None: on when world / TP > 1 (trainer.use_distributed_optimizer)
+    distributed_optimizer: bool | None = None  # None: on when DP x CP > 1 (trainer.use_distributed_optimizer)
     offload: bool = False            # trainer.optimizer_cpu_offload
     scored_share: float = 1.0        # share of a micro-batch's tokens that are scored (the output layer's rows)
     engine_bytes: int = 0            # what a colocated engine keeps on the device
@@ -192,7 +193,7 @@ class Layout:
     def distributed(self) -> bool:
         if self.offload:
             return True
-        return self.world // self.tp > 1 if self.distributed_optimizer is None else self.distributed_optimizer
+        return self.dp * self.cp > 1 if self.distributed_optimizer is None else self.distributed_optimizer
 
     def describe(self) -> str:
         """E.g. "TP 4 x EP 8 x CP 2 (DP 1), recompute none, micro_batch_tokens 33024": CP and PP named when > 1."""
@@ -245,18 +246,20 @@ class Stage:
     last: bool
 
 
+def stage_layer_range(num_layers: int, pp: int, stage: int) -> range:
+    """The global layer indices pipeline stage `stage` of `pp` holds: Megatron's even split, [s n / pp,
+    (s + 1) n / pp). pp must divide the layers (ValueError otherwise): uneven stages are not built (the config's
+    preflight, the planner and trainer/model.stage_layers all read this)."""
+    if pp < 1 or num_layers % pp:
+        raise ValueError(f"trainer.pp ({pp}) must divide the model's {num_layers} layers")
+    per = num_layers // pp
+    return range(stage * per, (stage + 1) * per)
+
+
 def pipeline_stages(num_layers: int, pp: int) -> list[Stage]:
-    """The layers over pp stages, as even as can be (counts differ by at most one); where pp does not divide them,
-    the extra layers go to the inner stages first (the first and last stages hold the embeddings and the output
-    layer), then the first. Megatron gives uneven stages through num_layers_in_first / last_pipeline_stage."""
-    base, extra = divmod(num_layers, pp)
-    order = list(range(1, pp - 1)) + [0, pp - 1] if pp > 2 else list(range(pp))
-    counts = [base + (1 if s in order[:extra] else 0) for s in range(pp)]
-    out, start = [], 0
-    for s, n in enumerate(counts):
-        out.append(Stage(s, start, n, s == 0, s == pp - 1))
-        start += n
-    return out
+    """The layers over pp stages (stage_layer_range: pp divides them, each stage n / pp)."""
+    stages = [stage_layer_range(num_layers, pp, s) for s in range(pp)]
+    return [Stage(s, r.start, len(r), s == 0, s == pp - 1) for s, r in enumerate(stages)]
 
 
 def stage_layer_counts(shape: MemoryShape, stage: Stage, recompute_layers: int) -> tuple[int, int, int, int]:
@@ -321,16 +324,18 @@ def gathered_kv_bytes(shape: MemoryShape, layout: Layout) -> int:
 def activation_bytes(shape: MemoryShape, layout: Layout, stage: Stage | None = None) -> int:
     """The activations one rank of `stage` (default: the whole model) keeps from forward to backward: its layers'
     elements a token (the module docstring) x its tokens (local_tokens: / TP / CP) x the micro-batches in flight
-    (in_flight: 1F1B), the final norm on the last stage. Under CP each layer whose attention is not recomputed
-    also keeps the gathered keys and values its SDPA calls saved (an upper bound: a completion call with a prefix
-    keeps none; gathered_kv_bytes), and one layer's gather is live while it runs."""
+    (in_flight: 1F1B), the final norm on the last stage. Under CP each layer outside full recompute also keeps
+    the gathered keys and values (gathered_kv_bytes): as what its SDPA calls saved (an upper bound: a completion
+    call with a prefix keeps none), or, with selective recompute of core_attn, as the inputs of the checkpointed
+    attention call (the gather runs outside it); a fully recomputed layer keeps its input only and gathers again
+    in the backward. One layer's gather is live while it runs."""
     stage = stage or whole_model(shape)
     b = DTYPE_BYTES[layout.dtype]
     dense, moe, dense_r, moe_r = stage_layer_counts(shape, stage, recomputed_layers(shape, layout))
     recompute = layout.recompute
     per_token = ((dense - dense_r) * shape.layer_act(False, recompute) + (moe - moe_r) * shape.layer_act(True, recompute)
                  + (dense_r + moe_r) * shape.hidden + (2 * shape.hidden if stage.last else 0))
-    attention_kept = 0 if recompute == "full" or recompute == "selective" else stage.layers - dense_r - moe_r
+    attention_kept = stage.layers - dense_r - moe_r  # layers outside full recompute (dense_r, moe_r: 0 otherwise)
     gathered = gathered_kv_bytes(shape, layout)
     return int(b * local_tokens(layout) * per_token + gathered * attention_kept) * in_flight(layout, stage) + gathered
 
@@ -376,15 +381,15 @@ def logits_bytes(shape: MemoryShape, layout: Layout, stage: Stage | None = None)
 
 
 def check_layout(shape: MemoryShape, layout: Layout) -> None:
-    """ValueError for a layout Megatron cannot build: TP x CP x PP and EP x PP must divide the ranks (expert-TP 1),
-    PP at most the layers, recompute one of RECOMPUTE."""
+    """ValueError for a layout the trainer cannot build: TP x CP x PP and EP x PP must divide the ranks (expert-TP
+    1), PP the layers (stage_layer_range), recompute one of RECOMPUTE."""
     if layout.recompute not in RECOMPUTE:
         raise ValueError(f"recompute {layout.recompute!r}; valid: {', '.join(RECOMPUTE)}")
     if layout.world % (layout.tp * layout.cp * layout.pp) or layout.world % (layout.ep * layout.pp):
         raise ValueError(f"tp {layout.tp} x cp {layout.cp} x pp {layout.pp} and ep {layout.ep} x pp {layout.pp} "
                          f"must divide the {layout.world} trainer ranks")
-    if layout.pp > shape.layers:
-        raise ValueError(f"pp {layout.pp} is more than the model's {shape.layers} layers")
+    if shape.layers % layout.pp:
+        raise ValueError(f"pp {layout.pp} does not divide the model's {shape.layers} layers")
 
 
 def stage_memory(shape: MemoryShape, layout: Layout, stage: Stage) -> MemoryTerms:
@@ -411,10 +416,9 @@ def stage_memory(shape: MemoryShape, layout: Layout, stage: Stage) -> MemoryTerm
 
 def rank_memory(shape: MemoryShape, layout: Layout) -> MemoryTerms:
     """Every term on the busiest rank, bytes: without PP the one rank shape; with PP the stage whose total is
-    largest (the first: most micro-batches in flight and the embeddings; the last: the output layer and the
-    logits; the first inner stage: the most layers with the most in flight among the inner ones)."""
+    largest, the first (the most micro-batches in flight and the embeddings) or the last (the output layer and
+    the logits): the stages hold as many layers each, and an inner one fewer in flight than the first."""
     check_layout(shape, layout)
     stages = pipeline_stages(shape.layers, layout.pp)
-    candidates = {stages[0], stages[-1]} | ({stages[1]} if layout.pp > 2 else set())
-    return max((stage_memory(shape, layout, s) for s in sorted(candidates, key=lambda s: s.index)),
+    return max((stage_memory(shape, layout, s) for s in dict.fromkeys((stages[0], stages[-1]))),
                key=lambda t: t.total)

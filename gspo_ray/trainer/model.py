@@ -36,9 +36,10 @@ from gspo_ray.trainer.weights.param_names import LayerKinds
 from gspo_ray.trainer.attention.segment_attention import Segments, attend_rows, unsupported
 from gspo_ray.trainer.attention.te_attention import thd_attend_rows
 from gspo_ray.trainer.attention.context_split import attend_columns
-from gspo_ray.trainer.context_parallel import cp_size, cp_split, gather_columns
+from gspo_ray.trainer.context_parallel import cp_size, cp_split, gather_columns, layer_cp_size
 from gspo_ray.trainer.recompute import checkpoint_layers, recomputed
 from gspo_ray.trainer.hybrid_spec import final_norm, hybrid_layer
+from gspo_ray.trainer.memory import stage_layer_range
 
 
 RECOMPUTE_MODES = ("none", "selective", "full")
@@ -129,7 +130,8 @@ class SegmentAttention(MegatronModule):
         self.recompute = recompute
         self._attend = recomputed(attend_rows) if recompute == "call" else attend_rows
         self._attend_columns = recomputed(attend_columns) if recompute == "call" else attend_columns  # under CP
-        why = unsupported(config) or ("attention dropout" if attention_dropout else None)
+        # CP from the process groups: the config Megatron is given keeps context_parallel_size 1
+        why = unsupported(config, cp=layer_cp_size(config)) or ("attention dropout" if attention_dropout else None)
         if why is not None:
             raise NotImplementedError(f"SegmentAttention does not cover {why}")
         if kernel not in ATTENTION_KERNELS:
@@ -238,16 +240,12 @@ def _block_spec(spec: ModelSpec, grouped_gemm: bool, attention: str, recompute: 
 
 
 def stage_layers(num_layers: int) -> range:
-    """The global layer indices this pipeline stage builds: Megatron's even split, stage s holding layers
-    [s * n / pp, (s + 1) * n / pp) (trainer.pp must divide the layer count: config / preflight refuse otherwise)."""
+    """The global layer indices this pipeline stage builds (memory.stage_layer_range: Megatron's even split; the
+    memory model and the planner count the same stages)."""
     from megatron.core import parallel_state
 
-    pp, stage = (parallel_state.get_pipeline_model_parallel_world_size(),
-                 parallel_state.get_pipeline_model_parallel_rank())
-    if num_layers % pp:
-        raise ValueError(f"trainer.pp ({pp}) must divide the model's {num_layers} layers")
-    per = num_layers // pp
-    return range(stage * per, (stage + 1) * per)
+    return stage_layer_range(num_layers, parallel_state.get_pipeline_model_parallel_world_size(),
+                             parallel_state.get_pipeline_model_parallel_rank())
 
 
 def _gpt_model(spec: ModelSpec, config, block_spec):

@@ -65,8 +65,6 @@ def check_layout(world_size: int, tp: int, ep: int, cp: int = 1, pp: int = 1) ->
         raise ValueError(f"tp={tp}, ep={ep}, cp={cp}, pp={pp}, world_size={world_size} must all be >= 1")
     if world_size % (tp * cp * pp):
         raise ValueError(f"world_size={world_size} is not divisible by tp x cp x pp = {tp} x {cp} x {pp}")
-    if world_size % tp:
-        raise ValueError(f"world_size={world_size} is not divisible by tp={tp}")
     if world_size % (ep * pp):  # each pipeline stage's ranks hold every expert once over EP
         raise ValueError(f"world_size={world_size} is not divisible by ep x pp = {ep} x {pp} (expert-TP is 1)")
 

@@ -194,6 +194,7 @@ class TrainerPool:
         cause."""
         if waiting:
             _, waiting = ray.wait(waiting, num_returns=len(waiting), timeout=ERROR_GRACE_S)
+        failed = 0
         for rank, ref in enumerate(refs):
             if ref in waiting:
                 continue
@@ -202,19 +203,10 @@ class TrainerPool:
             except RayActorError as died:
                 self._kill_workers()
                 return True, (rank, died)
-            except Exception:  # noqa: BLE001 - a rank's own error: counted below
-                pass
-        if not waiting and keep_if_idle:
+            except Exception:  # noqa: BLE001 - a rank's own error: counted
+                failed += 1
+        if not waiting and (keep_if_idle or failed == len(refs)):  # all returned: idle, or all raised (in step)
             return False, None
-        if not waiting:
-            failed = 0
-            for ref in refs:
-                try:
-                    ray.get(ref, timeout=0)
-                except Exception:  # noqa: BLE001 - counting the ranks that raised
-                    failed += 1
-            if failed == len(refs):
-                return False, None
         self._kill_workers()
         return True, None
 

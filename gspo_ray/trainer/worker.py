@@ -63,6 +63,7 @@ from gspo_ray.trainer.batch_layout import (
 from gspo_ray.trainer.group_rows import warn_once
 from gspo_ray.trainer.heap import release_free_heap
 from gspo_ray.trainer.lora.worker import TrainerLoRA, check_checkpoint_kind, load_model, model_state
+from gspo_ray.trainer.memory import stage_layer_range
 from gspo_ray.trainer.metric_accumulator import MetricAccumulator, dp_token_metrics
 from gspo_ray.trainer.pg_weights import build_pg_weight
 from gspo_ray.trainer.pipeline import (
@@ -321,11 +322,12 @@ class TrainerWorker:
         from a forward-only pass of its own."""
         refs = [mb.batch.ref_logp for mb in mbs]
         if self.ref_model is not None and any(r is None for r in refs):
-            with torch.no_grad():
+            with torch.no_grad(), self._reference():
                 computed = run_pipeline(self.ref_model, mbs, lambda mb: self._logprobs(
                     self.ref_model, mb, "reference", loss_tokens_only=True), lambda mb, lp: (lp.sum() * 0.0, lp),
                     forward_only=True)
-            refs = [r if r is not None or not computed else c for r, c in zip(refs, computed or refs)]
+            if computed:  # the last stage's (the others score nothing)
+                refs = [c if r is None else r for r, c in zip(refs, computed)]
         ref_of = {id(mb): ref for mb, ref in zip(mbs, refs)}
 
         def forward(micro):  # the routing observers built under PP (drift, churn) watch this stage's routers
@@ -446,13 +448,9 @@ class TrainerWorker:
 
     def _stage_layers(self) -> list[list[int]]:
         """[first, end) global layer indices of each pipeline stage, in stage order (checkpoint meta: which saved
-        stage holds a layer; collective over the pipeline group at PP > 1)."""
-        mine = [self.gpt.layer_offset, self.gpt.layer_offset + len(self.gpt.decoder.layers)]
-        if self.pp == 1:
-            return [mine]
-        stages = [None] * self.pp
-        dist.all_gather_object(stages, mine, group=parallel_state.get_pipeline_model_parallel_group())
-        return stages
+        stage holds a layer): the even split every stage was built by (memory.stage_layer_range)."""
+        stages = [stage_layer_range(self.spec.num_layers, self.pp, s) for s in range(self.pp)]
+        return [[r.start, r.stop] for r in stages]
 
     def _global_state(self) -> dict:
         """The checkpoint's model state under global names (stage_names.py), without the last stage's copy of a

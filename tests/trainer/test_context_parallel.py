@@ -88,10 +88,32 @@ def _step(rank, world_size, port, model_dir, batch, run, tp, ep, beta, lora):
             "embedded": sum(embedded), "reruns": sum(reruns), "attention_recompute": attention.recompute}
 
 
-def _compare(rank, world_size, ports, cases):
+def _refusals_at_cp2(rank, world_size, port, model_dirs):
+    """build_model at CP 2 of each model whose layers have no column-split form: the NotImplementedError it raises
+    (None: it built). CP comes from the process groups only, as in the trainer: the TransformerConfig Megatron gets
+    keeps context_parallel_size 1."""
+    from gspo_ray.trainer.model import build_model
+    from gspo_ray.trainer.parallel import destroy_distributed, init_distributed
+
+    init_distributed(rank, world_size, "127.0.0.1", port, cp=2)
+    out = {}
+    try:
+        for name, model_dir in model_dirs.items():
+            try:
+                build_model(model_dir, load_weights=False)
+                out[name] = None
+            except NotImplementedError as e:
+                out[name] = str(e)
+    finally:
+        destroy_distributed()
+    return out
+
+
+def _compare(rank, world_size, ports, cases, refused_dirs=None):
     """cases: [(model_dir, batch, tp, ep, beta, lora, runs)]: CP 1 first (its log-probs become the batch's old ones),
     then each run; beta > 0: a KL term to a reference model (its forwards under CP too); lora: adapters on the frozen
-    base (trainer.lora, rank 4), their gradients compared."""
+    base (trainer.lora, rank 4), their gradients compared. refused_dirs: then build those at CP 2 in the same
+    processes (_refusals_at_cp2)."""
     out, port = [], ports[0]
     for model_dir, batch, tp, ep, beta, lora, runs in cases:
         res = {}
@@ -99,17 +121,39 @@ def _compare(rank, world_size, ports, cases):
             res[run] = _step(rank, world_size, port, model_dir, batch, run, tp, ep, beta, lora)
             batch, port = res[run]["batch"], res[run]["next_port"]
         out.append(res)
+    if refused_dirs:
+        out.append(_refusals_at_cp2(rank, world_size, port, refused_dirs))
+    return out
+
+
+def config_only_dirs(root) -> dict:
+    """Model directories holding config.json only (build_model without weights reads nothing else): gpt-oss
+    (windows and sinks), DeepSeek-V3 (multi-latent attention), Qwen3-Next (Gated DeltaNet layers)."""
+    import json
+
+    from gspo_ray.models.tiny import build_config
+    from gspo_ray.models.tiny_deepseek import ENGINE_KEYS, deepseek_v3_config
+
+    configs = {"gpt_oss": build_config("gpt_oss", 64).to_dict(),
+               "qwen3_next": build_config("qwen3_next", 64).to_dict(),
+               "deepseek_v3": deepseek_v3_config(64, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16,
+                                                 v_head_dim=24).to_dict() | ENGINE_KEYS}
+    out = {}
+    for name, config in configs.items():
+        (root / name).mkdir()
+        (root / name / "config.json").write_text(json.dumps(config))
+        out[name] = str(root / name)
     return out
 
 
 @pytest.fixture(scope="module")
-def results(tiny_qwen2_dir, tiny_moe_dir):
+def results(tiny_qwen2_dir, tiny_moe_dir, tmp_path_factory):
     cases = [(str(tiny_qwen2_dir), ragged_groups(23, seed=3), 1, 1, 0.04, False,
               ("cp2_padded", "cp2_group_rows", "cp2_packed", "cp2_recompute_full", "cp2_recompute_selective")),
              (str(tiny_moe_dir), ragged_groups(22, seed=4), 1, 1, 0.0, False, ("cp2_group_rows", "cp2_packed")),
              (str(tiny_qwen2_dir), ragged_groups(23, seed=6), 1, 1, 0.0, True, ("cp2_group_rows",))]
-    ranks = run_ranks(_compare, 2, (cases,))
-    out = {arch: [r[i] for r in ranks] for i, arch in enumerate(("qwen2", "qwen3_moe", "qwen2_lora"))}
+    ranks = run_ranks(_compare, 2, (cases, config_only_dirs(tmp_path_factory.mktemp("cp_refused"))))
+    out = {arch: [r[i] for r in ranks] for i, arch in enumerate(("qwen2", "qwen3_moe", "qwen2_lora", "refused"))}
     # 4 ranks: TP 2 with sequence parallelism x CP 2 x EP 2 (MoE) against TP 2 x DP 2 x EP 2
     moe = [(str(tiny_moe_dir), ragged_groups(22, seed=5), 2, 2, 0.0, False, ("cp2_padded", "cp2_group_rows"))]
     out["qwen3_moe_tp2_ep2"] = [r[0] for r in run_ranks(_compare, 4, (moe,))]
@@ -153,3 +197,14 @@ def test_cp2_step_equals_cp1(results, arch, run):
         assert (cp["reruns"] > 0) == (run == "cp2_recompute_full"), cp["reruns"]
         assert cp["attention_recompute"] == {"cp2_recompute_full": "layer",
                                              "cp2_recompute_selective": "call"}.get(run, "none")
+
+
+def test_a_model_built_at_cp2_refuses_windows_sinks_mla_and_gated_deltanet(results):
+    """The trainer's guards read CP from the process groups (Megatron's config is built with context_parallel_size
+    1): at CP 2 a model whose attention has no column-split form is refused at construction, on every rank."""
+    windows = "SegmentAttention does not cover context parallelism with sliding windows / attention sinks"
+    mla = "SegmentAttention does not cover context parallelism with multi-latent attention"
+    for refused in results["refused"]:  # (Megatron's build_module appends "when instantiating ...")
+        assert refused["gpt_oss"] is not None and refused["gpt_oss"].startswith(windows), refused
+        assert refused["deepseek_v3"] is not None and refused["deepseek_v3"].startswith(mla), refused
+        assert refused["qwen3_next"] is not None and "trainer.cp 2 with Gated DeltaNet" in refused["qwen3_next"]

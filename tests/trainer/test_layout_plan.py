@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 
 from gspo_ray.preflight.memory import MemoryPlan, refusal_line
-from gspo_ray.trainer.layout_plan import fitting_layouts, step_seconds
+from gspo_ray.trainer.layout_plan import candidate_layouts, fitting_layouts, step_seconds
 from gspo_ray.trainer.memory import (DTYPE_BYTES, GIB, Layout, MemoryShape, activation_bytes, gathered_kv_bytes,
                                      logits_bytes, pipeline_stages, rank_memory, rank_params)
 
@@ -18,12 +18,17 @@ QWEN3_30B = MemoryShape(name="Qwen3-30B-A3B", vocab=151936, hidden=2048, layers=
 # a dense model whose 2 kv heads cap TP at 2: only pipeline stages split its weights further
 DENSE_17B = MemoryShape(name="dense-17B-like", vocab=152064, hidden=5120, layers=48, heads=40, kv_heads=2,
                         head_dim=128, ffn=17408)
-TIED = MemoryShape(name="tied", vocab=1000, hidden=64, layers=5, heads=4, kv_heads=2, head_dim=16, ffn=128, tied=True)
+TIED = MemoryShape(name="tied", vocab=1000, hidden=64, layers=6, heads=4, kv_heads=2, head_dim=16, ffn=128, tied=True)
+# Qwen3-235B-A22B's 94 layers (PP 2 only) and DeepSeek-V3's 61 (no PP): the trainer builds even stages only
+QWEN3_235B = replace(QWEN3_30B, name="Qwen3-235B-A22B-like", layers=94, moe_layers=94, hidden=4096, heads=64)
+LAYERS_61 = replace(QWEN3_30B, name="61-layers", layers=61, moe_layers=61)
 
 
 def test_pipeline_stages_hold_their_layers_and_the_embeddings_once_or_twice_when_tied():
-    assert [s.layers for s in pipeline_stages(94, 4)] == [23, 24, 24, 23]  # extra layers to the inner stages
-    assert [s.layers for s in pipeline_stages(5, 2)] == [3, 2]
+    assert [(s.first_layer, s.layers) for s in pipeline_stages(48, 4)] == [(0, 12), (12, 12), (24, 12), (36, 12)]
+    for layers, pp in ((94, 4), (61, 2), (5, 2)):  # uneven stages: refused, as trainer/model.stage_layers does
+        with pytest.raises(ValueError, match=f"trainer.pp \\({pp}\\) must divide the model's {layers} layers"):
+            pipeline_stages(layers, pp)
     for shape, pp, extra in ((QWEN3_30B, 4, 0), (TIED, 2, TIED.vocab * TIED.hidden), (TIED, 1, 0)):
         stages = pipeline_stages(shape.layers, pp)
         assert sum(s.layers for s in stages) == shape.layers and stages[0].first and stages[-1].last
@@ -57,19 +62,39 @@ def test_context_parallel_splits_activations_not_the_state_and_the_optimizer_ove
     # the distributed optimizer shards dense state over DP x CP (megatron-core's dp_cp group): 4 ranks either way
     for term in ("weights", "grads", "main_params", "optimizer"):
         assert two[term] == one[term], term
-    gathered = gathered_kv_bytes(QWEN3_30B, cp)  # one layer's all-gathered keys and values (attention recomputed)
+    gathered = gathered_kv_bytes(QWEN3_30B, cp)  # one layer's all-gathered keys and values
     assert gathered == 2 * 32768 * (4 // 2) * 128 * DTYPE_BYTES["bfloat16"]
-    assert two["activations"] - gathered == pytest.approx(one["activations"] / 2, rel=1e-3)
+    # selective: each layer keeps its gathered keys and values (the recomputed attention call's checkpoint inputs)
+    # besides one layer's live gather
+    layers = QWEN3_30B.layers
+    assert two["activations"] - (layers + 1) * gathered == pytest.approx(one["activations"] / 2, rel=1e-3)
     assert two["logits"] == one["logits"] // 2
     # recompute none: every layer's attention keeps the gathered keys and values it attended (an upper bound)
     kept = activation_bytes(QWEN3_30B, replace(cp, recompute="none"))
     halved = activation_bytes(QWEN3_30B, replace(base, recompute="none")) / 2
-    assert kept == pytest.approx(halved + (QWEN3_30B.layers + 1) * gathered, rel=1e-3)
+    assert kept == pytest.approx(halved + (layers + 1) * gathered, rel=1e-3)
+    # full: a layer keeps its input only and gathers again in its backward; the first 12 layers only: the rest keep
+    full = activation_bytes(QWEN3_30B, replace(cp, recompute="full"))
+    assert full == pytest.approx(activation_bytes(QWEN3_30B, replace(base, recompute="full")) / 2 + gathered,
+                                 rel=1e-3)
+    part = activation_bytes(QWEN3_30B, replace(cp, recompute="full", recompute_layers=12))
+    assert part - activation_bytes(QWEN3_30B, replace(base, recompute="full", recompute_layers=12)) / 2 == \
+        pytest.approx((layers - 12 + 1) * gathered, rel=1e-3)
     # CP changes no FLOP; PP adds 1F1B's bubble (M + pp - 1) / M
     batch = 32 * 16 * 33792
     assert step_seconds(QWEN3_30B, cp, batch) == step_seconds(QWEN3_30B, base, batch)
     pp = replace(base, pp=2, microbatches=8)
     assert step_seconds(QWEN3_30B, pp, batch) == pytest.approx(step_seconds(QWEN3_30B, base, batch) * 9 / 8)
+
+
+def test_the_planner_offers_pp_only_where_it_divides_the_layers():
+    """Every candidate's stages are ones the trainer builds (rank_memory refuses the others): 94 layers take PP 2,
+    61 none."""
+    for shape, pps in ((QWEN3_235B, {1, 2}), (LAYERS_61, {1}), (QWEN3_30B, {1, 2, 4, 8, 16})):
+        layouts = candidate_layouts(shape, Layout(world=64, micro_batch_tokens=8192), 64)
+        assert {lay.pp for lay in layouts} == pps, shape.name
+    with pytest.raises(ValueError, match="pp 4 does not divide the model's 94 layers"):
+        rank_memory(QWEN3_235B, Layout(world=64, pp=4))
 
 
 @pytest.mark.parametrize("shape,layout,needs", [

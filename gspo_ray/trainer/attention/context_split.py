@@ -33,11 +33,10 @@ Work per rank: the query-key pairs of its pieces (`column_pairs`); summed over t
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
-from torch.utils.checkpoint import checkpoint
 
-from gspo_ray.trainer.attention.segment_attention import Segments, equal_widths, kernel_kv
+from gspo_ray.trainer.attention.segment_attention import (Segments, checkpointed_call, equal_widths,
+                                                          lower_right_attention)
 
 
 def width_multiple(cp: int) -> int:
@@ -132,30 +131,11 @@ def attend_columns(query: Tensor, key: Tensor, value: Tensor, segs: Segments, co
                     pieces.append(q.new_zeros(1, heads, lo - done, q.shape[-1]))
                 qq = q[:, :, offset + lo - a:offset + hi - a]
                 args = (qq, k[:, :, ps:ps + p], k[:, :, s:hi], v[:, :, ps:ps + p], v[:, :, s:hi], scale, gqa)
-                if p and checkpoint_completions and torch.is_grad_enabled():
-                    pieces.append(checkpoint(_lower_right, *args, use_reentrant=False))
-                else:
-                    pieces.append(_lower_right(*args))
+                pieces.append(checkpointed_call(lower_right_attention, *args) if p and checkpoint_completions
+                              else lower_right_attention(*args))
                 done = hi
             if done < b:
                 pieces.append(q.new_zeros(1, heads, b - done, q.shape[-1]))
         rows.append(torch.cat(pieces, dim=2)[0].transpose(0, 1))  # [n, H, D]
     return torch.stack(rows, dim=1)
 
-
-def _lower_right(q: Tensor, k_prefix: Tensor, k: Tensor, v_prefix: Tensor, v: Tensor, scale: float | None,
-                 gqa: bool) -> Tensor:
-    """q [1, H, n, D] against keys [prefix ; k] (K of them, K >= n), causality aligned bottom-right: query i sees
-    keys 0 .. K - n + i."""
-    count = q.shape[2]
-    if k_prefix.shape[2]:
-        k, v = torch.cat((k_prefix, k), dim=2), torch.cat((v_prefix, v), dim=2)
-    keys = k.shape[2]
-    kk, vv, gqa = kernel_kv(q, k, v, gqa)
-    if q.is_cuda:  # native lower-right support in the flash / memory-efficient kernels there
-        from torch.nn.attention.bias import causal_lower_right
-
-        mask = causal_lower_right(count, keys)
-    else:
-        mask = torch.ones(count, keys, dtype=torch.bool, device=q.device).tril(keys - count)
-    return F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask, scale=scale, enable_gqa=gqa)

@@ -190,7 +190,8 @@ def _attend_rows(query: Tensor, key: Tensor, value: Tensor, segs: Segments, scal
             n = 1 + len(segs.completions[u])
             if windowed:
                 pieces += attend_windowed_unit(qs[first:first + n], ks[first:first + n], vs[first:first + n], scale,
-                                               gqa, window, sink, _recompute if checkpoint_completions else _call)
+                                               gqa, window, sink,
+                                               checkpointed_call if checkpoint_completions else _call)
             else:
                 pieces += _attend_unit(qs[first:first + n], ks[first:first + n], vs[first:first + n], scale, gqa,
                                        checkpoint_completions)
@@ -201,7 +202,7 @@ def _attend_rows(query: Tensor, key: Tensor, value: Tensor, segs: Segments, scal
     return torch.stack(rows, dim=1)
 
 
-def _recompute(fn, *args):
+def checkpointed_call(fn, *args):
     """fn(*args) under non-reentrant activation checkpointing where a backward will follow."""
     return checkpoint(fn, *args, use_reentrant=False) if torch.is_grad_enabled() else fn(*args)
 
@@ -221,28 +222,31 @@ def _attend_unit(qs, ks, vs, scale: float | None, gqa: bool, checkpoint_completi
     for j in range(1, len(qs)):
         if qs[j].shape[2] == 0:
             continue
-        args = (qs[j], ks[0], ks[j], vs[0], vs[j], scale, gqa)
-        if p and checkpoint_completions and torch.is_grad_enabled():  # keep no gathered K/V: recompute it
-            out.append(checkpoint(_segment, *args, use_reentrant=False))
-        else:
-            out.append(_segment(*args))
+        # with a prefix: keep no gathered K/V, recompute it
+        call = checkpointed_call if p and checkpoint_completions else _call
+        out.append(call(lower_right_attention, qs[j], ks[0], ks[j], vs[0], vs[j], scale, gqa))
     return out
 
 
-def _segment(q: Tensor, k_prefix: Tensor, k: Tensor, v_prefix: Tensor, v: Tensor, scale: float | None,
-             gqa: bool) -> Tensor:
-    """One completion's queries q [1, H, c, D] against keys and values [prefix ; completion] ([1, H, n, D] pieces),
-    the causality aligned bottom-right."""
-    count, prefix = q.shape[2], k_prefix.shape[2]
-    kk, vv, gqa = kernel_kv(q, torch.cat((k_prefix, k), dim=2), torch.cat((v_prefix, v), dim=2), gqa)
+def lower_right_attention(q: Tensor, k_prefix: Tensor, k: Tensor, v_prefix: Tensor, v: Tensor,
+                          scale: float | None, gqa: bool) -> Tensor:
+    """Queries q [1, H, n, D] against keys and values [prefix ; k] ([1, H, ., D] pieces, K keys in all, K >= n),
+    the causality aligned bottom-right: query i sees keys 0 .. K - n + i. A completion against [prefix ;
+    itself] (K - n = the prefix); under CP a run of held columns against its segment up to the run's end
+    (attention/context_split.py)."""
+    count = q.shape[2]
+    if k_prefix.shape[2]:
+        k, v = torch.cat((k_prefix, k), dim=2), torch.cat((v_prefix, v), dim=2)
+    keys = k.shape[2]
+    kk, vv, gqa = kernel_kv(q, k, v, gqa)
     if q.is_cuda:  # the lower-right variant has native flash / memory-efficient kernels there
         # imported here: torch.nn.attention.bias pulls in torch._dynamo, seconds of import a CPU rank never needs
         # (compat/megatron_import.py keeps it out)
         from torch.nn.attention.bias import causal_lower_right
 
-        mask = causal_lower_right(count, prefix + count)
-    else:  # what causal_lower_right materialises on CPU: query i sees keys 0..prefix + i
-        mask = torch.ones(count, prefix + count, dtype=torch.bool, device=q.device).tril(prefix)
+        mask = causal_lower_right(count, keys)
+    else:  # what causal_lower_right materialises on CPU: query i sees keys 0 .. K - n + i
+        mask = torch.ones(count, keys, dtype=torch.bool, device=q.device).tril(keys - count)
     return F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask, scale=scale, enable_gqa=gqa)
 
 
@@ -268,19 +272,23 @@ def kernel_kv(q: Tensor, k: Tensor, v: Tensor, gqa: bool) -> tuple[Tensor, Tenso
     return k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1), False
 
 
-def unsupported(config) -> str | None:
+def unsupported(config, cp: int | None = None) -> str | None:
     """Why a Megatron TransformerConfig's attention is not what attend_rows computes (None: it is). Windows are
     Megatron's `window_size` (left, 0) (a reach of left + 1 keys, windows.py) on the layers `window_attn_skip_freq`
-    picks; sinks its softmax_type 'learnable' (`softmax_offset`); neither under context parallelism (not built)."""
+    picks; sinks its softmax_type 'learnable' (`softmax_offset`); neither, nor multi-latent attention, under
+    context parallelism (not built). cp: the context-parallel size the layer runs at (the model reads it from the
+    process groups: context_parallel.layer_cp_size); None: the config's context_parallel_size."""
+    if cp is None:
+        cp = getattr(config, "context_parallel_size", 1)
     window = getattr(config, "window_size", None)
     if window is not None and (len(window) != 2 or window[1] != 0 or window[0] < 0):
         return f"window_size {tuple(window)!r} (only (left, 0): a causal window)"
     if getattr(config, "softmax_type", "vanilla") not in ("vanilla", "learnable"):
         return f"softmax_type {config.softmax_type!r} (only vanilla, or learnable: attention sinks)"
-    if getattr(config, "context_parallel_size", 1) != 1 and (
+    if cp != 1 and (
             window is not None or getattr(config, "softmax_type", "vanilla") != "vanilla"):
         return "context parallelism with sliding windows / attention sinks"
-    if getattr(config, "context_parallel_size", 1) != 1 and getattr(config, "multi_latent_attention", False):
+    if cp != 1 and getattr(config, "multi_latent_attention", False):
         return "context parallelism with multi-latent attention"
     if getattr(config, "attention_dropout", 0.0):
         return "attention dropout"

@@ -22,6 +22,7 @@ from gspo_ray.compat.megatron_import import megatron_core  # noqa: F401  (first:
 from megatron.core.transformer.module import MegatronModule  # noqa: E402  (after the guarded import)
 
 from gspo_ray.trainer.attention.segment_attention import Segments
+from gspo_ray.trainer.context_parallel import layer_cp_size
 from gspo_ray.trainer.gated_delta.by_segment import DeltaHeads
 from gspo_ray.trainer.gated_delta.layer import GatedDeltaNet
 
@@ -43,7 +44,7 @@ class GatedDeltaAttention(MegatronModule):
 
     def __init__(self, config, layer_number: int, heads: DeltaHeads, conv_kernel: int = 4, **unused):
         super().__init__(config=config)
-        why = refusal(config.tensor_model_parallel_size, config.context_parallel_size)
+        why = refusal(config.tensor_model_parallel_size, layer_cp_size(config))  # CP: the process groups'
         if why is not None:
             raise NotImplementedError(why)
         self.layer_number = layer_number
