@@ -82,10 +82,11 @@ def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
-def rope_parameters(cfg: dict) -> dict:
-    """The RoPE dict of a config (transformers 5: rope_parameters; 4.x: rope_scaling plus top-level rope_theta)."""
+def rope_parameters(cfg: dict, default_theta: float = 10000.0) -> dict:
+    """The RoPE dict of a config (transformers 5: rope_parameters; 4.x: rope_scaling plus top-level rope_theta;
+    `default_theta` where neither names rope_theta: the config class's own default)."""
     rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-    rope.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+    rope.setdefault("rope_theta", cfg.get("rope_theta", default_theta))
     return rope
 
 
