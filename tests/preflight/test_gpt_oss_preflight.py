@@ -3,6 +3,7 @@ GptOssConfig reads a config.json (the released checkpoints' `rope_scaling` besid
 neither key: GptOssConfig's YaRN factor 32, theta 150000), and what vLLM's gpt-oss cannot run stops in the
 preflight, one line naming the config.json key or the job field, exit 2 (`config validate`)."""
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -62,3 +63,30 @@ def test_a_rope_vllms_gpt_oss_cannot_run_stops_in_one_line(tmp_path, rope, expec
     assert result.exit_code == 2, result.output
     err = result.stderr.strip()
     assert err.startswith("error: ") and expected in err and len(err.splitlines()) == 1, err
+
+
+GPUS = ["rollout.num_gpus_per_worker=1", "trainer.num_gpus_per_worker=1"]
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    (GPUS, "rollout.weight_transfer nccl (auto resolves to nccl on CUDA) cannot push gpt_oss"),
+    (["rollout.num_gpus_per_worker=0.5", "trainer.num_gpus_per_worker=0.5", "coordinator.mode=sync",
+      "algorithm.eps=fixed"],
+     "rollout.weight_transfer ipc (auto resolves to ipc on CUDA) cannot push gpt_oss"),
+    (GPUS + ["rollout.weight_transfer=nccl"], "rollout.weight_transfer nccl cannot push gpt_oss"),
+    (["trainer.use_te=true"], "trainer.use_te true is not built for gpt_oss"),
+])
+def test_a_path_the_family_has_not_built_is_refused_by_the_preflight(overrides, expected):
+    """vLLM's nccl / ipc senders send the planned per-expert tensors, not gpt-oss's fused ones (what CUDA's auto
+    picks would fail at the first push); Transformer Engine's grouped experts have no name rule for their biases."""
+    from gspo_ray.config import load_config
+    from gspo_ray.preflight.job_model import check_tiny_config
+    from gspo_ray.preflight.model import PreflightError
+
+    recipe = Path(__file__).resolve().parents[2] / "gspo_ray" / "recipes" / "tiny_gpt_oss.yaml"
+    with pytest.raises(PreflightError) as err:
+        check_tiny_config(load_config(recipe, overrides), on_cpu=True)
+    assert expected in str(err.value) and "\n" not in str(err.value)
+    check_tiny_config(load_config(recipe, []), on_cpu=True)  # CPU's auto: the trainer's export, local layers
+    # trainer.use_te auto on CUDA resolves to true: gpt_oss builds the local spec, a family with TE names the TE one
+    assert not FAMILIES["gpt_oss"].builds_te_layers(True) and FAMILIES["qwen3_moe"].builds_te_layers(True)

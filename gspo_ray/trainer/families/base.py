@@ -146,6 +146,12 @@ class Family:
     router_has_expert_bias: bool = False       # its router selects on score + a per-expert bias (a buffer)
     multi_latent_attention: bool = False       # reads kv_lora_rank / q_lora_rank (attention/mla.py), others refuse
     lora_targets: tuple[str, ...] = DENSE_LORA_TARGETS
+    # its checkpoint fuses experts that the trainer holds apart (hf_tensors_out): only the trainer's HF export makes
+    # them, so vLLM's nccl / ipc senders, which send the planned per-expert tensors, are refused (the preflight)
+    fuses_experts_on_export: bool = False
+    # Transformer Engine's layer spec is built and mapped for it (trainer.use_te; auto falls back to the local spec
+    # where not, an explicit true is refused by the preflight)
+    te_spec: bool = True
     name_rules: tuple[tuple[str, tuple[str, ...], str, str], ...] = LLAMA_NAME_RULES   # Megatron <-> HF names
     # HF tensor names that differ from the Qwen-style names of weights.bridge's rules, applied in order to expert
     # and router names (dense names, attention, norms and embeddings, are the same in every family here)
@@ -153,6 +159,11 @@ class Family:
 
     def __repr__(self) -> str:
         return f"<family {self.model_type}>"
+
+    def builds_te_layers(self, use_te: bool) -> bool:
+        """Whether a model of this family is built with Transformer Engine's layers when trainer.use_te resolved to
+        `use_te` (auto on CUDA resolves to true; families without a mapped TE spec build the local one)."""
+        return use_te and self.te_spec
 
     # ---- the HF config keys read --------------------------------------------------------------------------------
     def num_experts(self, cfg: dict) -> int:

@@ -81,6 +81,10 @@ class GptOss(MoEFamily):
     # attention only: an expert's gate / up are interleaved columns of one fused HF tensor, where a PEFT adapter
     # of per-expert linears has no name (the preflight refuses gate_proj / up_proj / down_proj by name)
     lora_targets = ("q_proj", "k_proj", "v_proj", "o_proj")
+    fuses_experts_on_export = True  # gate_up_proj / down_proj [E, ...] (hf_tensors_out)
+    # TE's grouped-GEMM experts hold their biases as experts.linear_fc{1,2}.bias{j}: no name rule maps them, and
+    # compat/megatron_expert_fc2_bias.py hooks SequentialMLP's local_experts only
+    te_spec = False
 
     # ---- the HF config keys read --------------------------------------------------------------------------------
     def num_experts(self, cfg: dict) -> int:

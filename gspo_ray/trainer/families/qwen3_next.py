@@ -40,6 +40,7 @@ class Qwen3Next(MoEFamily):
     zero_centered_norms = True
     name_rules = QWEN3_NEXT_NAME_RULES
     lora_targets = ()  # q_proj holds [q | gate] per head: no adapter layout for it yet
+    te_spec = False  # hybrid_spec.py builds the local spec only
 
     def layer_types(self, cfg: dict) -> tuple[str, ...]:
         return hybrid_layer_types(cfg, "config.json")
