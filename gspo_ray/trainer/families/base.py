@@ -82,6 +82,24 @@ SHARED_EXPERT_NAME_RULES: tuple[tuple[str, tuple[str, ...], str, str], ...] = (
 )
 
 
+def partial_rotary(cfg: dict, default: float):
+    """config.json's `partial_rotary_factor` (the share of each head RoPE rotates): in rope_parameters /
+    rope_scaling (transformers 5), else at the top level, else the family's `default`; as written (unchecked)."""
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    return rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", default))
+
+
+def check_rotated_share(factor, head_dim: int, where: str) -> float:
+    """A partial_rotary_factor must rotate int(head_dim * factor) = a positive even number of dimensions (RoPE
+    rotates pairs), factor in (0, 1]; ValueError naming the key otherwise. Returns the factor."""
+    numeric = isinstance(factor, (int, float)) and not isinstance(factor, bool)
+    rotated = int(head_dim * factor) if numeric else 0
+    if not numeric or not 0 < factor <= 1 or rotated < 2 or rotated % 2:
+        raise ValueError(f"{where}: partial_rotary_factor {factor!r} rotates {rotated} of head_dim {head_dim} "
+                         "dimensions (must be a positive even number, factor in (0, 1])")
+    return float(factor)
+
+
 @dataclass(frozen=True)
 class Router:
     """How an MoE family routes a token: what Routing Replay records and replays, and the routing metrics compare.
@@ -241,8 +259,7 @@ class Family:
         if (cfg.get("attention_bias") and not self.reads_attention_bias) or cfg.get("mlp_bias"):
             # (qwen2's q/k/v biases are implied, not configured)
             raise ValueError(f"{where}: attention_bias/mlp_bias are not supported")
-        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+        partial = partial_rotary(cfg, 1.0)
         if partial not in (1, 1.0, None) and not self.reads_partial_rotary:
             raise ValueError(f"{where}: partial_rotary_factor {partial!r} is not supported by {self.model_type} "
                              "(only 1.0: RoPE over the whole head)")

@@ -11,8 +11,8 @@ parity is shown (families/hybrid.py).
 """
 from __future__ import annotations
 
-from gspo_ray.trainer.families.base import LAYER, LLAMA_NAME_RULES, MoEFamily
-from gspo_ray.trainer.families.hybrid import hybrid_layer_types
+from gspo_ray.trainer.families.base import LAYER, LLAMA_NAME_RULES, MoEFamily, partial_rotary
+from gspo_ray.trainer.families.hybrid import check_hybrid, hybrid_layer_types
 
 DELTA_TENSORS = ("in_proj_qkvz.weight", "in_proj_ba.weight", "conv1d.weight", "dt_bias", "A_log", "norm.weight",
                  "out_proj.weight")
@@ -46,17 +46,17 @@ class Qwen3Next(MoEFamily):
         return hybrid_layer_types(cfg, "config.json")
 
     def rotary_percent(self, cfg: dict) -> float:
-        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        return float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25)))
+        return float(partial_rotary(cfg, 0.25))
 
     def shared_expert_ffn_hidden_size(self, cfg: dict) -> int:
         return int(cfg.get("shared_expert_intermediate_size") or 0)
 
     def refuse_unsupported(self, cfg: dict, hf_dir) -> None:
-        # the base refuses layer_types and shared experts, which this family reads (checked by hybrid.py)
+        # the base refuses layer_types and shared experts, which this family reads; the layer pattern, the Gated
+        # DeltaNet sizes and partial_rotary_factor are checked as the preflight checks them (hybrid.check_hybrid)
         super().refuse_unsupported({k: v for k, v in cfg.items()
                                     if k not in ("layer_types", "shared_expert_intermediate_size")}, hf_dir)
-        hybrid_layer_types(cfg, f"{hf_dir}/config.json")
+        check_hybrid(cfg, f"{hf_dir}/config.json")
 
     def transformer_options(self, spec) -> dict:
         options = super().transformer_options(spec) | {"attention_output_gate": True}
