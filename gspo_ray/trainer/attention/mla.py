@@ -90,11 +90,17 @@ def rope_parameters(cfg: dict, default_theta: float = 10000.0) -> dict:
     return rope
 
 
+def require_yarn_keys(rope: dict, keys, where: str, source: str = "rope_parameters") -> None:
+    """ValueError naming the first of `keys` a YaRN dict lacks (None or 0; `source`: the config.json key it came
+    from)."""
+    for key in keys:
+        if not rope.get(key):
+            raise ValueError(f"{where}: {source}.rope_type 'yarn' without {source}.{key}")
+
+
 def _yarn_options(rope: dict, where: str) -> dict:
     """Megatron's YaRN keywords for a DeepSeek YaRN dict; refuses what would make the three sides differ."""
-    for key in ("factor", "original_max_position_embeddings"):
-        if rope.get(key) is None:
-            raise ValueError(f"{where}: rope_parameters.rope_type 'yarn' without rope_parameters.{key}")
+    require_yarn_keys(rope, ("factor", "original_max_position_embeddings"), where)
     factor = float(rope["factor"])
     if rope.get("truncate", True) is not True:
         raise ValueError(f"{where}: rope_parameters.truncate {rope['truncate']!r} is not supported (YaRN with "

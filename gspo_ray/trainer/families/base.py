@@ -316,6 +316,12 @@ class Family:
         return None
 
 
+def every_layer_routes_shape(config) -> tuple[int, int, int]:
+    """(MoE layers, top-k, experts) of an engine model that routes in every layer (vLLM's Mixtral and gpt-oss),
+    from transformers' config object."""
+    return config.num_hidden_layers, config.num_experts_per_tok, config.num_local_experts
+
+
 class MoEFamily(Family):
     """A family with routed experts: softmax router, plain top-k, renormalised when `norm_topk_prob`."""
 

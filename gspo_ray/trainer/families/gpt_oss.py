@@ -34,8 +34,8 @@ from __future__ import annotations
 
 import re
 
-from gspo_ray.trainer.attention.mla import rope_parameters
-from gspo_ray.trainer.families.base import LAYER, LLAMA_NAME_RULES, MoEFamily, Router
+from gspo_ray.trainer.attention.mla import require_yarn_keys, rope_parameters
+from gspo_ray.trainer.families.base import LAYER, LLAMA_NAME_RULES, MoEFamily, Router, every_layer_routes_shape
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 PER_EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|bias)")
@@ -46,6 +46,11 @@ DEFAULT_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_sl
                 "original_max_position_embeddings": 4096}
 DEFAULT_THETA = 150000.0
 YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow")  # vLLM 0.32's gpt-oss reads them
+
+
+def even_layers_windowed(num_layers: int) -> list[str]:
+    """transformers' default `layer_types` for gpt-oss, and the only pattern vLLM 0.32's gpt-oss runs."""
+    return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
 
 
 def gpt_oss_rope(cfg: dict) -> tuple[dict, str]:
@@ -87,12 +92,7 @@ class GptOss(MoEFamily):
     te_spec = False
 
     # ---- the HF config keys read --------------------------------------------------------------------------------
-    def num_experts(self, cfg: dict) -> int:
-        return int(cfg.get("num_local_experts") or 0)
-
-    def moe_layers(self, cfg: dict, num_layers: int) -> tuple[int, ...]:
-        return tuple(range(num_layers)) if self.num_experts(cfg) else ()
-
+    # num_experts / moe_layers: the base's (`num_local_experts`, every layer: gpt-oss has no decoder_sparse_step)
     def moe_ffn_hidden_size(self, cfg: dict) -> int:
         return int(cfg["intermediate_size"])
 
@@ -119,8 +119,7 @@ class GptOss(MoEFamily):
 
     def windowed_layers(self, cfg: dict) -> list[int]:
         """1 for each layer whose attention is windowed (`layer_types`; transformers' default: even layers)."""
-        types = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention"
-                                           for i in range(int(cfg["num_hidden_layers"]))]
+        types = cfg.get("layer_types") or even_layers_windowed(int(cfg["num_hidden_layers"]))
         return [int(t == "sliding_attention") for t in types]
 
     # ---- the HF config keys refused -----------------------------------------------------------------------------
@@ -134,9 +133,7 @@ class GptOss(MoEFamily):
                                  f"each of {', '.join(LAYER_TYPES)})")
         # vLLM 0.32's gpt-oss windows the even layers whatever layer_types says, and clamps at 7 whatever
         # swiglu_limit says (SwigluOAIAndMul's defaults): the engine would sample another model
-        alternation = ["sliding_attention" if i % 2 == 0 else "full_attention"
-                       for i in range(int(cfg["num_hidden_layers"]))]
-        if types is not None and list(types) != alternation:
+        if types is not None and list(types) != even_layers_windowed(int(cfg["num_hidden_layers"])):
             raise ValueError(f"{where}: layer_types {types!r} is not supported (vLLM's gpt-oss windows exactly the "
                              "even layers: sliding_attention, full_attention, ...)")
         if float(cfg.get("swiglu_limit", 7.0)) != 7.0:
@@ -164,9 +161,7 @@ class GptOss(MoEFamily):
             if rope.get(key) is not None:
                 raise ValueError(f"{where}: {source}.{key} {rope[key]!r} is not supported with gpt_oss "
                                  "(its YaRN attention factor is 0.1 ln(factor) + 1)")
-        for key in YARN_KEYS:
-            if not rope.get(key):
-                raise ValueError(f"{where}: {source}.rope_type 'yarn' without {source}.{key}")
+        require_yarn_keys(rope, YARN_KEYS, where, source)
         if rope.get("partial_rotary_factor", 1.0) != 1.0:
             raise ValueError(f"{where}: {source}.partial_rotary_factor {rope['partial_rotary_factor']!r} is not "
                              "supported with gpt_oss (vLLM's gpt-oss rotates whole heads)")
@@ -232,7 +227,7 @@ class GptOss(MoEFamily):
 
     # ---- the engine -----------------------------------------------------------------------------------------------
     def engine_routes_shape(self, config) -> tuple[int, int, int]:
-        return config.num_hidden_layers, config.num_experts_per_tok, config.num_local_experts
+        return every_layer_routes_shape(config)  # vLLM's gpt-oss routes in every layer
 
 
 FAMILY = GptOss()

@@ -11,8 +11,9 @@ parity is shown (families/hybrid.py).
 """
 from __future__ import annotations
 
-from gspo_ray.trainer.families.base import LAYER, LLAMA_NAME_RULES, MoEFamily, partial_rotary
+from gspo_ray.trainer.families.base import LAYER, LLAMA_NAME_RULES, partial_rotary
 from gspo_ray.trainer.families.hybrid import check_hybrid, hybrid_layer_types
+from gspo_ray.trainer.families.qwen3_moe import Qwen3MoE
 
 DELTA_TENSORS = ("in_proj_qkvz.weight", "in_proj_ba.weight", "conv1d.weight", "dt_bias", "A_log", "norm.weight",
                  "out_proj.weight")
@@ -32,10 +33,12 @@ QWEN3_NEXT_NAME_RULES = tuple(
 )
 
 
-class Qwen3Next(MoEFamily):
+class Qwen3Next(Qwen3MoE):
+    """Qwen3-MoE's router, QK-norm and MoE layers (`engine_routes_shape` as vLLM's Qwen3-Next reads them too), with
+    the hybrid layers and the gated shared expert."""
+
     model_type = "qwen3_next"
     engine_class = "Qwen3NextForCausalLM"
-    qk_norm = True
     reads_partial_rotary = True
     zero_centered_norms = True
     name_rules = QWEN3_NEXT_NAME_RULES
@@ -63,12 +66,6 @@ class Qwen3Next(MoEFamily):
         if spec.is_moe and spec.shared_expert_ffn_hidden_size:
             options["moe_shared_expert_gate"] = True
         return options
-
-    def engine_routes_shape(self, config) -> tuple[int, int, int]:
-        dense = set(getattr(config, "mlp_only_layers", None) or [])
-        layers = sum(i not in dense and config.num_experts > 0 and (i + 1) % config.decoder_sparse_step == 0
-                     for i in range(config.num_hidden_layers))
-        return layers, config.num_experts_per_tok, config.num_experts
 
 
 FAMILY = Qwen3Next()
