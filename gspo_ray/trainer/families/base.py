@@ -170,6 +170,8 @@ class Family:
     # Transformer Engine's layer spec is built and mapped for it (trainer.use_te; auto falls back to the local spec
     # where not, an explicit true is refused by the preflight)
     te_spec: bool = True
+    # what of its attention has no context-parallel form (trainer.cp > 1 refused by the preflight, naming it)
+    not_under_context_parallel: str = ""
     name_rules: tuple[tuple[str, tuple[str, ...], str, str], ...] = LLAMA_NAME_RULES   # Megatron <-> HF names
     # HF tensor names that differ from the Qwen-style names of weights.bridge's rules, applied in order to expert
     # and router names (dense names, attention, norms and embeddings, are the same in every family here)

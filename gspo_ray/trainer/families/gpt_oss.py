@@ -90,6 +90,8 @@ class GptOss(MoEFamily):
     # TE's grouped-GEMM experts hold their biases as experts.linear_fc{1,2}.bias{j}: no name rule maps them, and
     # compat/megatron_expert_fc2_bias.py hooks SequentialMLP's local_experts only
     te_spec = False
+    # attention/windows.py's windows and sinks have no column-split form (attention/context_split.py)
+    not_under_context_parallel = "sliding windows / attention sinks (config.json layer_types, sliding_window, sinks)"
 
     # ---- the HF config keys read --------------------------------------------------------------------------------
     # num_experts / moe_layers: the base's (`num_local_experts`, every layer: gpt-oss has no decoder_sparse_step)
