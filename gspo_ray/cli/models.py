@@ -16,7 +16,8 @@ models_app = typer.Typer(no_args_is_help=True, help="build local models")
 
 
 @models_app.command("make-tiny")
-def models_make_tiny(arch: str = typer.Option("qwen3_moe", help="qwen3_moe | qwen2 | glm4_moe | qwen3_next | deepseek_v3"),
+def models_make_tiny(arch: str = typer.Option("qwen3_moe", help="qwen3_moe | qwen2 | glm4_moe | qwen3_next | gpt_oss | "
+                                               "deepseek_v3"),
                      out: Path = typer.Option(..., help="output directory"),
                      seed: int = 0, hidden: int = 64, layers: int = 2, experts: int = 4, top_k: int = 2,
                      init_std: float = typer.Option(0.02, help="std of the random weights (0.3 gives peaked "

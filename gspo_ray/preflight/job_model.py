@@ -78,6 +78,7 @@ def check_trainer_layout(cfg: JobConfig, where, hf_config: dict) -> None:
     t = cfg.trainer
     check_converter_spec(where, hf_config, t.tp, t.ep)
     check_context_parallel(where, hf_config, t)
+    check_family_paths(cfg, where, hf_config)
     if t.pp == 1:
         return
     spec = spec_from_hf_config(hf_config, str(where), tp=t.tp, ep=t.ep)
@@ -91,6 +92,25 @@ def check_trainer_layout(cfg: JobConfig, where, hf_config: dict) -> None:
     if transfer in ("nccl", "ipc"):
         raise PreflightError(f"rollout.weight_transfer {transfer} cannot push from trainer.pp ({t.pp}) > 1 (its "
                              "sender gathers no pipeline stages): set rollout.weight_transfer: object_store")
+
+
+def check_family_paths(cfg: JobConfig, where, hf_config: dict) -> None:
+    """What the model's family has not built: vLLM's nccl / ipc senders for a checkpoint whose experts the export
+    fuses (gpt-oss; rollout.weight_transfer auto resolves to them on CUDA), and Transformer Engine's layers where
+    their names are not mapped (trainer.use_te true; auto builds the local spec for such a family)."""
+    from gspo_ray.rollout.weight_transfer import job_weight_transfer
+    from gspo_ray.trainer.families import family_of
+
+    family, model_type = family_of(hf_config.get("model_type")), hf_config.get("model_type")
+    transfer = job_weight_transfer(cfg)
+    if family.fuses_experts_on_export and transfer in ("nccl", "ipc"):
+        asked = "" if cfg.rollout.weight_transfer == transfer else f" (auto resolves to {transfer} on CUDA)"
+        raise PreflightError(f"{where}: rollout.weight_transfer {transfer}{asked} cannot push {model_type} (its "
+                             "checkpoint's fused experts are made by the trainer's export only): set "
+                             "rollout.weight_transfer: object_store")
+    if cfg.trainer.use_te is True and not family.te_spec:
+        raise PreflightError(f"{where}: trainer.use_te true is not built for {model_type} (Transformer Engine's "
+                             "layer names are not mapped for it); valid: auto (the local spec), false")
 
 
 def check_rollout_parallel(cfg: JobConfig, where, hf_config: dict) -> None:

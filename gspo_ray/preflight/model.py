@@ -109,9 +109,9 @@ def check_context_parallel(where: str | Path, cfg: dict, trainer) -> None:
     spec = spec_from_hf_config(cfg, str(where), tp=trainer.tp, ep=trainer.ep)
     if spec.extra.get("mla"):
         raise _fail(where, f"multi-latent attention is not built under context parallelism (trainer.cp={trainer.cp})")
-    if spec.arch == "gpt_oss":  # attention/windows.py's windows and sinks have no column-split form (context_split)
-        raise _fail(where, f"sliding windows / attention sinks (config.json layer_types, sliding_window, sinks) are "
-                           f"not built under context parallelism (trainer.cp={trainer.cp})")
+    unsplit = family_of(spec.arch).not_under_context_parallel
+    if unsplit:
+        raise _fail(where, f"{unsplit} are not built under context parallelism (trainer.cp={trainer.cp})")
     on = [f"trainer.{name}" for name, value in (("routing_drift", trainer.routing_drift),
                                                  ("router_churn_every", trainer.router_churn_every)) if value]
     if spec.is_moe and on:

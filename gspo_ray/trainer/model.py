@@ -206,6 +206,8 @@ def _layer_spec(spec: ModelSpec, grouped_gemm: bool, moe: bool, attention: str, 
     num_experts, family = spec.num_experts if moe else None, family_of(spec.arch)
     mla = bool(spec.extra.get("mla"))
     if spec.use_te:
+        if not family.te_spec:  # its TE names are not mapped (build_model builds the local spec instead)
+            raise NotImplementedError(f"{spec.arch} with the Transformer Engine spec (use_te)")
         if mla:  # TE's MLA spec names its fused linears otherwise; never mapped or run here
             raise NotImplementedError("multi-latent attention with the Transformer Engine spec (use_te)")
         layer = specs.get_gpt_layer_with_transformer_engine_spec(
@@ -336,6 +338,8 @@ def build_model(hf_dir: str, *, dtype: torch.dtype = torch.float32, sequence_par
 
     if not parallel_state.model_parallel_is_initialized():
         raise RuntimeError("build_model needs Megatron's parallel state: call parallel.init_distributed() first")
+    # trainer.use_te auto resolves to true on CUDA: a family without a mapped TE spec builds the local one
+    use_te = family_of(read_hf_config(hf_dir).get("model_type")).builds_te_layers(use_te)
     if use_te and te_missing():
         raise RuntimeError(f"trainer.use_te: true needs CUDA and transformer_engine: {te_missing()}")
     megatron_cpu.apply()

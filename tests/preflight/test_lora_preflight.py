@@ -185,6 +185,9 @@ def _deepseek_hf():
     ("glm4_moe", ["q_proj", "q_a_proj"], [], r"^trainer\.lora\.target_modules: 'q_a_proj' is not a linear of "
      r"glm4_moe models; valid: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj$"),
     ("qwen2", ["kv_b_proj"], [], r"'kv_b_proj' is not a linear of qwen2 models"),
+    # gpt-oss's experts are one fused tensor per projection (gate / up interleaved): attention only
+    ("gpt_oss", ["q_proj", "gate_proj"], [], r"^trainer\.lora\.target_modules: 'gate_proj' is not a linear of "
+     r"gpt_oss models; valid: q_proj, k_proj, v_proj, o_proj$"),
 ])
 def test_a_target_the_family_lacks_is_refused_by_name(tmp_path, arch, targets, extra, expected):
     hf = _deepseek_hf() if arch == "deepseek_v3" else _hf(arch)

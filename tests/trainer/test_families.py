@@ -76,6 +76,24 @@ def test_each_family_gives_megatron_its_maths_and_router():
     assert not FAMILIES["qwen3_moe"].transformer_options(renormalised)["moe_router_pre_softmax"]
 
 
+HYBRID = dict(model_type="qwen3_next", hidden_size=32, intermediate_size=64, num_hidden_layers=4, vocab_size=32,
+              layer_types=["linear_attention"] * 3 + ["full_attention"], num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, partial_rotary_factor=0.25, linear_num_key_heads=2,
+              linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4)
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"partial_rotary_factor": 0.1}, r"partial_rotary_factor 0.1 rotates 1 of head_dim 16"),
+    ({"linear_num_value_heads": 3}, r"linear_num_value_heads 3 is not a multiple of linear_num_key_heads 2"),
+    ({"linear_conv_kernel_dim": None}, r"linear_conv_kernel_dim is None; expected a positive integer"),
+])
+def test_the_trainers_qwen3_next_checks_the_keys_the_preflight_checks(change, message):
+    """The trainer's own path (spec_from_hf_config), not only the preflight's refusal, names a contradicting key."""
+    assert spec_from_hf_config(HYBRID, "m").rotary_percent == 0.25
+    with pytest.raises(ValueError, match=r"^m/config.json: " + message):
+        spec_from_hf_config(HYBRID | change, "m")
+
+
 def test_hf_names_are_the_familys():
     mixtral, qwen = FAMILIES["mixtral"], FAMILIES["qwen3_moe"]
     expert = "model.layers.1.mlp.experts.3.up_proj.weight"

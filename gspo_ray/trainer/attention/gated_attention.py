@@ -1,5 +1,5 @@
 """Qwen3-Next's gated softmax attention in Megatron's terms: the output gate's weight layout and the zero-centred
-RMSNorm. (The pieces the qwen3_next family will use; no family uses them yet: trainer/families/hybrid.py.)
+RMSNorm, as the qwen3_next family builds them (trainer/hybrid_spec.py; families/qwen3_next.py).
 
     fused = merge_gated_qkv(q_proj, k_proj, v_proj, heads, groups, head_dim)   # HF -> Megatron linear_qkv rows
     q_proj, k_proj, v_proj = split_gated_qkv(fused, heads, groups, head_dim)   # and back, exactly

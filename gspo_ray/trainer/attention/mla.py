@@ -82,18 +82,25 @@ def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
-def rope_parameters(cfg: dict) -> dict:
-    """The RoPE dict of a config (transformers 5: rope_parameters; 4.x: rope_scaling plus top-level rope_theta)."""
+def rope_parameters(cfg: dict, default_theta: float = 10000.0) -> dict:
+    """The RoPE dict of a config (transformers 5: rope_parameters; 4.x: rope_scaling plus top-level rope_theta;
+    `default_theta` where neither names rope_theta: the config class's own default)."""
     rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-    rope.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+    rope.setdefault("rope_theta", cfg.get("rope_theta", default_theta))
     return rope
+
+
+def require_yarn_keys(rope: dict, keys, where: str, source: str = "rope_parameters") -> None:
+    """ValueError naming the first of `keys` a YaRN dict lacks (None or 0; `source`: the config.json key it came
+    from)."""
+    for key in keys:
+        if not rope.get(key):
+            raise ValueError(f"{where}: {source}.rope_type 'yarn' without {source}.{key}")
 
 
 def _yarn_options(rope: dict, where: str) -> dict:
     """Megatron's YaRN keywords for a DeepSeek YaRN dict; refuses what would make the three sides differ."""
-    for key in ("factor", "original_max_position_embeddings"):
-        if rope.get(key) is None:
-            raise ValueError(f"{where}: rope_parameters.rope_type 'yarn' without rope_parameters.{key}")
+    require_yarn_keys(rope, ("factor", "original_max_position_embeddings"), where)
     factor = float(rope["factor"])
     if rope.get("truncate", True) is not True:
         raise ValueError(f"{where}: rope_parameters.truncate {rope['truncate']!r} is not supported (YaRN with "

@@ -21,6 +21,8 @@ import math
 
 import torch
 
+from gspo_ray.trainer.attention.mla import yarn_mscale
+
 
 def yarn_parameters(head_dim: int, rope: dict) -> tuple[torch.Tensor, float]:
     """(inv_freq [head_dim / 2] fp32, attention factor) of a YaRN `rope_parameters` dict (the module docstring)."""
@@ -42,5 +44,4 @@ def yarn_parameters(head_dim: int, rope: dict) -> tuple[torch.Tensor, float]:
     ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
     keep = 1 - ramp  # transformers' inv_freq_extrapolation_factor
     inv_freq = interpolated * (1 - keep) + extrapolated * keep
-    attention_factor = 1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0
-    return inv_freq, attention_factor
+    return inv_freq, yarn_mscale(factor)  # 0.1 ln s + 1 (s > 1; else 1)

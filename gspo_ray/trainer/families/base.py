@@ -82,6 +82,24 @@ SHARED_EXPERT_NAME_RULES: tuple[tuple[str, tuple[str, ...], str, str], ...] = (
 )
 
 
+def partial_rotary(cfg: dict, default: float):
+    """config.json's `partial_rotary_factor` (the share of each head RoPE rotates): in rope_parameters /
+    rope_scaling (transformers 5), else at the top level, else the family's `default`; as written (unchecked)."""
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    return rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", default))
+
+
+def check_rotated_share(factor, head_dim: int, where: str) -> float:
+    """A partial_rotary_factor must rotate int(head_dim * factor) = a positive even number of dimensions (RoPE
+    rotates pairs), factor in (0, 1]; ValueError naming the key otherwise. Returns the factor."""
+    numeric = isinstance(factor, (int, float)) and not isinstance(factor, bool)
+    rotated = int(head_dim * factor) if numeric else 0
+    if not numeric or not 0 < factor <= 1 or rotated < 2 or rotated % 2:
+        raise ValueError(f"{where}: partial_rotary_factor {factor!r} rotates {rotated} of head_dim {head_dim} "
+                         "dimensions (must be a positive even number, factor in (0, 1])")
+    return float(factor)
+
+
 @dataclass(frozen=True)
 class Router:
     """How an MoE family routes a token: what Routing Replay records and replays, and the routing metrics compare.
@@ -146,6 +164,14 @@ class Family:
     router_has_expert_bias: bool = False       # its router selects on score + a per-expert bias (a buffer)
     multi_latent_attention: bool = False       # reads kv_lora_rank / q_lora_rank (attention/mla.py), others refuse
     lora_targets: tuple[str, ...] = DENSE_LORA_TARGETS
+    # its checkpoint fuses experts that the trainer holds apart (hf_tensors_out): only the trainer's HF export makes
+    # them, so vLLM's nccl / ipc senders, which send the planned per-expert tensors, are refused (the preflight)
+    fuses_experts_on_export: bool = False
+    # Transformer Engine's layer spec is built and mapped for it (trainer.use_te; auto falls back to the local spec
+    # where not, an explicit true is refused by the preflight)
+    te_spec: bool = True
+    # what of its attention has no context-parallel form (trainer.cp > 1 refused by the preflight, naming it)
+    not_under_context_parallel: str = ""
     name_rules: tuple[tuple[str, tuple[str, ...], str, str], ...] = LLAMA_NAME_RULES   # Megatron <-> HF names
     # HF tensor names that differ from the Qwen-style names of weights.bridge's rules, applied in order to expert
     # and router names (dense names, attention, norms and embeddings, are the same in every family here)
@@ -153,6 +179,11 @@ class Family:
 
     def __repr__(self) -> str:
         return f"<family {self.model_type}>"
+
+    def builds_te_layers(self, use_te: bool) -> bool:
+        """Whether a model of this family is built with Transformer Engine's layers when trainer.use_te resolved to
+        `use_te` (auto on CUDA resolves to true; families without a mapped TE spec build the local one)."""
+        return use_te and self.te_spec
 
     # ---- the HF config keys read --------------------------------------------------------------------------------
     def num_experts(self, cfg: dict) -> int:
@@ -230,8 +261,7 @@ class Family:
         if (cfg.get("attention_bias") and not self.reads_attention_bias) or cfg.get("mlp_bias"):
             # (qwen2's q/k/v biases are implied, not configured)
             raise ValueError(f"{where}: attention_bias/mlp_bias are not supported")
-        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+        partial = partial_rotary(cfg, 1.0)
         if partial not in (1, 1.0, None) and not self.reads_partial_rotary:
             raise ValueError(f"{where}: partial_rotary_factor {partial!r} is not supported by {self.model_type} "
                              "(only 1.0: RoPE over the whole head)")
@@ -286,6 +316,12 @@ class Family:
         """(MoE layers, top-k, experts) of the routes a vLLM engine returns, from transformers' config object of
         this model as vLLM's model code reads it; None for a dense family."""
         return None
+
+
+def every_layer_routes_shape(config) -> tuple[int, int, int]:
+    """(MoE layers, top-k, experts) of an engine model that routes in every layer (vLLM's Mixtral and gpt-oss),
+    from transformers' config object."""
+    return config.num_hidden_layers, config.num_experts_per_tok, config.num_local_experts
 
 
 class MoEFamily(Family):

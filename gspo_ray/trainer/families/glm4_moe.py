@@ -15,6 +15,7 @@ checkpoint keeps them.
 """
 from __future__ import annotations
 
+from gspo_ray.trainer.families.base import check_rotated_share, partial_rotary
 from gspo_ray.trainer.families.deepseek_moe import DeepSeekMoEFamily
 
 
@@ -28,18 +29,12 @@ class Glm4Moe(DeepSeekMoEFamily):
         return bool(cfg.get("use_qk_norm", False))
 
     def rotary_percent(self, cfg: dict) -> float:
-        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        return float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.5)))
+        return float(partial_rotary(cfg, 0.5))
 
     def refuse_unsupported(self, cfg: dict, hf_dir) -> None:
         super().refuse_unsupported(cfg, hf_dir)
-        where = f"{hf_dir}/config.json"
-        factor = self.rotary_percent(cfg)
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-        rotated = int(head_dim * factor)
-        if not 0 < factor <= 1 or rotated < 2 or rotated % 2:
-            raise ValueError(f"{where}: partial_rotary_factor {factor!r} rotates {rotated} of head_dim {head_dim} "
-                             "dimensions (must be a positive even number, factor in (0, 1])")
+        check_rotated_share(partial_rotary(cfg, 0.5), head_dim, f"{hf_dir}/config.json")
 
 
 FAMILY = Glm4Moe()

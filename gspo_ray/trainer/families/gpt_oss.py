@@ -19,23 +19,49 @@ What it is, and how Megatron states it (no module of our own was needed: megatro
   is Megatron's gated MLP with activation quick_gelu (x * sigmoid(1.702 x): alpha must be 1.702, refused otherwise),
   `activation_func_clamp_value` L (`swiglu_limit`) and `glu_linear_offset` 1; fc2 = glu W_d^T + b_d, its bias
   weighted by the routing weight as HF does (Megatron adds an expert's fc2 bias times the token's probability).
-- RMSNorm, untied embeddings; default RoPE or YaRN (attention/yarn_rope.py).
+- RMSNorm, untied embeddings; YaRN RoPE (attention/yarn_rope.py), read as transformers' GptOssConfig reads it
+  (`gpt_oss_rope`): `rope_parameters`, or the released checkpoints' `rope_scaling` with a top-level `rope_theta`, or
+  with neither key GptOssConfig's defaults (YaRN factor 32 over 4096 positions, `truncate: false`, theta 150000).
 Refused by name: a `layer_types` entry other than sliding_attention / full_attention, or any pattern but the
 even layers windowed, and a `swiglu_limit` other than 7 (vLLM 0.32's gpt-oss reads neither key: it windows the
-even layers and clamps at 7; the trainer computes any); a `swiglu_alpha` other than 1.702; RoPE other than default or YaRN (attention/yarn_rope.py: the released checkpoints' YaRN, factor 32,
-`truncate: false`), YaRN's `attention_factor` / `mscale` / `mscale_all_dim` (vLLM's gpt-oss reads none);
-`quantization_config` (the released checkpoints' MXFP4 experts: not dequantised here yet); context parallelism with
-its windows / sinks (preflight).
+even layers and clamps at 7; the trainer computes any); a `swiglu_alpha` other than 1.702; RoPE other than YaRN
+(vLLM 0.32's gpt-oss builds YaRN whatever `rope_type` says), a YaRN without factor / original_max_position_embeddings
+/ beta_fast / beta_slow (vLLM reads all four), YaRN's `attention_factor` / `mscale` / `mscale_all_dim` (vLLM's
+gpt-oss reads none of them); `quantization_config` (the released checkpoints' MXFP4 experts: dequantise them first,
+`gspo-ray models dequantize-mxfp4`); context parallelism with its windows / sinks (preflight).
 """
 from __future__ import annotations
 
 import re
 
-from gspo_ray.trainer.families.base import LAYER, LLAMA_NAME_RULES, MoEFamily, Router
+from gspo_ray.trainer.attention.mla import require_yarn_keys, rope_parameters
+from gspo_ray.trainer.families.base import LAYER, LLAMA_NAME_RULES, MoEFamily, Router, every_layer_routes_shape
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 PER_EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|bias)")
 QUICK_GELU_ALPHA = 1.702  # megatron.core.activations.quick_gelu: x * sigmoid(1.702 x)
+# transformers 5.19's GptOssConfig where config.json names neither rope_parameters nor rope_scaling (the released
+# checkpoints' YaRN), and its rope_theta where no key names one (`default_theta`)
+DEFAULT_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                "original_max_position_embeddings": 4096}
+DEFAULT_THETA = 150000.0
+YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow")  # vLLM 0.32's gpt-oss reads them
+
+
+def even_layers_windowed(num_layers: int) -> list[str]:
+    """transformers' default `layer_types` for gpt-oss, and the only pattern vLLM 0.32's gpt-oss runs."""
+    return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
+
+
+def gpt_oss_rope(cfg: dict) -> tuple[dict, str]:
+    """(the RoPE dict, the config.json key it came from) as transformers' GptOssConfig reads a config.json:
+    rope_parameters (transformers 5), else rope_scaling (the released checkpoints' key, rope_theta at the top
+    level), else DEFAULT_ROPE; rope_theta from the dict, else the top level, else 150000; rope_type from `type`
+    (4.x) else "default"."""
+    key = "rope_parameters" if cfg.get("rope_parameters") else "rope_scaling" if cfg.get("rope_scaling") else None
+    rope = rope_parameters(cfg if key else {**cfg, "rope_parameters": DEFAULT_ROPE}, DEFAULT_THETA)
+    rope.setdefault("rope_type", rope.get("type", "default"))
+    return rope, key or "rope_parameters"
 
 # gpt-oss's additions to the Llama-like names: o_proj's bias, the sinks, the router's bias and the experts' biases
 # (per-expert names, served from the fused HF tensors by weights/bridge.HFCheckpoint)
@@ -60,14 +86,15 @@ class GptOss(MoEFamily):
     # attention only: an expert's gate / up are interleaved columns of one fused HF tensor, where a PEFT adapter
     # of per-expert linears has no name (the preflight refuses gate_proj / up_proj / down_proj by name)
     lora_targets = ("q_proj", "k_proj", "v_proj", "o_proj")
+    fuses_experts_on_export = True  # gate_up_proj / down_proj [E, ...] (hf_tensors_out)
+    # TE's grouped-GEMM experts hold their biases as experts.linear_fc{1,2}.bias{j}: no name rule maps them, and
+    # compat/megatron_expert_fc2_bias.py hooks SequentialMLP's local_experts only
+    te_spec = False
+    # attention/windows.py's windows and sinks have no column-split form (attention/context_split.py)
+    not_under_context_parallel = "sliding windows / attention sinks (config.json layer_types, sliding_window, sinks)"
 
     # ---- the HF config keys read --------------------------------------------------------------------------------
-    def num_experts(self, cfg: dict) -> int:
-        return int(cfg.get("num_local_experts") or 0)
-
-    def moe_layers(self, cfg: dict, num_layers: int) -> tuple[int, ...]:
-        return tuple(range(num_layers)) if self.num_experts(cfg) else ()
-
+    # num_experts / moe_layers: the base's (`num_local_experts`, every layer: gpt-oss has no decoder_sparse_step)
     def moe_ffn_hidden_size(self, cfg: dict) -> int:
         return int(cfg["intermediate_size"])
 
@@ -81,23 +108,20 @@ class GptOss(MoEFamily):
         return False  # read per layer below (layer_types), not refused
 
     def rope_theta(self, cfg: dict) -> float:
-        """The RoPE base: default RoPE or YaRN (what gpt-oss ships; `rotary_override` states it)."""
-        return float((cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta", 10000.0)))
+        """The RoPE base of gpt-oss's YaRN (`gpt_oss_rope`; `rotary_override` states the rest)."""
+        return float(gpt_oss_rope(cfg)[0]["rope_theta"])
 
     def rotary_override(self, spec):
-        """(inv_freq, attention factor) of YaRN (attention/yarn_rope.py), None for default RoPE: the built model's
-        rotary embedding takes the frequencies and its softmax scale the factor squared (model.build_model)."""
-        rope = spec.hf_config.get("rope_parameters") or {}
-        if rope.get("rope_type", "default") != "yarn":
-            return None
+        """(inv_freq, attention factor) of YaRN (attention/yarn_rope.py; the only RoPE vLLM's gpt-oss builds,
+        others refused): the built model's rotary embedding takes the frequencies and its softmax scale the factor
+        squared (model.build_model)."""
         from gspo_ray.trainer.attention.yarn_rope import yarn_parameters
 
-        return yarn_parameters(spec.head_dim, rope)
+        return yarn_parameters(spec.head_dim, gpt_oss_rope(spec.hf_config)[0])
 
     def windowed_layers(self, cfg: dict) -> list[int]:
         """1 for each layer whose attention is windowed (`layer_types`; transformers' default: even layers)."""
-        types = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention"
-                                           for i in range(int(cfg["num_hidden_layers"]))]
+        types = cfg.get("layer_types") or even_layers_windowed(int(cfg["num_hidden_layers"]))
         return [int(t == "sliding_attention") for t in types]
 
     # ---- the HF config keys refused -----------------------------------------------------------------------------
@@ -111,9 +135,7 @@ class GptOss(MoEFamily):
                                  f"each of {', '.join(LAYER_TYPES)})")
         # vLLM 0.32's gpt-oss windows the even layers whatever layer_types says, and clamps at 7 whatever
         # swiglu_limit says (SwigluOAIAndMul's defaults): the engine would sample another model
-        alternation = ["sliding_attention" if i % 2 == 0 else "full_attention"
-                       for i in range(int(cfg["num_hidden_layers"]))]
-        if types is not None and list(types) != alternation:
+        if types is not None and list(types) != even_layers_windowed(int(cfg["num_hidden_layers"])):
             raise ValueError(f"{where}: layer_types {types!r} is not supported (vLLM's gpt-oss windows exactly the "
                              "even layers: sliding_attention, full_attention, ...)")
         if float(cfg.get("swiglu_limit", 7.0)) != 7.0:
@@ -133,18 +155,18 @@ class GptOss(MoEFamily):
                              "(MXFP4 experts: dequantise the checkpoint first, gspo-ray models dequantize-mxfp4)")
         if cfg.get("attention_dropout"):
             raise ValueError(f"{where}: attention_dropout {cfg['attention_dropout']!r} is not supported (only 0)")
-        rope = dict(cfg.get("rope_parameters") or {})
-        kind = rope.get("rope_type", "default")
-        if kind not in ("default", "yarn"):
-            raise ValueError(f"{where}: rope_parameters.rope_type {kind!r} is not supported (default or yarn)")
-        if kind == "yarn":
-            for key in ("factor", "original_max_position_embeddings"):
-                if not rope.get(key):
-                    raise ValueError(f"{where}: rope_parameters.rope_type 'yarn' without rope_parameters.{key}")
-            for key in ("attention_factor", "mscale", "mscale_all_dim"):  # vLLM's gpt-oss reads none of them
-                if rope.get(key) is not None:
-                    raise ValueError(f"{where}: rope_parameters.{key} {rope[key]!r} is not supported with gpt_oss "
-                                     "(its YaRN attention factor is 0.1 ln(factor) + 1)")
+        rope, source = gpt_oss_rope(cfg)
+        if rope["rope_type"] != "yarn":  # vLLM's gpt-oss builds YaRN from factor / beta_* whatever rope_type says
+            raise ValueError(f"{where}: {source}.rope_type {rope['rope_type']!r} is not supported with gpt_oss "
+                             "(only yarn: vLLM's gpt-oss always runs YaRN)")
+        for key in ("attention_factor", "mscale", "mscale_all_dim"):  # vLLM's gpt-oss reads none of them
+            if rope.get(key) is not None:
+                raise ValueError(f"{where}: {source}.{key} {rope[key]!r} is not supported with gpt_oss "
+                                 "(its YaRN attention factor is 0.1 ln(factor) + 1)")
+        require_yarn_keys(rope, YARN_KEYS, where, source)
+        if rope.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError(f"{where}: {source}.partial_rotary_factor {rope['partial_rotary_factor']!r} is not "
+                             "supported with gpt_oss (vLLM's gpt-oss rotates whole heads)")
         # the base refusals less the per-layer attention keys and the YaRN read above
         super().refuse_unsupported({k: v for k, v in cfg.items()
                                     if k not in ("layer_types", "attention_bias", "rope_parameters", "rope_scaling")},
@@ -207,7 +229,7 @@ class GptOss(MoEFamily):
 
     # ---- the engine -----------------------------------------------------------------------------------------------
     def engine_routes_shape(self, config) -> tuple[int, int, int]:
-        return config.num_hidden_layers, config.num_experts_per_tok, config.num_local_experts
+        return every_layer_routes_shape(config)  # vLLM's gpt-oss routes in every layer
 
 
 FAMILY = GptOss()

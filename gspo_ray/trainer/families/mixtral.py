@@ -2,7 +2,7 @@
 of the dense width `intermediate_size`); softmax router, top-k always renormalised (Mixtral has no `norm_topk_prob`
 key). Its checkpoints name the MoE block `block_sparse_moe` and the experts' projections w1 (gate), w3 (up),
 w2 (down). Its config's `sliding_window` turns sliding-window attention on by itself (no `use_sliding_window`)."""
-from gspo_ray.trainer.families.base import MoEFamily
+from gspo_ray.trainer.families.base import MoEFamily, every_layer_routes_shape
 
 
 class Mixtral(MoEFamily):
@@ -19,8 +19,7 @@ class Mixtral(MoEFamily):
         return bool(cfg.get("use_sliding_window") or cfg.get("sliding_window"))
 
     def engine_routes_shape(self, config) -> tuple[int, int, int]:
-        """vLLM's Mixtral routes in every layer."""
-        return config.num_hidden_layers, config.num_experts_per_tok, config.num_local_experts
+        return every_layer_routes_shape(config)  # vLLM's Mixtral routes in every layer
 
 
 FAMILY = Mixtral()

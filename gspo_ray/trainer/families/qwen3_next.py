@@ -11,8 +11,9 @@ parity is shown (families/hybrid.py).
 """
 from __future__ import annotations
 
-from gspo_ray.trainer.families.base import LAYER, LLAMA_NAME_RULES, MoEFamily
-from gspo_ray.trainer.families.hybrid import hybrid_layer_types
+from gspo_ray.trainer.families.base import LAYER, LLAMA_NAME_RULES, partial_rotary
+from gspo_ray.trainer.families.hybrid import check_hybrid, hybrid_layer_types
+from gspo_ray.trainer.families.qwen3_moe import Qwen3MoE
 
 DELTA_TENSORS = ("in_proj_qkvz.weight", "in_proj_ba.weight", "conv1d.weight", "dt_bias", "A_log", "norm.weight",
                  "out_proj.weight")
@@ -32,42 +33,39 @@ QWEN3_NEXT_NAME_RULES = tuple(
 )
 
 
-class Qwen3Next(MoEFamily):
+class Qwen3Next(Qwen3MoE):
+    """Qwen3-MoE's router, QK-norm and MoE layers (`engine_routes_shape` as vLLM's Qwen3-Next reads them too), with
+    the hybrid layers and the gated shared expert."""
+
     model_type = "qwen3_next"
     engine_class = "Qwen3NextForCausalLM"
-    qk_norm = True
     reads_partial_rotary = True
     zero_centered_norms = True
     name_rules = QWEN3_NEXT_NAME_RULES
     lora_targets = ()  # q_proj holds [q | gate] per head: no adapter layout for it yet
+    te_spec = False  # hybrid_spec.py builds the local spec only
 
     def layer_types(self, cfg: dict) -> tuple[str, ...]:
         return hybrid_layer_types(cfg, "config.json")
 
     def rotary_percent(self, cfg: dict) -> float:
-        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        return float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25)))
+        return float(partial_rotary(cfg, 0.25))
 
     def shared_expert_ffn_hidden_size(self, cfg: dict) -> int:
         return int(cfg.get("shared_expert_intermediate_size") or 0)
 
     def refuse_unsupported(self, cfg: dict, hf_dir) -> None:
-        # the base refuses layer_types and shared experts, which this family reads (checked by hybrid.py)
+        # the base refuses layer_types and shared experts, which this family reads; the layer pattern, the Gated
+        # DeltaNet sizes and partial_rotary_factor are checked as the preflight checks them (hybrid.check_hybrid)
         super().refuse_unsupported({k: v for k, v in cfg.items()
                                     if k not in ("layer_types", "shared_expert_intermediate_size")}, hf_dir)
-        hybrid_layer_types(cfg, f"{hf_dir}/config.json")
+        check_hybrid(cfg, f"{hf_dir}/config.json")
 
     def transformer_options(self, spec) -> dict:
         options = super().transformer_options(spec) | {"attention_output_gate": True}
         if spec.is_moe and spec.shared_expert_ffn_hidden_size:
             options["moe_shared_expert_gate"] = True
         return options
-
-    def engine_routes_shape(self, config) -> tuple[int, int, int]:
-        dense = set(getattr(config, "mlp_only_layers", None) or [])
-        layers = sum(i not in dense and config.num_experts > 0 and (i + 1) % config.decoder_sparse_step == 0
-                     for i in range(config.num_hidden_layers))
-        return layers, config.num_experts_per_tok, config.num_experts
 
 
 FAMILY = Qwen3Next()

@@ -40,6 +40,7 @@ from torch import Tensor
 from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
+from gspo_ray.trainer.families import family_of
 from gspo_ray.trainer.lora.peft_io import MergedView
 from gspo_ray.trainer.push_guard import PushGate, send_bounded
 from gspo_ray.trainer.model_spec import ModelSpec
@@ -67,9 +68,9 @@ class MegatronWeightSource(WeightSource):
         else:
             self._params = dict(named_weights(model) if hasattr(model, "named_parameters") else model.items())
             meta = [(n, tuple(t.shape), t.dtype) for n, t in self._params.items()]
-        if spec.arch == "gpt_oss":  # its fused expert tensors are made by export_hf_weights, not planned per bucket
-            raise NotImplementedError("gpt_oss pushes through vLLM's nccl / ipc weight transfer (fused experts) are "
-                                      "not built; its pushes go through export_hf_weights")
+        if family_of(spec.arch).fuses_experts_on_export:  # made by export_hf_weights, not planned per bucket
+            raise NotImplementedError(f"{spec.arch} pushes through vLLM's nccl / ipc weight transfer (fused "
+                                      "experts) are not built; its pushes go through export_hf_weights")
         self.spec = spec
         self.plan: list[WeightBucket] = plan_buckets(meta, spec, bucket_bytes)
         if (spec.tp > 1 and tp_group is None) or (spec.ep > 1 and ep_group is None):
