@@ -31,15 +31,15 @@ it cannot be stopped and is abandoned (daemon thread).
 Partial rollouts (`resident=True`, rollout.partial): `run(..., budget=k)` is one round. Each episode gets at most k
 new model tokens in it; a turn that reaches the budget is cut there (its env step waits until the turn ends in a
 later round), and unfinished episodes come back as finish_reason "aborted" samples (their record so far;
-reward_info["turn_open"] says whether the last turn was cut) while the episode (its env object in the env host,
-its ids) stays here. `run(carried=samples, budget=...)` continues them, usually under newer weights: new tokens are
+reward_info["turn_open"] says whether the last turn was cut) while the episode (its env object in the env host, its
+ids) stays here. `run(carried=samples, budget=...)` continues them, usually under newer weights: new tokens are
 stamped with the version that sampled them and keep the engine's log-prob under it. A carried episode this runner
-does not hold (its worker died, the job resumed from a checkpoint) or holds with another record (the job went
-back to a checkpoint) is rebuilt from its record (`episode_replay.py`): a fresh env is reset with the same seed
-and stepped with the recorded actions, the recorded tokens, log-probs and versions kept, no engine work. Envs must
-be deterministic given (prompt, seed, actions) for that (`replayable = True` on the class, checked by the
-preflight); an env whose replayed observation or reward differs from the record makes the episode start again
-from its first turn (reward_info["env_replay_diverged"] = 1).
+does not hold (its worker died, the job resumed from a checkpoint), holds with another record (the job went back to
+a checkpoint) or holds in an env process that is gone (killed, crashed) is rebuilt from its record
+(`episode_replay.py`): a fresh env is reset with the same seed and stepped with the recorded actions, the recorded
+tokens, log-probs and versions kept, no engine work. Envs must be deterministic given (prompt, seed, actions) for
+that (`replayable = True` on the class, checked by the preflight); an env whose replayed observation or reward
+differs from the record makes the episode start again from its first turn (reward_info["env_replay_diverged"] = 1).
 """
 from __future__ import annotations
 
@@ -131,6 +131,7 @@ class Episode:
         """Back to before its reset (an episode started again from its first turn)."""
         for name in ("ids", "logprobs", "mask", "versions", "token_rewards", "turn_starts"):
             getattr(self, name).clear()
+        self.info.clear()  # the replayed steps' info is not this episode's any more
         self.turns = self.env_tokens = 0
         self.open_turn = False
 
@@ -238,6 +239,16 @@ class EpisodeRunner:
         carried = list(carried or [])
         carried_uids = {s.prompt_uid for s in carried}
         by_uid = {p.uid: p for p in prompts}
+        keep: dict[tuple[str, int], Episode] = {}  # carried episodes held here, same record, env still alive
+        for s in carried:  # every check before any held episode leaves self.live (an error loses none of them)
+            if s.finish_reason != FINISH_ABORTED:
+                continue
+            held = self.live.get((s.prompt_uid, s.sample_index))
+            if held is not None and same_record(held, s) and host.alive(held.eid):
+                keep[(s.prompt_uid, s.sample_index)] = held
+            elif s.prompt_uid not in by_uid:
+                raise ValueError(f"carried episode {s.prompt_uid}/{s.sample_index} is not held here and its "
+                                 "prompt was not given")
         new = [Episode(p, j, host.new_episode_id()) for p in prompts if p.uid not in carried_uids for j in range(n)]
         order: list[Episode | Sample] = list(new)
         rebuilt: list[tuple[Episode, Sample]] = []
@@ -245,14 +256,12 @@ class EpisodeRunner:
             if s.finish_reason != FINISH_ABORTED:
                 order.append(s)  # a finished member of a carried group: back as it is
                 continue
-            e = self.live.pop((s.prompt_uid, s.sample_index), None)
-            if e is not None and not same_record(e, s):  # a rewound job: the carried record is the one to train
-                host.release(e.eid)
+            key = (s.prompt_uid, s.sample_index)
+            e = self.live.pop(key, None)
+            if e is not None and keep.get(key) is not e:  # a rewound job (the carried record is the one to
+                host.release(e.eid)  # train), or its env's process is gone (killed, crashed): rebuilt
                 e = None
-            if e is None:
-                if s.prompt_uid not in by_uid:
-                    raise ValueError(f"carried episode {s.prompt_uid}/{s.sample_index} is not held here and its "
-                                     "prompt was not given")
+            if e is None:  # its prompt is in by_uid (checked above)
                 e = Episode(by_uid[s.prompt_uid], s.sample_index, host.new_episode_id())
                 rebuilt.append((e, s))
             order.append(e)
@@ -342,6 +351,8 @@ class EpisodeRunner:
         turns, opened = recorded_turns(s)
         diverged = e.finish is None and (e.ids != s.completion_ids[:len(e.ids)] or (
             bool(turns) and turns[0].start != len(e.ids)))
+        if not diverged and e.finish is None:  # the first observation answered no action of this round: it keeps
+            e.versions = list(s.versions[:len(e.ids)])  # the record's versions, so the rebuilt record is the record
         for k, t in enumerate(turns):
             if diverged or e.finish is not None:
                 break

@@ -12,9 +12,11 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import shutil
+import signal
 import threading
 import time
 
@@ -493,3 +495,80 @@ def test_multi_turn_partial_episodes_span_weight_pushes_and_replay(setup, tmp_pa
     assert [(s.prompt_uid, s.sample_index) for s in out] == [(s.prompt_uid, s.sample_index) for s in first]
     assert all(s.finish_reason != "aborted" and s.completion_ids[:len(f.completion_ids)] == f.completion_ids
                for s, f in zip(out, first))
+
+
+class _OpeningGuess(GuessNumberEnv):
+    """The guessing game whose reset says ":" (a first observation in tokens, stamped with the round's version)."""
+
+    replayable = True
+
+    def reset(self, prompt, seed):
+        super().reset(prompt, seed)
+        return encode_text(self.tokenizer, ":")
+
+
+def _record(s: Sample) -> tuple:
+    return (s.prompt_uid, s.sample_index, s.completion_ids, s.versions, s.logprobs, s.loss_mask, s.token_rewards,
+            s.turn_starts, s.finish_reason)
+
+
+def test_resident_episodes_survive_a_killed_env_process_and_bad_carried_input(setup):
+    """Envs in one child process. A carried batch naming an episode nobody holds (and no prompt for it) is refused
+    before any held episode is taken out. Then the child is killed between rounds: the held episodes, whose envs
+    died with it, are rebuilt by replay in a fresh child (their records, versions of the first observation
+    included, unchanged under the newer version) and run to their end without an env error."""
+    worker, _, tok, _ = setup
+    prompts = build_guess_prompts(tok, 2, seed=13)
+    runner = EpisodeRunner(worker.engine, _OpeningGuess, tok, resident=True, max_turns=3, max_tokens_per_turn=3,
+                           max_total_tokens=24, isolation="process", num_procs=1)
+    stopped = threading.Event()
+    stopped.set()  # a round that replays its carried episodes and samples nothing
+    try:
+        r0 = runner.run(prompts, 2, SamplingSettings(temperature=1.0), version=0, seed=3, budget=2)
+        held = [s for s in r0 if s.finish_reason == "aborted"]
+        assert held and len(runner.live) == len(held) and all(s.versions[0] == 0 for s in held)
+        stranger = dataclasses.replace(held[0], prompt_uid="nowhere")
+        with pytest.raises(ValueError, match="nowhere/.* is not held here and its prompt was not given"):
+            runner.run([], 2, SamplingSettings(), version=1, carried=r0 + [stranger])
+        assert len(runner.live) == len(held), "a refused carried batch lost held episodes"
+        pid = runner.host.pids[0]
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while any(runner.host.alive(e.eid) for e in runner.live.values()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        again = runner.run(prompts, 2, SamplingSettings(temperature=1.0), version=5, seed=3, budget=2,
+                           carried=r0, stop_event=stopped)
+        assert runner.metrics["rollout/env_replayed_episodes"] == len(held)
+        assert [_record(s) for s in again] == [_record(s) for s in r0], "the rebuilt records are not the records"
+        assert pid not in runner.host.pids and len(runner.live) == len(held)
+        done = runner.run(prompts, 2, SamplingSettings(temperature=1.0), version=5, seed=3, carried=again)
+    finally:
+        runner.close()
+    assert all(s.finish_reason in ("stop", "length") and s.failed is None for s in done)
+    assert all(s.completion_ids[:len(r.completion_ids)] == r.completion_ids for s, r in zip(done, r0))
+
+
+def test_diverged_replay_keeps_no_info_from_the_replayed_steps(setup):
+    """An env that answers otherwise on replay starts its episode again: before its new first turn it carries
+    only the replay's own keys, not the info of the steps it replayed (GuessNumberEnv says "guesses", "valid")."""
+    worker, _, tok, _ = setup
+    prompts = build_guess_prompts(tok, 2, seed=11)
+    limits = dict(max_turns=4, max_tokens_per_turn=3, max_total_tokens=24, isolation="thread")
+    first = EpisodeRunner(worker.engine, _DriftingGuess, tok, resident=True, **limits)
+    second = EpisodeRunner(worker.engine, _DriftingGuess, tok, resident=True, **limits)
+    stopped = threading.Event()
+    stopped.set()
+    try:
+        d0 = first.run(prompts, 2, SamplingSettings(temperature=1.0), version=1, seed=3, budget=3)
+        _DriftingGuess.drift[0] = True
+        d1 = second.run(prompts, 2, SamplingSettings(temperature=1.0), version=2, seed=3, carried=d0,
+                        stop_event=stopped)
+    finally:
+        _DriftingGuess.drift[0] = False
+        first.close()
+        second.close()
+    restarted = [s for s in d1 if s.reward_info.get("env_replay_diverged") == 1.0]
+    assert restarted, "no episode had a step to replay (every first turn was cut by the round)"
+    for s in restarted:
+        assert s.num_tokens == 0 and s.reward_info["turns"] == 0
+        assert "guesses" not in s.reward_info and "valid" not in s.reward_info, s.reward_info
