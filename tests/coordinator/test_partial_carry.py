@@ -1,6 +1,7 @@
 """Partial-rollout bookkeeping on hand-built samples: the carry, the buffer's staleness rule, checkpoints, config."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -149,3 +150,15 @@ def test_prompts_in_flight_and_waiting_groups_survive_a_checkpoint(tmp_path):
     orig = {(x.prompt_uid, x.sample_index): x.routes for g in (half, kept, waiting) for x in g.samples}
     for s in back:
         np.testing.assert_array_equal(unpack_routes(s.routes), unpack_routes(orig[s.prompt_uid, s.sample_index]))
+
+
+def test_carried_episodes_go_to_the_worker_of_their_unfinished_members():
+    """A group rebuilt on worker 2 after worker 0 died: its finished member still names worker 0, its unfinished
+    ones name worker 2, which holds them now."""
+    from gspo_ray.coordinator.rollout_pool import episode_owners
+
+    rebuilt = [dataclasses.replace(_sample("g", 0, [0], "aborted"), worker_id=2),
+               dataclasses.replace(_sample("g", 1, [0], "stop", reward=1.0), worker_id=0)]
+    finished = [dataclasses.replace(_sample("h", 0, [0], "stop", reward=0.0), worker_id=1)]
+    assert episode_owners(rebuilt) == {"g": 2} and episode_owners(rebuilt[::-1]) == {"g": 2}
+    assert episode_owners(finished) == {}  # no unfinished member: any worker returns it as it is
