@@ -550,7 +550,7 @@ def test_resident_episodes_survive_a_killed_env_process_and_bad_carried_input(se
 
 def test_diverged_replay_keeps_no_info_from_the_replayed_steps(setup):
     """An env that answers otherwise on replay starts its episode again: before its new first turn it carries
-    only the replay's own keys, not the info of the steps it replayed (GuessNumberEnv says "guesses", "valid")."""
+    only the replay's own keys, not the info of the steps it replayed (GuessNumberEnv's "env/guesses", "env/valid")."""
     worker, _, tok, _ = setup
     prompts = build_guess_prompts(tok, 2, seed=11)
     limits = dict(max_turns=4, max_tokens_per_turn=3, max_total_tokens=24, isolation="thread")
@@ -571,4 +571,4 @@ def test_diverged_replay_keeps_no_info_from_the_replayed_steps(setup):
     assert restarted, "no episode had a step to replay (every first turn was cut by the round)"
     for s in restarted:
         assert s.num_tokens == 0 and s.reward_info["turns"] == 0
-        assert "guesses" not in s.reward_info and "valid" not in s.reward_info, s.reward_info
+        assert not [k for k in s.reward_info if k.startswith("env/")], s.reward_info
