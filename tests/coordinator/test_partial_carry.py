@@ -98,14 +98,21 @@ def test_open_groups_round_trip_through_json():
     assert group_from_dict(group_to_dict(g.prompt, g.samples)) == (g.prompt, g.samples)
 
 
-@pytest.mark.parametrize("override,field", [
-    ("rollout.partial.segment_tokens=16", "segment_tokens (16) must be below rollout.max_new_tokens (16)"),
-    ("rollout.partial.max_segments=1", "rollout.partial.max_segments"),
+GUESS = "rollout.multi_turn.env=gspo_ray.envs.guess:GuessNumberEnv"
+
+
+@pytest.mark.parametrize("overrides,field", [
+    (["rollout.partial.segment_tokens=16"], "segment_tokens (16) must be below rollout.max_new_tokens (16)"),
+    (["rollout.partial.max_segments=1"], "rollout.partial.max_segments"),
+    ([GUESS, "rollout.multi_turn.max_total_tokens=4"],  # native episodes: their own limit, not max_new_tokens
+     "segment_tokens (4) must be below rollout.multi_turn.max_total_tokens (4)"),
 ])
-def test_config_refuses_partial_rollouts_that_cannot_work(override, field):
+def test_config_refuses_partial_rollouts_that_cannot_work(overrides, field):
     with pytest.raises(ConfigError, match=field.replace("(", r"\(").replace(")", r"\)")):
-        load_config(None, ["rollout.partial.segment_tokens=4", override])
+        load_config(None, ["rollout.partial.segment_tokens=4", *overrides])
     assert load_config(None, ["rollout.partial.segment_tokens=4"]).rollout.partial.max_segments == 4
+    # multi-turn episodes are cut by segment_tokens whatever rollout.max_new_tokens (16) is: only their limit counts
+    assert load_config(None, ["rollout.partial.segment_tokens=16", GUESS]).rollout.multi_turn.max_total_tokens == 64
 
 
 def test_prompts_in_flight_and_waiting_groups_survive_a_checkpoint(tmp_path):
