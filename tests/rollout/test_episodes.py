@@ -19,6 +19,7 @@ import shutil
 import signal
 import threading
 import time
+import zlib
 
 import pytest
 import torch
@@ -30,7 +31,7 @@ from gspo_ray.envs.calculator import CalculatorEnv
 from gspo_ray.envs.guess import GuessNumberEnv, build_guess_prompts
 from gspo_ray.envs.multiturn import StepResult, decode_action, encode_text
 from gspo_ray.models.tiny import make_tiny_model
-from gspo_ray.rollout.engine import SamplingSettings
+from gspo_ray.rollout.engine import SamplingSettings, mix_seed
 from gspo_ray.algo.advantages import compute_ragged_token_advantages
 from gspo_ray.rollout.episodes import EpisodeRunner
 from gspo_ray.rollout.partial import apply_stale_policy, filter_stale, group_ready
@@ -395,13 +396,14 @@ class _DriftingGuess(GuessNumberEnv):
         return StepResult(other, r.reward, False, r.info) if _DriftingGuess.drift[0] else r
 
 
-def _replay_env_transcript(s: Sample, prompt: Prompt, tok) -> None:
-    """A fresh env stepped with the episode's recorded actions says exactly the recorded observations and
-    rewards (the env side of the record is intact, whatever versions its actions span)."""
+def _replay_env_transcript(s: Sample, prompt: Prompt, tok, seed: int) -> None:
+    """A fresh env, reset with the runner's env seed for the episode (`mix_seed(seed, crc32(uid))`) and stepped
+    with the episode's recorded actions, says exactly the recorded observations and rewards (the env side of the
+    record is intact, whatever versions its actions span)."""
     from gspo_ray.rollout.episode_replay import recorded_turns
 
     env = GuessNumberEnv(tok)
-    assert env.reset(prompt, 0) == s.completion_ids[:s.turn_starts[0]]
+    assert env.reset(prompt, mix_seed(seed, zlib.crc32(prompt.uid.encode()))) == s.completion_ids[:s.turn_starts[0]]
     turns, _ = recorded_turns(s)
     for t in turns:
         action = s.completion_ids[t.start:t.end]
@@ -433,6 +435,7 @@ def test_multi_turn_partial_episodes_span_weight_pushes_and_replay(setup, tmp_pa
     live = EpisodeRunner(worker.engine, GuessNumberEnv, tok, resident=True, **limits)
     rebuilt = EpisodeRunner(worker.engine, GuessNumberEnv, tok, resident=True, **limits)
     drifting = EpisodeRunner(worker.engine, _DriftingGuess, tok, resident=True, **limits)
+    replaying = EpisodeRunner(worker.engine, _DriftingGuess, tok, resident=True, **limits)
     try:
         r0 = live.run(prompts, 2, sampling, version=0, seed=3, budget=2)
         assert sum(s.finish_reason == "aborted" for s in r0) == 6 and len(live.live) == 6
@@ -447,12 +450,11 @@ def test_multi_turn_partial_episodes_span_weight_pushes_and_replay(setup, tmp_pa
         _DriftingGuess.drift[0] = False
         d0 = drifting.run(prompts[:2], 2, sampling, version=1, seed=3, budget=3)
         _DriftingGuess.drift[0] = True
-        d1 = EpisodeRunner(worker.engine, _DriftingGuess, tok, resident=True, **limits).run(
-            prompts[:2], 2, sampling, version=2, seed=3, carried=d0)
+        d1 = replaying.run(prompts[:2], 2, sampling, version=2, seed=3, carried=d0)
     finally:
         _DriftingGuess.drift[0] = False
         worker.update_weights(0, iter_buckets(original, bucket_mb=1))
-        for r in (live, rebuilt, drifting):
+        for r in (live, rebuilt, drifting, replaying):
             r.close()
     assert not live.live and all(s.finish_reason != "aborted" and s.failed is None for s in done)
     by_uid = {p.uid: p for p in prompts}
@@ -462,7 +464,7 @@ def test_multi_turn_partial_episodes_span_weight_pushes_and_replay(setup, tmp_pa
         assert (a.completion_ids, a.versions, a.loss_mask, a.token_rewards) == (
             s.completion_ids, s.versions, s.loss_mask, s.token_rewards)
         assert max(abs(x - y) for x, y in zip(a.logprobs, s.logprobs)) <= TOL
-        _replay_env_transcript(s, by_uid[s.prompt_uid], tok)
+        _replay_env_transcript(s, by_uid[s.prompt_uid], tok, seed=3)
         seq = [s.prompt_ids + s.completion_ids]
         refs = {v: hf_teacher_forced_logprobs(m, seq)[0][len(s.prompt_ids) - 1:] for v, m in models.items()}
         for t, (v, m) in enumerate(zip(s.versions, s.loss_mask)):
