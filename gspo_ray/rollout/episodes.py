@@ -54,7 +54,7 @@ from typing import Any
 from gspo_ray.data.prompts import load_tokenizer
 from gspo_ray.data.records import FINISH_ABORTED, Prompt, Sample
 from gspo_ray.envs.multiturn import (EnvError, check_env, check_observation, check_step_result, decode_action,
-                                     numeric_info)
+                                     is_replayable, numeric_info)
 from gspo_ray.rollout.engine import RolloutEngine, SamplingSettings, Segment, mix_seed
 from gspo_ray.rollout.env_hosts import EnvCall, EnvProcessError, error_name, make_env_host
 from gspo_ray.rollout.episode_replay import recorded_turns, same_record
@@ -172,6 +172,9 @@ class EpisodeRunner:
             raise ValueError("need max_turns, max_tokens_per_turn, max_total_tokens >= 1 and step_timeout_s > 0")
         self.engine = engine
         self.env_cls = check_env(env)
+        if resident and not is_replayable(self.env_cls):  # the preflight refuses such a job before Ray starts
+            raise ValueError(f"{self.env_cls.__name__} does not declare `replayable = True`: a resident runner "
+                             "rebuilds carried episodes it does not hold by replaying their envs")
         self.env_kwargs = dict(env_kwargs or {})
         if "tokenizer" in self.env_kwargs:
             raise ValueError("rollout.multi_turn.kwargs may not set 'tokenizer': the runner passes the model's")

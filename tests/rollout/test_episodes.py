@@ -574,3 +574,14 @@ def test_diverged_replay_keeps_no_info_from_the_replayed_steps(setup):
     for s in restarted:
         assert s.num_tokens == 0 and s.reward_info["turns"] == 0
         assert not [k for k in s.reward_info if k.startswith("env/")], s.reward_info
+
+
+def test_a_resident_runner_refuses_an_env_not_declared_replayable(setup):
+    worker, _, tok, _ = setup
+
+    class Unsure(GuessNumberEnv):
+        replayable = 1  # truthy, but not the declaration
+
+    with pytest.raises(ValueError, match="Unsure does not declare `replayable = True`"):
+        EpisodeRunner(worker.engine, Unsure, tok, resident=True)
+    EpisodeRunner(worker.engine, Unsure, tok).close()  # not resident: no replay, no declaration needed
