@@ -57,11 +57,11 @@ from gspo_ray.envs.multiturn import (EnvError, check_env, check_observation, che
                                      is_replayable, numeric_info)
 from gspo_ray.rollout.engine import RolloutEngine, SamplingSettings, Segment, mix_seed
 from gspo_ray.rollout.env_hosts import EnvCall, EnvProcessError, error_name, make_env_host
-from gspo_ray.rollout.episode_replay import recorded_turns, same_record
+from gspo_ray.rollout.episode_replay import recorded_turns
+from gspo_ray.rollout.resident import age_idle, holds_record
 
 FINISH_STOP, FINISH_LENGTH, FINISH_ENV_ERROR, FINISH_INTERRUPTED = "stop", "length", "env_error", "interrupted"
 INTERRUPTED_REASON = "interrupted mid-episode by a pause (multi-turn episodes are not resumed)"
-MAX_IDLE_RUNS = 32  # a resident episode no round asked for in this many runs is released (its group was dropped)
 
 
 @dataclass
@@ -247,7 +247,7 @@ class EpisodeRunner:
             if s.finish_reason != FINISH_ABORTED:
                 continue
             held = self.live.get((s.prompt_uid, s.sample_index))
-            if held is not None and same_record(held, s) and host.alive(held.eid):
+            if held is not None and holds_record(held.prompt.prompt_ids, held.ids, s) and host.alive(held.eid):
                 keep[(s.prompt_uid, s.sample_index)] = held
             elif s.prompt_uid not in by_uid:
                 raise ValueError(f"carried episode {s.prompt_uid}/{s.sample_index} is not held here and its "
@@ -274,7 +274,7 @@ class EpisodeRunner:
             for e, s in rebuilt:
                 self._replay(e, s, seed, version)
             for e in episodes:
-                e.round_tokens, e.idle_runs = 0, 0
+                e.round_tokens = 0
                 e.segments += 1
             self._play(episodes, run_id, sampling, version, seed, stop_event, budget)
         except BaseException:
@@ -292,7 +292,10 @@ class EpisodeRunner:
                 host.release(x.eid)
                 x.end(FINISH_LENGTH)  # still running: out of turns (a no-op for episodes that already ended)
             samples.append(x.to_sample(self.engine.worker_id))
-        self._evict_idle()
+        ran = {id(e) for e in episodes}
+        for e in age_idle(list(self.live.values()), lambda e: id(e) in ran):  # their group was dropped
+            self.host.release(e.eid)
+            del self.live[(e.prompt.uid, e.index)]
         self.metrics = self._metrics(samples, time.perf_counter() - start)
         self.metrics["rollout/env_open_episodes"] = float(sum(s.finish_reason == FINISH_ABORTED for s in samples))
         self.metrics["rollout/env_replayed_episodes"] = float(len(rebuilt))
@@ -316,15 +319,6 @@ class EpisodeRunner:
                         e.end(FINISH_INTERRUPTED, INTERRUPTED_REASON)
                 return  # resident: the round ends early, its open episodes continue later
             self._turn(live, f"ep{run_id}-t{turn}", sampling, version, seed, stop_event, budget)
-
-    def _evict_idle(self) -> None:
-        """Resident episodes no round asked for in MAX_IDLE_RUNS runs are released: their group was dropped (a
-        stale-policy drop, a rewound job), so no one will continue them."""
-        for key, e in list(self.live.items()):
-            e.idle_runs += 1
-            if e.idle_runs > MAX_IDLE_RUNS:
-                self.host.release(e.eid)
-                del self.live[key]
 
     # ---- the environment side ------------------------------------------------------------------------------
     def _reset_all(self, episodes: list[Episode], seed: int | None, version: int) -> None:
