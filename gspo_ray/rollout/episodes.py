@@ -61,7 +61,7 @@ from gspo_ray.rollout.episode_replay import recorded_turns
 from gspo_ray.rollout.resident import age_idle, holds_record
 
 FINISH_STOP, FINISH_LENGTH, FINISH_ENV_ERROR, FINISH_INTERRUPTED = "stop", "length", "env_error", "interrupted"
-INTERRUPTED_REASON = "interrupted mid-episode by a pause (multi-turn episodes are not resumed)"
+INTERRUPTED_REASON = "interrupted mid-episode by a pause (continued later only under rollout.partial)"
 
 
 @dataclass
