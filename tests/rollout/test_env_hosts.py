@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import time
 
 import pytest
@@ -84,6 +85,11 @@ def test_process_pool_keeps_state_and_kills_a_runaway(tok):
         assert pool.reset(again, _prompt("ok"), 0).wait(60)
         step = pool.step(again, [4], "x")
         assert step.wait(5) and step.value.reward == 11.0 and spin_child not in pool.pids
+        os.kill(int(step.value.info["pid"]), signal.SIGKILL)  # killed from outside: seen without any call to it
+        deadline = time.monotonic() + 10
+        while pool.alive(again) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not pool.alive(again), "an env in a killed process still counts as alive"
     finally:
         pool.close()
 
