@@ -212,6 +212,12 @@ def test_partial_rollouts_refuse_an_env_that_is_not_declared_replayable(tmp_path
     result, _ = invoke("config", "validate", job)
     assert_clean_user_error(result, "rollout.multi_turn.env:", "'pf_plugins:ListEnv' does not declare "
                             "`replayable = True`, which rollout.partial needs")
+    (tmp_path / "ok").mkdir()  # an env that declares it passes (the rows' references are its secrets)
+    job = write_job(tmp_path / "ok", {"rollout": {"multi_turn": {"env": "gspo_ray.envs.guess:GuessNumberEnv",
+                                                                 "kwargs": {"high": 9999}},
+                                                  "partial": {"segment_tokens": 2}}})
+    result, _ = invoke("config", "validate", job)
+    assert result.exit_code == 0, (result.output, result.exception)
 
 
 def test_env_reset_return_type_is_checked(tmp_path, plugins):

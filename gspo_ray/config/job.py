@@ -102,7 +102,12 @@ class JobConfig(Strict):
                 raise ValueError(f"rollout.partial.segment_tokens ({partial.segment_tokens}) must be below "
                                  f"rollout.agent.max_total_tokens ({agent.max_total_tokens}), else no agent episode "
                                  "is ever continued across rounds")
-            if agent is None and partial.segment_tokens >= self.rollout.max_new_tokens:
+            native = self.rollout.multi_turn  # EpisodeRunner: turn and episode limits, not rollout.max_new_tokens
+            if agent is None and native is not None and partial.segment_tokens >= native.max_total_tokens:
+                raise ValueError(f"rollout.partial.segment_tokens ({partial.segment_tokens}) must be below "
+                                 f"rollout.multi_turn.max_total_tokens ({native.max_total_tokens}), else no "
+                                 "multi-turn episode is ever continued across rounds")
+            if agent is None and native is None and partial.segment_tokens >= self.rollout.max_new_tokens:
                 raise ValueError(f"rollout.partial.segment_tokens ({partial.segment_tokens}) must be below "
                                  f"rollout.max_new_tokens ({self.rollout.max_new_tokens}), else no completion is "
                                  "ever cut")

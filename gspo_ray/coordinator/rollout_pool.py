@@ -33,7 +33,7 @@ import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayActorError
 
 from gspo_ray.coordinator.remote_errors import remote_error_block
-from gspo_ray.data.records import Group, Prompt, Sample
+from gspo_ray.data.records import FINISH_ABORTED, Group, Prompt, Sample
 
 log = logging.getLogger(__name__)
 WORKER_DEATH = (RayActorError, ActorDiedError, ActorUnavailableError)
@@ -129,11 +129,13 @@ class RolloutPool:
 
     def _owners(self, chunk: RolloutChunk) -> dict[int, RolloutChunk]:
         """Episodes (agent or native multi-turn episodes under partial rollouts) live in the worker that ran them:
-        a carried group goes back to the worker its samples name while it serves; a group whose worker is gone goes
-        to any worker, which starts its episodes again from their records (agents) or replays their envs. Empty for single-turn chunks (any worker continues them)."""
+        a carried group goes back to the worker its unfinished ("aborted") samples name while it serves; a group
+        whose worker is gone goes to any worker, which starts its episodes again from their records (agents) or
+        replays their envs. Finished members name the worker that ran them, which after a rebuild elsewhere no
+        longer holds the group. Empty for single-turn chunks (any worker continues them)."""
         if not self.multi_turn or chunk.carried is None:
             return {}
-        owner = {s.prompt_uid: s.worker_id for s in chunk.carried}
+        owner = episode_owners(chunk.carried)
         parts: dict[int, RolloutChunk] = {}
         for p in chunk.prompts:
             wid = owner.get(p.uid)
@@ -414,6 +416,13 @@ def rollout_metrics(samples: list[Sample], seconds: float, multi_turn: bool = Fa
     for key in sorted({k for s in samples for k in s.reward_info if not k.startswith("env/") and k != "turns"}):
         out[f"rollout/info/{key}"] = sum(float(s.reward_info.get(key, 0.0)) for s in samples)
     return out
+
+
+def episode_owners(carried: list[Sample]) -> dict[str, int | None]:
+    """prompt uid -> the worker holding its group's unfinished episodes: the worker_id of its "aborted" samples.
+    A finished member comes back unchanged (with the worker that finished it), so it says nothing about where the
+    group lives now (after a rebuild on another worker it names the old one)."""
+    return {s.prompt_uid: s.worker_id for s in carried if s.finish_reason == FINISH_ABORTED}
 
 
 def _without(chunk: RolloutChunk, uids: set[str]) -> RolloutChunk:

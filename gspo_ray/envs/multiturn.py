@@ -15,6 +15,10 @@ Protocol (duck-typed; `MultiTurnEnv` spells it out):
   (ending with EOS when the model stopped, else cut at the turn limit); `action_text` is their text up to the
   first EOS (special tokens kept, EOS left out). The observation is appended to the context as environment
   tokens; `reward` is this turn's reward; `done` ends the episode.
+- `replayable = True` (a class attribute, optional; `is_replayable`): the env declares that reset and step depend
+  only on (prompt, seed, actions). rollout.partial needs it: an episode carried to a worker that does not hold it
+  is rebuilt by a fresh env reset with the same seed and stepped with the recorded actions
+  (gspo_ray/rollout/episode_replay.py).
 
 Observations are token ids (used as they are) or text (encoded without special tokens; the text must decode back
 exactly, so the token transcript reads as the env wrote it). Whatever an env returns is checked here before it
@@ -50,11 +54,18 @@ class StepResult:
 
 @runtime_checkable
 class MultiTurnEnv(Protocol):
-    """The environment protocol (see the module docstring); implementations need not inherit from it."""
+    """The environment protocol (see the module docstring); implementations need not inherit from it. The optional
+    class attribute `replayable = True` is not listed as a member (a runtime-checkable protocol would then require
+    it, and issubclass refuses protocols with data members): `is_replayable` reads it."""
 
     def reset(self, prompt: Prompt, seed: int) -> Observation: ...
 
     def step(self, action_ids: list[int], action_text: str) -> StepResult: ...
+
+
+def is_replayable(env_cls: type) -> bool:
+    """Whether the env class declares `replayable = True` (exactly True: a truthy stand-in declares nothing)."""
+    return getattr(env_cls, "replayable", False) is True
 
 
 def encode_text(tokenizer: Any, text: str) -> list[int]:

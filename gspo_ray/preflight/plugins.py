@@ -31,7 +31,7 @@ def import_reward(cfg: JobConfig, import_timeout_s: float) -> Callable:
 
 
 def import_env(cfg: JobConfig, import_timeout_s: float) -> type | None:
-    from gspo_ray.envs.multiturn import check_env
+    from gspo_ray.envs.multiturn import check_env, is_replayable
 
     mt = cfg.rollout.multi_turn
     if mt is None:
@@ -40,7 +40,7 @@ def import_env(cfg: JobConfig, import_timeout_s: float) -> type | None:
         raise PreflightError("rollout.multi_turn.kwargs: may not set 'tokenizer'; the runner passes the model's")
     env_cls = call_with_timeout(lambda: check_env(mt.env, "rollout.multi_turn.env"), import_timeout_s,
                                 f"rollout.multi_turn.env: importing {mt.env!r}")
-    if cfg.rollout.partial is not None and getattr(env_cls, "replayable", False) is not True:
+    if cfg.rollout.partial is not None and not is_replayable(env_cls):
         raise PreflightError(f"rollout.multi_turn.env: {mt.env!r} does not declare `replayable = True`, which "
                              "rollout.partial needs: an episode carried to a worker that does not hold it is rebuilt "
                              "by replaying its env (reset with the same seed, then the recorded actions), so reset "

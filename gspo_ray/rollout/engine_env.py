@@ -4,14 +4,17 @@ one), its CPU cores, its environment variables (set only while vLLM starts), vLL
     mode = engine_mode(tensor_parallel_size)            # "in-process" | "multi-process"
     env = build_engine_env(run_dir, "0|1", on_cuda=False)
     with scoped_env(env): LLM(...)                      # restored afterwards
-    old = bind_cores({0})                               # an in-process engine pins its process
+    hold_process({0}); ...; release_process()         # an in-process engine pins its process, then gives it back
 """
 from __future__ import annotations
 
 import os
 import tempfile
+import threading
 from contextlib import contextmanager
 from pathlib import Path
+
+import torch
 
 
 def default_cache_root() -> Path:
@@ -122,6 +125,42 @@ def bind_cores(cores: set[int]) -> set[int]:
         except OSError:  # the thread exited meanwhile
             pass
     return previous
+
+
+_held = {"engines": 0, "affinity": None, "threads": None, "environ": None}  # see hold_process
+_held_lock = threading.Lock()
+
+
+def hold_process(cores: set[int] | None) -> None:
+    """An in-process engine starts here: pin the process to `cores` (None: leave it) with one torch thread per core.
+
+    The first holder saves the process's CPU affinity, torch thread count and os.environ (vLLM sets ~20 variables
+    on import and start: LD_PRELOAD, LOCAL_WORLD_SIZE, ...); `release_process` by the last holder puts them back.
+    Counted, because engines nest: a second engine's "before" is the first one's binding, so restoring per engine
+    would leave the process pinned when the first one ends first."""
+    with _held_lock:
+        if _held["engines"] == 0:
+            _held.update(affinity=os.sched_getaffinity(0), threads=torch.get_num_threads(), environ=dict(os.environ))
+        _held["engines"] += 1
+    if cores:
+        bind_cores(cores)
+        torch.set_num_threads(len(cores))
+
+
+def release_process() -> None:
+    """An engine ended (shut down, or failed to start): the last one gives the process back what the first saw."""
+    with _held_lock:
+        if _held["engines"] == 0:
+            return
+        _held["engines"] -= 1
+        if _held["engines"]:
+            return
+        saved = dict(_held)
+    bind_cores(saved["affinity"])
+    torch.set_num_threads(saved["threads"])
+    for key in set(os.environ) - set(saved["environ"]):
+        del os.environ[key]
+    os.environ.update(saved["environ"])
 
 
 def describe_engines(tensor_parallel_size: int, expert_parallel: bool, on_gpu: bool, transport: str = "shm") -> str:

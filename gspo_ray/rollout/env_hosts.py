@@ -6,15 +6,15 @@
     call = host.step(episode_id, action_ids, text)        # the same env object
     host.release(episode_id); host.close()
 
-isolation "process" (`EnvProcessPool`, the default): envs live in `num_procs` niced child processes of the
-rollout worker (`child_procs`), and a call past its timeout is killed with its child. Why: the worker runs its
-vLLM engine in-process, so an env call in a thread shares the engine's interpreter (GIL), and a runaway thread
-can never be stopped. Envs are stateful, so an episode's env stays in the child that built it (the one hosting
-fewest envs when the episode reset). The cost of a bounded pool: killing a child also loses the envs of the
-other episodes it hosts; they fail with "env process killed" (the one whose call overran fails with the
-timeout). More processes, fewer casualties; `num_procs` also caps how many env calls run at once (calls for one
-child run in order, and a call's clock starts when it reaches the head of its child's queue). The env class
-must be importable or picklable (cloudpickle), and what it returns picklable.
+isolation "process" (`EnvProcessPool`, the default): envs live in `num_procs` niced child processes of the rollout
+worker (`child_procs`), and a call past its timeout is killed with its child. Why: the worker runs its vLLM engine
+in-process, so an env call in a thread shares the engine's interpreter (GIL), and a runaway thread can never be
+stopped. Envs are stateful, so an episode's env stays in the child that built it (the living one hosting fewest envs
+when the episode reset; a dead one is replaced by a fresh one first). The cost of a bounded pool: killing a child
+also loses the envs of the other episodes it hosts; they fail with "env process killed" (the one whose call overran
+fails with the timeout). More processes, fewer casualties; `num_procs` also caps how many env calls run at once
+(calls for one child run in order, and a call's clock starts when it reaches the head of its child's queue). The env
+class must be importable or picklable (cloudpickle), and what it returns picklable.
 
 isolation "thread" (`EnvThreadHost`): envs live in the worker's process and each call runs on its own daemon
 thread; no start-up cost and any env works, but an overrunning call is only abandoned, never stopped.
@@ -129,6 +129,12 @@ class _Child:
         while self.queue:
             self.queue.popleft()._finish(error=EnvProcessError(reason))
 
+    @property
+    def alive(self) -> bool:
+        """Not known dead and its process still running (a process killed from outside may not have been noticed
+        by the reader thread yet)."""
+        return self.dead is None and self.popen.poll() is None
+
     def kill(self, reason: str) -> None:
         """Kill the process; every queued call and every hosted env fails with `reason` (caller holds the lock)."""
         self._fail_all(reason)
@@ -178,15 +184,21 @@ class EnvProcessPool:
         return [c.popen.pid for c in self._children]
 
     def reset(self, episode: int, prompt: Any, seed: int) -> EnvCall:
-        """Build the episode's env (`cls(tokenizer=..., **kwargs)`) in the least-loaded child and reset it."""
+        """Build the episode's env (`cls(tokenizer=..., **kwargs)`) in the least-loaded living child and reset it."""
         call = EnvCall(episode)
         with self._lock:
-            self._replace_dead()
+            self._replace_dead()  # every child is alive now (or was a moment ago)
             child = min(self._children, key=lambda c: len(c.episodes))
             child.episodes.add(episode)
             self._home[episode] = child
             child.submit(call, ("reset", episode, prompt, seed))
         return call
+
+    def alive(self, episode: int) -> bool:
+        """Whether the episode's env still exists (its child was not killed and did not exit)."""
+        with self._lock:
+            child = self._home.get(episode)
+            return child is not None and child.alive
 
     def step(self, episode: int, action_ids: list[int], text: str) -> EnvCall:
         call = EnvCall(episode)
@@ -219,9 +231,12 @@ class EnvProcessPool:
                         pass
 
     def _replace_dead(self) -> None:
-        """Start a fresh child in place of each dead one that hosts no live episode (caller holds the lock)."""
+        """Start a fresh child in place of each dead one (caller holds the lock). Episodes it hosted keep pointing
+        at the dead one, so their calls fail with EnvProcessError (their envs are lost) and no new episode lands
+        there."""
         for i, c in enumerate(self._children):
-            if c.dead is not None and not c.episodes:
+            if not c.alive:
+                c.dead = c.dead or f"env process exited (exit code {c.popen.poll()})"
                 if c.popen.poll() is None:
                     kill_child(c.popen, c.send)
                 self._children[i] = _Child(self)
@@ -266,6 +281,9 @@ class EnvThreadHost:
             return env.reset(prompt, seed)
 
         return self._run(episode, build_and_reset)
+
+    def alive(self, episode: int) -> bool:
+        return episode in self._envs
 
     def step(self, episode: int, action_ids: list[int], text: str) -> EnvCall:
         env = self._envs.get(episode)

@@ -1,7 +1,6 @@
 """A carried multi-turn episode's record, read back into its turns (to rebuild the episode by replaying its env).
 
     turns, open_turn = recorded_turns(sample)     # [RecordedTurn(start, end, next)], whether the last one was cut
-    if not same_record(episode, sample): ...       # the live episode is not the carried one (a rewound job)
 
 An unfinished episode's Sample ("aborted", gspo_ray/rollout/episodes.py) is its whole state bar the env object:
 the prompt, then the first observation, then per model turn its tokens (loss_mask 1, the engine's log-probs, the
@@ -40,9 +39,3 @@ def recorded_turns(sample: Any) -> tuple[list[RecordedTurn], bool]:
             end += 1
         turns.append(RecordedTurn(start, end, nxt))
     return turns, bool(sample.reward_info.get("turn_open", 0.0))
-
-
-def same_record(episode: Any, sample: Any) -> bool:
-    """Whether a live episode is the one the carried sample records (same prompt ids and tokens so far)."""
-    return (list(episode.prompt.prompt_ids) == list(sample.prompt_ids)
-            and episode.ids == list(sample.completion_ids))

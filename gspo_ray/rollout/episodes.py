@@ -31,15 +31,15 @@ it cannot be stopped and is abandoned (daemon thread).
 Partial rollouts (`resident=True`, rollout.partial): `run(..., budget=k)` is one round. Each episode gets at most k
 new model tokens in it; a turn that reaches the budget is cut there (its env step waits until the turn ends in a
 later round), and unfinished episodes come back as finish_reason "aborted" samples (their record so far;
-reward_info["turn_open"] says whether the last turn was cut) while the episode (its env object in the env host,
-its ids) stays here. `run(carried=samples, budget=...)` continues them, usually under newer weights: new tokens are
+reward_info["turn_open"] says whether the last turn was cut) while the episode (its env object in the env host, its
+ids) stays here. `run(carried=samples, budget=...)` continues them, usually under newer weights: new tokens are
 stamped with the version that sampled them and keep the engine's log-prob under it. A carried episode this runner
-does not hold (its worker died, the job resumed from a checkpoint) or holds with another record (the job went
-back to a checkpoint) is rebuilt from its record (`episode_replay.py`): a fresh env is reset with the same seed
-and stepped with the recorded actions, the recorded tokens, log-probs and versions kept, no engine work. Envs must
-be deterministic given (prompt, seed, actions) for that (`replayable = True` on the class, checked by the
-preflight); an env whose replayed observation or reward differs from the record makes the episode start again
-from its first turn (reward_info["env_replay_diverged"] = 1).
+does not hold (its worker died, the job resumed from a checkpoint), holds with another record (the job went back to
+a checkpoint) or holds in an env process that is gone (killed, crashed) is rebuilt from its record
+(`episode_replay.py`): a fresh env is reset with the same seed and stepped with the recorded actions, the recorded
+tokens, log-probs and versions kept, no engine work. Envs must be deterministic given (prompt, seed, actions) for
+that (`replayable = True` on the class, checked by the preflight); an env whose replayed observation or reward
+differs from the record makes the episode start again from its first turn (reward_info["env_replay_diverged"] = 1).
 """
 from __future__ import annotations
 
@@ -54,14 +54,14 @@ from typing import Any
 from gspo_ray.data.prompts import load_tokenizer
 from gspo_ray.data.records import FINISH_ABORTED, Prompt, Sample
 from gspo_ray.envs.multiturn import (EnvError, check_env, check_observation, check_step_result, decode_action,
-                                     numeric_info)
+                                     is_replayable, numeric_info)
 from gspo_ray.rollout.engine import RolloutEngine, SamplingSettings, Segment, mix_seed
 from gspo_ray.rollout.env_hosts import EnvCall, EnvProcessError, error_name, make_env_host
-from gspo_ray.rollout.episode_replay import recorded_turns, same_record
+from gspo_ray.rollout.episode_replay import recorded_turns
+from gspo_ray.rollout.resident import age_idle, holds_record
 
 FINISH_STOP, FINISH_LENGTH, FINISH_ENV_ERROR, FINISH_INTERRUPTED = "stop", "length", "env_error", "interrupted"
-INTERRUPTED_REASON = "interrupted mid-episode by a pause (multi-turn episodes are not resumed)"
-MAX_IDLE_RUNS = 32  # a resident episode no round asked for in this many runs is released (its group was dropped)
+INTERRUPTED_REASON = "interrupted mid-episode by a pause (continued later only under rollout.partial)"
 
 
 @dataclass
@@ -131,6 +131,7 @@ class Episode:
         """Back to before its reset (an episode started again from its first turn)."""
         for name in ("ids", "logprobs", "mask", "versions", "token_rewards", "turn_starts"):
             getattr(self, name).clear()
+        self.info.clear()  # the replayed steps' info is not this episode's any more
         self.turns = self.env_tokens = 0
         self.open_turn = False
 
@@ -171,6 +172,9 @@ class EpisodeRunner:
             raise ValueError("need max_turns, max_tokens_per_turn, max_total_tokens >= 1 and step_timeout_s > 0")
         self.engine = engine
         self.env_cls = check_env(env)
+        if resident and not is_replayable(self.env_cls):  # the preflight refuses such a job before Ray starts
+            raise ValueError(f"{self.env_cls.__name__} does not declare `replayable = True`: a resident runner "
+                             "rebuilds carried episodes it does not hold by replaying their envs")
         self.env_kwargs = dict(env_kwargs or {})
         if "tokenizer" in self.env_kwargs:
             raise ValueError("rollout.multi_turn.kwargs may not set 'tokenizer': the runner passes the model's")
@@ -238,6 +242,16 @@ class EpisodeRunner:
         carried = list(carried or [])
         carried_uids = {s.prompt_uid for s in carried}
         by_uid = {p.uid: p for p in prompts}
+        keep: dict[tuple[str, int], Episode] = {}  # carried episodes held here, same record, env still alive
+        for s in carried:  # every check before any held episode leaves self.live (an error loses none of them)
+            if s.finish_reason != FINISH_ABORTED:
+                continue
+            held = self.live.get((s.prompt_uid, s.sample_index))
+            if held is not None and holds_record(held.prompt.prompt_ids, held.ids, s) and host.alive(held.eid):
+                keep[(s.prompt_uid, s.sample_index)] = held
+            elif s.prompt_uid not in by_uid:
+                raise ValueError(f"carried episode {s.prompt_uid}/{s.sample_index} is not held here and its "
+                                 "prompt was not given")
         new = [Episode(p, j, host.new_episode_id()) for p in prompts if p.uid not in carried_uids for j in range(n)]
         order: list[Episode | Sample] = list(new)
         rebuilt: list[tuple[Episode, Sample]] = []
@@ -245,14 +259,12 @@ class EpisodeRunner:
             if s.finish_reason != FINISH_ABORTED:
                 order.append(s)  # a finished member of a carried group: back as it is
                 continue
-            e = self.live.pop((s.prompt_uid, s.sample_index), None)
-            if e is not None and not same_record(e, s):  # a rewound job: the carried record is the one to train
-                host.release(e.eid)
+            key = (s.prompt_uid, s.sample_index)
+            e = self.live.pop(key, None)
+            if e is not None and keep.get(key) is not e:  # a rewound job (the carried record is the one to
+                host.release(e.eid)  # train), or its env's process is gone (killed, crashed): rebuilt
                 e = None
-            if e is None:
-                if s.prompt_uid not in by_uid:
-                    raise ValueError(f"carried episode {s.prompt_uid}/{s.sample_index} is not held here and its "
-                                     "prompt was not given")
+            if e is None:  # its prompt is in by_uid (checked above)
                 e = Episode(by_uid[s.prompt_uid], s.sample_index, host.new_episode_id())
                 rebuilt.append((e, s))
             order.append(e)
@@ -262,7 +274,7 @@ class EpisodeRunner:
             for e, s in rebuilt:
                 self._replay(e, s, seed, version)
             for e in episodes:
-                e.round_tokens, e.idle_runs = 0, 0
+                e.round_tokens = 0
                 e.segments += 1
             self._play(episodes, run_id, sampling, version, seed, stop_event, budget)
         except BaseException:
@@ -280,7 +292,10 @@ class EpisodeRunner:
                 host.release(x.eid)
                 x.end(FINISH_LENGTH)  # still running: out of turns (a no-op for episodes that already ended)
             samples.append(x.to_sample(self.engine.worker_id))
-        self._evict_idle()
+        ran = {id(e) for e in episodes}
+        for e in age_idle(list(self.live.values()), lambda e: id(e) in ran):  # their group was dropped
+            self.host.release(e.eid)
+            del self.live[(e.prompt.uid, e.index)]
         self.metrics = self._metrics(samples, time.perf_counter() - start)
         self.metrics["rollout/env_open_episodes"] = float(sum(s.finish_reason == FINISH_ABORTED for s in samples))
         self.metrics["rollout/env_replayed_episodes"] = float(len(rebuilt))
@@ -304,15 +319,6 @@ class EpisodeRunner:
                         e.end(FINISH_INTERRUPTED, INTERRUPTED_REASON)
                 return  # resident: the round ends early, its open episodes continue later
             self._turn(live, f"ep{run_id}-t{turn}", sampling, version, seed, stop_event, budget)
-
-    def _evict_idle(self) -> None:
-        """Resident episodes no round asked for in MAX_IDLE_RUNS runs are released: their group was dropped (a
-        stale-policy drop, a rewound job), so no one will continue them."""
-        for key, e in list(self.live.items()):
-            e.idle_runs += 1
-            if e.idle_runs > MAX_IDLE_RUNS:
-                self.host.release(e.eid)
-                del self.live[key]
 
     # ---- the environment side ------------------------------------------------------------------------------
     def _reset_all(self, episodes: list[Episode], seed: int | None, version: int) -> None:
@@ -342,6 +348,8 @@ class EpisodeRunner:
         turns, opened = recorded_turns(s)
         diverged = e.finish is None and (e.ids != s.completion_ids[:len(e.ids)] or (
             bool(turns) and turns[0].start != len(e.ids)))
+        if not diverged and e.finish is None:  # the first observation answered no action of this round: it keeps
+            e.versions = list(s.versions[:len(e.ids)])  # the record's versions, so the rebuilt record is the record
         for k, t in enumerate(turns):
             if diverged or e.finish is not None:
                 break

@@ -224,7 +224,7 @@ class RolloutWorker:
             version = self._version if version is None else version
             samples = runner.run(prompts, n or self.cfg.group_size, sampling, version=version, seed=seed,
                                  stop_event=self._paused, budget=budget, carried=carried)
-        self._metrics = dict(runner.metrics)
+            self._metrics = dict(runner.metrics)  # under the lock: the resident runner is shared by concurrent calls
         return samples
 
     def _run_agent_episodes(self, prompts: list[Prompt], n: int, version: int | None, seed: int | None,
@@ -255,7 +255,7 @@ class RolloutWorker:
             version = self._version if version is None else version
             samples = runner.run(prompts, n, version=version, seed=seed, stop_event=self._paused, budget=budget,
                                  carried=carried)
-        self._metrics = dict(runner.metrics)
+            self._metrics = dict(runner.metrics)  # under the lock: the runner is shared by concurrent calls
         return samples
 
     def _env_host_for(self, spec: Any) -> Any:

@@ -1,6 +1,7 @@
 """Partial-rollout bookkeeping on hand-built samples: the carry, the buffer's staleness rule, checkpoints, config."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -97,14 +98,21 @@ def test_open_groups_round_trip_through_json():
     assert group_from_dict(group_to_dict(g.prompt, g.samples)) == (g.prompt, g.samples)
 
 
-@pytest.mark.parametrize("override,field", [
-    ("rollout.partial.segment_tokens=16", "segment_tokens (16) must be below rollout.max_new_tokens (16)"),
-    ("rollout.partial.max_segments=1", "rollout.partial.max_segments"),
+GUESS = "rollout.multi_turn.env=gspo_ray.envs.guess:GuessNumberEnv"
+
+
+@pytest.mark.parametrize("overrides,field", [
+    (["rollout.partial.segment_tokens=16"], "segment_tokens (16) must be below rollout.max_new_tokens (16)"),
+    (["rollout.partial.max_segments=1"], "rollout.partial.max_segments"),
+    ([GUESS, "rollout.multi_turn.max_total_tokens=4"],  # native episodes: their own limit, not max_new_tokens
+     "segment_tokens (4) must be below rollout.multi_turn.max_total_tokens (4)"),
 ])
-def test_config_refuses_partial_rollouts_that_cannot_work(override, field):
+def test_config_refuses_partial_rollouts_that_cannot_work(overrides, field):
     with pytest.raises(ConfigError, match=field.replace("(", r"\(").replace(")", r"\)")):
-        load_config(None, ["rollout.partial.segment_tokens=4", override])
+        load_config(None, ["rollout.partial.segment_tokens=4", *overrides])
     assert load_config(None, ["rollout.partial.segment_tokens=4"]).rollout.partial.max_segments == 4
+    # multi-turn episodes are cut by segment_tokens whatever rollout.max_new_tokens (16) is: only their limit counts
+    assert load_config(None, ["rollout.partial.segment_tokens=16", GUESS]).rollout.multi_turn.max_total_tokens == 64
 
 
 def test_prompts_in_flight_and_waiting_groups_survive_a_checkpoint(tmp_path):
@@ -149,3 +157,15 @@ def test_prompts_in_flight_and_waiting_groups_survive_a_checkpoint(tmp_path):
     orig = {(x.prompt_uid, x.sample_index): x.routes for g in (half, kept, waiting) for x in g.samples}
     for s in back:
         np.testing.assert_array_equal(unpack_routes(s.routes), unpack_routes(orig[s.prompt_uid, s.sample_index]))
+
+
+def test_carried_episodes_go_to_the_worker_of_their_unfinished_members():
+    """A group rebuilt on worker 2 after worker 0 died: its finished member still names worker 0, its unfinished
+    ones name worker 2, which holds them now."""
+    from gspo_ray.coordinator.rollout_pool import episode_owners
+
+    rebuilt = [dataclasses.replace(_sample("g", 0, [0], "aborted"), worker_id=2),
+               dataclasses.replace(_sample("g", 1, [0], "stop", reward=1.0), worker_id=0)]
+    finished = [dataclasses.replace(_sample("h", 0, [0], "stop", reward=0.0), worker_id=1)]
+    assert episode_owners(rebuilt) == {"g": 2} and episode_owners(rebuilt[::-1]) == {"g": 2}
+    assert episode_owners(finished) == {}  # no unfinished member: any worker returns it as it is

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import time
 
 import pytest
@@ -70,6 +71,13 @@ def test_process_pool_keeps_state_and_kills_a_runaway(tok):
         assert second[2].wait(5) and second[2].value.reward == 12.0, "the other child's episodes go on"
         assert second[3].wait(5) and isinstance(second[3].error, EnvProcessError), "its envs are lost with it"
         assert pool.killed == 1
+        assert pool.alive(ids[0]) and not pool.alive(ids[1]) and not pool.alive(ids[3])
+        # the dead child still hosts episode 3 (fewer envs than the living one): a new env never lands there
+        pool.release(ids[1])
+        placed = pool.new_episode_id()
+        reset = pool.reset(placed, _prompt("ok"), 0)
+        assert reset.wait(60) and reset.error is None and pool.alive(placed)
+        pool.release(placed)
         for i in ids:
             pool.release(i)
         # the dead child is replaced at the next reset; the pool serves new episodes as before
@@ -77,6 +85,11 @@ def test_process_pool_keeps_state_and_kills_a_runaway(tok):
         assert pool.reset(again, _prompt("ok"), 0).wait(60)
         step = pool.step(again, [4], "x")
         assert step.wait(5) and step.value.reward == 11.0 and spin_child not in pool.pids
+        os.kill(int(step.value.info["pid"]), signal.SIGKILL)  # killed from outside: seen without any call to it
+        deadline = time.monotonic() + 10
+        while pool.alive(again) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not pool.alive(again), "an env in a killed process still counts as alive"
     finally:
         pool.close()
 

@@ -12,11 +12,13 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import shutil
 import threading
 import time
+import zlib
 
 import pytest
 import torch
@@ -28,7 +30,7 @@ from gspo_ray.envs.calculator import CalculatorEnv
 from gspo_ray.envs.guess import GuessNumberEnv, build_guess_prompts
 from gspo_ray.envs.multiturn import StepResult, decode_action, encode_text
 from gspo_ray.models.tiny import make_tiny_model
-from gspo_ray.rollout.engine import SamplingSettings
+from gspo_ray.rollout.engine import SamplingSettings, mix_seed
 from gspo_ray.algo.advantages import compute_ragged_token_advantages
 from gspo_ray.rollout.episodes import EpisodeRunner
 from gspo_ray.rollout.partial import apply_stale_policy, filter_stale, group_ready
@@ -393,13 +395,14 @@ class _DriftingGuess(GuessNumberEnv):
         return StepResult(other, r.reward, False, r.info) if _DriftingGuess.drift[0] else r
 
 
-def _replay_env_transcript(s: Sample, prompt: Prompt, tok) -> None:
-    """A fresh env stepped with the episode's recorded actions says exactly the recorded observations and
-    rewards (the env side of the record is intact, whatever versions its actions span)."""
+def _replay_env_transcript(s: Sample, prompt: Prompt, tok, seed: int) -> None:
+    """A fresh env, reset with the runner's env seed for the episode (`mix_seed(seed, crc32(uid))`) and stepped
+    with the episode's recorded actions, says exactly the recorded observations and rewards (the env side of the
+    record is intact, whatever versions its actions span)."""
     from gspo_ray.rollout.episode_replay import recorded_turns
 
     env = GuessNumberEnv(tok)
-    assert env.reset(prompt, 0) == s.completion_ids[:s.turn_starts[0]]
+    assert env.reset(prompt, mix_seed(seed, zlib.crc32(prompt.uid.encode()))) == s.completion_ids[:s.turn_starts[0]]
     turns, _ = recorded_turns(s)
     for t in turns:
         action = s.completion_ids[t.start:t.end]
@@ -431,6 +434,7 @@ def test_multi_turn_partial_episodes_span_weight_pushes_and_replay(setup, tmp_pa
     live = EpisodeRunner(worker.engine, GuessNumberEnv, tok, resident=True, **limits)
     rebuilt = EpisodeRunner(worker.engine, GuessNumberEnv, tok, resident=True, **limits)
     drifting = EpisodeRunner(worker.engine, _DriftingGuess, tok, resident=True, **limits)
+    replaying = EpisodeRunner(worker.engine, _DriftingGuess, tok, resident=True, **limits)
     try:
         r0 = live.run(prompts, 2, sampling, version=0, seed=3, budget=2)
         assert sum(s.finish_reason == "aborted" for s in r0) == 6 and len(live.live) == 6
@@ -445,12 +449,11 @@ def test_multi_turn_partial_episodes_span_weight_pushes_and_replay(setup, tmp_pa
         _DriftingGuess.drift[0] = False
         d0 = drifting.run(prompts[:2], 2, sampling, version=1, seed=3, budget=3)
         _DriftingGuess.drift[0] = True
-        d1 = EpisodeRunner(worker.engine, _DriftingGuess, tok, resident=True, **limits).run(
-            prompts[:2], 2, sampling, version=2, seed=3, carried=d0)
+        d1 = replaying.run(prompts[:2], 2, sampling, version=2, seed=3, carried=d0)
     finally:
         _DriftingGuess.drift[0] = False
         worker.update_weights(0, iter_buckets(original, bucket_mb=1))
-        for r in (live, rebuilt, drifting):
+        for r in (live, rebuilt, drifting, replaying):
             r.close()
     assert not live.live and all(s.finish_reason != "aborted" and s.failed is None for s in done)
     by_uid = {p.uid: p for p in prompts}
@@ -460,7 +463,7 @@ def test_multi_turn_partial_episodes_span_weight_pushes_and_replay(setup, tmp_pa
         assert (a.completion_ids, a.versions, a.loss_mask, a.token_rewards) == (
             s.completion_ids, s.versions, s.loss_mask, s.token_rewards)
         assert max(abs(x - y) for x, y in zip(a.logprobs, s.logprobs)) <= TOL
-        _replay_env_transcript(s, by_uid[s.prompt_uid], tok)
+        _replay_env_transcript(s, by_uid[s.prompt_uid], tok, seed=3)
         seq = [s.prompt_ids + s.completion_ids]
         refs = {v: hf_teacher_forced_logprobs(m, seq)[0][len(s.prompt_ids) - 1:] for v, m in models.items()}
         for t, (v, m) in enumerate(zip(s.versions, s.loss_mask)):
@@ -493,3 +496,90 @@ def test_multi_turn_partial_episodes_span_weight_pushes_and_replay(setup, tmp_pa
     assert [(s.prompt_uid, s.sample_index) for s in out] == [(s.prompt_uid, s.sample_index) for s in first]
     assert all(s.finish_reason != "aborted" and s.completion_ids[:len(f.completion_ids)] == f.completion_ids
                for s, f in zip(out, first))
+
+
+class _OpeningGuess(GuessNumberEnv):
+    """The guessing game whose reset says ":" (a first observation in tokens, stamped with the round's version)."""
+
+    replayable = True
+
+    def reset(self, prompt, seed):
+        super().reset(prompt, seed)
+        return encode_text(self.tokenizer, ":")
+
+
+def _record(s: Sample) -> tuple:
+    return (s.prompt_uid, s.sample_index, s.completion_ids, s.versions, s.logprobs, s.loss_mask, s.token_rewards,
+            s.turn_starts, s.finish_reason)
+
+
+def test_resident_episodes_survive_a_lost_env_and_bad_carried_input(setup):
+    """A carried batch naming an episode nobody holds (and no prompt for it) is refused before any held episode is
+    taken out. Then every held episode's env is lost between rounds (as when its env process is killed:
+    test_env_hosts.py checks that the pool then reports them gone): they are rebuilt by replay (their records,
+    versions of the first observation included, unchanged under the newer version) and run to their end without
+    an env error."""
+    worker, _, tok, _ = setup
+    prompts = build_guess_prompts(tok, 2, seed=13)
+    runner = EpisodeRunner(worker.engine, _OpeningGuess, tok, resident=True, max_turns=3, max_tokens_per_turn=3,
+                           max_total_tokens=24, isolation="thread")
+    stopped = threading.Event()
+    stopped.set()  # a round that replays its carried episodes and samples nothing
+    try:
+        r0 = runner.run(prompts, 2, SamplingSettings(temperature=1.0), version=0, seed=3, budget=2)
+        held = [s for s in r0 if s.finish_reason == "aborted"]
+        assert held and len(runner.live) == len(held) and all(s.versions[0] == 0 for s in held)
+        stranger = dataclasses.replace(held[0], prompt_uid="nowhere")
+        with pytest.raises(ValueError, match="nowhere/.* is not held here and its prompt was not given"):
+            runner.run([], 2, SamplingSettings(), version=1, carried=r0 + [stranger])
+        assert len(runner.live) == len(held), "a refused carried batch lost held episodes"
+        for e in runner.live.values():
+            runner.host.release(e.eid)  # the env object is gone; the episode is still held
+            assert not runner.host.alive(e.eid)
+        again = runner.run(prompts, 2, SamplingSettings(temperature=1.0), version=5, seed=3, budget=2,
+                           carried=r0, stop_event=stopped)
+        assert runner.metrics["rollout/env_replayed_episodes"] == len(held)
+        assert [_record(s) for s in again] == [_record(s) for s in r0], "the rebuilt records are not the records"
+        assert len(runner.live) == len(held) and all(runner.host.alive(e.eid) for e in runner.live.values())
+        done = runner.run(prompts, 2, SamplingSettings(temperature=1.0), version=5, seed=3, carried=again)
+    finally:
+        runner.close()
+    assert all(s.finish_reason in ("stop", "length") and s.failed is None for s in done)
+    assert all(s.completion_ids[:len(r.completion_ids)] == r.completion_ids for s, r in zip(done, r0))
+
+
+def test_diverged_replay_keeps_no_info_from_the_replayed_steps(setup):
+    """An env that answers otherwise on replay starts its episode again: before its new first turn it carries
+    only the replay's own keys, not the info of the steps it replayed (GuessNumberEnv's "env/guesses", "env/valid")."""
+    worker, _, tok, _ = setup
+    prompts = build_guess_prompts(tok, 2, seed=11)
+    limits = dict(max_turns=4, max_tokens_per_turn=3, max_total_tokens=24, isolation="thread")
+    first = EpisodeRunner(worker.engine, _DriftingGuess, tok, resident=True, **limits)
+    second = EpisodeRunner(worker.engine, _DriftingGuess, tok, resident=True, **limits)
+    stopped = threading.Event()
+    stopped.set()
+    try:
+        d0 = first.run(prompts, 2, SamplingSettings(temperature=1.0), version=1, seed=3, budget=3)
+        _DriftingGuess.drift[0] = True
+        d1 = second.run(prompts, 2, SamplingSettings(temperature=1.0), version=2, seed=3, carried=d0,
+                        stop_event=stopped)
+    finally:
+        _DriftingGuess.drift[0] = False
+        first.close()
+        second.close()
+    restarted = [s for s in d1 if s.reward_info.get("env_replay_diverged") == 1.0]
+    assert restarted, "no episode had a step to replay (every first turn was cut by the round)"
+    for s in restarted:
+        assert s.num_tokens == 0 and s.reward_info["turns"] == 0
+        assert not [k for k in s.reward_info if k.startswith("env/")], s.reward_info
+
+
+def test_a_resident_runner_refuses_an_env_not_declared_replayable(setup):
+    worker, _, tok, _ = setup
+
+    class Unsure(GuessNumberEnv):
+        replayable = 1  # truthy, but not the declaration
+
+    with pytest.raises(ValueError, match="Unsure does not declare `replayable = True`"):
+        EpisodeRunner(worker.engine, Unsure, tok, resident=True)
+    EpisodeRunner(worker.engine, Unsure, tok).close()  # not resident: no replay, no declaration needed

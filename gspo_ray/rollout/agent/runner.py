@@ -50,11 +50,11 @@ from gspo_ray.rollout.agent.server import (FINISH_AGENT_ERROR, FINISH_INTERRUPTE
 from gspo_ray.rollout.agent.tool_calls import load_tool_parser
 from gspo_ray.rollout.agent.transcript import ChatRenderer, EpisodeTranscript, SampleRecord
 from gspo_ray.rollout.engine import RolloutEngine, SamplingSettings, Segment, mix_seed
+from gspo_ray.rollout.resident import age_idle, holds_record
 
 log = logging.getLogger(__name__)
 BLOCKED_GRACE_S = 2.0  # past an episode's wall clock, how long its process has to report before it is killed
 START_TIMEOUT_S = 120.0  # a fresh agent process importing openai and the agent; an episode's clock starts after
-MAX_IDLE_RUNS = 32  # a resident episode no round asked for in this many runs is ended (its group was dropped)
 
 
 @dataclass
@@ -232,14 +232,11 @@ class AgentRunner:
         self.endpoint.episodes.pop(le.episode.id, None)
 
     def _evict_idle(self, ran: list[LiveEpisode]) -> None:
-        """Resident episodes no round asked for in MAX_IDLE_RUNS runs are ended: their group was dropped (a
-        stale-policy drop, a rewound job), so no one will continue them."""
+        """Resident episodes no round asked for in resident.MAX_IDLE_RUNS runs are ended (`age_idle`)."""
         ids = {le.episode.id for le in ran}
-        for le in list(self._by_id.values()):
-            le.idle_runs = 0 if le.episode.id in ids else le.idle_runs + 1
-            if le.idle_runs > MAX_IDLE_RUNS:
-                self._end(le, FINISH_INTERRUPTED, "no round continued it", cancel=True)
-                self._forget(le)
+        for le in age_idle(list(self._by_id.values()), lambda le: le.episode.id in ids):
+            self._end(le, FINISH_INTERRUPTED, "no round continued it", cancel=True)
+            self._forget(le)
 
     def _record_shape(self, le: LiveEpisode) -> tuple:
         mine = self._episode_sample(le, final=False)
@@ -248,7 +245,7 @@ class AgentRunner:
     def _holds(self, le: LiveEpisode, s: Sample) -> bool:
         """Whether a live episode's record is the carried sample's (same prompt and tokens)."""
         mine = self._episode_sample(le, final=False)
-        return mine.prompt_ids == list(s.prompt_ids) and mine.completion_ids == list(s.completion_ids)
+        return holds_record(mine.prompt_ids, mine.completion_ids, s)
 
     def _end(self, le: LiveEpisode, finish: str, why: str | None, cancel: bool = False) -> None:
         """End an episode's recording; its held call is answered as aborted; `cancel`: its agent is told to stop."""
