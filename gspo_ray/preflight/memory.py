@@ -29,6 +29,7 @@ from pydantic import ValidationError
 
 from gspo_ray.config import JobConfig, TrainerConfig
 from gspo_ray.config.rollout import gpu_colocated, resolve_gpu_memory_utilization
+from gspo_ray.preflight.job_model import check_trainer_layout
 from gspo_ray.preflight.model import PreflightError
 from gspo_ray.trainer.layout_plan import USABLE_SHARE, fitting_layouts, step_seconds
 from gspo_ray.trainer.memory import GIB, Layout, MemoryShape, MemoryTerms, rank_memory
@@ -82,9 +83,6 @@ def job_layout_check(cfg: JobConfig, hf_config: dict, where: str = "config.json"
     recompute, micro_batch_tokens, offload, gradient buffers) passes TrainerConfig's validators and the preflight's
     model checks (job_model.check_trainer_layout: the converter's TP x EP, CP against the model, PP dividing the
     layers and the features PP does not build). Answers are cached by those fields."""
-    from gspo_ray.preflight.job_model import check_trainer_layout
-    from gspo_ray.preflight.model import PreflightError
-
     answers: dict[tuple, bool] = {}
     base = cfg.trainer.model_dump()
 
