@@ -79,8 +79,9 @@ def test_engine_routes_are_the_biased_logits_top_k_and_follow_a_pushed_bias(setu
     assert compared > 100 and bad == 0, (compared, bad)
     _, stale = _compare_routes(setup["after"], setup["hf0"])
     assert stale > 0  # the pushed bias moved the engine's routing
-    # the router bias decides somewhere: transformers' top-k without it differs from the engine's routes
-    hf = setup["hf0"]
+    # the router bias decides somewhere: transformers' top-k without it differs from the engine's routes (on a model
+    # of its own: the module's hf0 stays the checkpoint's for every other test, in any order)
+    hf = hf_model(setup["dir"])
     with torch.no_grad():
         for layer in hf.model.layers:
             layer.mlp.router.bias.zero_()
