@@ -153,7 +153,8 @@ def _single(rdzv, glm_dir, tokens, lengths, hf_routes, stray_dir):
     from gspo_ray.trainer.weights.param_names import LayerKinds, carried_buffer_names, megatron_param_names
 
     model, spec = build_model(glm_dir)
-    out = {"logp": logprobs(model, tokens, lengths), "selection": router_selection_check(model, tokens, lengths, torch.sigmoid),
+    out = {"logp": logprobs(model, tokens, lengths),
+           "selection": router_selection_check(model, tokens, lengths, torch.sigmoid),
            "names_listed": [n for n, _ in model.named_parameters()] == megatron_param_names(spec, LayerKinds()),
            "buffers_listed": carried_buffer_names(spec),
            "buffers": sorted(n for n, _ in model.named_buffers() if n.endswith("expert_bias")),
