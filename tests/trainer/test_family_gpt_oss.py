@@ -193,8 +193,8 @@ def test_one_process_logprobs_equal_transformers_and_need_windows_and_sinks(runs
     assert int(runs["lengths"].max()) > 4  # rows longer than the window
     assert single["windows"] == [4, None, 4] and single["sink_grad"] > 0
     print(f"1 process vs transformers: {maxdiff(single['logp'], runs['ref']):.2e} "
-          f"(bound {logp_bound(runs['ref']):.2e}); no windows {maxdiff(single['no_windows'], runs['ref']):.2e}, no sinks "
-          f"{maxdiff(single['no_sinks'], runs['ref']):.2e}")
+          f"(bound {logp_bound(runs['ref']):.2e}); no windows {maxdiff(single['no_windows'], runs['ref']):.2e}, "
+          f"no sinks {maxdiff(single['no_sinks'], runs['ref']):.2e}")
     assert maxdiff(single["logp"], runs["ref"]) <= logp_bound(runs["ref"])
     assert maxdiff(single["no_windows"], runs["ref"]) > 1e-3
     assert maxdiff(single["no_sinks"], runs["ref"]) > 1e-3
