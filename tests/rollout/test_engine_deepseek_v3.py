@@ -10,13 +10,18 @@ tests/compat/test_vllm_cpu_mla_rope.py). One engine for the module.
 """
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 from gspo_ray.data.records import Prompt
 from gspo_ray.models.tiny_deepseek import make_tiny_deepseek_v3
 from gspo_ray.rollout.engine import RolloutEngine, SamplingSettings
-from gspo_ray.rollout.weight_sync import hf_teacher_forced_logprobs
+
+sys.path.append(str(Path(__file__).resolve().parent))  # `_engine_parity`
+from _engine_parity import checkpoint_tensors, hf_model, worst_logprob_diff  # noqa: E402
 
 TOL = 1e-4  # fp32 engine vs fp32 transformers, as tests/rollout/test_engine_logprobs.py (measured ~1e-5)
 
@@ -26,10 +31,10 @@ def pushed_copy(model_dir, out_dir, seed: int = 0) -> dict:
     there: its `load_state_dict` ignores per-expert names, which from_pretrained converts)."""
     import shutil
 
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
 
     g = torch.Generator().manual_seed(seed)
-    weights = load_file(f"{model_dir}/model.safetensors")
+    weights = checkpoint_tensors(model_dir)
     moved = {n: t + 0.1 * torch.randn(t.shape, generator=g) for n, t in weights.items()}
     shutil.copytree(model_dir, out_dir)
     save_file(moved, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
@@ -38,16 +43,10 @@ def pushed_copy(model_dir, out_dir, seed: int = 0) -> dict:
 
 @pytest.fixture(scope="module")
 def samples(tmp_path_factory):
-    from transformers import AutoModelForCausalLM
-
     root = tmp_path_factory.mktemp("deepseek_engine")
-    import json
-
-    from gspo_ray.models.mtp import is_mtp_tensor
-
     model_dir = make_tiny_deepseek_v3(root / "model", seed=1, mtp_layers=1)
-    cfg = json.loads((model_dir / "config.json").read_text())
-    moved = {n: t for n, t in pushed_copy(model_dir, root / "pushed").items() if not is_mtp_tensor(cfg, n)}
+    pushed_copy(model_dir, root / "pushed")
+    moved = checkpoint_tensors(root / "pushed", mtp=False)  # like the trainer's push: no MTP tensor
     engine = RolloutEngine(model_dir, run_dir=root / "run", max_model_len=64, cpu_cores="0", kv_cache_gb=0.25,
                            enable_prefix_caching=False)
     try:
@@ -59,19 +58,13 @@ def samples(tmp_path_factory):
         after = engine.generate(prompts, n=2, sampling=sampling, version=1, seed=1)
     finally:
         engine.shutdown()
-    load = lambda d: AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32).eval()  # noqa: E731
-    return {"before": (before, load(model_dir)), "after": (after, load(root / "pushed"))}
+    return {"before": (before, hf_model(model_dir)), "after": (after, hf_model(root / "pushed"))}
 
 
 @pytest.mark.parametrize("when", ["before", "after"])
 def test_sampled_logprobs_equal_transformers_before_and_after_a_push(samples, when):
     out, hf = samples[when]
-    worst, n = 0.0, 0
-    with torch.no_grad():
-        for s in out:
-            ref = hf_teacher_forced_logprobs(hf, [s.prompt_ids + s.completion_ids])[0][len(s.prompt_ids) - 1:]
-            worst = max(worst, max(abs(a - b) for a, b in zip(s.logprobs, ref)))
-            n += len(ref)
+    worst, n = worst_logprob_diff(out, hf)
     assert n > 40 and worst <= TOL, f"{when}: engine vs transformers per-token log-prob max diff {worst:.2e} over {n}"
     assert min(min(s.logprobs) for s in out) < -4  # peaked: not all near-uniform draws
 

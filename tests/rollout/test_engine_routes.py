@@ -27,42 +27,16 @@ from gspo_ray.data.records import FINISH_ABORTED, Prompt, collate, unpack_routes
 from gspo_ray.models.tiny import make_tiny_model
 from gspo_ray.rollout.engine import RolloutEngine, SamplingSettings
 
-sys.path.append(str(Path(__file__).resolve().parent))  # `_r3_trainer` (the trainer on a spawned rank)
+sys.path.append(str(Path(__file__).resolve().parent))  # `_r3_trainer` (the trainer on a spawned rank), `_engine_parity`
+from _engine_parity import checkpoint_tensors, hf_model, hf_topk_routes  # noqa: E402
 
 HIDDEN, EXPERTS, TOP_K = 128, 8, 2
 GAP = 1e-4  # a top-k whose k-th and (k+1)-th router logits are closer than this is a near tie: not compared
 
 
-def _checkpoint_tensors(model_dir):
-    from safetensors.torch import load_file
-
-    out = {}
-    for f in sorted(Path(model_dir).glob("*.safetensors")):
-        out |= load_file(str(f))
-    return out
-
-
-def _hf_model(model_dir, tensors):
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    hf.load_state_dict(tensors, strict=False)
-    return hf
-
-
 def _hf_routes(hf, ids: list[int]):
-    """(top-k [T, layers, k], tie [T, layers]) of a transformers forward of `ids`."""
-    logits = {}
-    hooks = [layer.mlp.gate.register_forward_hook(lambda m, a, out, i=i: logits.__setitem__(i, out[0].detach()))
-             for i, layer in enumerate(hf.model.layers)]
-    with torch.no_grad():
-        hf(torch.tensor([ids]))
-    for h in hooks:
-        h.remove()
-    lg = torch.stack([logits[i].reshape(len(ids), -1) for i in range(len(hf.model.layers))], 1)  # [T, layers, E]
-    top = lg.topk(TOP_K + 1, dim=-1)
-    tie = (top.values[..., TOP_K - 1] - top.values[..., TOP_K]) < GAP
-    return top.indices[..., :TOP_K].sort(-1).values, tie
+    """(top-k [T, layers, k], tie [T, layers]) of a transformers forward of `ids`: the top-k of the router logits."""
+    return hf_topk_routes(hf, ids, lambda layer: layer.mlp.gate, lambda m, out: out[0], TOP_K, GAP, picked=None)
 
 
 def _check_positions(routes: np.ndarray, ref, tie, positions) -> int:
@@ -79,7 +53,7 @@ def setup(tmp_path_factory):
     model_dir = make_tiny_model("qwen3_moe", root / "model", seed=3, hidden=HIDDEN, experts=EXPERTS, top_k=TOP_K,
                                 init_std=0.2)
     engine = RolloutEngine(model_dir, run_dir=root / "run", max_model_len=64, cpu_cores="0", capture_routes=True)
-    w0 = _checkpoint_tensors(model_dir)
+    w0 = checkpoint_tensors(model_dir)
     prompts = [Prompt(uid=f"p{i}", prompt_ids=[2] + [3 + (i * 7 + t) % 19 for t in range(4 + i)]) for i in range(3)]
     sampling = SamplingSettings(max_new_tokens=12)
     whole = engine.generate(prompts, n=2, sampling=sampling, version=0, seed=1)
@@ -90,7 +64,8 @@ def setup(tmp_path_factory):
     w1 = {n: (t + 0.3 * torch.randn(t.shape, generator=g) if ".mlp.gate." in n else t) for n, t in w0.items()}
     engine.load_weights(w1.items())
     done = engine.continue_samples(resumed, sampling, version=1, seed=3)
-    yield {"dir": model_dir, "w0": _hf_model(model_dir, w0), "w1": _hf_model(model_dir, w1), "whole": whole,
+    moved_gates = {n: t for n, t in w1.items() if ".mlp.gate." in n}  # the rest as the checkpoint's
+    yield {"dir": model_dir, "w0": hf_model(model_dir), "w1": hf_model(model_dir, moved_gates), "whole": whole,
            "cut": cut, "resumed": resumed, "done": done,
            "capture": (engine.routes.num_layers, engine.routes.top_k, engine.routes.num_experts)}
     engine.shutdown()

@@ -18,6 +18,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from _family import (assert_rows_equal_padded, checkpoint_tensors, layout_logprobs, logprobs, maxdiff, prompt_groups,
+                     resume_logprobs, row_layout_steps)
 from _spawn import algo_cfg, run_ranks, trainer_cfg
 from conftest import hf_logprobs, random_batch
 from gspo_ray.trainer.families import FAMILIES, family_of
@@ -61,14 +63,12 @@ def test_refused_by_key_and_value(ds_dir, over, message):
 
 
 def test_every_checkpoint_tensor_has_one_megatron_home(ds_dir):
-    from safetensors.torch import load_file
-
     from gspo_ray.trainer.weights.param_names import LayerKinds, params_by_hf_name
 
     cfg = read_hf_config(ds_dir)
     spec = spec_from_hf_config(cfg, ds_dir, tp=2, ep=2)
     homes = params_by_hf_name(spec, LayerKinds())
-    tensors = set(load_file(f"{ds_dir}/model.safetensors"))
+    tensors = set(checkpoint_tensors(ds_dir))
     mtp = {n for n in tensors if FAMILIES["deepseek_v3"].ignored_hf_tensor(cfg, n)}
     assert set(homes) == tensors - mtp  # the multi-token-prediction layer has none: skipped on load
     assert "model.layers.3.self_attn.kv_b_proj.weight" in mtp and all(n.startswith("model.layers.3.") for n in mtp)
@@ -76,55 +76,21 @@ def test_every_checkpoint_tensor_has_one_megatron_home(ds_dir):
     assert kv_norm == "decoder.layers.0.self_attention.kv_layernorm.weight"
 
 
-def _logprobs(model, tokens, lengths):
-    from gspo_ray.trainer.logprobs import forward_logprobs
-
-    with torch.no_grad():
-        return forward_logprobs(model, tokens, lengths).detach()
-
-
-def _step(rank, world, port, ds_dir, batch, tcfg):
-    from gspo_ray.trainer.worker import TrainerWorker
-
-    w = TrainerWorker(rank, world, "127.0.0.1", port, ds_dir, tcfg, algo_cfg())
-    logp = w.compute_logprobs(batch)
-    shift = 1e-3 * (torch.arange(batch.num_sequences)[:, None] % 3)
-    batch.old_logp = torch.where(batch.loss_mask.bool(), logp - shift, 0.0)
-    metrics = w.train_step(batch)
-    grads = {n: p.main_grad.detach().clone() for n, p in w.gpt.named_parameters()}
-    w.shutdown()
-    return {"logp": logp, "metrics": metrics, "grads": grads}
-
-
 def _scenario(rank, world, ports, ds_dir, tokens, lengths, batch, ckpts, rdzv):
-    from megatron.core import parallel_state
-
     from gspo_ray.trainer.model import build_model
     from gspo_ray.trainer.parallel import destroy_distributed, init_distributed
-    from gspo_ray.trainer.weights.bridge import hf_state_dict_from_megatron
     from gspo_ray.trainer.weights.param_names import LayerKinds, megatron_param_names
 
     out = {}
     if rank == 0:
         init_distributed(0, 1, "", 0, init_method=f"file://{rdzv}/single")
         model, spec = build_model(ds_dir)
-        out["single"] = {"logp": _logprobs(model, tokens, lengths),
+        out["single"] = {"logp": logprobs(model, tokens, lengths),
                          "names_listed": [n for n, _ in model.named_parameters()] ==
                          megatron_param_names(spec, LayerKinds())}
         destroy_distributed()
-    for layout, tp, ep in (("tp2_sp", 2, 1), ("ep2", 1, 2)):
-        if parallel_state.model_parallel_is_initialized():
-            parallel_state.destroy_model_parallel()
-        init_distributed(rank, world, "", 0, tp=tp, ep=ep, init_method=f"file://{rdzv}/pair")
-        model, spec = build_model(ds_dir)
-        rows = slice(None) if tp > 1 else slice(rank, None, world)
-        out[layout] = _logprobs(model, tokens[rows], lengths[rows])
-        out[f"{layout}_export"] = hf_state_dict_from_megatron(model, spec)  # what a push sends (collective)
-    destroy_distributed()
-    for i, (run, shared, packed) in enumerate((("off", False, False), ("on", True, True), ("packed", False, True))):
-        tcfg = trainer_cfg(world, tp=2, micro_batch_size=6, grad_clip=0.0, lr=1e-3, shared_prefix=shared,
-                           packed_rows=packed, use_distributed_optimizer=False)
-        out[run] = _step(rank, world, ports[i], ds_dir, batch, tcfg)
+    out |= layout_logprobs(rank, world, rdzv, ds_dir, tokens, lengths, push_key="export")
+    out |= row_layout_steps(rank, world, ports, ds_dir, batch, fresh_old_logp=True)
     # a 1e-3 step at EP 2, saved before and after; rank 0 resumes it at EP 1 (the shards of MLA, experts and shared
     # experts reshard)
     from gspo_ray.trainer.worker import TrainerWorker
@@ -138,10 +104,7 @@ def _scenario(rank, world, ports, ds_dir, tokens, lengths, batch, ckpts, rdzv):
     w.save(ckpt)
     w.shutdown()
     if rank == 0:
-        w = TrainerWorker(0, 1, "127.0.0.1", ports[4], ds_dir, trainer_cfg(1, lr=0.0), algo_cfg())
-        w.load(ckpt)
-        out["ep1_resumed"] = w.compute_logprobs(batch)
-        w.shutdown()
+        out["ep1_resumed"] = resume_logprobs(ports[4], ds_dir, ckpt, batch)
     out["lora"] = _lora_step(rank, world, ports[5], ds_dir, batch, ckpts[2])
     return out
 
@@ -178,8 +141,6 @@ def _lora_step(rank, world, port, ds_dir, batch, ckpt):
 
 @pytest.fixture(scope="module")
 def runs(ds_dir, tmp_path_factory):
-    from test_family_glm4_moe import prompt_groups
-
     tokens, lengths = random_batch(VOCAB, seed=5)
     ref, entropy = hf_logprobs(ds_dir, tokens, lengths)
     batch = prompt_groups()
@@ -189,31 +150,23 @@ def runs(ds_dir, tmp_path_factory):
     return {"ref": ref, "entropy": entropy, "ranks": ranks, "ckpts": ckpts, "batch": batch, "root": root}
 
 
-def _maxdiff(a, b) -> float:
-    return float((a - b).abs().max())
-
-
 def test_logprobs_equal_transformers_at_one_process_tp2_sp_and_ep2(runs):
     ref = runs["ref"]
     single = runs["ranks"][0]["single"]
-    assert _maxdiff(single["logp"], ref) <= TOL and single["names_listed"]
+    assert maxdiff(single["logp"], ref) <= TOL and single["names_listed"]
     valid = ref != 0
     assert float(runs["entropy"][valid].mean()) < 0.6 * torch.log(torch.tensor(float(VOCAB)))  # peaked
     for rank, r in enumerate(runs["ranks"]):
-        assert _maxdiff(r["tp2_sp"], ref) <= TOL, f"tp2_sp rank {rank}"
-        assert _maxdiff(r["ep2"], ref[rank::2]) <= TOL, f"ep2 rank {rank}"
+        assert maxdiff(r["tp2_sp"], ref) <= TOL, f"tp2_sp rank {rank}"
+        assert maxdiff(r["ep2"], ref[rank::2]) <= TOL, f"ep2 rank {rank}"
 
 
 @pytest.mark.parametrize("run", ["on", "packed"])
 def test_group_rows_and_packed_rows_equal_padded_rows_at_tp2_sp(runs, run):
     for rank, r in enumerate(runs["ranks"]):
         off, on = r["off"], r[run]
-        assert _maxdiff(on["logp"], off["logp"]) <= TOL, (rank, "logp")
-        assert on["metrics"]["train/loss"] == pytest.approx(off["metrics"]["train/loss"], rel=TOL, abs=1e-9)
-        assert set(on["grads"]) == set(off["grads"])
-        for name, g in off["grads"].items():
-            rel = _maxdiff(on["grads"][name], g) / float(g.abs().max().clamp(min=1e-12))
-            assert rel <= TOL, (rank, name, rel)
+        assert_rows_equal_padded(off, on, rank, logp_tol=TOL, metric_tol=TOL, grad_tol=TOL,
+                                 fewer_forward_tokens=False, grads_nonzero=False)
         assert any("linear_kv_down_proj" in n for n in off["grads"])
 
 
@@ -263,11 +216,7 @@ def test_the_exported_weights_at_tp2_sp_and_ep2_are_the_checkpoint(runs, ds_dir)
     """HF <-> Megatron both ways: the HF state dict gathered from the TP 2 + SP and EP 2 models (what a push sends
     and an export writes) is the checkpoint, tensor for tensor (MLA's column-parallel q projections, replicated
     kv_down, row-parallel o_proj; experts, shared experts, the correction bias)."""
-    from safetensors.torch import load_file
-
-    cfg = read_hf_config(ds_dir)
-    want = {n: t for n, t in load_file(f"{ds_dir}/model.safetensors").items()
-            if not FAMILIES["deepseek_v3"].ignored_hf_tensor(cfg, n)}  # no multi-token-prediction layer
+    want = checkpoint_tensors(ds_dir, mtp=False)  # no multi-token-prediction layer
     for r in runs["ranks"]:
         for layout in ("tp2_sp", "ep2"):
             got = r[f"{layout}_export"]
@@ -279,8 +228,8 @@ def test_the_exported_weights_at_tp2_sp_and_ep2_are_the_checkpoint(runs, ds_dir)
 def test_an_ep2_checkpoint_resumes_at_ep1(runs):
     """After a real step at EP 2 the checkpoint resumes at EP 1 with the same log-probs (the step moved them)."""
     r0 = runs["ranks"][0]
-    assert _maxdiff(r0["ep1_resumed"], r0["ep2_logp"]) <= TOL
-    assert _maxdiff(r0["ep2_logp"], r0["off"]["logp"]) > 1e-4  # the step changed the model
+    assert maxdiff(r0["ep1_resumed"], r0["ep2_logp"]) <= TOL
+    assert maxdiff(r0["ep2_logp"], r0["off"]["logp"]) > 1e-4  # the step changed the model
 
 
 def test_context_parallel_with_multi_latent_attention_is_refused_by_the_preflight(ds_dir):
@@ -312,7 +261,7 @@ def test_the_hf_export_is_complete_bit_equal_untrained_and_loads_in_transformers
 
     from gspo_ray.trainer.weights.hf_export import export_checkpoint
 
-    want = load_file(f"{ds_dir}/model.safetensors")
+    want = checkpoint_tensors(ds_dir)
     untrained = export_checkpoint(runs["ckpts"][0], ds_dir, runs["root"] / "export_untrained")
     got = load_file(str(untrained / "model.safetensors"))
     assert set(got) == set(want), sorted(set(got) ^ set(want))
@@ -323,7 +272,7 @@ def test_the_hf_export_is_complete_bit_equal_untrained_and_loads_in_transformers
     batch = runs["batch"]
     ref = hf_logprobs(trained, batch.tokens, batch.lengths)[0]
     mask = batch.loss_mask.bool()
-    assert _maxdiff(runs["ranks"][0]["ep2_logp"] * mask, ref * mask) <= TOL
+    assert maxdiff(runs["ranks"][0]["ep2_logp"] * mask, ref * mask) <= TOL
     moved = load_file(str(trained / "model.safetensors"))
     assert not torch.equal(moved["model.layers.1.self_attn.kv_b_proj.weight"],
                            want["model.layers.1.self_attn.kv_b_proj.weight"])  # the step moved the weights
@@ -349,7 +298,7 @@ def test_a_lora_step_at_tp2_trains_mla_and_shared_expert_adapters_and_exports_th
     assert all(torch.equal(r0["pushed"][n], r1["pushed"][n]) for n in r0["pushed"])
     merged = export_checkpoint(runs["ckpts"][2], ds_dir, runs["root"] / "lora_merged")
     exported = load_file(str(merged / "model.safetensors"))
-    base = load_file(f"{ds_dir}/model.safetensors")
+    base = checkpoint_tensors(ds_dir)
     assert set(exported) == set(base)  # the MTP layer too
     assert [n for n in r0["pushed"] if not torch.allclose(exported[n], r0["pushed"][n], rtol=0, atol=1e-6)] == []
     changed = {n for n in r0["pushed"] if not torch.equal(r0["pushed"][n], base[n])}
@@ -360,8 +309,8 @@ def test_a_lora_step_at_tp2_trains_mla_and_shared_expert_adapters_and_exports_th
     mask = batch.loss_mask.bool()
     # W x + s B (A x) in the trainer, (W + s B A) x in transformers: rounding apart by up to 1.3e-5 at these peaked
     # log-probs (std 0.3 weights), while the step moved them by far more
-    assert _maxdiff(r0["logp"] * mask, ref * mask) <= 5e-5
-    assert _maxdiff(r0["logp"] * mask, r0["logp0"] * mask) > 1e-2
+    assert maxdiff(r0["logp"] * mask, ref * mask) <= 5e-5
+    assert maxdiff(r0["logp"] * mask, r0["logp0"] * mask) > 1e-2
     adapter = load_file(str(export_adapter_dir(runs["ckpts"][2], ds_dir, runs["root"] / "lora_adapter")
                             / "adapter_model.safetensors"))
     prefix = "base_model.model.model.layers.1."

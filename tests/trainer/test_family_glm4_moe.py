@@ -16,6 +16,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from _family import (assert_rows_equal_padded, checkpoint_tensors, layout_logprobs, logprobs, maxdiff, prompt_groups,
+                     resume_logprobs, router_selection_check, row_layout_steps)
 from _spawn import algo_cfg, run_ranks, trainer_cfg
 from conftest import hf_logprobs, random_batch
 from gspo_ray.trainer.families import FAMILIES, family_of
@@ -104,41 +106,6 @@ def test_other_families_refuse_what_only_glm_reads():
 
 
 # ---- the spawned scenario ------------------------------------------------------------------------------------------
-def _logprobs(model, tokens, lengths):
-    from gspo_ray.trainer.logprobs import forward_logprobs
-
-    with torch.no_grad():
-        return forward_logprobs(model, tokens, lengths).detach()
-
-
-def _selection_check(model, tokens, lengths):
-    """For every MoE layer: the routing map Megatron's router used, the selection routing.selection computes from
-    the router's input, and the plain top-k of sigmoid scores without the bias (which must differ somewhere, or the
-    model would not tell a router that ignores the bias)."""
-    from gspo_ray.trainer.logprobs import forward_logprobs
-    from gspo_ray.trainer.routing.churn import find_routers
-    from gspo_ray.trainer.routing.selection import router_topk
-
-    seen = []
-
-    def hook(module, args, output):
-        x = args[0]
-        ours = router_topk(module, x).reshape(-1, module.topk)
-        used = output[1].reshape(-1, output[1].shape[-1])
-        unbiased = torch.topk(torch.sigmoid(torch.nn.functional.linear(x.float(), module.weight.float())),
-                              module.topk, dim=-1).indices.reshape(-1, module.topk)
-        as_map = lambda idx: torch.zeros_like(used).scatter(1, idx, True)  # noqa: E731
-        seen.append((int((as_map(ours) != used).any(-1).sum()), int((as_map(unbiased) != used).any(-1).sum()),
-                     used.shape[0]))
-
-    handles = [r.register_forward_hook(hook) for _, r in find_routers(model)]
-    with torch.no_grad():
-        forward_logprobs(model, tokens, lengths)
-    for h in handles:
-        h.remove()
-    return seen
-
-
 def _replays(glm_dir, tokens, lengths, hf_routes):
     """R2 and R3 on a model whose correction biases moved after the routing was made (so its own selection differs):
     log-probs without replay, with R2's records of the first forward (made before the move), and with R3 loading
@@ -154,15 +121,15 @@ def _replays(glm_dir, tokens, lengths, hf_routes):
         replay = build_routing_replay(model, mode)
         if mode == "R2":
             with replay.forward(keys, lengths) as action:  # first sight: records
-                out["R2_recorded"], out["R2_first_action"] = _logprobs(model, tokens, lengths), action.name
+                out["R2_recorded"], out["R2_first_action"] = logprobs(model, tokens, lengths), action.name
         else:
             replay.load(keys, hf_routes, lengths)
         g = torch.Generator().manual_seed(4)
         for _, r in find_routers(model):
             r.expert_bias += torch.randn(r.expert_bias.shape, generator=g)
-        out[f"{mode}_free"] = _logprobs(model, tokens, lengths)
+        out[f"{mode}_free"] = logprobs(model, tokens, lengths)
         with replay.forward(keys, lengths) as action:
-            out[mode], out[f"{mode}_action"] = _logprobs(model, tokens, lengths), action.name
+            out[mode], out[f"{mode}_action"] = logprobs(model, tokens, lengths), action.name
         replay.remove()
     return out
 
@@ -186,13 +153,14 @@ def _single(rdzv, glm_dir, tokens, lengths, hf_routes, stray_dir):
     from gspo_ray.trainer.weights.param_names import LayerKinds, carried_buffer_names, megatron_param_names
 
     model, spec = build_model(glm_dir)
-    out = {"logp": _logprobs(model, tokens, lengths), "selection": _selection_check(model, tokens, lengths),
+    out = {"logp": logprobs(model, tokens, lengths),
+           "selection": router_selection_check(model, tokens, lengths, torch.sigmoid),
            "names_listed": [n for n, _ in model.named_parameters()] == megatron_param_names(spec, LayerKinds()),
            "buffers_listed": carried_buffer_names(spec),
            "buffers": sorted(n for n, _ in model.named_buffers() if n.endswith("expert_bias")),
            "bias_dtype": str(model.decoder.layers[1].mlp.router.expert_bias.dtype)}
     bf16, _ = build_model(glm_dir, dtype=torch.bfloat16)
-    out["bf16"] = _logprobs(bf16, tokens, lengths)
+    out["bf16"] = logprobs(bf16, tokens, lengths)
     out["bf16_dtypes"] = sorted({str(p.dtype) for p in bf16.parameters()})
     out["bf16_bias_dtype"] = str(bf16.decoder.layers[1].mlp.router.expert_bias.dtype)
     out |= _replays(glm_dir, tokens, lengths, hf_routes)
@@ -201,42 +169,14 @@ def _single(rdzv, glm_dir, tokens, lengths, hf_routes, stray_dir):
     return out
 
 
-def _step(rank, world, port, glm_dir, batch, tcfg):
-    from gspo_ray.trainer.worker import TrainerWorker
-
-    w = TrainerWorker(rank, world, "127.0.0.1", port, glm_dir, tcfg, algo_cfg())
-    logp = w.compute_logprobs(batch)
-    if not batch.old_logp.any():  # the sampling policy, nudged per row so some ratios leave the clip band
-        shift = 1e-3 * (torch.arange(batch.num_sequences)[:, None] % 3)
-        batch.old_logp = torch.where(batch.loss_mask.bool(), logp - shift, 0.0)
-    metrics = w.train_step(batch)
-    grads = {n: p.main_grad.detach().clone() for n, p in w.gpt.named_parameters()}
-    w.shutdown()
-    return {"logp": logp, "metrics": metrics, "grads": grads}
-
-
 def _scenario(rank, world, ports, glm_dir, tokens, lengths, hf_routes, stray_dir, batch, ckpt, rdzv):
-    from megatron.core import parallel_state
-
-    from gspo_ray.trainer.model import build_model
-    from gspo_ray.trainer.parallel import destroy_distributed, init_distributed
     from gspo_ray.trainer.weights.bridge import hf_state_dict_from_megatron
     from gspo_ray.trainer.worker import TrainerWorker
 
     out = {"single": _single(rdzv, glm_dir, tokens, lengths, hf_routes, stray_dir) if rank == 0 else None}
-    for layout, tp, ep in (("tp2_sp", 2, 1), ("ep2", 1, 2)):
-        if parallel_state.model_parallel_is_initialized():
-            parallel_state.destroy_model_parallel()
-        init_distributed(rank, world, "", 0, tp=tp, ep=ep, init_method=f"file://{rdzv}/pair")
-        model, _ = build_model(glm_dir)
-        rows = slice(None) if tp > 1 else slice(rank, None, world)
-        out[layout] = _logprobs(model, tokens[rows], lengths[rows])
-    destroy_distributed()
+    out |= layout_logprobs(rank, world, rdzv, glm_dir, tokens, lengths)
     # one step on padded rows, group rows and packed rows at TP 2 + SP (the plain optimizer: whole main_grads)
-    for i, (run, shared, packed) in enumerate((("off", False, False), ("on", True, True), ("packed", False, True))):
-        tcfg = trainer_cfg(world, tp=2, micro_batch_size=6, grad_clip=0.0, lr=1e-3, shared_prefix=shared,
-                           packed_rows=packed, router_churn_every=1, use_distributed_optimizer=False)
-        out[run] = _step(rank, world, ports[i], glm_dir, batch, tcfg)
+    out |= row_layout_steps(rank, world, ports, glm_dir, batch)
     # a 0-lr step at EP 2: the push's tensors and the checkpoint hold the input weights, the bias included
     w = TrainerWorker(rank, world, "127.0.0.1", ports[3], glm_dir, trainer_cfg(world, ep=2, lr=0.0, grad_clip=0.0),
                       algo_cfg())
@@ -257,31 +197,8 @@ def _scenario(rank, world, ports, glm_dir, tokens, lengths, hf_routes, stray_dir
     out["bias_updated"] = {n: b.detach().clone() for n, b in w.gpt.named_buffers() if n.endswith("expert_bias")}
     w.shutdown()
     if rank == 0:  # the EP 2 checkpoint resumed at EP 1
-        w = TrainerWorker(0, 1, "127.0.0.1", ports[4], glm_dir, trainer_cfg(1, lr=0.0), algo_cfg())
-        w.load(ckpt)
-        out["ep1_resumed"] = w.compute_logprobs(batch)
-        w.shutdown()
+        out["ep1_resumed"] = resume_logprobs(ports[4], glm_dir, ckpt, batch)
     return out
-
-
-def prompt_groups(seed: int = 3):
-    """A TrainBatch of prompt groups of 4, 2 and 2 completions (each group one prompt: group rows share it), prompts
-    of 3-6 tokens, completions of 1-7, one completion fully masked; old log-probs are set by the trainer's policy
-    (nudged per row so some ratios leave the clip band) on the ranks."""
-    from gspo_ray.data.records import Sample, collate
-
-    g = torch.Generator().manual_seed(seed)
-    samples, advs = [], []
-    for q, size in enumerate((4, 2, 2)):
-        prompt = torch.randint(3, VOCAB, (int(torch.randint(3, 7, (1,), generator=g)),), generator=g).tolist()
-        for j in range(size):
-            comp = torch.randint(3, VOCAB, (int(torch.randint(1, 8, (1,), generator=g)),), generator=g).tolist()
-            mask = [0 if (q, j) == (0, 1) else 1] * len(comp)
-            samples.append(Sample(prompt_uid=f"q{q}", sample_index=j, prompt_ids=prompt, completion_ids=comp,
-                                  logprobs=[0.0] * len(comp), loss_mask=mask, versions=[0] * len(comp),
-                                  finish_reason="stop"))
-            advs.append([float(torch.randn(1, generator=g))] * len(comp))
-    return collate(samples, advs)
 
 
 def with_extra_tensor(glm_dir, out, name: str) -> str:
@@ -326,13 +243,9 @@ def runs(glm_dir, tmp_path_factory):
             "ckpt": str(root / "ckpt"), "root": root}
 
 
-def _maxdiff(a, b) -> float:
-    return float((a - b).abs().max())
-
-
 def test_one_process_logprobs_equal_transformers(runs):
     single = runs["ranks"][0]["single"]
-    assert _maxdiff(single["logp"], runs["ref"]) <= TOL
+    assert maxdiff(single["logp"], runs["ref"]) <= TOL
     # peaked: the random model is far from uniform (log 22 = 3.09), so a wrong converter cannot hide in 1e-5
     valid = runs["ref"] != 0
     mean_entropy = float(runs["entropy"][valid].mean())
@@ -353,7 +266,7 @@ def test_every_checkpoint_tensor_has_one_megatron_home_under_both_specs(glm_dir,
     spec = spec_from_hf_config(read_hf_config(glm_dir), glm_dir, tp=2, ep=2)
     layer_kinds = LayerKinds(te=True, grouped_gemm=True) if kinds == "te_grouped" else LayerKinds()
     homes = params_by_hf_name(spec, layer_kinds)
-    assert set(homes) == set(_input_tensors(glm_dir, mtp=False))
+    assert set(homes) == set(checkpoint_tensors(glm_dir, mtp=False))
     assert homes["model.layers.2.mlp.gate.e_score_correction_bias"] == (0, "decoder.layers.2.mlp.router.expert_bias", 0)
     assert homes["model.layers.1.mlp.shared_experts.up_proj.weight"][1:] == (
         "decoder.layers.1.mlp.shared_experts.linear_fc1.weight", 1)
@@ -363,7 +276,7 @@ def test_the_bias_is_frozen_unless_an_update_rate_is_set(runs, glm_dir):
     """rate 0 (the default): the 0-lr step's pushed bias is the input's, bit for bit (the other test); rate 0.01:
     Megatron's rule moved every layer's bias by +-0.01 per expert (0 only where an expert got exactly the mean
     load), identically on both ranks (the loads are all-reduced)."""
-    want = _input_tensors(glm_dir)
+    want = checkpoint_tensors(glm_dir)
     moved = [r["bias_updated"] for r in runs["ranks"]]
     assert moved[0].keys() == {"decoder.layers.1.mlp.router.expert_bias", "decoder.layers.2.mlp.router.expert_bias"}
     for name, bias in moved[0].items():
@@ -385,7 +298,7 @@ def test_a_bf16_model_keeps_its_router_bias_fp32_and_stays_close(runs):
 def test_multi_token_prediction_layers_are_skipped_and_other_strays_refused(runs, glm_dir):
     """Every model of this file loaded from a checkpoint with a whole MTP layer (model.layers.3.*) after its three
     decoder layers: skipped. A tensor of no place inside the decoder is refused by name."""
-    mtp = set(_input_tensors(glm_dir)) - set(_input_tensors(glm_dir, mtp=False))
+    mtp = set(checkpoint_tensors(glm_dir)) - set(checkpoint_tensors(glm_dir, mtp=False))
     assert {"model.layers.3.eh_proj.weight", "model.layers.3.self_attn.q_proj.weight",
             "model.layers.3.mlp.experts.3.down_proj.weight"} <= mtp
     assert all(n.startswith("model.layers.3.") for n in mtp)
@@ -397,8 +310,8 @@ def test_multi_token_prediction_layers_are_skipped_and_other_strays_refused(runs
 def test_tp2_sp_and_ep2_logprobs_equal_transformers(runs):
     ref = runs["ref"]
     for rank, r in enumerate(runs["ranks"]):
-        assert _maxdiff(r["tp2_sp"], ref) <= TOL, f"tp2_sp rank {rank}"
-        assert _maxdiff(r["ep2"], ref[rank::2]) <= TOL, f"ep2 rank {rank}"
+        assert maxdiff(r["tp2_sp"], ref) <= TOL, f"tp2_sp rank {rank}"
+        assert maxdiff(r["ep2"], ref[rank::2]) <= TOL, f"ep2 rank {rank}"
 
 
 def test_the_router_selects_on_biased_scores_and_routing_selection_agrees(runs):
@@ -415,26 +328,19 @@ def test_r2_and_r3_replay_the_selection_and_weigh_by_unbiased_scores(runs):
     the selection is replayed and the weights, unbiased scores, never depended on the bias."""
     single = runs["ranks"][0]["single"]
     assert single["R2_first_action"] == "RECORD" and single["R2_action"] == single["R3_action"] == "REPLAY_FORWARD"
-    assert _maxdiff(single["R2_recorded"], runs["ref"]) <= TOL
+    assert maxdiff(single["R2_recorded"], runs["ref"]) <= TOL
     for mode in ("R2", "R3"):
-        assert _maxdiff(single[f"{mode}_free"], runs["ref"]) > 1e-2, mode  # the moved bias moved the routing
-        assert _maxdiff(single[mode], runs["ref"]) <= TOL, mode
+        assert maxdiff(single[f"{mode}_free"], runs["ref"]) > 1e-2, mode  # the moved bias moved the routing
+        assert maxdiff(single[mode], runs["ref"]) <= TOL, mode
 
 
 @pytest.mark.parametrize("run", ["on", "packed"])
 def test_group_rows_and_packed_rows_equal_padded_rows(runs, run):
     for rank, r in enumerate(runs["ranks"]):
         off, on = r["off"], r[run]
-        assert _maxdiff(on["logp"], off["logp"]) <= TOL, (rank, "logp")
-        for key in ("train/loss", "train/pg_loss", "train/n_tokens"):
-            assert on["metrics"][key] == pytest.approx(off["metrics"][key], rel=TOL, abs=1e-9), (rank, key)
+        assert_rows_equal_padded(off, on, rank, logp_tol=TOL, metric_tol=TOL, grad_tol=TOL,
+                                 keys=("train/loss", "train/pg_loss", "train/n_tokens"))
         assert off["metrics"]["train/loss"] != 0.0
-        assert on["metrics"]["train/forward_tokens"] < off["metrics"]["train/forward_tokens"]
-        assert set(on["grads"]) == set(off["grads"])
-        for name, g in off["grads"].items():
-            assert g.abs().max() > 0 or "local_experts" in name, name
-            rel = _maxdiff(on["grads"][name], g) / float(g.abs().max().clamp(min=1e-12))
-            assert rel <= TOL, (rank, name, rel)
         assert any("shared_experts" in n for n in off["grads"]) and any("linear_qkv.bias" in n for n in off["grads"])
         # expert load of the step's forwards (with router churn): the same tokens routed the same way
         for key in ("moe/expert_load_max_over_mean_l1", "moe/expert_load_max_over_mean_l2",
@@ -451,22 +357,12 @@ def test_expert_load_is_the_busiest_expert_over_the_mean():
                                                     "moe/expert_load_max_over_mean": 1.5}
 
 
-def _input_tensors(glm_dir, mtp: bool = True):
-    """The checkpoint's tensors; mtp=False: those the trainer's model holds (no multi-token-prediction layer)."""
-    from safetensors.torch import load_file
-
-    from gspo_ray.trainer.model_spec import read_hf_config
-
-    cfg, tensors = read_hf_config(glm_dir), load_file(f"{glm_dir}/model.safetensors")
-    return {n: t for n, t in tensors.items() if mtp or not FAMILIES["glm4_moe"].ignored_hf_tensor(cfg, n)}
-
-
 def test_a_zero_lr_push_and_checkpoint_hold_the_input_weights_and_export_loads_in_transformers(runs, glm_dir):
     """The push holds the model's tensors; the export of the checkpoint holds every tensor of the input, the MTP
     layer the model skipped copied bit for bit, and transformers loads it."""
     from gspo_ray.trainer.weights.hf_export import export_checkpoint
 
-    want, everything = _input_tensors(glm_dir, mtp=False), _input_tensors(glm_dir)
+    want, everything = checkpoint_tensors(glm_dir, mtp=False), checkpoint_tensors(glm_dir)
     assert len(everything) > len(want)
     assert any(n.endswith("e_score_correction_bias") for n in want)
     for rank, r in enumerate(runs["ranks"]):
@@ -479,11 +375,7 @@ def test_a_zero_lr_push_and_checkpoint_hold_the_input_weights_and_export_loads_i
         assert r["ep2_step"]["train/loss"] != 0.0
     out = runs["root"] / "export"
     export_checkpoint(runs["ckpt"], glm_dir, out)
-    from safetensors.torch import load_file
-
-    exported = {}
-    for f in sorted(out.glob("*.safetensors")):
-        exported |= load_file(str(f))
+    exported = checkpoint_tensors(out)
     assert set(exported) == set(everything) and all(torch.equal(exported[n], everything[n]) for n in everything)
     import json
 
@@ -492,6 +384,6 @@ def test_a_zero_lr_push_and_checkpoint_hold_the_input_weights_and_export_loads_i
     ref = hf_logprobs(out, batch.tokens, batch.lengths)[0]
     trainer = runs["ranks"][0]["ep2_logp"]
     mask = batch.loss_mask.bool()
-    assert _maxdiff(trainer * mask, ref * mask) <= TOL
+    assert maxdiff(trainer * mask, ref * mask) <= TOL
     # the EP 2 checkpoint resumed at EP 1 (experts and the replicated bias resharded) gives the same log-probs
-    assert _maxdiff(runs["ranks"][0]["ep1_resumed"], trainer) <= TOL
+    assert maxdiff(runs["ranks"][0]["ep1_resumed"], trainer) <= TOL

@@ -14,11 +14,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from _family import VOCAB, checkpoint_tensors, layout_logprobs, logprobs, prompt_groups, resume_logprobs
 from _spawn import algo_cfg, run_ranks, trainer_cfg
 from conftest import hf_logprobs, random_batch
-from test_family_glm4_moe import prompt_groups
-
-VOCAB = 22
 
 
 @pytest.fixture(scope="module")
@@ -28,19 +26,10 @@ def next_dir(tmp_path_factory):
     return make_tiny_model("qwen3_next", tmp_path_factory.mktemp("qwen3_next") / "model", layers=4, init_std=0.3)
 
 
-def _logp(model, tokens, lengths):
-    from gspo_ray.trainer.logprobs import forward_logprobs
-
-    with torch.no_grad():
-        logp = forward_logprobs(model, tokens, lengths)
-    return (logp[0] if isinstance(logp, tuple) else logp).detach()
-
-
 def _scenario(rank, world, ports, model_dir, tokens, lengths, batch, ckpt, rdzv):
     """Rank 0 alone first (a world of its own): the layers, log-probs, the export; then both ranks at EP 2: the
     model's log-probs, and a 0-lr training step on group rows packed into one row (the Gated DeltaNet backward
     through the trainer), its push and its checkpoint; rank 0 resumes that checkpoint at EP 1."""
-    from megatron.core import parallel_state
     from safetensors.torch import load_file
 
     from gspo_ray.trainer.model import build_model
@@ -52,18 +41,15 @@ def _scenario(rank, world, ports, model_dir, tokens, lengths, batch, ckpt, rdzv)
         init_distributed(0, 1, "", 0, init_method=f"file://{rdzv}/single")
         model, spec = build_model(model_dir)
         out["layers"] = [type(layer.self_attention).__name__ for layer in model.decoder.layers]
-        out["logp"] = _logp(model, tokens, lengths)
+        out["logp"] = logprobs(model, tokens, lengths)
         exported, stored = hf_state_dict_from_megatron(model, spec), load_file(f"{model_dir}/model.safetensors")
         out["export_names"] = (sorted(exported), sorted(stored))
         out["export_equal"] = all(torch.equal(exported[n].float(), stored[n].float()) for n in stored
                                   if n in exported)
         destroy_distributed()
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    init_distributed(rank, world, "", 0, ep=2, init_method=f"file://{rdzv}/pair")
-    model, _ = build_model(model_dir)
-    out["ep2"] = _logp(model, tokens, lengths)
-    destroy_distributed()
+    # EP 2: each rank holds 2 of the 4 experts and computes every row
+    out |= layout_logprobs(rank, world, rdzv, model_dir, tokens, lengths, layouts=(("ep2", 1, 2),),
+                           split_ep_rows=False)
     from gspo_ray.trainer.weights.weight_send import MegatronWeightSource
     from gspo_ray.trainer.worker import TrainerWorker
 
@@ -76,10 +62,7 @@ def _scenario(rank, world, ports, model_dir, tokens, lengths, batch, ckpt, rdzv)
     w.save(ckpt)
     w.shutdown()
     if rank == 0:
-        w = TrainerWorker(0, 1, "127.0.0.1", ports[1], model_dir, trainer_cfg(1, lr=0.0), algo_cfg())
-        w.load(ckpt)
-        out["ep1_resumed"] = w.compute_logprobs(batch)
-        w.shutdown()
+        out["ep1_resumed"] = resume_logprobs(ports[1], model_dir, ckpt, batch)
     return out
 
 
@@ -125,12 +108,10 @@ def test_a_zero_lr_step_push_checkpoint_and_export_keep_the_input_weights(result
     """A 0-lr step at EP 2 on packed group rows trains (a loss), its push holds the checkpoint's tensors, its
     log-probs equal transformers' on the batch; the checkpoint resumed at EP 1 gives the same log-probs; its HF
     export holds the input's tensors and transformers loads it."""
-    from safetensors.torch import load_file
-
     from gspo_ray.trainer.weights.hf_export import export_checkpoint
 
     got, _ = results
-    want = load_file(f"{next_dir}/model.safetensors")
+    want = checkpoint_tensors(next_dir)
     for r in got["ranks"]:
         assert r["step"]["train/loss"] != 0.0
         assert set(r["sent"]) == set(want) and all(torch.equal(r["sent"][n], want[n]) for n in want)
@@ -142,8 +123,6 @@ def test_a_zero_lr_step_push_checkpoint_and_export_keep_the_input_weights(result
     assert float((got["ranks"][0]["ep1_resumed"] - trainer).abs().max()) / scale < 1e-5
     out = got["root"] / "export"
     export_checkpoint(got["ckpt"], next_dir, out)
-    exported = {}
-    for f in sorted(out.glob("*.safetensors")):
-        exported |= load_file(str(f))
+    exported = checkpoint_tensors(out)
     assert set(exported) == set(want) and all(torch.equal(exported[n], want[n]) for n in want)
     assert float((hf_logprobs(out, batch.tokens, batch.lengths)[0] * mask - ref * mask).abs().max()) == 0.0
