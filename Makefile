@@ -30,7 +30,7 @@ run: $(STAMP)
 # two cores idle while one job's actors start; TEST_JOBS=1 runs them one by one (docs/benchmarks.md, the suite)
 TEST_JOBS ?= 2
 test: $(STAMP)
-	$(BIN)/python -m pytest tests -q -rs --durations=25 $(if $(filter 1,$(TEST_JOBS)),,-n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder)
+	$(BIN)/python -m pytest tests -q -rs --durations=25 $(if $(filter 1,$(TEST_JOBS)),,-n $(TEST_JOBS) --dist loadfile)
 
 # The tests whose floats depend on the CPU's kernels (marker `isa`), with torch's and oneDNN's kernels held to another
 # instruction set: ISA=avx2 (the default) makes an Intel AVX-512 / AMX host compute as an AMD EPYC one does;

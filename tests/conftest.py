@@ -26,12 +26,3 @@ def _cpu_affinity_of_the_session():
         bind_cores(_SESSION_AFFINITY)
         pytest.fail(f"this module left the process pinned to cores {sorted(left)} (the session's: "
                     f"{sorted(_SESSION_AFFINITY)}): an in-process engine was not shut down")
-
-
-def pytest_collection_modifyitems(items):
-    """The whole-job modules (marker `slow`) first, each module's tests kept together and in order. Two test files
-    run at a time, a whole file per process (Makefile: `--dist loadfile --no-loadscope-reorder`): with the long
-    files handed out first, the short ones even out the two processes' ends. (xdist's own order, most tests first,
-    left one-test job files for the end, one process idle while the other ran them.)"""
-    slow_files = {item.path for item in items if item.get_closest_marker("slow") is not None}
-    items[:] = sorted(items, key=lambda item: item.path not in slow_files)  # stable: collection order otherwise
