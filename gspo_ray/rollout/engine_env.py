@@ -14,8 +14,6 @@ import threading
 from contextlib import contextmanager
 from pathlib import Path
 
-import torch
-
 
 def default_cache_root() -> Path:
     """The machine-wide vLLM cache of gspo-ray engines: $VLLM_CACHE_ROOT when the user set one, else
@@ -138,6 +136,8 @@ def hold_process(cores: set[int] | None) -> None:
     on import and start: LD_PRELOAD, LOCAL_WORLD_SIZE, ...); `release_process` by the last holder puts them back.
     Counted, because engines nest: a second engine's "before" is the first one's binding, so restoring per engine
     would leave the process pinned when the first one ends first."""
+    import torch  # here, not at the top: the preflight imports this module and must not pay for torch
+
     with _held_lock:
         if _held["engines"] == 0:
             _held.update(affinity=os.sched_getaffinity(0), threads=torch.get_num_threads(), environ=dict(os.environ))
@@ -156,6 +156,8 @@ def release_process() -> None:
         if _held["engines"]:
             return
         saved = dict(_held)
+    import torch
+
     bind_cores(saved["affinity"])
     torch.set_num_threads(saved["threads"])
     for key in set(os.environ) - set(saved["environ"]):
