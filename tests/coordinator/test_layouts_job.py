@@ -71,4 +71,4 @@ def test_two_pipeline_stages(tmp_path, padded):
     here the baseline counts each prompt once per sample, group rows once per group)."""
     rows, weights = _run(tmp_path, "pp-2", "trainer.num_workers=2", "trainer.pp=2")
     _assert_same_training(rows, weights, *padded)
-    assert 0.0 <= rows[0]["moe/router_churn"] <= 1.0
+    assert "moe/router_churn" in rows[0]  # measured over both stages and joined (its value: test_pipeline.py)
